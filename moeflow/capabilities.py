@@ -1,0 +1,97 @@
+"""Capabilities as data: what each backend declares, and the environment it is checked against.
+
+A backend never decides whether it can run; it *declares* rows of :class:`Support` (and a few
+other facts) and the planner (``moeflow.planner``) checks a configuration against them. The same
+declarations print as the capability matrix (``moeflow matrix``).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+ALL_FLOAT = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
+@dataclass(frozen=True)
+class Support:
+    """One row of what a runner can do: on ``device`` it runs ``schemes`` for layer ``dtypes``
+    on GPUs of compute capability >= ``min_cc`` (ignored off CUDA), when hidden_size and
+    intermediate_size are multiples of ``align`` elements."""
+
+    device: str  # "cpu" | "cuda"
+    schemes: frozenset[str]
+    dtypes: frozenset[torch.dtype] = ALL_FLOAT
+    min_cc: tuple[int, int] = (0, 0)
+    align: int = 1
+
+
+@dataclass(frozen=True)
+class ShapeRule:
+    """``field`` of the configuration must be a multiple of ``multiple``."""
+
+    field: str
+    multiple: int
+
+
+@dataclass(frozen=True)
+class RunnerCaps:
+    layouts: tuple[str, ...]  # layouts consumed natively, preferred first
+    support: tuple[Support, ...]
+    requires: tuple[str, ...] = ()  # importable packages needed
+    priority: int = 0  # "auto" picks the valid runner of highest priority
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class DispatcherCaps:
+    layout: str  # layout the dispatcher hands to runners
+    devices: frozenset[str]
+    distributed: bool  # True: needs an expert-parallel group of size > 1; False: size 1 only
+    requires: tuple[str, ...] = ()
+    priority: int = 0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class SchemeCaps:
+    shape_rules: tuple[ShapeRule, ...] = ()
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the planner checks against: device type, CUDA compute capability, EP world size and
+    which optional packages import. ``Environment.detect`` reads the real machine; the matrix
+    command also builds hypothetical ones (e.g. cuda 9.0 on a CPU-only machine)."""
+
+    device_type: str
+    capability: tuple[int, int] | None = None
+    world_size: int = 1
+    unavailable: frozenset[str] = field(default_factory=frozenset)  # packages forced missing (tests)
+
+    @classmethod
+    def detect(cls, device: torch.device, world_size: int = 1) -> "Environment":
+        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return cls(device.type, cc, world_size)
+
+    def describe(self) -> str:
+        cc = f" sm_{self.capability[0]}{self.capability[1]}" if self.capability else ""
+        return f"{self.device_type}{cc}, world size {self.world_size}"
+
+    def package_error(self, package: str) -> str | None:
+        """None when ``package`` imports here, else the reason it does not."""
+        if package in self.unavailable:
+            return "marked unavailable"
+        return _import_error(package)
+
+
+@lru_cache(maxsize=None)
+def _import_error(package: str) -> str | None:
+    try:
+        importlib.import_module(package)
+    except Exception as exc:  # ImportError, or a broken install raising anything
+        return f"{type(exc).__name__}: {exc}"
+    return None

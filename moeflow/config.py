@@ -1,0 +1,149 @@
+"""MoEConfig: the frozen, validated description of one MoE layer.
+
+Shape legend used across moeflow: T tokens on this rank, H hidden_size, I intermediate_size of one
+routed expert, E num_experts, K top_k, E_local experts on this rank, W expert-parallel ranks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import torch
+
+from .errors import error
+
+SCORINGS = ("softmax", "sigmoid")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+QUANT_SCHEMES = ("none", "fp8-tensor", "fp8-channel", "fp8-block")
+
+
+def parse_dtype(value) -> torch.dtype:
+    """Accept a torch.dtype or its name ("bfloat16", "bf16", "fp16", ...)."""
+    if isinstance(value, torch.dtype):
+        if value in DTYPES.values():
+            return value
+        raise error("MF104", value=value, valid=list(DTYPES))
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    name = aliases.get(str(value), str(value)).removeprefix("torch.")
+    if name not in DTYPES:
+        raise error("MF104", value=value, valid=list(DTYPES))
+    return DTYPES[name]
+
+
+def parse_device(value) -> torch.device:
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise error("MF106", value=value, why=str(exc)) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise error("MF106", value=value, why="CUDA is not available on this machine")
+    return dev
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Everything that defines a layer. Frozen: build a new one with ``dataclasses.replace``.
+
+    Routing: ``scoring`` "softmax" (Mixtral, Qwen) or "sigmoid" (DeepSeek-V3); ``renormalize``
+    divides the K selected weights by their sum; grouped top-k keeps the ``topk_groups`` best of
+    ``num_expert_groups`` groups (a group's score is the sum of its two best biased scores when a
+    correction bias is used, else its best score) before the top-K; ``use_correction_bias`` adds
+    ``e_score_correction_bias [E]`` for *selection only*; ``routed_scaling_factor`` multiplies the
+    final weights. Shared experts: one gated MLP of intermediate size
+    ``num_shared_experts * shared_intermediate_size`` applied to every token and added; with
+    ``shared_expert_gate`` its output is scaled by sigmoid(x @ w_gate) (Qwen2-MoE).
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = True
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    use_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    activation: str = "silu"
+    quant: str = "none"
+    runner: str = "auto"
+    dispatcher: str = "auto"
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    placement: tuple[int, ...] | None = None  # expert e lives on rank placement[e]; None = contiguous blocks
+    max_tokens_per_rank: int = 256  # capacity of fixed-size (low-latency) dispatch buffers
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        set_(self, "dtype", parse_dtype(self.dtype))
+        set_(self, "device", parse_device(self.device))
+        if self.placement is not None:
+            set_(self, "placement", tuple(int(r) for r in self.placement))
+        for name in ("num_experts", "hidden_size", "intermediate_size", "top_k", "max_tokens_per_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise error("MF101", field=name, value=v, why="must be a positive integer")
+        if self.top_k > self.num_experts:
+            raise error("MF101", field="top_k", value=self.top_k,
+                        why=f"cannot select more experts than num_experts={self.num_experts}")
+        for name in ("num_shared_experts", "shared_intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise error("MF101", field=name, value=v, why="must be a non-negative integer")
+        if (self.num_shared_experts > 0) != (self.shared_intermediate_size > 0):
+            raise error("MF101", field="shared_intermediate_size", value=self.shared_intermediate_size,
+                        why="num_shared_experts and shared_intermediate_size must be both zero or both positive")
+        if self.shared_expert_gate and self.num_shared_experts == 0:
+            raise error("MF101", field="shared_expert_gate", value=True, why="needs num_shared_experts > 0")
+        for name, valid in (("scoring", SCORINGS), ("activation", ACTIVATIONS), ("quant", QUANT_SCHEMES)):
+            if getattr(self, name) not in valid:
+                raise error("MF102", field=name, value=getattr(self, name), valid=list(valid))
+        self._check_groups()
+        f = self.routed_scaling_factor
+        if not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise error("MF105", field="routed_scaling_factor", value=f, why="must be a finite number > 0")
+        if self.use_correction_bias and self.scoring != "sigmoid":
+            raise error("MF105", field="use_correction_bias", value=True,
+                        why="the correction bias is defined for sigmoid scoring (DeepSeek-V3)")
+
+    def _check_groups(self):
+        g, tg, e = self.num_expert_groups, self.topk_groups, self.num_experts
+        bad = None
+        if not isinstance(g, int) or g <= 0 or e % g:
+            bad = f"num_experts={e} must be divisible by num_expert_groups"
+        elif not 1 <= tg <= g:
+            bad = "need 1 <= topk_groups <= num_expert_groups"
+        elif g > 1 and tg * (e // g) < self.top_k:
+            bad = f"the {tg} kept groups hold {tg * (e // g)} experts, fewer than top_k={self.top_k}"
+        elif g > 1 and self.use_correction_bias and e // g < 2:
+            bad = "groups need at least 2 experts to rank by the sum of their best two"
+        if bad:
+            raise error("MF103", groups=g, topk_groups=tg, why=bad)
+
+    # ---------------------------------------------------------------- derived values
+    @property
+    def grouped(self) -> bool:
+        return self.num_expert_groups > 1
+
+    @property
+    def shared_size(self) -> int:
+        """Intermediate size of the (merged) shared-expert MLP; 0 without shared experts."""
+        return self.num_shared_experts * self.shared_intermediate_size
+
+    def replace(self, **changes) -> "MoEConfig":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Plain-value form (dtype and device as strings), for printing and cross-rank comparison."""
+        d = asdict(self)
+        d["dtype"] = str(self.dtype).removeprefix("torch.")
+        d["device"] = self.device.type
+        return d
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,42 @@
+"""Every environment variable moeflow reads, declared once, typed, with its default.
+
+Read them through the functions below (evaluated at call time, so tests can monkeypatch os.environ).
+``moeflow env`` prints the table.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    help: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+    def get_bool(self) -> bool:
+        return self.get().strip().lower() in ("1", "true", "yes", "on")
+
+    def get_float(self) -> float:
+        return float(self.get())
+
+
+VALIDATE_INPUTS = EnvVar(
+    "MOEFLOW_VALIDATE_INPUTS", "1",
+    "Check forward inputs (shapes, dtypes, devices, expert-id range). The id-range check reads the "
+    "ids on the host; set 0 to skip it in latency-critical eager loops. Always skipped under CUDA-graph capture.")
+KERNEL_CONFIG_DIR = EnvVar(
+    "MOEFLOW_KERNEL_CONFIG_DIR", "",
+    "Directory searched before the shipped tuned kernel configs (JSON files written by `moeflow tune`).")
+DIST_TIMEOUT_S = EnvVar(
+    "MOEFLOW_DIST_TIMEOUT_S", "300",
+    "Seconds an expert-parallel collective may take before it is reported as a stopped rank (MF502).")
+TRITON_INTERPRET = EnvVar(
+    "TRITON_INTERPRET", "0",
+    "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
+
+ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, TRITON_INTERPRET)

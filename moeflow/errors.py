@@ -1,0 +1,377 @@
+"""The error catalogue: every user-facing error moeflow raises has a stable code.
+
+An error is raised as ``raise error("MF201", name="foo", valid=[...])``. The returned exception is
+an instance of :class:`MoeflowError` *and* of the builtin a Python user expects (``ValueError``,
+``TypeError``, ``RuntimeError``, ``TimeoutError``), so ``except ValueError`` keeps working.
+
+Each :class:`ErrorSpec` carries a one-line message template (it names the offending value and the
+valid alternatives) and a longer explanation (what it means, when it happens, how to fix it, an
+example) that ``moeflow explain CODE`` prints.
+
+Code ranges: MF1xx configuration, MF2xx unsupported combination (refused by the planner when the
+layer is built), MF3xx bad forward input, MF4xx weight loading, MF5xx expert parallelism,
+MF6xx tooling (kernel configs, command line), MF7xx model integration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MoeflowError(Exception):
+    """Base class of every coded moeflow error. ``err.code`` is the stable code."""
+
+    code: str = ""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"[{code}] {message} (run `moeflow explain {code}` for details)")
+        self.code = code
+        self.detail = message
+
+
+class ConfigError(MoeflowError, ValueError):
+    """A value in the layer configuration is invalid on its own or in combination."""
+
+
+class UnsupportedError(MoeflowError, ValueError):
+    """The planner refuses a (scheme, runner, dispatcher) cell in this environment."""
+
+
+class InputError(MoeflowError, ValueError):
+    """A forward input has a wrong shape or value."""
+
+
+class InputTypeError(MoeflowError, TypeError):
+    """A forward input has a wrong dtype or device."""
+
+
+class WeightError(MoeflowError, ValueError):
+    """A weight given to ``load_weights`` is missing, unexpected or misshaped."""
+
+
+class DistributedError(MoeflowError, RuntimeError):
+    """Ranks of an expert-parallel group disagree, or a collective failed."""
+
+
+class DistributedTimeout(MoeflowError, TimeoutError):
+    """A rank of an expert-parallel group stopped answering."""
+
+
+class ToolError(MoeflowError, RuntimeError):
+    """A tooling step (kernel configs, command line, benchmark) cannot proceed."""
+
+
+@dataclass(frozen=True)
+class ErrorSpec:
+    code: str
+    cls: type[MoeflowError]
+    title: str
+    message: str  # str.format template; names the offending value and valid alternatives
+    explanation: str  # what it means, when it happens, how to fix it, an example
+
+
+_SPECS: list[ErrorSpec] = []
+
+
+def _spec(code: str, cls: type[MoeflowError], title: str, message: str, explanation: str) -> None:
+    _SPECS.append(ErrorSpec(code, cls, title, message, explanation.strip()))
+
+
+# ---------------------------------------------------------------- MF1xx: configuration
+_spec("MF101", ConfigError, "invalid layer size",
+      "{field}={value!r} is invalid: {why}",
+      """
+What: a size of the layer (num_experts, hidden_size, intermediate_size, top_k, shared expert
+sizes) is not a positive integer, or top_k is larger than num_experts.
+When: building MoE(...) or MoEConfig(...).
+Fix: pass positive integers with 1 <= top_k <= num_experts.
+Example: MoE(num_experts=8, hidden_size=4096, intermediate_size=14336, top_k=2)
+""")
+_spec("MF102", ConfigError, "unknown option value",
+      "{field}={value!r} is not one of {valid}",
+      """
+What: a string option (scoring, activation, quant, dtype name) has a value moeflow does not know.
+When: building the configuration.
+Fix: use one of the listed values; `moeflow matrix` lists the schemes, runners and dispatchers.
+Example: MoE(..., scoring="softmax", activation="silu", quant="fp8-block")
+""")
+_spec("MF103", ConfigError, "invalid grouped top-k",
+      "grouped top-k with num_expert_groups={groups}, topk_groups={topk_groups} is invalid: {why}",
+      """
+What: DeepSeek-V3-style grouped routing needs num_experts divisible by num_expert_groups,
+1 <= topk_groups <= num_expert_groups, and enough experts in the chosen groups to pick top_k
+(topk_groups * num_experts / num_expert_groups >= top_k). Groups of one expert cannot rank by
+the sum of their two best scores.
+When: building the configuration.
+Fix: copy n_group / topk_group from the model's config.json; use num_expert_groups=1 for plain top-k.
+Example: MoE(num_experts=256, top_k=8, num_expert_groups=8, topk_groups=4, scoring="sigmoid")
+""")
+_spec("MF104", ConfigError, "unsupported layer dtype",
+      "dtype={value!r} is not supported; valid: {valid}",
+      """
+What: the layer's activation dtype (the dtype of hidden_states and of the output) must be a
+floating type moeflow computes in: bfloat16, float16 or float32. FP8 is a quantization scheme,
+not a layer dtype.
+When: building the configuration.
+Fix: pass dtype=torch.bfloat16 (the usual choice on GPUs) and quant="fp8-..." for FP8 weights.
+Example: MoE(..., dtype=torch.bfloat16, quant="fp8-block")
+""")
+_spec("MF105", ConfigError, "invalid routing option",
+      "{field}={value!r} is invalid: {why}",
+      """
+What: a routing option is inconsistent: routed_scaling_factor must be a finite positive number;
+the correction bias (DeepSeek-V3's e_score_correction_bias) only makes sense with sigmoid scoring.
+When: building the configuration.
+Fix: follow the model's config.json (DeepSeek-V3: scoring="sigmoid", use_correction_bias=True).
+Example: MoE(..., scoring="sigmoid", use_correction_bias=True, routed_scaling_factor=2.5)
+""")
+_spec("MF106", ConfigError, "invalid device",
+      "device={value!r} is invalid: {why}",
+      """
+What: the layer's device cannot be used: the string does not parse, or names an accelerator
+this machine does not have (torch.cuda.is_available() is False).
+When: building the configuration.
+Fix: pass device="cpu", or "cuda" / "cuda:N" on a machine with a GPU.
+Example: MoE(..., device="cuda:0")
+""")
+
+# ---------------------------------------------------------------- MF2xx: planner refusals
+_spec("MF201", UnsupportedError, "unknown backend name",
+      "{kind} {name!r} is not registered; registered {kind}s: {valid}",
+      """
+What: runner=, dispatcher= or quant= names a backend that is not in the registry.
+When: building the layer (the planner looks the name up).
+Fix: use "auto" or one of the listed names. Backends whose optional package is missing are still
+listed, and refused with MF205 instead.
+Example: MoE(..., runner="auto", dispatcher="auto")
+""")
+_spec("MF202", UnsupportedError, "runner does not support the quantization scheme",
+      "runner {runner!r} does not run quant={scheme!r} on {device}; runners that do: {valid}",
+      """
+What: the chosen expert runner has no kernels for this quantization scheme on this device kind
+(for example torch._scaled_grouped_mm has no fp8 block-scale mode and no CPU kernel).
+When: building the layer.
+Fix: choose one of the listed runners, or runner="auto", or another scheme.
+Example: MoE(..., quant="fp8-block", runner="reference")
+""")
+_spec("MF203", UnsupportedError, "backend does not run on this device kind",
+      "{kind} {name!r} does not run on device type {device!r}; it runs on {valid}",
+      """
+What: the backend declares the device types it runs on and the layer's device is not one of them
+(for example the Triton runner needs CUDA; the reference runner runs anywhere).
+When: building the layer.
+Fix: move the layer to a supported device or choose another backend ("auto" picks a valid one).
+Example: MoE(..., device="cpu", runner="grouped_mm")
+""")
+_spec("MF204", UnsupportedError, "compute capability too low",
+      "{kind} {name!r} needs compute capability >= {need} for quant={scheme!r}; this GPU has {have}",
+      """
+What: the kernels need newer GPU hardware: FP8 tensor-core instructions need compute capability
+8.9 (Ada) or 9.0 (Hopper); torch._scaled_grouped_mm needs 9.0.
+When: building the layer on an older GPU.
+Fix: use quant="none" (bf16/fp16), the reference runner, or a newer GPU.
+Example: MoE(..., quant="none", dtype=torch.bfloat16)
+""")
+_spec("MF205", UnsupportedError, "optional package missing",
+      "{kind} {name!r} needs the package {package!r}, which is not importable: {why}",
+      """
+What: the backend depends on an optional Python package that is not installed (or fails to import).
+When: building the layer.
+Fix: install the package (for the Triton runner: pip install triton) or choose another backend.
+Example: pip install "triton>=3.4"
+""")
+_spec("MF206", UnsupportedError, "shape constraint not met",
+      "{what} does not satisfy {rule} required by {kind} {name!r}",
+      """
+What: a scheme or backend needs sizes aligned to its tiles: fp8-block needs hidden_size and
+intermediate_size divisible by 128 (its 128x128 weight blocks and 1x128 activation groups);
+torch grouped GEMMs need row strides that are multiples of 16 bytes.
+When: building the layer.
+Fix: choose a scheme or runner without the constraint (the reference runner has none), or pad
+the model's sizes.
+Example: MoE(hidden_size=7168, intermediate_size=2048, quant="fp8-block", ...)
+""")
+_spec("MF207", UnsupportedError, "runner does not support the layer dtype",
+      "runner {runner!r} does not support dtype {dtype} on {device}; supported: {valid}",
+      """
+What: the runner's kernels exist only for some activation dtypes on this device kind.
+When: building the layer.
+Fix: use one of the listed dtypes or another runner.
+Example: MoE(..., dtype=torch.bfloat16)
+""")
+_spec("MF208", UnsupportedError, "dispatcher does not fit the process group",
+      "dispatcher {name!r} {why}; valid dispatchers here: {valid}",
+      """
+What: the dispatcher needs a different world: "local" serves a single process (expert-parallel
+world size 1); the expert-parallel dispatchers need torch.distributed to be initialized and a
+process group of size > 1.
+When: building the layer.
+Fix: use dispatcher="auto", or start the program with torchrun and pass process_group=.
+Example: torchrun --nproc-per-node 2 app.py   # then MoE(..., dispatcher="alltoall")
+""")
+_spec("MF209", UnsupportedError, "no valid plan",
+      "no {kind} can run this configuration here; tried: {tried}",
+      """
+What: "auto" found no backend whose declared capabilities cover the configuration on this machine;
+the message lists each candidate with the code that refused it.
+When: building the layer with runner="auto" or dispatcher="auto".
+Fix: read the codes listed for each candidate (moeflow explain CODE) and change the configuration.
+Example: moeflow check --preset small --quant fp8-block --device cpu
+""")
+
+# ---------------------------------------------------------------- MF3xx: forward inputs
+_spec("MF301", InputError, "input has the wrong shape",
+      "{name} has shape {shape}; expected {expected}",
+      """
+What: forward() takes hidden_states [T, H] and router_logits [T, E]; forward_topk() takes
+hidden_states [T, H], topk_ids [T, K] and topk_weights [T, K], with this layer's H, E and K.
+When: calling the layer.
+Fix: flatten batch and sequence dimensions first: x.view(-1, hidden_size).
+Example: y = moe(x.view(-1, H), logits.view(-1, E)).view(B, S, H)
+""")
+_spec("MF302", InputTypeError, "input has the wrong dtype",
+      "{name} has dtype {dtype}; expected {expected}",
+      """
+What: hidden_states must have the layer's dtype; router_logits may be any floating dtype
+(routing runs in float32); topk_ids must be an integer tensor; topk_weights floating.
+When: calling the layer.
+Fix: cast the input (x.to(moe.config.dtype)) or build the layer with the dtype you feed it.
+Example: y = moe(x.to(torch.bfloat16), logits)
+""")
+_spec("MF303", InputTypeError, "input is on the wrong device",
+      "{name} is on {device}; the layer is on {expected}",
+      """
+What: every input must be on the layer's device.
+When: calling the layer.
+Fix: move the input or the layer (MoE(..., device=...)).
+Example: y = moe(x.to(moe.config.device), logits.to(moe.config.device))
+""")
+_spec("MF304", InputError, "expert id out of range",
+      "topk_ids holds expert ids in [{lo}, {hi}]; valid ids are 0..{max_id}",
+      """
+What: forward_topk() received an expert id that is negative or >= num_experts. moeflow checks
+this before any kernel runs (an out-of-range id would read another expert's weights or crash).
+The check is skipped while a CUDA graph is being captured.
+When: calling forward_topk().
+Fix: ids come from a router over this layer's num_experts; check the caller's routing.
+Example: ids = torch.topk(logits, k).indices.to(torch.int32)
+""")
+_spec("MF305", InputError, "duplicate expert in a token's top-k",
+      "token {token} selects expert {expert} more than once",
+      """
+What: each token must select K distinct experts; a repeated id double-counts that expert.
+When: calling forward_topk() with hand-made routing.
+Fix: produce ids with torch.topk (distinct by construction).
+Example: ids = torch.topk(scores, k, dim=-1).indices
+""")
+
+# ---------------------------------------------------------------- MF4xx: weights
+_spec("MF401", WeightError, "missing weight",
+      "load_weights is missing {names}; expected names: {valid}",
+      """
+What: a weight the layer needs was not given (with strict=True).
+When: calling load_weights().
+Fix: pass Hugging Face names and layouts: gate_up_proj [E, 2I, H] (gate rows first),
+down_proj [E, H, I], and the layer's optional tensors; or pass strict=False to keep the current values.
+Example: moe.load_weights({"gate_up_proj": w13, "down_proj": w2})
+""")
+_spec("MF402", WeightError, "weight has the wrong shape",
+      "{name} has shape {shape}; expected {expected}",
+      """
+What: a weight does not have the layout moeflow expects (Hugging Face's fused layout).
+When: calling load_weights().
+Fix: gate_up_proj is [E, 2I, H] with the gate rows first; down_proj is [E, H, I]; FP8 block
+scales are [E, ceil(N/128), ceil(K/128)] for a weight [E, N, K]. Stack per-expert weights first:
+torch.stack([torch.cat([w1, w3]) for w1, w3 in ...]).
+Example: gate_up = torch.cat([gate_proj, up_proj], dim=1)  # [E, 2I, H]
+""")
+_spec("MF403", WeightError, "unexpected weight",
+      "load_weights got unknown names {names}; valid names: {valid}",
+      """
+What: a name given to load_weights() is not a weight of this layer (a typo, or a tensor of a
+part the layer was not built with, such as shared experts).
+When: calling load_weights() with strict=True.
+Fix: rename or drop the tensor, build the layer with the matching option, or pass strict=False.
+Example: MoE(..., num_shared_experts=1, shared_intermediate_size=2048)
+""")
+_spec("MF404", WeightError, "bad weight dtype or scale",
+      "{name}: {why}",
+      """
+What: a weight's dtype cannot be loaded: an FP8 weight needs its *_scale_inv beside it, a scale
+must be floating, a high-precision weight must be a floating tensor.
+When: calling load_weights().
+Fix: pass float8_e4m3fn weights together with their *_scale_inv tensors, or high-precision weights.
+Example: moe.load_weights({"gate_up_proj": q, "gate_up_proj_scale_inv": s, ...})
+""")
+
+# ---------------------------------------------------------------- MF5xx: expert parallelism
+_spec("MF501", DistributedError, "ranks disagree on the configuration",
+      "rank {rank} and rank {other} disagree on {field}: {mine!r} vs {theirs!r}",
+      """
+What: every rank of an expert-parallel group must build the same layer (sizes, routing, scheme,
+runner family, placement). moeflow compares the configurations at construction.
+When: building the layer under torch.distributed.
+Fix: build the layer from one shared configuration on every rank.
+Example: cfg = MoEConfig(...); MoE(cfg, process_group=pg)  # same cfg on each rank
+""")
+_spec("MF502", DistributedTimeout, "rank stopped answering",
+      "{what} did not complete within {seconds}s on rank {rank}",
+      """
+What: a collective of the expert-parallel group did not complete in time: another rank crashed,
+hangs, or was never started.
+When: building the layer, or in dispatch/combine.
+Fix: look at the other ranks' logs; raise MOEFLOW_DIST_TIMEOUT_S if the job is just slow.
+Example: MOEFLOW_DIST_TIMEOUT_S=600 torchrun --nproc-per-node 8 app.py
+""")
+_spec("MF503", DistributedError, "low-latency capacity exceeded",
+      "{count} token copies were sent to rank {rank}, beyond the capacity of {capacity} per expert",
+      """
+What: the low-latency dispatcher uses fixed-capacity buffers; more copies arrived for one expert
+than it holds. No token is dropped silently: the overflow is detected and reported.
+When: in dispatch, with more tokens per rank than the capacity was built for.
+Fix: raise max_tokens_per_rank (the capacity), or use the alltoall dispatcher for large batches.
+Example: MoE(..., dispatcher="lowlatency", max_tokens_per_rank=256)
+""")
+_spec("MF504", DistributedError, "invalid expert placement",
+      "expert placement {why}",
+      """
+What: an explicit expert->rank placement must list each expert exactly once, with ranks in
+[0, world_size).
+When: building the layer.
+Fix: pass placement as a list of length num_experts whose entry e is the rank owning expert e.
+Example: MoE(..., placement=[0, 0, 1, 1, 1, 0, 1, 0])
+""")
+
+# ---------------------------------------------------------------- MF6xx: tooling
+_spec("MF601", ToolError, "unknown preset",
+      "preset {name!r} is not known; presets: {valid}",
+      """
+What: the command line names a model shape that moeflow has no preset for.
+When: moeflow bench / check / tune.
+Fix: use one of the listed presets, or give the sizes explicitly (--hidden, --inter, --experts, --topk).
+Example: moeflow bench --preset qwen3-30b-a3b
+""")
+_spec("MF602", ToolError, "unknown error code",
+      "{code!r} is not an error code; codes: {valid}",
+      """
+What: `moeflow explain` was given a code that is not in the catalogue.
+When: moeflow explain CODE.
+Fix: run `moeflow explain` with no argument for the list of codes.
+Example: moeflow explain MF202
+""")
+
+
+CATALOGUE: dict[str, ErrorSpec] = {s.code: s for s in _SPECS}
+
+
+def error(code: str, **fields) -> MoeflowError:
+    """Build (not raise) the coded exception for ``code`` with its message filled from ``fields``."""
+    spec = CATALOGUE[code]
+    return spec.cls(code, spec.message.format(**fields))
+
+
+def explain(code: str) -> str:
+    """The long explanation of ``code`` as the command line prints it."""
+    spec = CATALOGUE.get(code.upper())
+    if spec is None:
+        raise error("MF602", code=code, valid=sorted(CATALOGUE))
+    return f"{spec.code} ({spec.cls.__name__}: {spec.cls.__mro__[2].__name__}) - {spec.title}\n\n{spec.explanation}\n"

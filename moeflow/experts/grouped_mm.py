@@ -1,0 +1,59 @@
+"""runner="grouped_mm": torch._grouped_mm (bf16/fp16/fp32) and torch._scaled_grouped_mm (FP8
+row-wise scales: per-tensor and per-channel weights × per-token activations; the CUTLASS path on
+Hopper), on the sorted layout.
+
+No FP8 block-scale mode exists in torch._scaled_grouped_mm, so fp8-block is declared unsupported
+(the planner refuses it with MF202). On CPU only the unquantized path exists.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..capabilities import ALL_FLOAT, RunnerCaps, Support
+from ..layouts import SORTED, ExpertBatch
+from .base import ExpertRunner, ExpertWeights, empty_output, gated_activation
+
+_FP8_ROWWISE = frozenset({"fp8-tensor", "fp8-channel"})
+
+
+class GroupedMMRunner(ExpertRunner):
+    name = "grouped_mm"
+    caps = RunnerCaps(
+        layouts=(SORTED,),
+        support=(
+            Support("cpu", frozenset({"none"}), ALL_FLOAT),
+            # CUDA: 16-byte aligned rows (8 bf16 / 16 fp8 elements); CUTLASS grouped GEMM on sm90.
+            Support("cuda", frozenset({"none"}), frozenset({torch.bfloat16}), min_cc=(9, 0), align=8),
+            Support("cuda", _FP8_ROWWISE, frozenset({torch.bfloat16}), min_cc=(9, 0), align=16),
+        ),
+        priority=20,
+        note="torch._grouped_mm / torch._scaled_grouped_mm (row-wise FP8)",
+    )
+
+    def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
+        cfg = self.config
+        if batch.hidden.shape[0] == 0:
+            return empty_output(batch, cfg.hidden_size, cfg.dtype)
+        offs = batch.offsets[1:].to(torch.int32)  # cumulative row ends per local expert
+        xq, xs = self.input_activations(batch.hidden, batch.hidden_scale)
+        h = self._gemm(xq, xs, weights.w13, weights.w13_scale, offs)  # [N, 2I]
+        a = gated_activation(h, cfg.activation).to(cfg.dtype)
+        aq, as_ = self.scheme.quantize_activation(a)
+        y = self._gemm(aq, as_, weights.w2, weights.w2_scale, offs)  # [N, H]
+        return (y.float() * batch.weights[:, None]).to(cfg.dtype)
+
+    def _gemm(self, x: Tensor, x_scale: Tensor | None, w: Tensor, w_scale: Tensor | None, offs: Tensor) -> Tensor:
+        """x [M, K] @ w[e].T for each expert's rows -> [M, N] in the layer dtype.
+
+        w: [E_local, N, K]; its transpose is the column-major [E, K, N] operand the kernels want.
+        """
+        if x_scale is None:
+            return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        e, n, _ = w.shape
+        row_scale_b = w_scale.float()
+        if row_scale_b.dim() == 1:  # per-tensor weight scale [E] -> row-wise [E, N]
+            row_scale_b = row_scale_b[:, None].expand(e, n)
+        return torch._scaled_grouped_mm(
+            x, w.transpose(1, 2), x_scale.reshape(-1).float(), row_scale_b.contiguous(),
+            offs=offs, out_dtype=self.config.dtype)

@@ -1,0 +1,77 @@
+"""runner="reference": torch on any device, float32 math, one expert at a time.
+
+The oracle every other runner is tested against; it follows the numerics contract in
+experts/base.py literally (dequantize, matmul in float32) and consumes both layouts natively.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..capabilities import Support, RunnerCaps
+from ..layouts import MASKED, SORTED, ExpertBatch
+from ..quant import SCHEMES
+from .base import ExpertRunner, ExpertWeights, empty_output, gated_activation
+
+_ALL = frozenset(SCHEMES.names())
+
+
+class ReferenceRunner(ExpertRunner):
+    name = "reference"
+    caps = RunnerCaps(
+        layouts=(SORTED, MASKED),
+        support=(Support("cpu", _ALL), Support("cuda", _ALL)),
+        priority=0,
+        note="float32 torch loop over experts; the oracle, slow",
+    )
+
+    def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
+        cfg, scheme = self.config, self.scheme
+        out = empty_output(batch, cfg.hidden_size, cfg.dtype)
+        flat_out = out.view(-1, cfg.hidden_size)
+        rows = _valid_rows(batch)  # [(local expert, flat row indices)]
+        if not rows:
+            return out
+        index = torch.cat([r for _, r in rows])
+        hidden = batch.hidden.reshape(-1, cfg.hidden_size)[index]
+        scale = None if batch.hidden_scale is None else batch.hidden_scale.reshape(-1, batch.hidden_scale.shape[-1])[index]
+        xq, xs = self.input_activations(hidden, scale)
+        x = scheme.dequantize_activation(xq, xs)  # [N_valid, H] float32
+        inter = torch.empty(x.shape[0], cfg.intermediate_size, dtype=torch.float32, device=x.device)
+        spans = _spans(rows)
+        for e, lo, hi in spans:
+            w13 = scheme.dequantize_weight(weights.w13[e:e + 1], _scale_of(weights.w13_scale, e))[0]
+            inter[lo:hi] = gated_activation(x[lo:hi] @ w13.T, cfg.activation)
+        a = scheme.fake_quantize_activation(inter.to(cfg.dtype))  # rounded to dtype, then quantized
+        route_w = batch.weights.reshape(-1)[index].float()
+        for e, lo, hi in spans:
+            w2 = scheme.dequantize_weight(weights.w2[e:e + 1], _scale_of(weights.w2_scale, e))[0]
+            y = (a[lo:hi] @ w2.T) * route_w[lo:hi, None]
+            flat_out[index[lo:hi]] = y.to(cfg.dtype)
+        return out
+
+
+def _valid_rows(batch: ExpertBatch) -> list[tuple[int, Tensor]]:
+    """Per local expert with copies: the flat row indices of its copies in ``batch.hidden``."""
+    counts = batch.host_counts()
+    dev = batch.hidden.device
+    if batch.layout == SORTED:
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        return [(e, torch.arange(starts[e], starts[e] + c, device=dev)) for e, c in enumerate(counts) if c]
+    capacity = batch.hidden.shape[1]
+    return [(e, e * capacity + torch.arange(c, device=dev)) for e, c in enumerate(counts) if c]
+
+
+def _spans(rows: list[tuple[int, Tensor]]) -> list[tuple[int, int, int]]:
+    """[(expert, lo, hi)] positions of each expert's rows in the concatenated valid rows."""
+    spans, lo = [], 0
+    for e, r in rows:
+        spans.append((e, lo, lo + r.numel()))
+        lo += r.numel()
+    return spans
+
+
+def _scale_of(scale: Tensor | None, e: int) -> Tensor | None:
+    return None if scale is None else scale[e:e + 1]

@@ -1,0 +1,226 @@
+"""moeflow.MoE: the MoE layer as an nn.Module.
+
+    hidden [T, H], router_logits [T, E]
+      -> route     : topk_ids [T, K] int32, topk_weights [T, K] float32      (routing/)
+      -> dispatch  : ExpertBatch for this rank's experts                    (dispatch/)
+      -> experts   : w * down(act(gate(x)) * up(x)) per copy                (experts/)
+      -> combine   : sum of the K copies on the token's rank -> [T, H]      (dispatch/)
+      (+ shared experts on every token)
+
+Every backend is chosen by the planner when the layer is built (``layer.plan``); nothing in the
+forward path branches on backend names.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import env as moeflow_env
+from .capabilities import Environment
+from .config import MoEConfig
+from .dispatch import create_dispatcher
+from .errors import error
+from .experts import ExpertWeights, create_runner, gated_activation
+from .layouts import run_in_layout
+from .planner import plan as make_plan
+from .quant import create_scheme
+from .routing import create_router
+from .weights import load_layer_weights
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts layer.
+
+    Build from a :class:`MoEConfig` or its fields as keywords::
+
+        moe = MoE(num_experts=8, hidden_size=4096, intermediate_size=14336, top_k=2,
+                  dtype=torch.bfloat16, device="cuda", quant="fp8-block")
+        moe.load_weights({"gate_up_proj": w13, "down_proj": w2})   # [E, 2I, H], [E, H, I]
+        y = moe(x, router_logits)                                  # [T, H], [T, E] -> [T, H]
+
+    Weights start random (uniform ±1/sqrt(fan_in), like nn.Linear) until ``load_weights``.
+    Parameters use Hugging Face names, so ``state_dict()`` keys are checkpoint keys.
+    """
+
+    def __init__(self, config: MoEConfig | None = None, *, process_group=None, **fields):
+        super().__init__()
+        if config is None:
+            config = MoEConfig(**fields)
+        elif fields:
+            config = config.replace(**fields)
+        self.config = config
+        world = _world_size(process_group)
+        self.environment = Environment.detect(config.device, world)
+        self.plan = make_plan(config, self.environment)
+        self.scheme = create_scheme(self.plan.scheme)
+        self.router = create_router(config)
+        self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme, process_group)
+        self.runner = create_runner(self.plan.runner, config, self.scheme)
+        self.local_experts = self.dispatcher.local_experts
+        self._make_parameters()
+        self.reset_parameters()
+
+    # ---------------------------------------------------------------- parameters
+    def _make_parameters(self):
+        cfg = self.config
+        e, h, i = len(self.local_experts), cfg.hidden_size, cfg.intermediate_size
+        store = torch.float8_e4m3fn if self.scheme.quantized else cfg.dtype
+
+        def param(*shape, dtype):
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device=cfg.device), requires_grad=False)
+
+        self.gate_up_proj = param(e, 2 * i, h, dtype=store)
+        self.down_proj = param(e, h, i, dtype=store)
+        if self.scheme.quantized:
+            self.gate_up_proj_scale_inv = param(*self.scheme.weight_scale_shape(e, 2 * i, h), dtype=torch.float32)
+            self.down_proj_scale_inv = param(*self.scheme.weight_scale_shape(e, h, i), dtype=torch.float32)
+        else:
+            self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
+        self.e_score_correction_bias = param(cfg.num_experts, dtype=torch.float32) if cfg.use_correction_bias else None
+        if cfg.shared_size:
+            self.shared_experts = _SharedMLP(h, cfg.shared_size, cfg.dtype, cfg.device)
+            self.shared_expert_gate = (nn.Linear(h, 1, bias=False, dtype=cfg.dtype, device=cfg.device).requires_grad_(False)
+                                       if cfg.shared_expert_gate else None)
+        else:
+            self.shared_experts = self.shared_expert_gate = None
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Random weights: uniform ±1/sqrt(fan_in) in high precision, quantized by the scheme."""
+        cfg = self.config
+        e, h, i = len(self.local_experts), cfg.hidden_size, cfg.intermediate_size
+        for name, shape, fan_in in (("gate_up_proj", (e, 2 * i, h), h), ("down_proj", (e, h, i), i)):
+            w = torch.empty(shape, dtype=cfg.dtype, device=cfg.device).uniform_(-1, 1).mul_(1 / math.sqrt(fan_in))
+            self._store_expert_weight(name, w)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
+            if self.shared_expert_gate is not None:
+                self.shared_expert_gate.reset_parameters()
+
+    def _store_expert_weight(self, name: str, w: Tensor) -> None:
+        """Quantize a high-precision [E_local, N, K] weight by the scheme and store it."""
+        q, scale = self.scheme.quantize_weight(w.to(self.config.device))
+        getattr(self, name).data.copy_(q)
+        if scale is not None:
+            getattr(self, name + "_scale_inv").data.copy_(scale)
+
+    def load_weights(self, state: dict[str, Tensor], strict: bool = True) -> None:
+        """Load Hugging Face names and layouts (see ``moeflow.weights``)."""
+        load_layer_weights(self, state, strict)
+
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:
+        """hidden_states [T, H] layer dtype, router_logits [T, E] any float -> [T, H] layer dtype."""
+        cfg = self.config
+        if _validating():
+            _check(hidden_states, "hidden_states", (None, cfg.hidden_size), "[T, hidden_size]", cfg)
+            _check(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), "[T, num_experts]", cfg,
+                   dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
+        topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)
+        return self._run(hidden_states, topk_ids, topk_weights)
+
+    def forward_topk(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """hidden_states [T, H], topk_ids [T, K] int, topk_weights [T, K] float -> [T, H].
+
+        The caller routed: weights are used as given (no renormalization or scaling here).
+        """
+        cfg = self.config
+        if _validating():
+            t = hidden_states.shape[0] if hidden_states.dim() == 2 else None
+            _check(hidden_states, "hidden_states", (None, cfg.hidden_size), "[T, hidden_size]", cfg)
+            _check(topk_ids, "topk_ids", (t, cfg.top_k), "[T, top_k]", cfg,
+                   dtype_ok=lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool,
+                   dtype_desc="an integer dtype")
+            _check(topk_weights, "topk_weights", (t, cfg.top_k), "[T, top_k]", cfg,
+                   dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
+            if not _capturing(hidden_states):
+                _check_ids(topk_ids, cfg.num_experts)
+        return self._run(hidden_states, topk_ids.to(torch.int32), topk_weights.float())
+
+    def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        batch, handle = self.dispatcher.dispatch(hidden, topk_ids, topk_weights)
+        expert_out = run_in_layout(self.runner, batch, self.expert_weights())
+        out = self.dispatcher.combine(expert_out, handle)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(hidden, self.config.activation)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate(hidden).float())
+            out = (out.float() + shared).to(self.config.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"E={c.num_experts} (local {len(self.local_experts)}), H={c.hidden_size}, I={c.intermediate_size}, "
+                f"K={c.top_k}, quant={self.plan.scheme}, runner={self.plan.runner}, dispatcher={self.plan.dispatcher}, "
+                f"dtype={str(c.dtype).removeprefix('torch.')}, device={c.device}")
+
+
+class _SharedMLP(nn.Module):
+    """Shared experts merged into one gated MLP: gate_proj/up_proj [S, H], down_proj [H, S]."""
+
+    def __init__(self, hidden: int, size: int, dtype, device):
+        super().__init__()
+        make = lambda i, o: nn.Linear(i, o, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.gate_proj, self.up_proj, self.down_proj = make(hidden, size), make(hidden, size), make(size, hidden)
+
+    def reset_parameters(self):
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            lin.reset_parameters()
+
+    def forward(self, x: Tensor, activation: str) -> Tensor:
+        """x [T, H] -> [T, H] float32 (the intermediate rounded to the layer dtype, as routed experts)."""
+        h = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return F.linear(gated_activation(h, activation).to(x.dtype), self.down_proj.weight).float()
+
+
+# ---------------------------------------------------------------- input validation
+def _world_size(process_group) -> int:
+    if process_group is not None:
+        return torch.distributed.get_world_size(process_group)
+    return 1
+
+
+def _validating() -> bool:
+    return moeflow_env.VALIDATE_INPUTS.get_bool()
+
+
+def _capturing(t: Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _check(t, name, shape, shape_desc, cfg, dtype_ok=None, dtype_desc=None):
+    if not isinstance(t, Tensor):
+        raise error("MF302", name=name, dtype=type(t).__name__, expected="a torch.Tensor")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        raise error("MF301", name=name, shape=tuple(t.shape), expected=shape_desc.replace(
+            "hidden_size", str(cfg.hidden_size)).replace("num_experts", str(cfg.num_experts)).replace("top_k", str(cfg.top_k)))
+    ok = dtype_ok(t.dtype) if dtype_ok else t.dtype == cfg.dtype
+    if not ok:
+        raise error("MF302", name=name, dtype=t.dtype, expected=dtype_desc or cfg.dtype)
+    if t.device.type != cfg.device.type or (cfg.device.index is not None and t.device.index != cfg.device.index):
+        raise error("MF303", name=name, device=t.device, expected=cfg.device)
+
+
+def _check_ids(topk_ids: Tensor, num_experts: int) -> None:
+    """One host sync: range of ids, and whether any row repeats an expert."""
+    if topk_ids.numel() == 0:
+        return
+    ids = topk_ids.to(torch.int64)
+    srt = ids.sort(dim=1).values
+    dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1)
+    lo, hi, any_dup = torch.stack([ids.min(), ids.max(), dup.any().to(torch.int64)]).tolist()
+    if lo < 0 or hi >= num_experts:
+        raise error("MF304", lo=lo, hi=hi, max_id=num_experts - 1)
+    if any_dup:
+        row = int(dup.nonzero()[0, 0])
+        r = srt[row]
+        expert = int(r[1:][r[1:] == r[:-1]][0])
+        raise error("MF305", token=row, expert=expert)

@@ -1,0 +1,147 @@
+"""The layout contract: how a dispatcher hands token copies to an expert runner.
+
+Two layouts, both carried by :class:`ExpertBatch`:
+
+* ``sorted`` — the token copies for this rank's experts, grouped by local expert, contiguous:
+  ``hidden [N, H]`` with ``offsets [E_local + 1]`` (copies of local expert e are rows
+  ``offsets[e]:offsets[e+1]``). What grouped GEMMs and high-throughput all-to-all want.
+* ``masked`` — a fixed-capacity slab per local expert: ``hidden [E_local, C, H]`` with
+  ``counts [E_local]``; slot (e, c) is valid iff c < counts[e]. What low-latency, CUDA-graph
+  friendly dispatch wants (no data-dependent shapes).
+
+A runner declares which layouts it consumes; :func:`run_in_layout` converts when it does not,
+so every (dispatcher, runner) pair composes. Conversions return the index that maps results back.
+Runner output has the layout of its input, the layer dtype, and every row already multiplied by
+its routing weight; empty masked slots are zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SORTED = "sorted"
+MASKED = "masked"
+LAYOUTS = (SORTED, MASKED)
+
+
+@dataclass
+class ExpertBatch:
+    """Token copies for this rank's experts.
+
+    layout: "sorted" | "masked".
+    hidden: sorted [N, H] / masked [E_local, C, H]; the layer dtype, or float8_e4m3fn when the
+        dispatcher sent a quantized payload (then ``hidden_scale`` is set, made by the layer's
+        scheme's ``quantize_activation``).
+    weights: routing weight of each copy, float32: sorted [N] / masked [E_local, C] (0 in empty slots).
+    counts: [E_local] int32, copies per local expert (both layouts).
+    offsets: sorted only: [E_local + 1] int64, exclusive prefix sum of counts (offsets[-1] == N).
+    hidden_scale: float32 activation scales, sorted [N, G] / masked [E_local, C, G], or None.
+    """
+
+    layout: str
+    hidden: Tensor
+    weights: Tensor
+    counts: Tensor
+    offsets: Tensor | None = None
+    hidden_scale: Tensor | None = None
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.counts.shape[0]
+
+    @property
+    def quantized(self) -> bool:
+        return self.hidden_scale is not None
+
+    def host_counts(self) -> list[int]:
+        """counts as Python ints (synchronizes with the device)."""
+        return [int(c) for c in self.counts.tolist()]
+
+
+def offsets_from_counts(counts: Tensor) -> Tensor:
+    """counts [E] int -> offsets [E + 1] int64 (exclusive prefix sum)."""
+    return torch.cat([counts.new_zeros(1, dtype=torch.int64), counts.to(torch.int64).cumsum(0)])
+
+
+def sorted_to_masked(batch: ExpertBatch, capacity: int | None = None) -> tuple[ExpertBatch, Tensor]:
+    """-> (masked batch with ``capacity`` slots per expert, slot_of_row [N] int64 = e * C + c).
+
+    capacity defaults to the largest count (a host synchronization). Rows beyond a given
+    capacity would be lost, so a too-small capacity is a programming error and raises.
+    """
+    e_local = batch.num_local_experts
+    n = batch.hidden.shape[0]
+    counts = batch.counts.to(torch.int64)
+    if capacity is None:
+        capacity = max(int(counts.max()) if e_local else 0, 1)
+    elif n and int(counts.max()) > capacity:
+        raise RuntimeError(f"sorted_to_masked: an expert has {int(counts.max())} rows > capacity {capacity}")
+    dev = batch.hidden.device
+    expert_of_row = torch.repeat_interleave(torch.arange(e_local, device=dev), counts, output_size=n)
+    pos_in_expert = torch.arange(n, device=dev) - batch.offsets[:-1][expert_of_row]
+    slot = expert_of_row * capacity + pos_in_expert
+
+    def scatter(rows: Tensor) -> Tensor:  # empty slots are zero (fp8 zero is 0x00)
+        out = torch.zeros((e_local * capacity, *rows.shape[1:]), dtype=rows.dtype, device=dev)
+        out[slot] = rows
+        return out.view(e_local, capacity, *rows.shape[1:])
+
+    masked = ExpertBatch(
+        layout=MASKED,
+        hidden=scatter(batch.hidden),
+        weights=scatter(batch.weights),
+        counts=batch.counts,
+        hidden_scale=None if batch.hidden_scale is None else scatter(batch.hidden_scale),
+    )
+    return masked, slot
+
+
+def masked_to_sorted(batch: ExpertBatch) -> tuple[ExpertBatch, Tensor]:
+    """-> (sorted batch, slot_of_row [N] int64 = e * C + c of each sorted row). Data-dependent N."""
+    e_local, capacity = batch.hidden.shape[:2]
+    dev = batch.hidden.device
+    valid = torch.arange(capacity, device=dev)[None, :] < batch.counts.to(torch.int64)[:, None]
+    slot = valid.flatten().nonzero().squeeze(1)  # row-major: grouped by expert, in slot order
+
+    def gather(x: Tensor) -> Tensor:
+        return x.flatten(0, 1)[slot]
+
+    sorted_batch = ExpertBatch(
+        layout=SORTED,
+        hidden=gather(batch.hidden),
+        weights=gather(batch.weights),
+        counts=batch.counts,
+        offsets=offsets_from_counts(batch.counts),
+        hidden_scale=None if batch.hidden_scale is None else gather(batch.hidden_scale),
+    )
+    return sorted_batch, slot
+
+
+def masked_output_to_sorted(out: Tensor, slot: Tensor) -> Tensor:
+    """out [E_local, C, H] -> [N, H], rows picked by ``slot`` (from sorted_to_masked)."""
+    return out.flatten(0, 1)[slot]
+
+
+def sorted_output_to_masked(out: Tensor, slot: Tensor, e_local: int, capacity: int) -> Tensor:
+    """out [N, H] -> [E_local, C, H] with zeros in empty slots (``slot`` from masked_to_sorted)."""
+    full = out.new_zeros(e_local * capacity, out.shape[1])
+    full[slot] = out
+    return full.view(e_local, capacity, out.shape[1])
+
+
+def run_in_layout(runner, batch: ExpertBatch, weights) -> Tensor:
+    """Run ``runner`` on ``batch``, converting the layout when the runner does not consume it.
+
+    Returns the output in ``batch.layout``. The native path is an optimization; the converted
+    path is always correct.
+    """
+    if batch.layout in runner.caps.layouts:
+        return runner.run(batch, weights)
+    if batch.layout == SORTED:
+        masked, slot = sorted_to_masked(batch)
+        return masked_output_to_sorted(runner.run(masked, weights), slot)
+    sorted_batch, slot = masked_to_sorted(batch)
+    e_local, capacity = batch.hidden.shape[:2]
+    return sorted_output_to_masked(runner.run(sorted_batch, weights), slot, e_local, capacity)

@@ -1,0 +1,168 @@
+"""The planner: configuration + environment -> Plan, or a coded error, at construction time.
+
+Checks, in order: the scheme's shape rules; the dispatcher (device, world size, packages); the
+runner (device, scheme, dtype, compute capability, alignment, packages). "auto" picks, among the
+valid candidates, the one of highest declared ``priority`` (a fixed, documented order:
+triton > grouped_mm > reference for runners). The layout the dispatcher produces is handed to the
+runner natively when the runner lists it, else converted (layouts.run_in_layout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .capabilities import Environment
+from .config import MoEConfig
+from .dispatch import DISPATCHERS
+from .errors import MoeflowError, error
+from .experts import RUNNERS
+from .quant import SCHEMES
+
+
+@dataclass(frozen=True)
+class Plan:
+    scheme: str
+    runner: str
+    dispatcher: str
+    layout: str  # what the dispatcher produces
+    runner_layout: str  # what the runner consumes (equal to layout when native)
+    environment: str
+    reasons: tuple[str, ...]
+
+    @property
+    def converted(self) -> bool:
+        return self.layout != self.runner_layout
+
+    def __str__(self) -> str:
+        conv = f" -> converted to {self.runner_layout}" if self.converted else " (native)"
+        lines = [f"environment: {self.environment}",
+                 f"quant:       {self.scheme}",
+                 f"dispatcher:  {self.dispatcher} (layout {self.layout})",
+                 f"runner:      {self.runner}{conv}",
+                 "why:"]
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def check_scheme(cfg: MoEConfig, env: Environment) -> MoeflowError | None:
+    cls = SCHEMES.get(cfg.quant)
+    for rule in cls.caps.shape_rules:
+        value = getattr(cfg, rule.field)
+        if value % rule.multiple:
+            return error("MF206", what=f"{rule.field}={value}", rule=f"a multiple of {rule.multiple}",
+                         kind="quant scheme", name=cfg.quant)
+    return None
+
+
+def check_dispatcher(name: str, cfg: MoEConfig, env: Environment, alternatives: bool = True) -> MoeflowError | None:
+    """None when dispatcher ``name`` can serve ``cfg`` in ``env``, else its coded error
+    (naming the valid alternatives unless ``alternatives`` is False)."""
+    caps = DISPATCHERS.get(name).caps
+    if env.device_type not in caps.devices:
+        return error("MF203", kind="dispatcher", name=name, device=env.device_type, valid=sorted(caps.devices))
+    if caps.distributed and env.world_size < 2:
+        return error("MF208", name=name, why="needs an expert-parallel group of 2 or more ranks",
+                     valid=_valid_names(DISPATCHERS, check_dispatcher, cfg, env, alternatives))
+    if not caps.distributed and env.world_size > 1:
+        return error("MF208", name=name, why=f"serves one process, but the group has {env.world_size} ranks",
+                     valid=_valid_names(DISPATCHERS, check_dispatcher, cfg, env, alternatives))
+    return _package_error("dispatcher", name, caps.requires, env)
+
+
+def check_runner(name: str, cfg: MoEConfig, env: Environment, alternatives: bool = True) -> MoeflowError | None:
+    """None when runner ``name`` can run ``cfg`` in ``env``, else its coded error."""
+    caps = RUNNERS.get(name).caps
+    rows = [s for s in caps.support if s.device == env.device_type]
+    if not rows:
+        return error("MF203", kind="runner", name=name, device=env.device_type,
+                     valid=sorted({s.device for s in caps.support}))
+    rows = [s for s in rows if cfg.quant in s.schemes]
+    if not rows:
+        return error("MF202", runner=name, scheme=cfg.quant, device=env.device_type,
+                     valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
+    dtyped = [s for s in rows if cfg.dtype in s.dtypes]
+    if not dtyped:
+        valid = sorted({str(d).removeprefix("torch.") for s in rows for d in s.dtypes})
+        return error("MF207", runner=name, dtype=str(cfg.dtype).removeprefix("torch."), device=env.device_type,
+                     valid=valid)
+    if env.device_type == "cuda":
+        have = env.capability or (0, 0)
+        capable = [s for s in dtyped if have >= s.min_cc]
+        if not capable:
+            need = min(s.min_cc for s in dtyped)
+            return error("MF204", kind="runner", name=name, need=f"{need[0]}.{need[1]}",
+                         scheme=cfg.quant, have=f"{have[0]}.{have[1]}")
+        dtyped = capable
+    row = dtyped[0]
+    for fld in ("hidden_size", "intermediate_size"):
+        value = getattr(cfg, fld)
+        if value % row.align:
+            return error("MF206", what=f"{fld}={value}", rule=f"a multiple of {row.align}", kind="runner", name=name)
+    return _package_error("runner", name, caps.requires, env)
+
+
+def _package_error(kind: str, name: str, packages, env: Environment) -> MoeflowError | None:
+    for pkg in packages:
+        why = env.package_error(pkg)
+        if why:
+            return error("MF205", kind=kind, name=name, package=pkg, why=why)
+    return None
+
+
+def _valid_names(registry, check, cfg, env, wanted: bool) -> list[str]:
+    if not wanted:
+        return []
+    return [n for n in registry.names() if check(n, cfg, env, alternatives=False) is None]
+
+
+def _choose(kind: str, registry, check, requested: str, cfg: MoEConfig, env: Environment) -> tuple[str, str]:
+    """-> (name, reason). Raises the candidate's error, or MF209 when "auto" finds nothing."""
+    if requested != "auto":
+        registry.get(requested)  # MF201 for an unknown name
+        err = check(requested, cfg, env)
+        if err:
+            raise err
+        return requested, f"{kind} {requested!r} requested and valid here"
+    ranked = sorted(registry.items(), key=lambda item: -item[1].caps.priority)
+    refused = []
+    for name, cls in ranked:
+        err = check(name, cfg, env)
+        if err is None:
+            skipped = f"; skipped {', '.join(refused)}" if refused else ""
+            return name, f"{kind} 'auto' -> {name!r}: highest priority ({cls.caps.priority}) valid {kind}{skipped}"
+        refused.append(f"{name} ({err.code})")
+    raise error("MF209", kind=kind, tried=", ".join(refused))
+
+
+def plan(cfg: MoEConfig, env: Environment) -> Plan:
+    err = check_scheme(cfg, env)
+    if err:
+        raise err
+    dispatcher, why_d = _choose("dispatcher", DISPATCHERS, check_dispatcher, cfg.dispatcher, cfg, env)
+    runner, why_r = _choose("runner", RUNNERS, check_runner, cfg.runner, cfg, env)
+    layout = DISPATCHERS.get(dispatcher).caps.layout
+    runner_layouts = RUNNERS.get(runner).caps.layouts
+    runner_layout = layout if layout in runner_layouts else runner_layouts[0]
+    reasons = (f"quant {cfg.quant!r}: shape rules met", why_d, why_r,
+               f"layout {layout!r} " + ("consumed natively" if layout == runner_layout
+                                        else f"converted to {runner_layout!r} for the runner"))
+    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons)
+
+
+def cell_status(cfg: MoEConfig, env: Environment) -> str:
+    """'ok' or the error code that refuses this (scheme, runner, dispatcher) cell."""
+    try:
+        plan(cfg, env)
+    except MoeflowError as exc:
+        return exc.code
+    return "ok"
+
+
+def matrix(template: MoEConfig, env: Environment) -> list[tuple[str, str, str, str]]:
+    """[(scheme, runner, dispatcher, 'ok' | code)] over every registered triple."""
+    rows = []
+    for scheme in SCHEMES.names():
+        for runner in RUNNERS.names():
+            for dispatcher in DISPATCHERS.names():
+                cfg = template.replace(quant=scheme, runner=runner, dispatcher=dispatcher)
+                rows.append((scheme, runner, dispatcher, cell_status(cfg, env)))
+    return rows

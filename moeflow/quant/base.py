@@ -1,0 +1,67 @@
+"""The quantization-scheme interface.
+
+Scale convention (all schemes): a scale is the *dequantization multiplier*, float32:
+``real ≈ float(q) * scale``. This is exactly Hugging Face's ``*_scale_inv`` tensors (DeepSeek-V3's
+``weight_scale_inv``), so checkpoints load without inversion. Quantization divides by the scale
+and saturates to ±448 (FP8 e4m3fn's largest finite value): an overflow never becomes NaN.
+Scales are amax / 448 over their group (a group of all zeros gets a tiny positive scale, so it
+quantizes to zeros instead of NaN).
+
+Weights are [E, N, K] (N output rows, K the reduction dim: gate_up_proj [E, 2I, H],
+down_proj [E, H, I]). Activations are [M, K] rows; their scales are always [M, G] float32 so that
+they travel with their rows through permutations and all-to-all: G = 1 for per-tensor and
+per-token schemes, G = ceil(K / 128) for 1x128 groups.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..capabilities import SchemeCaps
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_MIN_AMAX = 1e-12
+
+
+def amax_to_scale(amax: Tensor) -> Tensor:
+    """amax (any shape) -> float32 dequantization scale, amax / 448, never zero."""
+    return amax.float().clamp(min=_MIN_AMAX) / FP8_MAX
+
+
+def to_fp8(x: Tensor, scale: Tensor) -> Tensor:
+    """Saturating quantize: float32 ``x / scale`` clamped to ±448 then cast (NaN stays NaN)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+class QuantScheme(ABC):
+    name: ClassVar[str]
+    quantized: ClassVar[bool] = True
+    caps: ClassVar[SchemeCaps] = SchemeCaps()
+
+    @abstractmethod
+    def weight_scale_shape(self, e: int, n: int, k: int) -> tuple[int, ...]:
+        """Shape of the scale of a weight [e, n, k]."""
+
+    @abstractmethod
+    def quantize_weight(self, w: Tensor) -> tuple[Tensor, Tensor | None]:
+        """w: [E, N, K] floating -> (q [E, N, K] storage dtype, scale weight_scale_shape or None)."""
+
+    @abstractmethod
+    def dequantize_weight(self, q: Tensor, scale: Tensor | None) -> Tensor:
+        """-> [E, N, K] float32."""
+
+    @abstractmethod
+    def quantize_activation(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """x: [M, K] floating -> (q [M, K], scale [M, G] float32 or None). Dynamic: scales from x."""
+
+    @abstractmethod
+    def dequantize_activation(self, q: Tensor, scale: Tensor | None) -> Tensor:
+        """-> [M, K] float32."""
+
+    def fake_quantize_activation(self, x: Tensor) -> Tensor:
+        """Quantize then dequantize: what the activation looks like to the GEMM, float32."""
+        return self.dequantize_activation(*self.quantize_activation(x))

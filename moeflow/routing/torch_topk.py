@@ -1,0 +1,47 @@
+"""Routing in torch, float32: softmax or sigmoid scores, optional grouped top-k with a selection
+bias (DeepSeek-V3's noaux_tc), renormalization and routed scaling.
+
+Matches Hugging Face's routers: Mixtral and Qwen3-MoE (softmax -> top-k -> optional renormalize)
+and DeepSeek-V3 (sigmoid -> +bias for choice -> groups ranked by the sum of their top-2 ->
+top-k among kept groups -> weights are the *unbiased* scores -> renormalize -> × scaling).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Router
+
+
+class TorchTopK(Router):
+    name = "torch"
+
+    def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
+        cfg = self.config
+        logits = router_logits.float()
+        scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if cfg.grouped:
+            choice = self._mask_groups(choice, correction_bias is not None)
+        ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=True).indices
+        weights = scores.gather(1, ids)
+        if cfg.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
+        return ids.to(torch.int32), weights
+
+    def _mask_groups(self, choice: Tensor, biased: bool) -> Tensor:
+        """Keep the topk_groups best of num_expert_groups groups; others get -inf.
+
+        choice: [T, E] float32. A group's score is the sum of its two best entries when a
+        correction bias is used (DeepSeek-V3), else its best entry (DeepSeek-V2).
+        """
+        cfg = self.config
+        t, e = choice.shape
+        g = cfg.num_expert_groups
+        grouped = choice.view(t, g, e // g)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1) if biased else grouped.amax(-1)
+        keep = torch.topk(group_scores, cfg.topk_groups, dim=-1, sorted=False).indices
+        mask = torch.zeros(t, g, dtype=torch.bool, device=choice.device).scatter_(1, keep, True)
+        return grouped.masked_fill(~mask[:, :, None], float("-inf")).view(t, e)

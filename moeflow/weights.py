@@ -1,0 +1,140 @@
+"""load_weights: Hugging Face names and layouts into a moeflow layer.
+
+Names (E experts, H hidden, I intermediate, S shared intermediate):
+    gate_up_proj                [E, 2I, H]  gate rows first      (float, or float8_e4m3fn + scale)
+    down_proj                   [E, H, I]
+    gate_up_proj_scale_inv      scale of an FP8 gate_up_proj     (dequantization multiplier)
+    down_proj_scale_inv         scale of an FP8 down_proj
+    e_score_correction_bias     [E]                              (use_correction_bias=True)
+    shared_experts.{gate,up}_proj.weight [S, H], shared_experts.down_proj.weight [H, S]
+        (``shared_expert.`` — Qwen2-MoE's spelling — is accepted too; ``.weight_scale_inv``
+        beside an FP8 shared weight is honoured by dequantizing it)
+    shared_expert_gate.weight   [1, H]                           (shared_expert_gate=True)
+
+Expert tensors may hold all E experts (a rank keeps its own) or exactly this rank's E_local.
+High-precision expert weights are quantized by the layer's scheme. FP8 expert weights are kept
+as they are when their scale has the layer scheme's shape (an fp8-block checkpoint into an
+fp8-block layer loads without dequantizing); a scale of another scheme's shape is dequantized
+and requantized by the layer's scheme.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .errors import error
+from .quant import FP8_DTYPE, SCHEMES, create_scheme
+
+EXPERT_NAMES = ("gate_up_proj", "down_proj")
+SHARED_NAMES = ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
+
+
+def expected_names(layer) -> list[str]:
+    """Names load_weights requires for this layer (scales are optional companions)."""
+    names = list(EXPERT_NAMES)
+    if layer.e_score_correction_bias is not None:
+        names.append("e_score_correction_bias")
+    if layer.shared_experts is not None:
+        names += SHARED_NAMES
+    if getattr(layer, "shared_expert_gate", None) is not None:
+        names.append("shared_expert_gate.weight")
+    return names
+
+
+def _canonical(name: str) -> str:
+    return "shared_experts." + name[len("shared_expert."):] if name.startswith("shared_expert.") else name
+
+
+@torch.no_grad()
+def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
+    state = {_canonical(k): v for k, v in state.items()}
+    required = expected_names(layer)
+    optional = [n + "_scale_inv" for n in EXPERT_NAMES] + [n + "_scale_inv" for n in SHARED_NAMES]
+    valid = required + optional
+    if strict:
+        missing = [n for n in required if n not in state]
+        if missing:
+            raise error("MF401", names=missing, valid=required)
+        unknown = [n for n in state if n not in valid]
+        if unknown:
+            raise error("MF403", names=unknown, valid=valid)
+    cfg = layer.config
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    for name, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+        if name in state:
+            _load_expert(layer, name, state[name], state.get(name + "_scale_inv"), n, k)
+    if "e_score_correction_bias" in state and layer.e_score_correction_bias is not None:
+        bias = state["e_score_correction_bias"]
+        _expect_shape("e_score_correction_bias", bias, (e,))
+        layer.e_score_correction_bias.data.copy_(bias.float())
+    if layer.shared_experts is not None:
+        s = cfg.shared_size
+        for name, shape in zip(SHARED_NAMES, ((s, h), (s, h), (h, s))):
+            if name in state:
+                w = _dense(name, state[name], state.get(name + "_scale_inv"), shape)
+                layer.get_parameter(name).data.copy_(w.to(cfg.dtype))
+    gate = getattr(layer, "shared_expert_gate", None)
+    if gate is not None and "shared_expert_gate.weight" in state:
+        w = state["shared_expert_gate.weight"]
+        _expect_shape("shared_expert_gate.weight", w, (1, h))
+        gate.weight.data.copy_(w.to(cfg.dtype))
+
+
+def _expect_shape(name: str, t: Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise error("MF402", name=name, shape=tuple(t.shape), expected=list(shape))
+
+
+def _load_expert(layer, name: str, w: Tensor, scale: Tensor | None, n: int, k: int) -> None:
+    cfg = layer.config
+    e_all, local = cfg.num_experts, layer.local_experts
+    if w.dim() != 3 or tuple(w.shape[1:]) != (n, k) or w.shape[0] not in (e_all, len(local)):
+        raise error("MF402", name=name, shape=tuple(w.shape), expected=f"[{e_all} (or local {len(local)}), {n}, {k}]")
+    pick = w.shape[0] == e_all and len(local) != e_all
+    index = torch.tensor(local, device=w.device)
+    if pick:
+        w = w.index_select(0, index)
+    if w.dtype == FP8_DTYPE:
+        if scale is None:
+            raise error("MF404", name=name, why=f"float8_e4m3fn weights need {name}_scale_inv beside them")
+        if not scale.dtype.is_floating_point:
+            raise error("MF404", name=name + "_scale_inv", why=f"scales must be floating, got {scale.dtype}")
+        if pick and scale.dim() and scale.shape[0] == e_all:
+            scale = scale.index_select(0, index.to(scale.device))
+        source = _scheme_of_scale(layer.scheme, scale, w.shape)
+        if source is None:
+            raise error("MF402", name=name + "_scale_inv", shape=tuple(scale.shape),
+                        expected=f"{list(layer.scheme.weight_scale_shape(*w.shape))} (or another FP8 scheme's scale shape)")
+        if source.name == layer.scheme.name:
+            getattr(layer, name).data.copy_(w)
+            getattr(layer, name + "_scale_inv").data.copy_(scale.float())
+            return
+        w = source.dequantize_weight(w, scale.float().to(w.device))
+    elif not w.dtype.is_floating_point:
+        raise error("MF404", name=name, why=f"dtype {w.dtype} is neither floating nor float8_e4m3fn")
+    elif scale is not None:
+        raise error("MF404", name=name + "_scale_inv", why="a scale was given for a high-precision weight")
+    layer._store_expert_weight(name, w.to(cfg.dtype))
+
+
+def _scheme_of_scale(preferred, scale: Tensor, wshape) -> object | None:
+    """The FP8 scheme whose weight-scale shape matches ``scale`` (the layer's own first)."""
+    candidates = [preferred] + [create_scheme(n) for n in SCHEMES.names() if n != preferred.name]
+    for scheme in candidates:
+        if scheme.quantized and tuple(scheme.weight_scale_shape(*wshape)) == tuple(scale.shape):
+            return scheme
+    return None
+
+
+def _dense(name: str, w: Tensor, scale: Tensor | None, shape: tuple) -> Tensor:
+    """A 2-D shared-expert weight, dequantized when it is FP8 (any scheme's scale shape)."""
+    _expect_shape(name, w, shape)
+    if w.dtype != FP8_DTYPE:
+        return w
+    if scale is None:
+        raise error("MF404", name=name, why=f"float8_e4m3fn weights need {name}_scale_inv beside them")
+    s1 = scale.reshape(1) if scale.numel() == 1 else scale.unsqueeze(0)  # as a 1-expert scale
+    source = _scheme_of_scale(create_scheme("fp8-block"), s1, (1, *shape))
+    if source is None:
+        raise error("MF402", name=name + "_scale_inv", shape=tuple(scale.shape), expected="a block, channel or tensor scale")
+    return source.dequantize_weight(w[None], s1.float().to(w.device))[0]
