@@ -359,6 +359,11 @@ Fix: run `moeflow explain` with no argument for the list of codes.
 Example: moeflow explain MF202
 """)
 
+# ---------------------------------------------------------------- MF21x: Triton runner (added by its issue)
+# ---------------------------------------------------------------- MF505+: expert-parallel additions
+# ---------------------------------------------------------------- MF603+: kernel configs / tuning
+# ---------------------------------------------------------------- MF7xx: model integration (transformers)
+
 
 CATALOGUE: dict[str, ErrorSpec] = {s.code: s for s in _SPECS}
 

@@ -1,0 +1,27 @@
+"""The one tolerance table: relative error ‖out − ref‖ / ‖ref‖ allowed against the float64 oracle.
+
+Keyed by (quant scheme, layer dtype). FP8 rows compare against an oracle that quantizes the
+activations the same way and uses the dequantized weights, so what remains is rounding order:
+float32 accumulation, the dtype rounding of the intermediate, and FP8 values that land on the
+other side of a rounding boundary (one e4m3 step is 6-12% of one element, rarely hit).
+"""
+import torch
+
+REL_TOL = {
+    ("none", torch.float32): 1e-5,
+    ("none", torch.float16): 4e-3,
+    ("none", torch.bfloat16): 2e-2,
+    ("fp8-tensor", torch.float32): 2e-2,
+    ("fp8-tensor", torch.float16): 3e-2,
+    ("fp8-tensor", torch.bfloat16): 4e-2,
+    ("fp8-channel", torch.float32): 2e-2,
+    ("fp8-channel", torch.float16): 3e-2,
+    ("fp8-channel", torch.bfloat16): 4e-2,
+    ("fp8-block", torch.float32): 2e-2,
+    ("fp8-block", torch.float16): 3e-2,
+    ("fp8-block", torch.bfloat16): 4e-2,
+}
+
+
+def rel_tol(scheme: str, dtype: torch.dtype) -> float:
+    return REL_TOL[(scheme, dtype)]
