@@ -44,4 +44,5 @@ class LocalDispatcher(Dispatcher):
         t, k = handle.num_tokens, handle.top_k
         per_copy = torch.empty_like(expert_out)
         per_copy[handle.order] = expert_out
-        return per_copy.view(t, k, -1).float().sum(dim=1).to(expert_out.dtype)
+        # explicit H: view(0, k, -1) is ambiguous when T = 0
+        return per_copy.view(t, k, expert_out.shape[-1]).float().sum(dim=1).to(expert_out.dtype)
