@@ -368,8 +368,9 @@ Example: moeflow explain MF202
 CATALOGUE: dict[str, ErrorSpec] = {s.code: s for s in _SPECS}
 
 
-def error(code: str, **fields) -> MoeflowError:
-    """Build (not raise) the coded exception for ``code`` with its message filled from ``fields``."""
+def error(code: str, /, **fields) -> MoeflowError:
+    """Build (not raise) the coded exception for ``code`` with its message filled from ``fields``.
+    ``code`` is positional-only so that a message may itself have a ``{code}`` field (MF602)."""
     spec = CATALOGUE[code]
     return spec.cls(code, spec.message.format(**fields))
 
