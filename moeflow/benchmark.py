@@ -1,0 +1,61 @@
+"""Benchmark helpers: timing, FLOP and byte counts, the roofline of one MoE layer (PERF.md's method).
+
+    FLOPs  = 2 · T · K · 3 · H · I                    (gate_up GEMM [H→2I] + down GEMM [I→H])
+    bytes ≥ hit · 3 · H · I · bytes_per_weight + T · H · 2 · bytes_per_act
+    hit    = expected distinct experts touched by random routing, E · (1 − (1 − K/E)^T)
+    floor  = max(FLOPs / matrix peak, bytes / memory bandwidth)
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import MoEConfig
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Peak rates used for '% of roofline'. Defaults: PERF.md's measurements on the lent H200
+    (2026-11-30); re-measure in the same run when quoting ratios (benchmarks/ scripts do)."""
+
+    bf16_flops: float = 700e12
+    fp8_flops: float = 1265e12
+    bandwidth: float = 4.27e12
+
+
+def layer_flops(cfg: MoEConfig, tokens: int) -> float:
+    return 2.0 * tokens * cfg.top_k * 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def experts_hit(cfg: MoEConfig, tokens: int) -> float:
+    e, k = cfg.num_experts, cfg.top_k
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def layer_bytes(cfg: MoEConfig, tokens: int) -> float:
+    w_bytes = 1 if cfg.quant.startswith("fp8") else cfg.dtype.itemsize
+    weights = experts_hit(cfg, tokens) * 3 * cfg.hidden_size * cfg.intermediate_size * w_bytes
+    return weights + tokens * cfg.hidden_size * 2 * cfg.dtype.itemsize
+
+
+def roofline_seconds(cfg: MoEConfig, tokens: int, ceilings: Ceilings = Ceilings()) -> float:
+    peak = ceilings.fp8_flops if cfg.quant.startswith("fp8") else ceilings.bf16_flops
+    return max(layer_flops(cfg, tokens) / peak, layer_bytes(cfg, tokens) / ceilings.bandwidth)
+
+
+def time_fn(fn, device: torch.device, min_seconds: float = 0.2, max_reps: int = 200, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over repetitions (device-synchronized)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples, start = [], time.perf_counter()
+    while len(samples) < max_reps and (len(samples) < 3 or time.perf_counter() - start < min_seconds):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)

@@ -1,0 +1,56 @@
+"""The command line: matrix, check, explain, env, bench (small, on the CPU)."""
+import json
+
+import pytest
+
+from moeflow.cli import main
+from moeflow.errors import CATALOGUE
+
+
+def test_explain_every_code(capsys):
+    for code, spec in CATALOGUE.items():
+        assert main(["explain", code]) == 0
+        out = capsys.readouterr().out
+        assert code in out and spec.explanation in out
+
+
+def test_explain_lists_codes_and_refuses_unknown(capsys):
+    assert main(["explain"]) == 0
+    listing = capsys.readouterr().out
+    assert all(code in listing for code in CATALOGUE)
+    assert main(["explain", "MF999"]) == 2
+    assert "MF602" in capsys.readouterr().err
+
+
+def test_check_prints_plan_or_code(capsys):
+    assert main(["check", "--quant", "fp8-block", "--device", "cpu"]) == 0
+    assert "runner:      reference" in capsys.readouterr().out
+    assert main(["check", "--quant", "fp8-block", "--runner", "grouped_mm", "--device", "cpu"]) == 2
+    assert "MF202" in capsys.readouterr().err
+    assert main(["check", "--preset", "nope"]) == 2
+    assert "MF601" in capsys.readouterr().err
+
+
+def test_matrix_hypothetical_gpu(capsys):
+    assert main(["matrix", "--device", "cuda", "--cc", "8.0"]) == 0
+    out = capsys.readouterr().out
+    assert "MF204" in out  # grouped_mm needs sm_90
+
+
+def test_env_lists_variables(capsys):
+    assert main(["env"]) == 0
+    assert "MOEFLOW_VALIDATE_INPUTS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8-block"])
+def test_bench_small_runs_and_checks(tmp_path, capsys, quant):
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--quant", quant, "--tokens", "3,17", "--device", "cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    ran = [r for r in rows if r["status"] == "ok"]
+    assert {r["T"] for r in ran} == {3, 17}
+    for r in ran:
+        assert r["us"] > 0
+        assert r["rel_err"] is None or r["rel_err"] < 2e-2  # bf16 vs the reference runner
+    refused = [r for r in rows if r["status"] != "ok"]
+    assert all(r["status"] in CATALOGUE for r in refused)
