@@ -35,3 +35,71 @@ def assert_close(out, ref, tol, what=""):
         where = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0]) if diff.numel() else ()
         raise AssertionError(f"{what}: relative error {err:.3e} > {tol:.1e}; worst at {where}: "
                              f"out={out.double()[where].item() if where else None} ref={ref.double()[where].item() if where else None}")
+
+
+# ---------------------------------------------------------------- routing, Hugging Face style
+def hf_route(logits, top_k, scoring="softmax", renormalize=True, groups=1, topk_groups=1, bias=None, scale=1.0):
+    """Routing as Hugging Face's Mixtral / Qwen3-MoE / DeepSeek-V3 routers do it, float32.
+
+    -> (ids [T, K] int64, weights [T, K] float32), ids in topk order (unsorted for grouped).
+    softmax: softmax -> top-k -> optional renormalize (Mixtral: on; Qwen3-MoE: norm_topk_prob).
+    sigmoid (DeepSeek-V3): scores = sigmoid; choice = scores + bias; with groups, a group's score
+    is the sum of its two best choice values (bias) or its best value (no bias); the
+    topk_groups best groups are kept and the rest masked with -inf; top-k on choice; weights
+    are the *unbiased* scores gathered; renormalize with a +1e-20 guard; times ``scale``.
+    """
+    logits = logits.float()
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if groups > 1:
+        t, e = choice.shape
+        per_group = choice.view(t, groups, e // groups)
+        gscore = per_group.topk(2, dim=-1)[0].sum(-1) if bias is not None else per_group.max(-1).values
+        gidx = torch.topk(gscore, k=topk_groups, dim=-1, sorted=False)[1]
+        gmask = torch.zeros_like(gscore).scatter_(1, gidx, 1)
+        emask = gmask.unsqueeze(-1).expand(-1, groups, e // groups).reshape(t, e)
+        choice = choice.masked_fill(~emask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scale
+
+
+def route_for(cfg, logits, bias=None):
+    """hf_route with the routing fields of a moeflow MoEConfig."""
+    return hf_route(logits, cfg.top_k, cfg.scoring, cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups,
+                    bias if cfg.use_correction_bias else None, cfg.routed_scaling_factor)
+
+
+# ---------------------------------------------------------------- whole layer
+def dequantized_experts(layer):
+    """(w13 [E,2I,H], w2 [E,H,I]) float32 as the layer's scheme stores them, dequantized."""
+    s = layer.scheme
+    return (s.dequantize_weight(layer.gate_up_proj, layer.gate_up_proj_scale_inv),
+            s.dequantize_weight(layer.down_proj, layer.down_proj_scale_inv))
+
+
+def shared_oracle(layer, x):
+    """The shared-expert part of a layer, float64 [T, H] (zeros without shared experts): a gated
+    MLP whose intermediate is rounded to the layer dtype like the routed experts', optionally
+    scaled by sigmoid(x @ shared_expert_gate)."""
+    cfg = layer.config
+    xd = x.double()
+    if layer.shared_experts is None:
+        return torch.zeros_like(xd)
+    m = layer.shared_experts
+    g, u = xd @ m.gate_proj.weight.double().T, xd @ m.up_proj.weight.double().T
+    a = (ACTS[cfg.activation](g) * u).to(cfg.dtype).double()
+    y = a @ m.down_proj.weight.double().T
+    if layer.shared_expert_gate is not None:
+        y = y * torch.sigmoid(xd @ layer.shared_expert_gate.weight.double().T)
+    return y
+
+
+def layer_oracle(layer, x, ids, w):
+    """The whole layer in float64 for given routing: routed experts (oracle_moe on the dequantized
+    weights, activations fake-quantized by the layer's scheme) + shared experts. -> [T, H]."""
+    w13, w2 = dequantized_experts(layer)
+    cfg = layer.config
+    return oracle_moe(x, ids, w, w13, w2, cfg.activation, layer.scheme, cfg.dtype) + shared_oracle(layer, x)

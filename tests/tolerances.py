@@ -4,6 +4,11 @@ Keyed by (quant scheme, layer dtype). FP8 rows compare against an oracle that qu
 activations the same way and uses the dequantized weights, so what remains is rounding order:
 float32 accumulation, the dtype rounding of the intermediate, and FP8 values that land on the
 other side of a rounding boundary (one e4m3 step is 6-12% of one element, rarely hit).
+
+Why these numbers (CPU, reference runner, H=I=128, measured): FP8 cells land at ~3e-7 (fp32),
+~5e-4 (fp16) and ~2.5e-3 (bf16); GPU GEMMs that round the first GEMM's output to the layer dtype
+flip more FP8 roundings, hence the headroom. The FP8 rows must stay below ~4.5e-2: that is the
+error of a runner that forgets to quantize its activations, which these rows exist to catch.
 """
 import torch
 
@@ -11,15 +16,15 @@ REL_TOL = {
     ("none", torch.float32): 1e-5,
     ("none", torch.float16): 4e-3,
     ("none", torch.bfloat16): 2e-2,
-    ("fp8-tensor", torch.float32): 2e-2,
-    ("fp8-tensor", torch.float16): 3e-2,
-    ("fp8-tensor", torch.bfloat16): 4e-2,
-    ("fp8-channel", torch.float32): 2e-2,
-    ("fp8-channel", torch.float16): 3e-2,
-    ("fp8-channel", torch.bfloat16): 4e-2,
-    ("fp8-block", torch.float32): 2e-2,
-    ("fp8-block", torch.float16): 3e-2,
-    ("fp8-block", torch.bfloat16): 4e-2,
+    ("fp8-tensor", torch.float32): 5e-3,
+    ("fp8-tensor", torch.float16): 1e-2,
+    ("fp8-tensor", torch.bfloat16): 3e-2,
+    ("fp8-channel", torch.float32): 5e-3,
+    ("fp8-channel", torch.float16): 1e-2,
+    ("fp8-channel", torch.bfloat16): 3e-2,
+    ("fp8-block", torch.float32): 5e-3,
+    ("fp8-block", torch.float16): 1e-2,
+    ("fp8-block", torch.bfloat16): 3e-2,
 }
 
 

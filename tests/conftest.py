@@ -1,0 +1,72 @@
+"""Shared fixtures of the CPU suite.
+
+- every test is seeded from its own id (fresh random data per test, reproducible run to run);
+- ``make_layer`` builds a layer and loads fresh random weights through ``load_weights`` with
+  Hugging Face names (never the zeros/ones a broken init might leave);
+- ``poison`` makes ``torch.empty`` / ``torch.empty_like`` return NaN-filled floating tensors, so
+  an element a kernel forgets to write shows up as NaN in the output instead of as stale memory.
+"""
+import random
+import zlib
+
+import pytest
+import torch
+
+from moeflow import MoE
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_fill(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan_fill(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_fill(empty_like(*a, **kw)))
+
+
+def random_state(cfg, dtype=torch.float32):
+    """Fresh random weights for ``cfg`` under Hugging Face names, scaled like nn.Linear (outputs O(1))."""
+    e, h, i, s = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.shared_size
+    state = {
+        "gate_up_proj": torch.randn(e, 2 * i, h, dtype=dtype) / h ** 0.5,
+        "down_proj": torch.randn(e, h, i, dtype=dtype) / i ** 0.5,
+    }
+    if cfg.use_correction_bias:
+        # DeepSeek-V3 biases are O(0.1-1): some biased choice scores become negative
+        state["e_score_correction_bias"] = torch.rand(e) - 0.5
+    if s:
+        state["shared_experts.gate_proj.weight"] = torch.randn(s, h, dtype=dtype) / h ** 0.5
+        state["shared_experts.up_proj.weight"] = torch.randn(s, h, dtype=dtype) / h ** 0.5
+        state["shared_experts.down_proj.weight"] = torch.randn(h, s, dtype=dtype) / s ** 0.5
+    if cfg.shared_expert_gate:
+        state["shared_expert_gate.weight"] = torch.randn(1, h, dtype=dtype) / h ** 0.5
+    return state
+
+
+@pytest.fixture
+def make_layer():
+    """make_layer(config=None, **fields) -> MoE with fresh random weights loaded by HF names."""
+
+    def make(config=None, **fields):
+        layer = MoE(config, **fields)
+        layer.load_weights(random_state(layer.config))
+        return layer
+
+    return make
+
+
+@pytest.fixture
+def weights_for():
+    """weights_for(cfg, dtype=float32) -> dict of fresh random HF-named weights for ``cfg``."""
+    return random_state
