@@ -14,6 +14,10 @@ import torch
 
 from moeflow import MoE
 
+# The suite's tensors are tiny: intra-op threads only add OpenMP hand-offs, which on a loaded
+# 2-core machine cost ~50 ms per op (a small layer's forward: 4 ms on one thread, 240 ms on two).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed(request):

@@ -1,0 +1,236 @@
+"""The registry walk: every (scheme, runner, dispatcher) cell of ``moeflow.planner.matrix`` on this
+CPU machine is either BUILT, RUN and compared with the oracle ("ok"), or refused at construction
+with its documented code, which ``moeflow explain CODE`` explains. Hypothetical environments
+(Hopper, Ampere, two CPU ranks) are walked at the planner level: refusals carry catalogue codes.
+
+Also the catalogue's own hygiene: every code explained (What/When/Fix/Example), every
+``error("MFxxx"`` literal in the package catalogued, and no NotImplementedError or bare ``assert``
+anywhere in moeflow/.
+"""
+import ast
+import re
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import moeflow
+from moeflow import MoE, MoEConfig, MoeflowError
+from moeflow.capabilities import Environment
+from moeflow.dispatch import DISPATCHERS
+from moeflow.errors import CATALOGUE, error, explain
+from moeflow.experts import RUNNERS
+from moeflow.planner import matrix, plan
+from oracle import assert_close, layer_oracle, route_for
+from tolerances import rel_tol
+
+PACKAGE = Path(moeflow.__file__).parent
+CPU = Environment.detect(torch.device("cpu"))  # this machine, one process
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TEMPLATES = {
+    # block-aligned sizes: every scheme's shape rules hold
+    "aligned": dict(num_experts=8, hidden_size=128, intermediate_size=128, top_k=2),
+    # non-power-of-two sizes, grouped sigmoid routing, shared experts: fp8-block refuses (MF206)
+    "odd": dict(num_experts=6, hidden_size=96, intermediate_size=40, top_k=3, scoring="sigmoid",
+                num_expert_groups=3, topk_groups=2, use_correction_bias=True, num_shared_experts=1,
+                shared_intermediate_size=24),
+}
+BUILTIN = (ValueError, TypeError, RuntimeError, TimeoutError)
+
+
+def walk(env):
+    """[(template, dtype, scheme, runner, dispatcher, status)] over every registered cell."""
+    cells = []
+    for name, fields in TEMPLATES.items():
+        for dtype in DTYPES:
+            for row in matrix(MoEConfig(**fields, dtype=dtype), env):
+                cells.append((name, dtype, *row))
+    return cells
+
+
+CPU_CELLS = walk(CPU)
+
+
+def cell_id(c):
+    return "-".join(str(v).removeprefix("torch.") for v in c)
+
+
+def test_the_walk_is_not_vacuous():
+    statuses = {c[-1] for c in CPU_CELLS}
+    assert "ok" in statuses and len(statuses) > 1  # both built and refused cells on CPU
+    n = len(RUNNERS.names()) * len(DISPATCHERS.names()) * 4 * len(DTYPES) * len(TEMPLATES)
+    assert len(CPU_CELLS) == n
+
+
+@pytest.mark.parametrize("cell", CPU_CELLS, ids=cell_id)
+def test_cpu_cell(cell, poison, weights_for):
+    template, dtype, scheme, runner, dispatcher, status = cell
+    cfg = MoEConfig(**TEMPLATES[template], dtype=dtype, quant=scheme, runner=runner, dispatcher=dispatcher)
+    if status != "ok":
+        with pytest.raises(MoeflowError) as info:
+            MoE(cfg)  # refused when the layer is built
+        err = info.value
+        assert err.code == status
+        assert isinstance(err, CATALOGUE[status].cls) and isinstance(err, BUILTIN)
+        assert f"moeflow explain {status}" in str(err)
+        assert status in explain(status) and CATALOGUE[status].title in explain(status)
+        return
+    layer = MoE(cfg)
+    assert (layer.plan.scheme, layer.plan.runner, layer.plan.dispatcher) == (scheme, runner, dispatcher)
+    layer.load_weights(weights_for(cfg))
+    x = torch.randn(19, cfg.hidden_size).to(dtype)
+    logits = torch.randn(19, cfg.num_experts)
+    ids, w = route_for(cfg, logits, layer.e_score_correction_bias)
+    assert_close(layer(x, logits), layer_oracle(layer, x, ids, w), rel_tol(scheme, dtype), what=cell_id(cell))
+
+
+REFUSED_CODES = sorted({c[-1] for c in CPU_CELLS if c[-1] != "ok"})
+
+
+@pytest.mark.parametrize("code", REFUSED_CODES)
+def test_cli_explains_refusal_codes(code, capsys):
+    from moeflow.cli import main
+
+    assert main(["explain", code]) == 0
+    assert capsys.readouterr().out.strip() == explain(code).strip()
+
+
+def test_python_m_moeflow_explain():
+    """The real entry point, in a fresh interpreter (one code: a subprocess costs seconds)."""
+    code = REFUSED_CODES[0]
+    root = PACKAGE.parent
+    proc = subprocess.run([sys.executable, "-m", "moeflow", "explain", code], capture_output=True, text=True,
+                          cwd=root, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == explain(code).strip()
+
+
+# ---------------------------------------------------------------- hypothetical environments
+HYPOTHETICAL = {
+    "cuda-sm90": Environment("cuda", (9, 0)),
+    "cuda-sm80": Environment("cuda", (8, 0)),
+    "cpu-2-ranks": Environment("cpu", None, world_size=2),
+}
+
+
+@pytest.mark.parametrize("env_name", HYPOTHETICAL)
+def test_hypothetical_environment_refusals_are_coded(env_name):
+    env = HYPOTHETICAL[env_name]
+    cells = walk(env)
+    for template, dtype, scheme, runner, dispatcher, status in cells:
+        if status == "ok":
+            continue
+        assert status in CATALOGUE and status.startswith("MF2"), status
+        cfg = MoEConfig(**TEMPLATES[template], dtype=dtype, quant=scheme, runner=runner, dispatcher=dispatcher)
+        with pytest.raises(MoeflowError) as info:
+            plan(cfg, env)
+        err = info.value
+        assert err.code == status and isinstance(err, CATALOGUE[status].cls)
+        named = (runner, dispatcher, scheme, "hidden_size", "intermediate_size")
+        assert any(n in str(err) for n in named), f"{status} does not name the offending value: {err}"
+    assert any(c[-1] == "ok" for c in cells) or env_name == "cpu-2-ranks"
+
+
+def status_of(env, scheme, runner, dispatcher, dtype=torch.bfloat16, template="aligned"):
+    cfg = MoEConfig(**TEMPLATES[template], dtype=dtype)
+    rows = {(s, r, d): st for s, r, d, st in matrix(cfg, env)}
+    return rows[(scheme, runner, dispatcher)]
+
+
+def test_known_cells():
+    """Specific cells whose status the capability declarations fix."""
+    sm90, sm80, two = HYPOTHETICAL["cuda-sm90"], HYPOTHETICAL["cuda-sm80"], HYPOTHETICAL["cpu-2-ranks"]
+    assert status_of(CPU, "none", "grouped_mm", "local") == "ok"
+    assert status_of(CPU, "fp8-tensor", "grouped_mm", "local") == "MF202"  # no CPU FP8 grouped GEMM
+    assert status_of(CPU, "fp8-block", "reference", "local", template="odd") == "MF206"  # H=96 not /128
+    assert status_of(sm90, "none", "grouped_mm", "local") == "ok"
+    assert status_of(sm90, "fp8-channel", "grouped_mm", "local") == "ok"  # row-wise _scaled_grouped_mm
+    assert status_of(sm90, "fp8-block", "grouped_mm", "local") == "MF202"  # no block-scale mode
+    assert status_of(sm90, "none", "grouped_mm", "local", dtype=torch.float32) == "MF207"
+    assert status_of(sm80, "none", "grouped_mm", "local") == "MF204"  # needs sm90
+    assert status_of(sm80, "fp8-block", "reference", "local") == "ok"  # the reference runs anywhere
+    for scheme in ("none", "fp8-tensor", "fp8-channel", "fp8-block"):
+        assert status_of(two, scheme, "reference", "local") == "MF208"  # local serves one process
+
+
+def test_auto_picks_the_highest_priority_valid_runner():
+    for scheme in ("none", "fp8-block"):
+        layer = MoE(num_experts=4, hidden_size=128, intermediate_size=128, top_k=2, quant=scheme, dtype=torch.float32)
+        valid = [r for s, r, d, st in matrix(layer.config.replace(runner="auto"), CPU)
+                 if s == scheme and d == layer.plan.dispatcher and st == "ok"]
+        best = max(valid, key=lambda r: RUNNERS.get(r).caps.priority)
+        assert layer.plan.runner == best
+        assert best in str(layer.plan) and "auto" in str(layer.plan)
+    assert MoE(num_experts=4, hidden_size=64, intermediate_size=32, top_k=2,
+               dtype=torch.float32).plan.runner == "grouped_mm"  # over reference on CPU
+
+
+def test_auto_with_nothing_valid_is_mf209():
+    """A device no dispatcher declares: "auto" lists each candidate with the code that refused it."""
+    with pytest.raises(MoeflowError) as info:
+        plan(MoEConfig(**TEMPLATES["aligned"]), Environment("mps", None))
+    assert info.value.code == "MF209" and "local (MF203)" in str(info.value)
+
+
+@pytest.mark.parametrize("field", ("runner", "dispatcher"))
+def test_unknown_backend_name_is_mf201(field):
+    with pytest.raises(MoeflowError) as info:
+        MoE(num_experts=4, hidden_size=64, intermediate_size=32, top_k=2, **{field: "no-such-backend"})
+    assert info.value.code == "MF201" and isinstance(info.value, ValueError)
+    registry = RUNNERS if field == "runner" else DISPATCHERS
+    assert all(name in str(info.value) for name in registry.names())  # names the valid choices
+
+
+# ---------------------------------------------------------------- the catalogue itself
+@pytest.mark.parametrize("code", sorted(CATALOGUE))
+def test_catalogue_entry(code):
+    spec = CATALOGUE[code]
+    assert re.fullmatch(r"MF\d{3}", code) and spec.code == code
+    assert issubclass(spec.cls, MoeflowError) and issubclass(spec.cls, BUILTIN)
+    for part in ("What:", "When:", "Fix:", "Example:"):
+        assert part in spec.explanation, f"{code} explanation lacks {part!r}"
+    text = explain(code)
+    assert text.startswith(code) and spec.explanation in text and explain(code.lower()) == text
+    # the message fills from its named fields into one line
+    names = {f for _, f, _, _ in string.Formatter().parse(spec.message) if f}
+    err = error(code, **{n: f"<{n}>" for n in names})
+    assert isinstance(err, spec.cls) and err.code == code and "\n" not in str(err)
+    assert all(f"<{n}>" in str(err) for n in names)
+
+
+def test_explain_unknown_code_is_mf602():
+    with pytest.raises(MoeflowError) as info:
+        explain("MF999")
+    assert info.value.code == "MF602" and isinstance(info.value, RuntimeError) and "MF101" in str(info.value)
+
+
+def package_sources():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 20
+    return files
+
+
+def test_every_raised_code_is_catalogued():
+    literal = re.compile(r"""\berror\(\s*["'](MF\d{3})["']""")
+    found = {}
+    for path in package_sources():
+        for code in literal.findall(path.read_text()):
+            found.setdefault(code, path.relative_to(PACKAGE.parent))
+    assert len(found) >= 20  # the pattern matches the package's style
+    missing = {c: str(p) for c, p in found.items() if c not in CATALOGUE}
+    assert not missing, f"codes raised but not catalogued: {missing}"
+
+
+def test_no_not_implemented_and_no_bare_assert():
+    offences = []
+    for path in package_sources():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assert):
+                offences.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: assert")
+            elif isinstance(node, ast.Name) and node.id == "NotImplementedError":
+                offences.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: NotImplementedError")
+    assert not offences, "\n".join(offences)
