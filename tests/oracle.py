@@ -17,7 +17,8 @@ def oracle_moe(x, ids, w, w13, w2, activation, scheme, dtype):
     h = torch.einsum("th,tknh->tkn", xq, w13.double()[ids.long()])          # [T, K, 2I]
     g, u = h.chunk(2, dim=-1)
     a = (ACTS[activation](g) * u).to(dtype)                                  # rounded like the runners
-    aq = scheme.fake_quantize_activation(a.reshape(t * k, -1)).double().view(t, k, -1)
+    i = a.shape[-1]                                                          # explicit: -1 is ambiguous at T=0
+    aq = scheme.fake_quantize_activation(a.reshape(t * k, i)).double().view(t, k, i)
     y = torch.einsum("tki,tkhi->tkh", aq, w2.double()[ids.long()])           # [T, K, H]
     return torch.einsum("tkh,tk->th", y, w.double())
 
