@@ -1,0 +1,198 @@
+"""Bad input: each user mistake raises its coded error (and the builtin a Python user expects),
+before any kernel runs; NaN in the input propagates and is never hidden."""
+import math
+
+import pytest
+import torch
+
+from moeflow import MoE, MoEConfig, MoeflowError
+from oracle import assert_close, layer_oracle
+
+E, H, I, K, T = 6, 32, 16, 2, 9
+EXPECTED_BUILTIN = {"MF301": ValueError, "MF302": TypeError, "MF303": TypeError, "MF304": ValueError,
+                    "MF305": ValueError}
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return MoE(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, dtype=torch.float32)
+
+
+def raises_code(code, fn, *args):
+    with pytest.raises(MoeflowError) as info:
+        fn(*args)
+    assert info.value.code == code, str(info.value)
+    if code in EXPECTED_BUILTIN:
+        assert isinstance(info.value, EXPECTED_BUILTIN[code])
+    return str(info.value)
+
+
+def good():
+    ids = torch.rand(T, E).topk(K, dim=1).indices
+    return torch.randn(T, H), torch.randn(T, E), ids, torch.rand(T, K)
+
+
+# ---------------------------------------------------------------- forward inputs
+FORWARD_BAD = {
+    # name: (code, make(x, logits) -> (x, logits))
+    "hidden-wrong-H": ("MF301", lambda x, l: (torch.randn(T, H + 1), l)),
+    "hidden-3d": ("MF301", lambda x, l: (x[None], l)),
+    "hidden-1d": ("MF301", lambda x, l: (x[0], l)),
+    "logits-wrong-E": ("MF301", lambda x, l: (x, torch.randn(T, E + 1))),
+    "logits-wrong-T": ("MF301", lambda x, l: (x, torch.randn(T + 1, E))),
+    "hidden-fp16": ("MF302", lambda x, l: (x.half(), l)),
+    "hidden-int": ("MF302", lambda x, l: (x.int(), l)),
+    "hidden-not-a-tensor": ("MF302", lambda x, l: (x.tolist(), l)),
+    "logits-int": ("MF302", lambda x, l: (x, l.long())),
+    "hidden-other-device": ("MF303", lambda x, l: (x.to("meta"), l)),
+    "logits-other-device": ("MF303", lambda x, l: (x, l.to("meta"))),
+}
+
+
+@pytest.mark.parametrize("case", FORWARD_BAD)
+def test_forward_rejects(layer, case):
+    code, make = FORWARD_BAD[case]
+    x, logits, _, _ = good()
+    raises_code(code, layer, *make(x, logits))
+
+
+def test_forward_accepts_any_float_logits(layer):
+    x, logits, _, _ = good()
+    ref = layer(x, logits)
+    assert torch.equal(layer(x, logits.double()), ref)  # routing runs in float32 either way
+
+
+FORWARD_TOPK_BAD = {
+    # name: (code, make(x, ids, w) -> (x, ids, w))
+    "ids-wrong-K": ("MF301", lambda x, i, w: (x, torch.cat([i, i[:, :1]], 1), w)),
+    "weights-wrong-K": ("MF301", lambda x, i, w: (x, i, w[:, :1])),
+    "ids-wrong-T": ("MF301", lambda x, i, w: (x, i[:-1], w)),
+    "weights-1d": ("MF301", lambda x, i, w: (x, i, w[:, 0])),
+    "hidden-bf16": ("MF302", lambda x, i, w: (x.bfloat16(), i, w)),
+    "ids-float": ("MF302", lambda x, i, w: (x, i.float(), w)),
+    "ids-bool": ("MF302", lambda x, i, w: (x, i > 2, w)),
+    "weights-int": ("MF302", lambda x, i, w: (x, i, i)),
+    "ids-other-device": ("MF303", lambda x, i, w: (x, i.to("meta"), w)),
+    "weights-other-device": ("MF303", lambda x, i, w: (x, i, w.to("meta"))),
+    "id-too-large": ("MF304", lambda x, i, w: (x, _set(i, 4, 1, E), w)),
+    "id-negative": ("MF304", lambda x, i, w: (x, _set(i, 0, 0, -1), w)),
+    "duplicate-expert": ("MF305", lambda x, i, w: (x, _set(i, 3, 1, int(i[3, 0])), w)),
+}
+
+
+def _set(ids, row, col, value):
+    ids = ids.clone()
+    ids[row, col] = value
+    return ids
+
+
+@pytest.mark.parametrize("case", FORWARD_TOPK_BAD)
+def test_forward_topk_rejects(layer, case):
+    code, make = FORWARD_TOPK_BAD[case]
+    x, _, ids, w = good()
+    msg = raises_code(code, layer.forward_topk, *make(x, ids, w))
+    if case == "id-too-large":
+        assert f"0..{E - 1}" in msg and str(E) in msg
+    if case == "duplicate-expert":
+        assert "token 3" in msg
+
+
+def test_meta_device_is_a_stand_in_for_another_device(layer):
+    """MF303 is simulated with the meta device on CPU-only machines; the message names both."""
+    x, logits, _, _ = good()
+    msg = raises_code("MF303", layer, x.to("meta"), logits)
+    assert "meta" in msg and "cpu" in msg
+
+
+def test_validation_can_be_switched_off(monkeypatch):
+    """MOEFLOW_VALIDATE_INPUTS=0 skips the checks (the id check reads ids on the host): a row that
+    repeats an expert then simply counts it twice."""
+    monkeypatch.setenv("MOEFLOW_VALIDATE_INPUTS", "0")
+    layer = MoE(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, dtype=torch.float32, runner="reference")
+    x, _, ids, w = good()
+    ids = _set(ids, 3, 1, int(ids[3, 0]))
+    assert_close(layer.forward_topk(x, ids, w), layer_oracle(layer, x, ids, w), 1e-5)
+
+
+# ---------------------------------------------------------------- NaN propagates, never hidden
+@pytest.mark.parametrize("scheme,runner,row_local", (
+    ("none", "reference", True), ("none", "grouped_mm", True), ("fp8-channel", "reference", True),
+    ("fp8-block", "reference", True),
+    ("fp8-tensor", "reference", False),  # one scale for the whole tensor: every row becomes NaN
+))
+def test_nan_input_propagates(scheme, runner, row_local, make_layer, poison):
+    layer = make_layer(num_experts=E, hidden_size=128, intermediate_size=128, top_k=K, quant=scheme, runner=runner,
+                       dtype=torch.float32, num_shared_experts=1, shared_intermediate_size=16)
+    x, logits = torch.randn(T, 128), torch.randn(T, E)
+    clean = layer(x, logits)
+    assert not clean.isnan().any()
+    x[3, 5] = float("nan")
+    out = layer(x, logits)
+    assert out[3].isnan().all()  # the poisoned token's row is NaN, not zero, not finite
+    if row_local:
+        others = torch.arange(T) != 3
+        assert not out[others].isnan().any()
+        torch.testing.assert_close(out[others], clean[others], rtol=1e-6, atol=1e-6)
+    else:
+        assert out.isnan().all()
+
+
+# ---------------------------------------------------------------- configuration errors
+BASE = dict(num_experts=8, hidden_size=64, intermediate_size=32, top_k=2)
+CONFIG_BAD = {
+    # name: (code, changes, text the message must contain)
+    "zero-experts": ("MF101", dict(num_experts=0), "num_experts=0"),
+    "negative-hidden": ("MF101", dict(hidden_size=-64), "hidden_size=-64"),
+    "float-intermediate": ("MF101", dict(intermediate_size=32.0), "intermediate_size=32.0"),
+    "bool-top-k": ("MF101", dict(top_k=True), "top_k=True"),
+    "top-k-above-E": ("MF101", dict(top_k=9), "top_k=9"),
+    "zero-capacity": ("MF101", dict(max_tokens_per_rank=0), "max_tokens_per_rank=0"),
+    "negative-shared": ("MF101", dict(num_shared_experts=-1), "num_shared_experts=-1"),
+    "shared-count-without-size": ("MF101", dict(num_shared_experts=1), "shared_intermediate_size=0"),
+    "shared-size-without-count": ("MF101", dict(shared_intermediate_size=16), "shared_intermediate_size=16"),
+    "shared-gate-without-shared": ("MF101", dict(shared_expert_gate=True), "shared_expert_gate"),
+    "unknown-scoring": ("MF102", dict(scoring="relu"), "'relu'"),
+    "unknown-activation": ("MF102", dict(activation="swiglu"), "'swiglu'"),
+    "unknown-quant": ("MF102", dict(quant="int4"), "'int4'"),
+    "groups-not-dividing-E": ("MF103", dict(num_expert_groups=3), "num_expert_groups=3"),
+    "zero-topk-groups": ("MF103", dict(num_expert_groups=4, topk_groups=0), "topk_groups=0"),
+    "topk-groups-above-groups": ("MF103", dict(num_expert_groups=2, topk_groups=3), "topk_groups=3"),
+    "kept-groups-too-small": ("MF103", dict(num_expert_groups=4, topk_groups=1, top_k=3), "fewer than top_k=3"),
+    "bias-with-one-expert-groups": ("MF103", dict(num_expert_groups=8, topk_groups=2, scoring="sigmoid",
+                                                  use_correction_bias=True), "two"),
+    "int-dtype": ("MF104", dict(dtype=torch.int8), "int8"),
+    "fp8-dtype": ("MF104", dict(dtype=torch.float8_e4m3fn), "float8_e4m3fn"),
+    "float64-dtype": ("MF104", dict(dtype=torch.float64), "float64"),
+    "unknown-dtype-name": ("MF104", dict(dtype="fp8"), "'fp8'"),
+    "zero-scaling": ("MF105", dict(routed_scaling_factor=0.0), "routed_scaling_factor=0.0"),
+    "nan-scaling": ("MF105", dict(routed_scaling_factor=math.nan), "routed_scaling_factor=nan"),
+    "inf-scaling": ("MF105", dict(routed_scaling_factor=math.inf), "routed_scaling_factor=inf"),
+    "string-scaling": ("MF105", dict(routed_scaling_factor="2.5"), "'2.5'"),
+    "bias-with-softmax": ("MF105", dict(use_correction_bias=True), "use_correction_bias"),
+    "unparsable-device": ("MF106", dict(device="tpu:x"), "'tpu:x'"),
+}
+
+
+@pytest.mark.parametrize("build", ("MoEConfig", "MoE"))
+@pytest.mark.parametrize("case", CONFIG_BAD)
+def test_config_rejects(case, build):
+    code, changes, text = CONFIG_BAD[case]
+    with pytest.raises(MoeflowError) as info:
+        (MoEConfig if build == "MoEConfig" else MoE)(**{**BASE, **changes})
+    err = info.value
+    assert err.code == code and isinstance(err, ValueError), str(err)
+    assert text in str(err), f"message does not name the offending value ({text}): {err}"
+
+
+def test_cuda_device_without_cuda_is_mf106():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: a CUDA device is valid here")
+    with pytest.raises(MoeflowError) as info:
+        MoE(**BASE, device="cuda")
+    assert info.value.code == "MF106" and "not available" in str(info.value)
+
+
+def test_valid_dtype_names_are_accepted():
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("float32", torch.float32),
+                        ("torch.bfloat16", torch.bfloat16), (torch.float16, torch.float16)):
+        assert MoEConfig(**BASE, dtype=name).dtype == dtype
