@@ -361,6 +361,16 @@ Example: moeflow explain MF202
 
 # ---------------------------------------------------------------- MF21x: Triton runner (added by its issue)
 # ---------------------------------------------------------------- MF505+: expert-parallel additions
+_spec("MF505", DistributedError, "collective failed",
+      "{what} failed on rank {rank}: {why}",
+      """
+What: a collective of the expert-parallel group raised instead of completing: a peer process
+exited (its connection closed), or the group's backend cannot move tensors of this device
+(an NCCL group with a CPU layer, a gloo group with a CUDA layer).
+When: building the layer (configuration check), or in dispatch/combine.
+Fix: look at the other ranks' logs for the first error; use NCCL for CUDA layers and gloo for CPU.
+Example: torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+""")
 # ---------------------------------------------------------------- MF603+: kernel configs / tuning
 # ---------------------------------------------------------------- MF7xx: model integration (transformers)
 

@@ -22,6 +22,7 @@ from . import env as moeflow_env
 from .capabilities import Environment
 from .config import MoEConfig
 from .dispatch import create_dispatcher
+from .distributed import resolve_group
 from .errors import error
 from .experts import ExpertWeights, create_runner, gated_activation
 from .layouts import run_in_layout
@@ -183,6 +184,9 @@ class _SharedMLP(nn.Module):
 
 # ---------------------------------------------------------------- input validation
 def _world_size(process_group) -> int:
+    """World size of the expert-parallel group: ``process_group``, else the default group once
+    torch.distributed is initialized (torchrun), else 1."""
+    process_group = resolve_group(process_group)
     if process_group is not None:
         return torch.distributed.get_world_size(process_group)
     return 1

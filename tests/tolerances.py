@@ -25,6 +25,17 @@ REL_TOL = {
     ("fp8-block", torch.float32): 5e-3,
     ("fp8-block", torch.float16): 1e-2,
     ("fp8-block", torch.bfloat16): 3e-2,
+    # Expert parallel, fp8-tensor: a dynamic per-tensor activation scale is the amax of the whole
+    # batch a GEMM sees, so a token's output depends on the other tokens of its batch; in one
+    # process, the same 12 tokens alone vs inside a batch of 30 differ by up to 7.2e-2 (measured,
+    # H=256, I=128, E=8, K=2, fp32 and bf16). An EP rank's GEMMs see other batches than the
+    # one-process layer's, so EP vs one process is held to this, not to the scheme's own row.
+    ("fp8-tensor-rebatched", torch.float32): 1.2e-1,
+    ("fp8-tensor-rebatched", torch.bfloat16): 1.2e-1,
+    # Expert-parallel FP8 payload on a quant="none" layer (dispatcher payload="fp8"): each token is
+    # rounded once to per-token FP8 before it travels; compared with the one-process layer.
+    # Measured 3.4e-2 to 4.0e-2 (H=256, K=2, bf16), as one FP8 rounding of activations costs.
+    ("fp8-payload", torch.bfloat16): 6e-2,
 }
 
 

@@ -1,0 +1,141 @@
+"""What the expert-parallel dispatchers share: the group, the expert placement, the payload, and
+the start / wait halves of dispatch and combine.
+
+Halves (DeepEP's dispatch_a / dispatch_b style)::
+
+    pending = d.dispatch_start(hidden, topk_ids, topk_weights)  # pack, launch the collective
+    shared = shared_experts(hidden)                               # overlaps the transfer
+    batch, handle = d.dispatch_wait(pending)                      # finish, build the ExpertBatch
+    out = runner(batch)
+    pending = d.combine_start(out, handle)                         # partial sums, launch
+    ...                                                            # more overlapped work
+    y = d.combine_wait(pending)                                    # [T, H]
+
+``dispatch`` / ``combine`` are the two halves back to back. On CUDA the collectives run on NCCL's
+stream, so work queued between start and wait runs concurrently with them; on CPU (gloo) they run
+in gloo's threads. Pending objects and handles are opaque: pass them back unchanged, once.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..capabilities import Environment
+from ..config import MoEConfig
+from ..distributed import check_agreement, comm_device, resolve_group
+from ..errors import MoeflowError, error
+from ..layouts import ExpertBatch
+from ..quant import QuantScheme, payload_scheme
+from ._ep_rows import RowCodec
+from .base import Dispatcher
+
+# "auto": FP8 when the layer's scheme is quantized (the runner would quantize the same rows with the
+# same scheme: nothing is lost, except that fp8-tensor's one scale becomes one per source rank);
+# "fp8": always (lossy for quant="none": per-token FP8, dequantized to the layer dtype by the runner);
+# "dtype": never (the layer dtype travels; the runner quantizes).
+PAYLOADS = ("auto", "fp8", "dtype")
+
+
+def expert_placement(config: MoEConfig, world: int) -> tuple[int, ...]:
+    """expert -> rank. config.placement when given (checked: MF504), else contiguous blocks, the first
+    E mod W ranks holding one expert more."""
+    e = config.num_experts
+    if config.placement is None:
+        if e < world:
+            raise error("MF504", why=f"cannot be contiguous: num_experts={e} < world size {world} leaves a rank without experts")
+        base, extra = divmod(e, world)
+        return tuple(r for r in range(world) for _ in range(base + (r < extra)))
+    p = config.placement
+    if len(p) != e:
+        raise error("MF504", why=f"has {len(p)} entries; it needs one per expert (num_experts={e})")
+    bad = [r for r in p if not 0 <= r < world]
+    if bad:
+        raise error("MF504", why=f"names rank {bad[0]}; ranks are 0..{world - 1}")
+    idle = sorted(set(range(world)) - set(p))
+    if idle:
+        raise error("MF504", why=f"gives rank {idle[0]} no expert; every rank needs at least one")
+    return p
+
+
+class ExpertParallelDispatcher(Dispatcher):
+    """Base of "allgather", "alltoall", "lowlatency".
+
+    Construction is collective: every rank of the group must build the layer, in the same order.
+    It checks the ranks agree (MF501, MF502 if one never comes) and the placement (MF504).
+
+    expert_rank: [E] int64, rank owning each expert. expert_local: [E] int64, its local id there.
+    """
+
+    def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None, payload: str = "auto"):
+        group = resolve_group(process_group)
+        super().__init__(config, scheme, group)
+        if group is None or dist.get_world_size(group) < 2:
+            raise error("MF208", name=self.name, why="needs an expert-parallel group of 2 or more ranks", valid=["local"])
+        if payload not in PAYLOADS:
+            raise error("MF102", field="payload", value=payload, valid=list(PAYLOADS))
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.device = comm_device(config.device)
+        self.payload = payload
+        check_agreement(self._description(), group, self.device)
+        self.placement = expert_placement(config, self.world)
+        self._local = [e for e, r in enumerate(self.placement) if r == self.rank]
+        local_id = [0] * config.num_experts
+        for r in range(self.world):
+            for i, e in enumerate(e for e, owner in enumerate(self.placement) if owner == r):
+                local_id[e] = i
+        self.expert_rank = torch.tensor(self.placement, dtype=torch.int64, device=self.device)
+        self.expert_local = torch.tensor(local_id, dtype=torch.int64, device=self.device)
+        compress = payload == "fp8" or (payload == "auto" and scheme.quantized)
+        self.codec = RowCodec(config.hidden_size, config.top_k, config.dtype,
+                              payload_scheme(scheme) if compress else None)
+
+    @property
+    def local_experts(self) -> list[int]:
+        return list(self._local)
+
+    def with_payload(self, payload: str) -> "ExpertParallelDispatcher":
+        """A new dispatcher of the same kind and group with another payload mode (collective: every
+        rank must call it). ``moe.dispatcher = moe.dispatcher.with_payload("fp8")``."""
+        return type(self)(self.config, self.scheme, self.process_group, payload=payload)
+
+    def _description(self) -> dict:
+        """What ranks must agree on: the configuration, the planned backends, the group size, the payload."""
+        from ..planner import plan  # the planner imports this package
+
+        fields = self.config.to_dict()
+        try:
+            p = plan(self.config, Environment.detect(self.config.device, dist.get_world_size(self.process_group)))
+            fields.update({"plan.scheme": p.scheme, "plan.runner": p.runner, "plan.dispatcher": p.dispatcher})
+        except MoeflowError as exc:  # built directly, outside a layer: the plan is only informative
+            fields["plan"] = exc.code
+        fields.update({"world_size": dist.get_world_size(self.process_group), "dispatcher.class": self.name,
+                       "dispatcher.payload": self.payload})
+        return fields
+
+    # ---------------------------------------------------------------- the halves
+    def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[ExpertBatch, Any]:
+        return self.dispatch_wait(self.dispatch_start(hidden, topk_ids, topk_weights))
+
+    def combine(self, expert_out: Tensor, handle: Any) -> Tensor:
+        return self.combine_wait(self.combine_start(expert_out, handle))
+
+    @abstractmethod
+    def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Any:
+        """hidden [T, H] layer dtype, topk_ids [T, K] int32 global ids, topk_weights [T, K] float32
+        -> pending dispatch (the collective is in flight)."""
+
+    @abstractmethod
+    def dispatch_wait(self, pending: Any) -> tuple[ExpertBatch, Any]:
+        """-> (ExpertBatch for this rank's experts in ``caps.layout``, handle for combine)."""
+
+    @abstractmethod
+    def combine_start(self, expert_out: Tensor, handle: Any) -> Any:
+        """expert_out in the batch's layout, layer dtype, routing weights applied -> pending combine."""
+
+    @abstractmethod
+    def combine_wait(self, pending: Any) -> Tensor:
+        """-> [T, H] layer dtype: the sum of each token's K weighted copies, on its own rank."""

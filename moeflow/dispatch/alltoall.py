@@ -1,0 +1,100 @@
+"""dispatcher="alltoall": high-throughput expert parallelism (prefill), sorted layout.
+
+dispatch:
+  1. each token goes once to every rank owning one of its K experts, with its routing for that
+     rank's experts only (local ids, -1 for the others) — one packed row (see _ep_rows);
+  2. per destination rank, (rows, copies) counts are exchanged (a small all-to-all; the host reads
+     them: this dispatcher synchronizes once per dispatch, like every variable-size all-to-all);
+  3. one all_to_all_single moves the rows; the receiver sorts the copies by local expert.
+combine: each rank sums, per received row, the outputs of that row's copies (float32), sends the
+rows back in the layer dtype (one all_to_all_single), and the token's home rank adds the partial
+sums of the ranks it went to (float32, then the layer dtype).
+
+Payload: the layer dtype, or FP8 with its scales (``payload``, see _ep_base.PAYLOADS).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..capabilities import DispatcherCaps
+from ..distributed import collective, wait
+from ..layouts import SORTED
+from ._ep_base import ExpertParallelDispatcher
+from ._ep_rows import partial_sums, sorted_batch
+
+
+@dataclass
+class AllToAllHandle:
+    row: Tensor  # [N] int64: received row of each batch row
+    token: Tensor  # [S] int64: local token of each sent row (sent rows are grouped by destination rank)
+    sent: list[int]  # rows sent to each rank
+    received: list[int]  # rows received from each rank
+    num_tokens: int
+
+
+@dataclass
+class _Pending:
+    work: Any
+    buf: Tensor  # received rows, uint8 [R, row_bytes]
+    handle: AllToAllHandle
+    copies: int  # copies received for this rank's experts
+
+
+class AllToAllDispatcher(ExpertParallelDispatcher):
+    name = "alltoall"
+    caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=30,
+                          note="counts exchange + one all_to_all_single per direction; FP8 payload optional")
+
+    def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> _Pending:
+        t, w = topk_ids.shape[0], self.world
+        ids = topk_ids.long()
+        rank_of = self.expert_rank[ids]  # [T, K]
+        need = torch.zeros(t, w, dtype=torch.bool, device=hidden.device)
+        need.scatter_(1, rank_of, True)  # token t goes to rank r
+        copies = torch.zeros(w, dtype=torch.int64, device=hidden.device)
+        copies.scatter_add_(0, rank_of.flatten(), torch.ones_like(rank_of.flatten()))
+        counts = torch.stack([need.sum(0), copies], dim=1)  # [W, 2]: rows, copies per destination
+        theirs = torch.empty_like(counts)
+        with collective("alltoall counts exchange", self.process_group):
+            work = dist.all_to_all_single(theirs, counts, group=self.process_group, async_op=True)
+        dest, token = need.t().nonzero(as_tuple=True)  # grouped by destination, tokens in order
+        valid = rank_of[token] == dest[:, None]  # [S, K] copies meant for that destination
+        local = torch.where(valid, self.expert_local[ids[token]], -1).to(torch.int32)
+        weights = torch.where(valid, topk_weights[token].float(), 0.0)
+        tokens, scale = self.codec.encode(hidden)
+        send = self.codec.pack(token.numel(), tokens, scale, local, weights, index=token)
+        wait(work, "alltoall counts exchange", self.process_group, counts.device, host=True)
+        sent = counts[:, 0].tolist()
+        received, copies_in = theirs[:, 0].tolist(), int(theirs[:, 1].sum())
+        buf = torch.empty(sum(received), self.codec.row_bytes, dtype=torch.uint8, device=hidden.device)
+        with collective("alltoall dispatch", self.process_group):
+            work = dist.all_to_all_single(buf, send, received, sent, group=self.process_group, async_op=True)
+        return _Pending(work, buf, AllToAllHandle(None, token, sent, received, t), copies_in)
+
+    def dispatch_wait(self, pending: _Pending):
+        wait(pending.work, "alltoall dispatch", self.process_group, pending.buf.device)
+        rows = self.codec.unpack(pending.buf)
+        e_local = len(self._local)
+        experts = torch.where(rows.ids >= 0, rows.ids, e_local).long().flatten()
+        batch, row = sorted_batch(self.codec, rows, experts, pending.copies, e_local)
+        pending.handle.row = row
+        return batch, pending.handle
+
+    def combine_start(self, expert_out: Tensor, handle: AllToAllHandle) -> _Pending:
+        partial = partial_sums(expert_out, handle.row, sum(handle.received)).to(self.config.dtype)
+        back = partial.new_empty(sum(handle.sent), partial.shape[1])
+        with collective("alltoall combine", self.process_group):
+            work = dist.all_to_all_single(back, partial, handle.sent, handle.received,
+                                          group=self.process_group, async_op=True)
+        return _Pending(work, back, handle, 0)
+
+    def combine_wait(self, pending: _Pending) -> Tensor:
+        wait(pending.work, "alltoall combine", self.process_group, pending.buf.device)
+        h = pending.handle
+        out = torch.zeros(h.num_tokens, self.config.hidden_size, dtype=torch.float32, device=pending.buf.device)
+        return out.index_add_(0, h.token, pending.buf.float()).to(self.config.dtype)

@@ -1,0 +1,104 @@
+"""dispatcher="lowlatency": decode-time expert parallelism with fixed-size buffers, masked layout,
+no host synchronization — a whole dispatch → experts → combine can be captured in a CUDA graph
+(given a runner that consumes the masked layout without reading counts on the host).
+
+Buffers are sized by ``max_tokens_per_rank`` (C_rank) once, so every collective has a fixed shape:
+  dispatch: each rank packs its T <= C_rank tokens into C_rank rows (global ids, weights, FP8 scales,
+    token; padding rows carry id -1) and one all-gather gives every rank all W·C_rank
+    rows. Each rank scatters the copies for its experts into a slab [E_local, W·C_rank, H]: an
+    expert can receive at most one copy of each token of each rank, so a slab never overflows.
+  combine: per gathered row, the sum of its copies here (float32 → layer dtype), one
+    all_to_all_single of [W, C_rank, H] sends each rank its rows back, the home rank sums W blocks.
+With FP8 payload the dispatch moves 1 byte per hidden value; combine moves the layer dtype (bf16).
+
+Capacity overflow (T > max_tokens_per_rank on a rank) is never dropped silently. It is known on
+the host without a sync (T is a shape), but raising at once would leave the other ranks waiting in
+the collective. So the overflowing rank still takes part in dispatch and combine with its first
+C_rank tokens — the other ranks' outputs stay correct and the group stays usable — and
+``combine_wait`` then raises MF503 on that rank (the end of the layer's forward). We raise rather
+than falling back to alltoall because a fallback changes the collectives one rank issues, which
+the other ranks cannot know without a synchronization. Fix: raise max_tokens_per_rank, or use
+dispatcher="alltoall" for batches of unbounded size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..capabilities import DispatcherCaps
+from ..distributed import all_gather_start, collective, wait
+from ..errors import error
+from ..layouts import MASKED
+from ._ep_base import ExpertParallelDispatcher
+from ._ep_rows import local_copy_experts, masked_batch, masked_partial_sums
+
+
+@dataclass
+class LowLatencyHandle:
+    slot: Tensor  # [W * C_rank * K] int64: slab slot of each gathered copy (E_local * C = none)
+    num_tokens: int  # tokens of this rank that were sent (<= C_rank)
+    overflow: int  # tokens this rank was given (> C_rank means MF503 at combine_wait), else 0
+
+
+@dataclass
+class _Pending:
+    work: Any
+    buf: Tensor
+    handle: LowLatencyHandle | None
+
+
+class LowLatencyDispatcher(ExpertParallelDispatcher):
+    name = "lowlatency"
+    caps = DispatcherCaps(layout=MASKED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=10,
+                          note="fixed buffers (max_tokens_per_rank), masked layout, no host sync, CUDA-graph capturable")
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """C_rank: the most tokens one rank may hand to dispatch (config.max_tokens_per_rank)."""
+        return self.config.max_tokens_per_rank
+
+    @property
+    def capacity(self) -> int:
+        """Slots per local expert in the masked batch: W * C_rank."""
+        return self.world * self.tokens_per_rank
+
+    def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> _Pending:
+        cap = self.tokens_per_rank
+        t = topk_ids.shape[0]
+        overflow = t if t > cap else 0
+        hidden, topk_ids, topk_weights = hidden[:cap], topk_ids[:cap], topk_weights[:cap]
+        tokens, scale = self.codec.encode(hidden)
+        send = self.codec.pack(cap, tokens, scale, topk_ids.to(torch.int32), topk_weights.float())
+        buf = send.new_empty(self.world * cap, self.codec.row_bytes)
+        with collective("lowlatency dispatch", self.process_group):
+            work = all_gather_start(buf, send, self.process_group)
+        return _Pending(work, buf, LowLatencyHandle(None, min(t, cap), overflow))
+
+    def dispatch_wait(self, pending: _Pending):
+        wait(pending.work, "lowlatency dispatch", self.process_group, pending.buf.device)
+        rows = self.codec.unpack(pending.buf)
+        e_local = len(self._local)
+        experts = local_copy_experts(rows.ids, self.expert_rank, self.expert_local, self.rank, e_local)
+        batch, slot = masked_batch(self.codec, rows, experts, e_local, self.capacity)
+        pending.handle.slot = slot
+        return batch, pending.handle
+
+    def combine_start(self, expert_out: Tensor, handle: LowLatencyHandle) -> _Pending:
+        partial = masked_partial_sums(expert_out, handle.slot, self.config.top_k).to(self.config.dtype)
+        back = torch.empty_like(partial)  # [W * C_rank, H]: block r = rank r's sums for my tokens
+        with collective("lowlatency combine", self.process_group):
+            work = dist.all_to_all_single(back, partial, group=self.process_group, async_op=True)
+        return _Pending(work, back, handle)
+
+    def combine_wait(self, pending: _Pending) -> Tensor:
+        wait(pending.work, "lowlatency combine", self.process_group, pending.buf.device)
+        h = pending.handle
+        parts = pending.buf.view(self.world, self.tokens_per_rank, -1)[:, :h.num_tokens]
+        out = parts.sum(dim=0, dtype=torch.float32).to(self.config.dtype)
+        if h.overflow:
+            raise error("MF503", count=h.overflow, rank=self.rank, capacity=self.tokens_per_rank)
+        return out

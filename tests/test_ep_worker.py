@@ -1,0 +1,209 @@
+"""The process side of the expert-parallel CPU tests (no tests here; tests/test_ep_cpu.py spawns it).
+
+    python tests/test_ep_worker.py SUITE RANK WORLD INIT_FILE OUT_DIR
+
+Every rank runs the same list of checks in the same order (one gloo group for the whole suite) and
+writes OUT_DIR/rank{RANK}.json after each: {check: "ok" | "FAIL: ..."}. Each check seeds torch from
+its name, so all ranks draw the same weights and the same tokens of all ranks; a rank feeds its
+slice to the expert-parallel layer and compares with a one-process layer (a group of size 1) run on
+all the tokens with the same weights.
+"""
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+import zlib
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from moeflow import MoE, MoEConfig  # noqa: E402
+from moeflow.errors import MoeflowError  # noqa: E402
+from moeflow.planner import cell_status  # noqa: E402
+from moeflow.capabilities import Environment  # noqa: E402
+from oracle import rel_err  # noqa: E402
+from tolerances import rel_tol  # noqa: E402
+
+DISPATCHERS = ("allgather", "alltoall", "lowlatency")
+SCHEMES = ("none", "fp8-tensor", "fp8-channel", "fp8-block")
+BASE = dict(num_experts=8, hidden_size=256, intermediate_size=128, top_k=2, max_tokens_per_rank=32)
+
+
+def cpu_cells(world):
+    """[(dispatcher, runner, scheme)] the planner accepts on CPU in a group of ``world`` ranks."""
+    env = Environment("cpu", None, world_size=world)
+    return [(d, r, s) for d in DISPATCHERS for r in ("reference", "grouped_mm") for s in SCHEMES
+            if cell_status(MoEConfig(**BASE, quant=s, runner=r, dispatcher=d), env) == "ok"]
+
+
+class Ctx:
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+        self.solo = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+
+    def compare(self, tokens, payload=None, tol=None, logits_fn=None, **fields):
+        """EP layer on this rank's tokens vs the one-process layer on all tokens; tokens[r] per rank."""
+        cfg = MoEConfig(**{**BASE, **fields})
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        state = {"gate_up_proj": torch.randn(e, 2 * i, h) / h ** 0.5, "down_proj": torch.randn(e, h, i) / i ** 0.5}
+        if cfg.shared_size:
+            s = cfg.shared_size
+            state.update({"shared_experts.gate_proj.weight": torch.randn(s, h) / h ** 0.5,
+                          "shared_experts.up_proj.weight": torch.randn(s, h) / h ** 0.5,
+                          "shared_experts.down_proj.weight": torch.randn(h, s) / s ** 0.5})
+        if cfg.use_correction_bias:
+            state["e_score_correction_bias"] = torch.rand(e) - 0.5
+        x = torch.randn(sum(tokens), h).to(cfg.dtype)
+        logits = logits_fn(sum(tokens), e) if logits_fn else torch.randn(sum(tokens), e) * 2
+        ep = MoE(cfg)
+        if payload:
+            ep.dispatcher = ep.dispatcher.with_payload(payload)
+        one = MoE(cfg.replace(dispatcher="auto"), process_group=self.solo[self.rank])
+        for layer in (ep, one):
+            layer.load_weights(state)
+        lo = sum(tokens[:self.rank])
+        mine = slice(lo, lo + tokens[self.rank])
+        out = ep(x[mine], logits[mine])
+        ref = one(x, logits)[mine]
+        assert out.shape == ref.shape and out.dtype == cfg.dtype, (out.shape, out.dtype)
+        assert ep.plan.dispatcher == cfg.dispatcher or cfg.dispatcher == "auto", ep.plan
+        if ref.numel():
+            err = rel_err(out, ref)
+            scheme = "fp8-tensor-rebatched" if cfg.quant == "fp8-tensor" else cfg.quant
+            limit = tol if tol is not None else rel_tol(scheme, cfg.dtype)
+            assert err <= limit, f"relative error {err:.2e} > {limit:.1e} ({ep.plan.runner}, {cfg.quant})"
+        return ep, x[mine], logits[mine], out
+
+    def expect(self, code, fn):
+        try:
+            fn()
+        except MoeflowError as exc:
+            assert exc.code == code, f"raised {exc.code}, expected {code}: {exc}"
+            return exc
+        raise AssertionError(f"no error; expected {code}")
+
+
+def tokens_for(ctx, name):
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return [int(t) for t in torch.randint(1, 24, (ctx.world,), generator=g)]
+
+
+def suite(world):
+    """[(name, fn(ctx))] in the order every rank runs them."""
+    checks = []
+    for d, r, s in cpu_cells(world):
+        dtype = torch.float32 if (d, r, s) == (d, "reference", "none") else torch.bfloat16
+        checks.append((f"matrix-{d}-{r}-{s}", lambda c, d=d, r=r, s=s, dt=dtype, n=f"matrix-{d}-{r}-{s}":
+                       c.compare(tokens_for(c, n), dispatcher=d, runner=r, quant=s, dtype=dt)))
+    for d in DISPATCHERS:
+        # compressing a bf16 layer's payload to FP8 costs one FP8 rounding of each token
+        checks.append((f"fp8-payload-{d}", lambda c, d=d: c.compare(
+            tokens_for(c, d), payload="fp8", tol=rel_tol("fp8-payload", torch.bfloat16), dispatcher=d,
+            runner="reference", dtype=torch.bfloat16)))
+        uneven = tuple([world - 1] * 3 + [r % world for r in range(5)])  # rank W-1 owns 3+ experts
+        checks.append((f"uneven-placement-{d}", lambda c, d=d, p=uneven: c.compare(
+            tokens_for(c, "u" + d), placement=p, dispatcher=d, runner="grouped_mm", dtype=torch.float32)))
+        checks.append((f"rank-with-zero-tokens-{d}", lambda c, d=d: c.compare(
+            [0 if r == 1 else 9 + r for r in range(c.world)], dispatcher=d, runner="reference", dtype=torch.float32)))
+        checks.append((f"no-tokens-anywhere-{d}", lambda c, d=d: c.compare(
+            [0] * c.world, dispatcher=d, runner="grouped_mm", dtype=torch.float32)))
+        checks.append((f"all-to-one-rank-{d}", lambda c, d=d: c.compare(
+            [7 + 3 * r for r in range(c.world)], dispatcher=d, runner="reference", quant="fp8-block", dtype=torch.float32,
+            logits_fn=lambda t, e: torch.randn(t, e) + 20 * (torch.arange(e) >= e - e // c.world))))
+        checks.append((f"halves-shared-experts-{d}", lambda c, d=d: check_halves(c, d)))
+    checks.append(("deepseek-routing-shared-alltoall", lambda c: c.compare(
+        tokens_for(c, "ds"), num_experts=16, top_k=4, scoring="sigmoid", num_expert_groups=4, topk_groups=2,
+        use_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1, shared_intermediate_size=64,
+        dispatcher="alltoall", runner="reference", dtype=torch.float32)))
+    checks.append(("auto-picks-alltoall", check_auto))
+    checks.append(("mismatch-MF501", check_mismatch))
+    checks.append(("bad-placement-MF504", lambda c: c.expect("MF504", lambda: MoE(**BASE, placement=(0,) * 8))))
+    checks.append(("overflow-MF503", check_overflow))
+    return checks
+
+
+def check_halves(c, d):
+    ep, x, logits, want = c.compare(tokens_for(c, "h" + d), dispatcher=d, runner="reference", dtype=torch.float32,
+                                    num_shared_experts=1, shared_intermediate_size=32)
+    ids, w = ep.router(logits, None)
+    disp = ep.dispatcher
+    pending = disp.dispatch_start(x, ids, w)
+    shared = ep.shared_experts(x, "silu")  # overlapped with the transfer
+    batch, handle = disp.dispatch_wait(pending)
+    from moeflow.layouts import run_in_layout
+    pending = disp.combine_start(run_in_layout(ep.runner, batch, ep.expert_weights()), handle)
+    got = (disp.combine_wait(pending).float() + shared).to(ep.config.dtype)
+    assert torch.equal(got, want), rel_err(got, want)
+
+
+def check_auto(c):
+    ep = c.compare(tokens_for(c, "auto"), dtype=torch.float32)[0]
+    assert ep.plan.dispatcher == "alltoall" and len(ep.local_experts) < BASE["num_experts"], ep.plan
+
+
+def check_mismatch(c):
+    exc = c.expect("MF501", lambda: MoE(**{**BASE, "top_k": 2 + (c.rank == 1)}, dispatcher="alltoall"))
+    assert "top_k" in str(exc), str(exc)
+
+
+def check_overflow(c):
+    cap = BASE["max_tokens_per_rank"]
+    tokens = [cap + 5 if r == 0 else 6 for r in range(c.world)]
+    if c.rank == 0:
+        exc = c.expect("MF503", lambda: c.compare(tokens, dispatcher="lowlatency", runner="reference",
+                                                  dtype=torch.float32))
+        assert f"{cap + 5} token" in str(exc), str(exc)
+    else:  # the other ranks finish, with correct outputs
+        c.compare(tokens, dispatcher="lowlatency", runner="reference", dtype=torch.float32)
+    torch.manual_seed(1234)  # the group is still usable: one more forward on every rank
+    c.compare(tokens_for(c, "after"), dispatcher="lowlatency", runner="reference", dtype=torch.float32)
+
+
+def check_timeout(c):
+    """Last check (W=2): rank W-1 never builds the layer but stays alive; the others get MF502."""
+    os.environ["MOEFLOW_DIST_TIMEOUT_S"] = "2"
+    if c.rank != c.world - 1:
+        exc = c.expect("MF502", lambda: MoE(**BASE, dispatcher="alltoall"))
+        assert "configuration check" in str(exc) and "2.0s" in str(exc), str(exc)
+    else:
+        time.sleep(5)
+
+
+def check_peer_exit(c):
+    """Last check (W=4): rank W-1 exits instead of building the layer; the others get MF505."""
+    if c.rank == c.world - 1:
+        os._exit(0)
+    exc = c.expect("MF505", lambda: MoE(**BASE, dispatcher="alltoall"))
+    assert "configuration check" in str(exc), str(exc)
+
+
+LAST = {2: ("timeout-MF502", check_timeout), 4: ("peer-exit-MF505", check_peer_exit)}
+
+
+def main():
+    name, rank, world, init, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    ctx, results = Ctx(rank, world), {}
+    checks = suite(world) + [LAST[world]]
+    for check, fn in checks:
+        torch.manual_seed(zlib.crc32(f"{name}-{check}".encode()))
+        try:
+            fn(ctx)
+            results[check] = "ok"
+        except Exception as exc:  # report, keep going: the other ranks expect this rank's collectives
+            results[check] = f"FAIL: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    os._exit(0)  # skip teardown: the timeout check leaves a collective pending on purpose
+
+
+if __name__ == "__main__":
+    main()
