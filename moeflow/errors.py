@@ -372,6 +372,26 @@ Fix: look at the other ranks' logs for the first error; use NCCL for CUDA layers
 Example: torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
 """)
 # ---------------------------------------------------------------- MF603+: kernel configs / tuning
+_spec("MF603", ToolError, "invalid kernel config file",
+      "kernel config file {path} cannot be used: {why}",
+      """
+What: a tuned Triton kernel configuration file (JSON, written by `moeflow tune`) that matches this
+layer's shape could not be read or parsed.
+When: the first forward of a layer using the triton runner, when it looks its configs up.
+Fix: re-run `moeflow tune` for the shape, or delete the file (the shipped configs or the
+documented defaults are used then). Files in $MOEFLOW_KERNEL_CONFIG_DIR are searched first.
+Example: moeflow tune --preset qwen3-30b-a3b --quant fp8-block --out $MOEFLOW_KERNEL_CONFIG_DIR
+""")
+_spec("MF604", ToolError, "tuning needs a CUDA GPU with Triton",
+      "moeflow tune cannot run here: {why}",
+      """
+What: `moeflow tune` times the Triton kernels on the GPU it will serve; it needs CUDA and the
+triton package.
+When: moeflow tune on a machine without a GPU or without triton.
+Fix: run it on the target GPU (pip install 'moeflow[triton]'); use the files it writes through
+MOEFLOW_KERNEL_CONFIG_DIR or copy them into moeflow/kernels/configs/.
+Example: CUDA_VISIBLE_DEVICES=0 moeflow tune --preset deepseek-v3 --quant fp8-block
+""")
 # ---------------------------------------------------------------- MF7xx: model integration (transformers)
 
 

@@ -11,6 +11,7 @@ from .reference import ReferenceRunner
 RUNNERS: Registry[ExpertRunner] = Registry("runner")
 for _cls in (ReferenceRunner, GroupedMMRunner):
     RUNNERS.register(_cls)
+RUNNERS.register(__import__(f"{__name__}.triton", fromlist=["TritonRunner"]).TritonRunner)  # imports no triton
 
 
 def create_runner(name, config, scheme) -> ExpertRunner:

@@ -1,0 +1,225 @@
+"""GPU benchmark of the whole MoE layer per runner (PERF.md's method), and of the expert stage alone.
+
+    python benchmarks/bench_layer.py --out $OUT [--presets ...] [--tokens ...] [--schemes ...]
+
+Per preset, scheme (none = bf16, fp8-channel, fp8-block), runner and T:
+    layer_us    route -> dispatch (local) -> experts -> combine, the same calls as MoE._run, timed
+                with triton's do_bench (L2 flushed before every repetition, median) on 4 rotated inputs
+    experts_us  the runner alone on a ready batch;  graph_us: the same replayed as a CUDA graph (T <= 128)
+    tflops, gbs, roof_pct  FLOPs and bytes (experts actually hit x 3HI weights + activations in/out)
+                over layer_us; roof_pct = floor / layer_us with ceilings re-measured in this run
+    rel_err     layer output vs the layer with the reference runner on the same weights and input
+Weights are random, made a few experts at a time (kernels/autotune.random_weights) so that
+DeepSeek-V3's 11-22 GB of experts need no whole-tensor temporaries. Writes bench.csv (row by
+row), bench.json and bench.png under --out; prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moeflow.capabilities import Environment
+from moeflow.dispatch import create_dispatcher
+from moeflow.experts import create_runner
+from moeflow.kernels.autotune import Shape, expanded_weights, precompile, random_batch, random_weights
+from moeflow.layouts import run_in_layout
+from moeflow.planner import check_runner
+from moeflow.presets import preset_config
+from moeflow.quant import create_scheme
+from moeflow.routing import create_router
+
+# PERF.md: best anchor's GEMM-only µs, (preset, T) -> (bf16, fp8)
+ANCHORS = {("qwen3-30b-a3b", 1): (35, 27), ("qwen3-30b-a3b", 128): (300, 169), ("qwen3-30b-a3b", 4096): (777, 621),
+           ("qwen3-30b-a3b", 16384): (2347, 2160), ("deepseek-v3", 1): (203, 108), ("deepseek-v3", 128): (5268, 2765),
+           ("deepseek-v3", 4096): (10239, 5741), ("deepseek-v3", 16384): (22764, 15453),
+           ("mixtral-8x7b", 1): (188, 144), ("mixtral-8x7b", 128): (677, 376), ("mixtral-8x7b", 4096): (5088, 3325),
+           ("mixtral-8x7b", 16384): (18283, 12092)}
+FIELDS = ["preset", "scheme", "runner", "T", "layer_us", "experts_us", "graph_us", "tflops", "gbs", "roof_pct",
+          "floor_us", "experts_hit", "rel_err", "anchor_us", "note"]
+
+
+def bench(fn, rep_ms=100):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3  # µs
+
+
+def ceilings() -> dict:
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    copy_us = bench(lambda: b.copy_(a))
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_us = bench(lambda: x @ x)
+    f8 = x.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    f8_us = bench(lambda: torch._scaled_mm(f8, f8.t(), one, one, out_dtype=torch.bfloat16))
+    flops = 2 * 8192 ** 3
+    return dict(bandwidth=2 * 2 ** 30 / (copy_us * 1e-6), bf16_flops=flops / (mm_us * 1e-6), fp8_flops=flops / (f8_us * 1e-6))
+
+
+def graph_us(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay)
+
+
+class Case:
+    """One (preset, scheme): random weights shared by every runner, router and local dispatcher."""
+
+    def __init__(self, preset: str, scheme: str):
+        self.preset = preset
+        self.cfg = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda", dispatcher="local")
+        c = self.cfg
+        self.scheme = create_scheme(scheme)
+        self.shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
+        self.weights = random_weights(self.shape, "cuda", seed=1)
+        self.router = create_router(c)
+        self.bias = (torch.rand(c.num_experts, device="cuda") - 0.5) * 0.1 if c.use_correction_bias else None
+        self.dispatcher = create_dispatcher("local", c, self.scheme)
+
+    def inputs(self, t: int, n: int = 4):
+        c = self.cfg
+        return [(torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(t, c.num_experts, device="cuda")) for _ in range(n)]
+
+    def layer(self, runner, x, logits):
+        ids, w = self.router(logits, self.bias)
+        batch, handle = self.dispatcher.dispatch(x, ids, w)
+        return self.dispatcher.combine(run_in_layout(runner, batch, self.weights), handle)
+
+
+def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
+    c = case.cfg
+    runner = create_runner(name, c.replace(runner=name), case.scheme)
+    it = iter(range(10 ** 9))
+    layer_us = bench(lambda: case.layer(runner, *ins[next(it) % len(ins)]))
+    batches = [case.dispatcher.dispatch(x, *case.router(lg, case.bias))[0] for x, lg in ins[:2]]
+    experts_us = bench(lambda: runner.run(batches[next(it) % 2], case.weights))
+    g_us = graph_us(lambda: runner.run(batches[0], case.weights)) if name == "triton" and t <= 128 else None
+    out = case.layer(runner, *ins[0])
+    err = ((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30)).item()
+    hit = int(case.router(ins[0][1], case.bias)[0].unique().numel())
+    fp8 = c.quant != "none"
+    flops = 2.0 * t * c.top_k * 3 * c.hidden_size * c.intermediate_size
+    nbytes = hit * 3 * c.hidden_size * c.intermediate_size * (1 if fp8 else 2) + 2 * t * c.hidden_size * 2
+    floor_s = max(flops / ceil["fp8_flops" if fp8 else "bf16_flops"], nbytes / ceil["bandwidth"])
+    anchor = ANCHORS.get((case.preset, t))
+    return dict(runner=name, T=t, layer_us=layer_us, experts_us=experts_us, graph_us=g_us,
+                tflops=flops / layer_us / 1e6, gbs=nbytes / layer_us / 1e3, roof_pct=100 * floor_s * 1e6 / layer_us,
+                floor_us=floor_s * 1e6, experts_hit=hit, rel_err=err, anchor_us=anchor and anchor[1 if fp8 else 0])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
+    p.add_argument("--schemes", default="none,fp8-channel,fp8-block")
+    p.add_argument("--runners", default="triton,grouped_mm")
+    p.add_argument("--tokens", default="1,16,128,1024,4096,16384")
+    p.add_argument("--out", default=".")
+    p.add_argument("--deadline-s", type=float, default=1e9, help="start no new case after this many seconds")
+    args = p.parse_args(argv)
+    start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    ceil = ceilings()
+    print("ceilings:", {k: f"{v:.3g}" for k, v in ceil.items()}, file=sys.stderr)
+    env = Environment.detect(torch.device("cuda"))
+    cells = [(pr, s) for pr in args.presets.split(",") for s in args.schemes.split(",")]
+    _precompile(cells, tokens, env)
+    print(f"precompiled in {time.time() - start:.0f}s", file=sys.stderr)
+    rows, fh = [], open(out / "bench.csv", "w", newline="")
+    writer = csv.DictWriter(fh, FIELDS)
+    writer.writeheader()
+    for preset, scheme in cells:
+        if time.time() - start > args.deadline_s:
+            break
+        case = Case(preset, scheme)
+        names = args.runners.split(",")
+        for t in tokens:
+            ins = case.inputs(t)
+            ref_out = case.layer(create_runner("reference", case.cfg, case.scheme), *ins[0])
+            for name in names:
+                err = check_runner(name, case.cfg.replace(runner=name), env)
+                row = dict(preset=preset, scheme=scheme, runner=name, T=t)
+                row.update(dict(note=f"refused {err.code}") if err else measure(case, name, t, ins, ref_out, ceil))
+                rows.append(row)
+                writer.writerow(row)
+                fh.flush()
+                print(_fmt(row), file=sys.stderr)
+        del case
+        torch.cuda.empty_cache()
+    fh.close()
+    (out / "bench.json").write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(),
+                                                    torch=torch.__version__, rows=rows), indent=1))
+    _plot(rows, out / "bench.png")
+    print("\n".join(_fmt(r) for r in rows if "layer_us" in r and r["runner"] == "triton"))
+    return 0
+
+
+def _precompile(cells, tokens, env) -> None:
+    """Compile every triton config the runs below will use, in parallel processes."""
+    jobs = []
+    for preset, scheme in cells:
+        cfg = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="triton")
+        if check_runner("triton", cfg, env):
+            continue
+        shape = Shape(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, scheme)
+        runner = create_runner("triton", cfg, create_scheme(scheme))
+        w = expanded_weights(shape, "cuda")
+        for t in tokens:
+            b = random_batch(shape, 1, "cuda")
+            b.hidden = b.hidden[:1].expand(t * cfg.top_k, -1)  # kernel_config reads shapes only
+            jobs.append((shape, runner.kernel_config(b, w)))
+    precompile(jobs)
+
+
+def _fmt(r) -> str:
+    if "layer_us" not in r:
+        return f"{r['preset']:>14} {r['scheme']:>11} {r['runner']:>10} T={r['T']:>5}  {r.get('note')}"
+    g = f"{r['graph_us']:8.1f}" if r.get("graph_us") else "       -"
+    a = f"{r['anchor_us']:>6}" if r.get("anchor_us") else "     -"
+    return (f"{r['preset']:>14} {r['scheme']:>11} {r['runner']:>10} T={r['T']:>5} layer {r['layer_us']:9.1f}us "
+            f"experts {r['experts_us']:9.1f} graph {g} {r['tflops']:7.1f}TF {r['gbs']:7.0f}GB/s "
+            f"roof {r['roof_pct']:5.1f}% anchor {a} err {r['rel_err']:.1e}")
+
+
+def _plot(rows, path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    keys = sorted({(r["preset"], r["scheme"]) for r in rows})
+    fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4 * max(len(keys), 1), 3.5), squeeze=False)
+    for ax, (preset, scheme) in zip(axes[0], keys):
+        sel = [r for r in rows if (r["preset"], r["scheme"]) == (preset, scheme) and "layer_us" in r]
+        for name in sorted({r["runner"] for r in sel}):
+            pts = [(r["T"], r["layer_us"]) for r in sel if r["runner"] == name]
+            ax.loglog(*zip(*pts), marker="o", label=name)
+        floor = sorted({(r["T"], r["floor_us"]) for r in sel})
+        if floor:
+            ax.loglog(*zip(*floor), "k--", label="roofline")
+        ax.set_title(f"{preset} {scheme}", fontsize=9)
+        ax.set_xlabel("T")
+        ax.set_ylabel("µs")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""`moeflow tune` — search Triton kernel configs for a layer shape on this GPU and write the JSON
+file the "triton" runner looks up (moeflow/kernels/configs.py names and reads it).
+
+    moeflow tune --preset deepseek-v3 --quant fp8-block --out ./configs
+    MOEFLOW_KERNEL_CONFIG_DIR=./configs python app.py      # the runner finds the file there
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import error
+from .common import add_layer_args, config_from_args
+
+DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune", help="search Triton kernel configs for a shape on this GPU; write JSON")
+    add_layer_args(p, default_preset="qwen3-30b-a3b")
+    p.add_argument("--tokens", default=DEFAULT_TOKENS, help=f"comma-separated token counts (default {DEFAULT_TOKENS})")
+    p.add_argument("--local-experts", type=int, default=None,
+                   help="experts per rank under expert parallelism (default: all num_experts)")
+    p.add_argument("--out", default=None, help="directory to write into (default: $MOEFLOW_KERNEL_CONFIG_DIR, else .)")
+    p.add_argument("--rep-ms", type=float, default=15.0, help="timing budget per candidate, ms (do_bench rep)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .. import env as moeflow_env
+    from ..capabilities import Environment
+    if not torch.cuda.is_available():
+        raise error("MF604", why="CUDA is not available on this machine")
+    why = Environment("cuda").package_error("triton")
+    if why:
+        raise error("MF604", why=f"triton does not import ({why})")
+    import triton
+
+    from ..kernels import configs as kc
+    from ..kernels.autotune import Shape, tune
+
+    cfg = config_from_args(args, device="cuda")
+    e = args.local_experts or cfg.num_experts
+    shape = Shape(e, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.quant, cfg.dtype)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    device = torch.cuda.get_device_name()
+    out_dir = Path(args.out or moeflow_env.KERNEL_CONFIG_DIR.get() or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"tuning {shape} on {device} for T={tokens}", file=sys.stderr)
+    table, measured = tune(shape, tokens, rep_ms=args.rep_ms, log=lambda s: print(s, file=sys.stderr))
+    path = out_dir / kc.file_name(device, e, cfg.intermediate_size, cfg.hidden_size, cfg.quant)
+    meta = dict(device=device, E=e, N=cfg.intermediate_size, K=cfg.hidden_size, scheme=cfg.quant,
+                dtype=str(cfg.dtype).removeprefix("torch."), top_k=cfg.top_k, triton_version=triton.__version__,
+                torch_version=torch.__version__)
+    kc.write_table(path, meta, table, measured)
+    print(path)
+    return 0

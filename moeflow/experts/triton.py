@@ -1,0 +1,105 @@
+"""runner="triton": fused Triton MoE kernels on CUDA, sorted and masked layouts natively.
+
+    batch (sorted [N, H] + offsets, or masked [E, C, H] + counts), layer dtype or FP8 payload
+      -> [quantize x]      kernels/quant.py   (FP8 schemes, unless the dispatcher sent FP8)
+      -> gate_up + act     kernels/gate_up.py (block alignment in-kernel; FP8-block output quant fused)
+      -> [quantize inter]  kernels/quant.py   (fp8-tensor / fp8-channel, from the amax gate_up wrote)
+      -> down + route w    kernels/down.py    -> [N, H] / [E, C, H] layer dtype
+No host synchronization and no data-dependent shape anywhere: a call can be captured in a CUDA
+graph (the decode path). Kernel configs come from tuned JSON files (kernels/configs.py).
+This module imports triton lazily: the registry lists the runner where triton is absent and
+the planner refuses it there (MF205).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..capabilities import ALL_FLOAT, RunnerCaps, Support
+from ..layouts import MASKED, SORTED, ExpertBatch
+from .base import ExpertRunner, ExpertWeights, empty_output
+
+_FP8 = frozenset({"fp8-tensor", "fp8-channel", "fp8-block"})
+
+
+class TritonRunner(ExpertRunner):
+    name = "triton"
+    caps = RunnerCaps(
+        layouts=(SORTED, MASKED),
+        support=(
+            # Plain tl.dot (no Hopper-only instruction is required); validated on sm_90 (H200).
+            Support("cuda", frozenset({"none"}), ALL_FLOAT, min_cc=(8, 0)),
+            # FP8 e4m3 dots exist from sm_89; only Hopper (sm_90) was validated, so 9.0 is declared.
+            Support("cuda", _FP8, ALL_FLOAT, min_cc=(9, 0)),
+        ),
+        requires=("triton",),
+        priority=30,
+        note="fused Triton GEMMs (activation, routing weight and FP8 quantization fused)",
+    )
+
+    def __init__(self, config, scheme):
+        super().__init__(config, scheme)
+        self._table = None  # tuned configs of this shape: {tokens: MoEKernelConfig}, or {} for defaults
+        self._device_name = None
+
+    def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
+        return self.run_with(batch, weights, self.kernel_config(batch, weights))
+
+    def run_with(self, batch: ExpertBatch, weights: ExpertWeights, kcfg, poison: bool = False) -> Tensor:
+        """run() with explicit kernel configs ``kcfg`` (a MoEKernelConfig; tests and tuning call it).
+
+        Returns [N, H] (sorted) or [E, C, H] (masked, zeros in empty slots), ``config.dtype``.
+        poison: fill every intermediate and output buffer with NaN first, so unwritten elements show.
+        Weights are used through their strides (the last dimension contiguous, as the layer's
+        parameters are; an expert dimension of stride 0 is fine).
+        """
+        from ..kernels.common import RowLayout
+        from ..kernels.down import down
+        from ..kernels.gate_up import gate_up
+        from ..kernels.quant import quantize_rows, quantize_with_amax
+        config, scheme = self.config, self.scheme
+        h = config.hidden_size
+        layout = RowLayout.of(batch)
+        if layout.rows == 0:
+            return empty_output(batch, h, config.dtype)
+        x = batch.hidden.reshape(layout.rows, h)
+        if batch.hidden_scale is not None:
+            xq, xs = self.input_activations(x, batch.hidden_scale.reshape(layout.rows, -1))
+        elif scheme.quantized:
+            xq, xs = quantize_rows(x, scheme.name, layout)
+        else:
+            xq, xs = x, None
+        xq = xq.contiguous()
+        inter, extra = gate_up(xq, None if xs is None else xs.contiguous(), weights.w13, weights.w13_scale,
+                               layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison)
+        if scheme.name == "fp8-block":
+            a, a_scale = inter, extra
+        elif scheme.quantized:
+            a, a_scale = quantize_with_amax(inter, extra)
+        else:
+            a, a_scale = inter, None
+        out = down(a, a_scale, weights.w2, weights.w2_scale, batch.weights.reshape(-1).float().contiguous(),
+                   layout, scheme.name, config.dtype, kcfg.down, poison)
+        return out.view(*batch.hidden.shape[:-1], h)
+
+    def kernel_config(self, batch: ExpertBatch, weights: ExpertWeights):
+        """Tuned (or default) configs for this batch, fitted to the scheme and dtype.
+
+        Lookup key: tokens per rank, estimated from the batch's shape alone (no sync): N / top_k
+        for sorted batches, the capacity C for masked ones (tokens a rank may send).
+        """
+        from ..kernels import configs as kc
+        cfg = self.config
+        e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
+        if self._table is None:
+            self._device_name = torch.cuda.get_device_name(batch.hidden.device) if batch.hidden.is_cuda else "cpu"
+            self._table = kc.find_table(self._device_name, e, i, h, self.scheme.name) or {}
+        if batch.layout == MASKED:
+            tokens = batch.hidden.shape[1]
+        else:
+            tokens = max(batch.hidden.shape[0] // cfg.top_k, 1)
+        chosen = kc.nearest(self._table, tokens) if self._table else kc.default_config(tokens, cfg.top_k, e, self.scheme.name)
+        nbytes = 1 if self.scheme.quantized else cfg.dtype.itemsize
+        return kc.MoEKernelConfig(
+            kc.fit(chosen.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
+            kc.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))

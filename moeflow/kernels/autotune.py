@@ -1,0 +1,182 @@
+"""Search kernel configs for one shape on the current GPU (behind `moeflow tune`).
+
+For each token count T: a sorted batch of T * top_k copies with uniform random routing and random
+weights (never zeros), then every gate_up candidate and every down candidate is timed alone
+(triton.testing.do_bench: L2 flushed before each repetition, median); the fastest of each wins.
+Candidates are compiled first in parallel worker processes (Triton's on-disk cache is shared),
+so compilation does not serialize the search.
+"""
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..layouts import SORTED, ExpertBatch, offsets_from_counts
+from ..quant import FP8_DTYPE, create_scheme
+from .configs import GemmConfig, MoEKernelConfig, fit
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_experts: int  # local experts
+    hidden: int  # H
+    inter: int  # I
+    top_k: int
+    scheme: str
+    dtype: torch.dtype = torch.bfloat16
+
+
+def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmConfig]]:
+    """(gate_up candidates, down candidates) for T = tokens, fitted and deduplicated.
+    Rows per expert m = T * top_k / E picks the family: weight streaming (m <= 16), middle, large tiles."""
+    m = tokens * shape.top_k / shape.num_experts
+    bk = 128 if shape.scheme != "none" else 64
+    if m <= 16:
+        gu = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3), (32, 256, 4))]
+        dn = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3), (32, 256, 4))]
+    elif m <= 96:
+        gu = [GemmConfig(bm, bn, bk2, 4, w, s) for bm, bn, bk2, w, s in
+              ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 4, 3), (16, 64, 128, 4, 4))]
+        dn = [GemmConfig(bm, bn, bk2, 4, w, s) for bm, bn, bk2, w, s in
+              ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 4, 3), (16, 128, 128, 4, 4))]
+    else:
+        gu = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
+              ((64, 128, bk, 4, 4), (128, 128, bk, 8, 3), (128, 128, 64, 8, 4), (128, 64, bk, 4, 4), (64, 256, bk, 8, 3))]
+        dn = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
+              ((64, 128, bk, 4, 4), (128, 128, bk, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 256, bk, 8, 3))]
+    nbytes = 1 if shape.scheme != "none" else shape.dtype.itemsize
+
+    def fitted(cfgs, pair, n):
+        out = []
+        for c in cfgs:
+            f = fit(c, fused_pair=pair, scheme=shape.scheme, elem_bytes=nbytes, n_size=n)
+            if f not in out:
+                out.append(f)
+        return out
+
+    return fitted(gu, True, shape.inter), fitted(dn, False, shape.hidden)
+
+
+def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8):
+    """ExpertWeights of random values (uniform ±1/sqrt(fan_in), as MoE.reset_parameters), quantized
+    by the scheme a few experts at a time (whole-tensor FP8 quantization of DeepSeek-V3's
+    experts would need ~100 GB of temporaries)."""
+    from ..experts.base import ExpertWeights
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sch = create_scheme(shape.scheme)
+    e, h, i = shape.num_experts, shape.hidden, shape.inter
+    out = []
+    for n, k in ((2 * i, h), (h, i)):
+        q = torch.empty((e, n, k), dtype=FP8_DTYPE if sch.quantized else shape.dtype, device=device)
+        s = torch.empty(sch.weight_scale_shape(e, n, k), dtype=torch.float32, device=device) if sch.quantized else None
+        for lo in range(0, e, chunk):
+            w = torch.empty((min(chunk, e - lo), n, k), dtype=shape.dtype, device=device)
+            w.uniform_(-1, 1, generator=gen).mul_(1 / math.sqrt(k))
+            wq, ws = sch.quantize_weight(w)
+            q[lo:lo + len(w)] = wq
+            if s is not None:
+                s[lo:lo + len(w)] = ws
+        out += [q, s]
+    return ExpertWeights(out[0], out[2], out[1], out[3])
+
+
+def random_batch(shape: Shape, tokens: int, device, seed: int = 0) -> ExpertBatch:
+    """A sorted batch of tokens * top_k copies, uniform random distinct experts per token."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.rand(tokens, shape.num_experts, generator=gen, device=device).topk(shape.top_k, dim=1).indices
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=shape.num_experts).to(torch.int32)
+    x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(shape.dtype)
+    w = torch.rand(tokens * shape.top_k, generator=gen, device=device)
+    return ExpertBatch(SORTED, x[order // shape.top_k], w[order], counts, offsets_from_counts(counts))
+
+
+def _runner(shape: Shape):
+    from ..config import MoEConfig
+    from ..experts.triton import TritonRunner
+    cfg = MoEConfig(num_experts=shape.num_experts, hidden_size=shape.hidden, intermediate_size=shape.inter,
+                    top_k=shape.top_k, quant=shape.scheme, dtype=shape.dtype)
+    return TritonRunner(cfg, create_scheme(shape.scheme))
+
+
+def expanded_weights(shape: Shape, device):
+    """Weights of shape.num_experts experts that are all one random expert (expert stride 0):
+    the same kernel specialization as real weights, 1/E of the memory. For compiling, not timing."""
+    from ..experts.base import ExpertWeights
+    one = random_weights(Shape(1, shape.hidden, shape.inter, 1, shape.scheme, shape.dtype), device)
+    e = shape.num_experts
+    return ExpertWeights(*(None if t is None else t.expand(e, *t.shape[1:])
+                           for t in (one.w13, one.w2, one.w13_scale, one.w2_scale)))
+
+
+def _compile_job(jobs: list[tuple[Shape, MoEKernelConfig]]) -> int:
+    """Worker: run each (shape, config pair) once on a 1-token batch routed to expert 0."""
+    dev = torch.device("cuda")
+    for shape, pair in jobs:
+        w = expanded_weights(shape, dev)
+        batch = random_batch(shape, 1, dev)
+        batch.offsets = torch.zeros_like(batch.offsets)
+        batch.offsets[1:] = batch.hidden.shape[0]  # every copy to expert 0, the only real one
+        _runner(shape).run_with(batch, w, pair)
+    torch.cuda.synchronize()
+    return len(jobs)
+
+
+def precompile(jobs: list[tuple[Shape, MoEKernelConfig]], workers: int | None = None) -> None:
+    """Compile the kernels of every (shape, config pair) in worker processes (fills Triton's
+    on-disk cache, which the timing process then reads)."""
+    import multiprocessing as mp
+    jobs = sorted(set(jobs), key=str)
+    if not jobs:
+        return
+    workers = workers or max(1, min(12, (os.cpu_count() or 2) - 2, len(jobs)))
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(_compile_job, [jobs[i::workers] for i in range(workers)]))
+
+
+def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: float = 15, log=print):
+    """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us}}) for the current GPU."""
+    from triton.testing import do_bench
+
+    from .common import RowLayout
+    from .gate_up import gate_up
+    from .quant import quantize_rows, quantize_with_amax
+    from .down import down
+    dev = torch.device("cuda")
+    weights = random_weights(shape, dev)
+    plans = {t: candidates(shape, t) for t in token_counts}
+    pairs = set()  # every candidate of either GEMM appears in at least one pair
+    for gu, dn in plans.values():
+        for j in range(max(len(gu), len(dn))):
+            pairs.add(MoEKernelConfig(gu[min(j, len(gu) - 1)], dn[min(j, len(dn) - 1)]))
+    precompile([(shape, p) for p in pairs])
+    table, measured = {}, {}
+    for t in token_counts:
+        batch = random_batch(shape, t, dev, seed=t)
+        layout = RowLayout.of(batch)
+        x = batch.hidden
+        xq, xs = quantize_rows(x, shape.scheme, layout) if shape.scheme != "none" else (x, None)
+        gu_c, dn_c = plans[t]
+
+        def run_gu(c):
+            return gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c)
+
+        gu_t = [do_bench(lambda c=c: run_gu(c), warmup=warmup_ms, rep=rep_ms, return_mode="median") for c in gu_c]
+        best_gu = gu_c[min(range(len(gu_c)), key=gu_t.__getitem__)]
+        inter, extra = run_gu(best_gu)
+        a, a_s = (inter, extra) if shape.scheme in ("none", "fp8-block") else quantize_with_amax(inter, extra)
+        if shape.scheme == "none":
+            a_s = None
+        dn_t = [do_bench(lambda c=c: down(a, a_s, weights.w2, weights.w2_scale, batch.weights, layout, shape.scheme,
+                                          shape.dtype, c), warmup=warmup_ms, rep=rep_ms, return_mode="median") for c in dn_c]
+        best_dn = dn_c[min(range(len(dn_c)), key=dn_t.__getitem__)]
+        table[t] = MoEKernelConfig(best_gu, best_dn)
+        measured[str(t)] = {"gate_up": round(min(gu_t) * 1e3, 2), "down": round(min(dn_t) * 1e3, 2)}
+        log(f"  T={t:>6}: gate_up {min(gu_t) * 1e3:9.1f} us {best_gu}  down {min(dn_t) * 1e3:9.1f} us {best_dn}")
+    return table, measured

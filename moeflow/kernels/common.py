@@ -1,0 +1,164 @@
+"""Triton helpers shared by the MoE kernels: which rows a program's block covers (the block
+alignment of token copies to experts), the gated activation, FP8 rounding, tile ordering.
+
+Layouts (moeflow/layouts.py), as the kernels see them, with R the number of flat rows:
+  sorted: rows [R = N, ...]; meta = offsets [E + 1] int64 (rows of expert e: offsets[e]:offsets[e+1]).
+  masked: rows [R = E * C, ...]; meta = counts [E] int32 (rows e*C .. e*C + counts[e] are valid).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import env as moeflow_env
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (quant/base.py)
+MIN_AMAX = 1e-12  # amax floor of quant/base.amax_to_scale
+
+# QUANT constexpr codes, one per scheme name
+QUANT_CODES = {"none": 0, "fp8-tensor": 1, "fp8-channel": 2, "fp8-block": 3}
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+def num_row_blocks(rows: int, num_experts: int, capacity: int, block_m: int, masked: bool) -> int:
+    """Host-side upper bound of the row blocks a grid must cover (no device data read).
+
+    sorted: each expert's rows are cut into cdiv(count, BLOCK_M) blocks; their sum is at most
+    cdiv(N, BLOCK_M) plus one partial block per non-empty expert. masked: cdiv(C, BLOCK_M) per expert.
+    """
+    if masked:
+        return num_experts * triton.cdiv(capacity, block_m)
+    return triton.cdiv(rows, block_m) + min(num_experts, rows)
+
+
+@triton.jit
+def block_rows(pid_m, meta_ptr, num_experts, capacity,
+               BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, MASKED: tl.constexpr):
+    """Block ``pid_m`` -> (expert, row_start, row_end, slab_end), rows as int64.
+
+    Rows row_start .. row_end-1 are valid copies of ``expert`` (empty when row_start >= row_end);
+    the block may store up to slab_end (masked: the end of the expert's slab, whose empty slots
+    the output must zero; sorted: row_end, since the next rows belong to the next expert).
+    sorted: the block alignment is computed here, in every program, from the offsets: expert e
+    owns blocks cum[e] - nb[e] .. cum[e] - 1 with nb = cdiv(counts, BLOCK_M), cum = cumsum(nb).
+    """
+    if MASKED:
+        per_expert = tl.cdiv(capacity, BLOCK_M)
+        expert = pid_m // per_expert
+        slab = expert.to(tl.int64) * capacity
+        count = tl.minimum(tl.load(meta_ptr + expert).to(tl.int64), capacity)
+        row_start = slab + (pid_m % per_expert) * BLOCK_M
+        row_end = slab + count
+        slab_end = slab + capacity
+    else:
+        idx = tl.arange(0, E_POW2)
+        lo = tl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
+        hi = tl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0)
+        nb = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        cum = tl.cumsum(nb, 0)
+        expert = tl.sum((cum <= pid_m).to(tl.int32), 0)
+        mine = idx == expert  # all False past the last block: every sum below is then 0
+        first_block = tl.sum(tl.where(mine, cum - nb, 0), 0)
+        row_start = tl.sum(tl.where(mine, lo, 0), 0) + (pid_m - first_block) * BLOCK_M
+        row_end = tl.sum(tl.where(mine, hi, 0), 0)
+        row_start = tl.where(expert < num_experts, row_start, row_end)
+        slab_end = row_end
+    return expert, row_start, row_end, slab_end
+
+
+@triton.jit
+def tile_ids(num_blocks_m, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """1-D program id -> (pid_m, pid_n), GROUP_M row blocks side by side so their weight tiles
+    are read while still in L2."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(n_size, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def gated_act(gate, up, ACT: tl.constexpr):
+    """act(gate) * up in float32; ACT 0 silu, 1 gelu (erf), 2 gelu_tanh (as torch's)."""
+    if ACT == 0:
+        a = gate * tl.sigmoid(gate)
+    elif ACT == 1:
+        a = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    else:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        a = 0.5 * gate * (2.0 * tl.sigmoid(2.0 * inner))  # 1 + tanh(y) == 2 * sigmoid(2y)
+    return a * up
+
+
+@triton.jit
+def fp8_scale(amax):
+    """float32 amax -> dequantization scale, as quant/base.amax_to_scale."""
+    return tl.maximum(amax, 1e-12) / 448.0
+
+
+@triton.jit
+def to_fp8(x, scale, ROUND_IN_FP32: tl.constexpr):
+    """Saturating quantize x / scale (float32) to float8e4nv, as quant/base.to_fp8.
+
+    ROUND_IN_FP32 (set under TRITON_INTERPRET only): the interpreter's own float32 -> fp8 cast
+    drops the mantissa carry (31.4 becomes 16), so round to e4m3's 3 mantissa bits here first,
+    to nearest even, and let the cast see exact values. Compiled kernels use the hardware cast.
+    """
+    y = tl.math.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if ROUND_IN_FP32:
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # drop 20 of 23 mantissa bits (RTNE)
+        y = bits.to(tl.float32, bitcast=True)
+    return y.to(tl.float8e4nv)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Host-side description of the flat rows a launch works on (see the module docstring).
+
+    masked: True for the masked layout. meta: offsets [E + 1] int64 (sorted) or counts [E]
+    int32 (masked), on the device. capacity: C (masked), 0 (sorted). rows: R.
+    """
+
+    masked: bool
+    meta: Tensor
+    num_experts: int
+    capacity: int
+    rows: int
+
+    @classmethod
+    def of(cls, batch) -> "RowLayout":
+        """From an ExpertBatch; reads only shapes (no host synchronization)."""
+        e = batch.num_local_experts
+        if batch.layout == "masked":
+            c = batch.hidden.shape[1]
+            return cls(True, batch.counts.to(torch.int32).contiguous(), e, c, e * c)
+        return cls(False, batch.offsets.to(torch.int64).contiguous(), e, 0, batch.hidden.shape[0])
+
+    def num_row_blocks(self, block_m: int) -> int:
+        return num_row_blocks(self.rows, self.num_experts, self.capacity, block_m, self.masked)
+
+    @property
+    def e_pow2(self) -> int:
+        return max(2, triton.next_power_of_2(self.num_experts))
+
+    def valid_rows(self) -> Tensor:
+        """[R] bool: which flat rows hold a token copy (torch; for references and tests)."""
+        dev = self.meta.device
+        if self.masked:
+            slot = torch.arange(self.capacity, device=dev)[None, :]
+            return (slot < self.meta.to(torch.int64)[:, None]).reshape(-1)
+        return torch.ones(self.rows, dtype=torch.bool, device=dev)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (see to_fp8)."""
+    return moeflow_env.TRITON_INTERPRET.get_bool()

@@ -1,0 +1,135 @@
+"""Kernel configurations: tuned JSON files keyed by device and shape, and documented defaults.
+
+File name (written by `moeflow tune`):  E={E},N={I},K={H},device={GPU name},scheme={scheme}.json
+    E local experts, N the expert intermediate size I, K the hidden size H, the GPU name with
+    spaces as "_" (torch.cuda.get_device_name), scheme the quant scheme ("none" covers bf16/fp16).
+Content: {"device", "E", "N", "K", "scheme", "dtype", "top_k", "triton_version",
+          "configs": {"<T>": {"gate_up": {GemmConfig fields}, "down": {...}}, ...}, "measured_us": {...}}
+    where <T> is a token count (tokens per rank, before top-k). A lookup takes the entry whose T
+    is nearest to the batch's in log scale. Directories searched, first hit wins:
+    $MOEFLOW_KERNEL_CONFIG_DIR, then moeflow/kernels/configs/ (shipped).
+Defaults (no matching file; a warning names the missing file): see ``default_config``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+from .. import env as moeflow_env
+from ..errors import error
+
+SHIPPED_DIR = Path(__file__).with_name("configs")
+_SMEM_BUDGET = 200 * 1024  # bytes of shared memory a config may plan for (H100/H200 allow 227 KB)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and launch options of one grouped GEMM kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    gate_up: GemmConfig
+    down: GemmConfig
+
+    def to_dict(self) -> dict:
+        return {"gate_up": self.gate_up.to_dict(), "down": self.down.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoEKernelConfig":
+        return cls(GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]))
+
+
+def file_name(device: str, e: int, n: int, k: int, scheme: str) -> str:
+    return f"E={e},N={n},K={k},device={device.replace(' ', '_')},scheme={scheme}.json"
+
+
+def default_config(tokens: int, top_k: int, num_experts: int, scheme: str) -> MoEKernelConfig:
+    """Defaults by rows per expert m = tokens * top_k / E (uniform routing):
+    m <= 16: BLOCK_M 16, narrow N tiles (64) and deep K (128): weight streaming, many programs;
+    m <= 128: BLOCK_M 64; larger: 128 x 128 tiles, K 64 (bf16) / 128 (fp8), 8 warps, grouped order.
+    """
+    fp8 = scheme != "none"
+    m = tokens * top_k / max(num_experts, 1)
+    if m <= 16:
+        g = GemmConfig(16, 64, 128, 1, 4, 4)
+        d = GemmConfig(16, 64, 128, 1, 4, 4)
+    elif m <= 128:
+        g = GemmConfig(64, 64, 128 if fp8 else 64, 1, 4, 3)
+        d = GemmConfig(64, 128, 128 if fp8 else 64, 1, 4, 3)
+    else:
+        g = GemmConfig(128, 128, 128 if fp8 else 64, 8, 8, 3)
+        d = GemmConfig(128, 128, 128 if fp8 else 64, 8, 8, 3)
+    return MoEKernelConfig(g, d)
+
+
+def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_size: int) -> GemmConfig:
+    """Make ``cfg`` valid for the scheme and within shared memory.
+
+    fp8-block: BLOCK_K must divide 128 (one activation group per step); the gate_up epilogue
+    quantizes 1x128 groups, so its BLOCK_N is 128, or 256 where n_size (I) allows.
+    fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least.
+    """
+    bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
+    if scheme == "fp8-block":
+        bk = min(bk, 128)
+        if fused_pair:
+            bn = 256 if bn >= 256 and n_size % 256 == 0 else 128
+    stages = max(cfg.num_stages, 1)
+    b_tiles = 2 if fused_pair else 1
+    while stages > 1 and stages * (bm * bk + b_tiles * bk * bn) * elem_bytes > _SMEM_BUDGET:
+        stages -= 1
+    return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
+
+
+def search_dirs() -> list[Path]:
+    override = moeflow_env.KERNEL_CONFIG_DIR.get().strip()
+    return ([Path(override)] if override else []) + [SHIPPED_DIR]
+
+
+@lru_cache(maxsize=None)
+def _load(path: str, mtime: float) -> dict[int, MoEKernelConfig]:
+    try:
+        data = json.loads(Path(path).read_text())
+        return {int(t): MoEKernelConfig.from_dict(c) for t, c in data["configs"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise error("MF603", path=path, why=f"{type(exc).__name__}: {exc}") from None
+
+
+def find_table(device: str, e: int, n: int, k: int, scheme: str) -> dict[int, MoEKernelConfig] | None:
+    """The tuned table for this shape, or None (with a warning) when no file matches."""
+    name = file_name(device, e, n, k, scheme)
+    for d in search_dirs():
+        p = d / name
+        if p.is_file():
+            return _load(str(p), p.stat().st_mtime)
+    warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {[str(d) for d in search_dirs()]}; "
+                  f"using defaults (run `moeflow tune` to make one)", stacklevel=3)
+    return None
+
+
+def nearest(table: dict[int, MoEKernelConfig], tokens: int) -> MoEKernelConfig:
+    """The entry whose token count is nearest ``tokens`` in log scale (ties: the smaller)."""
+    t = math.log(max(tokens, 1))
+    return table[min(table, key=lambda key: (abs(math.log(max(key, 1)) - t), key))]
+
+
+def write_table(path: Path, meta: dict, table: dict[int, MoEKernelConfig], measured: dict | None = None) -> None:
+    body = dict(meta, configs={str(t): c.to_dict() for t, c in sorted(table.items())})
+    if measured:
+        body["measured_us"] = measured
+    path.write_text(json.dumps(body, indent=1) + "\n")

@@ -1,0 +1,113 @@
+"""down GEMM with the routing weight fused: out = w * (a @ W_down[e].T), a the intermediate.
+
+    a [R, I] layer dtype, or float8_e4m3fn with scale [R, G] (G = 1 for fp8-tensor/-channel,
+      I/128 for fp8-block); w2 down_proj [E, H, I] (+ scheme scale); route_w [R] float32
+    -> out [R, H] layer dtype. The routing weight multiplies the float32 result before the cast.
+Masked layout: the output's empty slots are written as zeros (the layout contract), by the
+programs of empty blocks without any GEMM work.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import QUANT_CODES, RowLayout, block_rows, tile_ids
+from .gate_up import _expert_of_row, _scale_strides
+
+
+@triton.jit(do_not_specialize=["num_blocks_m"])
+def _down_kernel(
+        a_ptr, as_ptr, w_ptr, ws_ptr, rw_ptr, out_ptr, meta_ptr,
+        num_experts, capacity, num_blocks_m, H, I,
+        stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+        QUANT: tl.constexpr, MASKED: tl.constexpr, E_POW2: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr):
+    pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
+    expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    if row_start >= row_end:
+        if MASKED:  # an empty block of a slab: its output slots must read as zeros
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptrs, zero, mask=(rows < slab_end)[:, None] & (cols < H)[None, :])
+        return
+    row_ok = rows < row_end
+    rows_ld = tl.minimum(rows, row_end - 1)
+    cols_ld = cols % H
+    rk = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
+    a_ptrs = a_ptr + rows_ld[:, None] * stride_a + rk[None, :]
+    b_ptrs = w_e + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(I, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = rk < I - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if QUANT == 3:
+            kg = (kb * BLOCK_K) // 128
+            a_s = tl.load(as_ptr + rows_ld * stride_as + kg)
+            b_s = tl.load(ws_e + (cols_ld // 128) * stride_wsn + kg)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        elif DOT_IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if QUANT == 1:
+        acc = acc * (tl.load(as_ptr + row_start * stride_as) * tl.load(ws_e))
+    elif QUANT == 2:
+        acc = acc * tl.load(as_ptr + rows_ld * stride_as)[:, None] * tl.load(ws_e + cols_ld * stride_wsn)[None, :]
+    route_w = tl.load(rw_ptr + rows_ld)
+    y = tl.where(row_ok[:, None], acc * route_w[:, None], 0.0).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, y, mask=(rows < slab_end)[:, None] & (cols < H)[None, :])
+
+
+def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,
+         layout: RowLayout, scheme: str, dtype: torch.dtype, cfg, poison: bool = False) -> Tensor:
+    """a [R, I] (+ a_scale [R, G]), w2 [E, H, I] (+ scale), route_w [R] float32 -> out [R, H] ``dtype``.
+    Rows of empty masked slots are zero. cfg: a GemmConfig. poison: NaN-fill the output first."""
+    r, i = a.shape
+    _, h, _ = w2.shape
+    q = QUANT_CODES[scheme]
+    out = torch.full((r, h), float("nan"), dtype=dtype, device=a.device) if poison else \
+        torch.empty((r, h), dtype=dtype, device=a.device)
+    ws = w2_scale if w2_scale is not None else a
+    stride_wse, stride_wsn = _scale_strides(ws, q)
+    a_s = a_scale if a_scale is not None else a
+    blocks_m = layout.num_row_blocks(cfg.block_m)
+    grid = (blocks_m * triton.cdiv(h, cfg.block_n),)
+    _down_kernel[grid](
+        a, a_s, w2, ws, route_w, out, layout.meta,
+        layout.num_experts, max(layout.capacity, 1), blocks_m, h, i,
+        a.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), stride_wse, stride_wsn, out.stride(0),
+        QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=i % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def down_torch(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,
+               layout: RowLayout, scheme: str, dtype: torch.dtype) -> Tensor:
+    """Reference: route_w * (dequant(a) @ dequant(w2[e]).T) per valid row in float32 -> [R, H] ``dtype``."""
+    from ..quant import create_scheme
+    sch = create_scheme(scheme)
+    af = sch.dequantize_activation(a, a_scale) if a_scale is not None else a.float()
+    wf = sch.dequantize_weight(w2, w2_scale)
+    expert = _expert_of_row(layout)
+    out = torch.zeros(a.shape[0], w2.shape[1], dtype=torch.float32, device=a.device)
+    for e in range(w2.shape[0]):
+        sel = expert == e
+        if bool(sel.any()):
+            out[sel] = (af[sel] @ wf[e].T) * route_w[sel].float()[:, None]
+    return out.to(dtype)

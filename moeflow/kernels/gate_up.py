@@ -1,0 +1,183 @@
+"""gate_up GEMM with the gated activation fused: inter = act(x @ W_gate[e].T) * (x @ W_up[e].T).
+
+One program computes a [BLOCK_M, BLOCK_N] tile of the intermediate from two accumulators (the
+gate rows n and the up rows I + n of gate_up_proj [E, 2I, H]), so the [R, 2I] pre-activation never
+reaches memory. Epilogue by scheme:
+    none                     inter [R, I] layer dtype
+    fp8-tensor / fp8-channel inter [R, I] layer dtype, plus amax of |inter| (atomic max) per row
+                             (channel, [R]) or for the whole tensor (tensor, [1]) for the next quantization
+    fp8-block                inter [R, I] float8_e4m3fn + scale [R, I/128]: the 1x128 activation
+                             quantization of the down GEMM's input, fused here (BLOCK_N % 128 == 0)
+In every case the value is act(gate)*up in float32, rounded to the layer dtype first (experts/base.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..quant import FP8_DTYPE
+from .common import QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, tile_ids, to_fp8
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit(do_not_specialize=["num_blocks_m"])
+def _gate_up_kernel(
+        x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, amax_ptr, meta_ptr,
+        num_experts, capacity, num_blocks_m, I, H,
+        stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_out, stride_outs,
+        QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr, MASKED: tl.constexpr,
+        E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
+    expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
+    if row_start >= row_end:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    rows_ld = tl.minimum(rows, row_end - 1)  # in-bounds loads without a mask; stores are masked
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ld = cols % I
+    rk = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    x_ptrs = x_ptr + rows_ld[:, None] * stride_x + rk[None, :]
+    g_ptrs = w_e + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    u_ptrs = g_ptrs + I * stride_wn
+    ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(u_ptrs)
+        else:
+            k_ok = rk < H - kb * BLOCK_K
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
+            kg = (kb * BLOCK_K) // 128
+            a_s = tl.load(xs_ptr + rows_ld * stride_xs + kg)
+            g_s = tl.load(ws_e + (cols_ld // 128) * stride_wsn + kg)
+            u_s = tl.load(ws_e + ((cols_ld + I) // 128) * stride_wsn + kg)
+            acc_g += tl.dot(a, bg) * (a_s[:, None] * g_s[None, :])
+            acc_u += tl.dot(a, bu) * (a_s[:, None] * u_s[None, :])
+        elif DOT_IEEE:
+            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if QUANT == 1:  # one activation scale (all rows equal) x one weight scale per expert
+        s = tl.load(xs_ptr + row_start * stride_xs) * tl.load(ws_e)
+        acc_g = acc_g * s
+        acc_u = acc_u * s
+    elif QUANT == 2:  # per-token x per-output-channel
+        a_s = tl.load(xs_ptr + rows_ld * stride_xs)
+        acc_g = acc_g * a_s[:, None] * tl.load(ws_e + cols_ld * stride_wsn)[None, :]
+        acc_u = acc_u * a_s[:, None] * tl.load(ws_e + (cols_ld + I) * stride_wsn)[None, :]
+    h = gated_act(acc_g, acc_u, ACT).to(INTER_DTYPE)
+    ok = row_ok[:, None] & (cols < I)[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    if QUANT == 3:
+        hf = tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_N // 128, 128))
+        scale = fp8_scale(tl.max(tl.abs(hf), axis=2))  # [BLOCK_M, BLOCK_N // 128]
+        q = tl.reshape(to_fp8(hf, scale[:, :, None], ROUND_IN_FP32), (BLOCK_M, BLOCK_N))
+        tl.store(out_ptrs, q, mask=ok)
+        groups = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+        tl.store(outs_ptr + rows[:, None] * stride_outs + groups[None, :], scale,
+                 mask=row_ok[:, None] & (groups < tl.cdiv(I, 128))[None, :])
+    else:
+        tl.store(out_ptrs, h, mask=ok)
+        if QUANT == 1 or QUANT == 2:
+            row_amax = tl.max(tl.where(ok, tl.abs(h.to(tl.float32)), 0.0), axis=1)
+            if QUANT == 2:
+                tl.atomic_max(amax_ptr + rows, row_amax, mask=row_ok)
+            else:
+                tl.atomic_max(amax_ptr, tl.max(row_amax, axis=0))
+
+
+def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
+            scheme: str, activation: str, dtype: torch.dtype, cfg, poison: bool = False
+            ) -> tuple[Tensor, Tensor | None]:
+    """x [R, H] (layer dtype, or fp8 with x_scale [R, G]), w13 [E, 2I, H] (+ scheme scale)
+    -> (inter [R, I], extra): extra is None (none), amax [R] / [1] float32 (fp8-channel /
+    fp8-tensor; inter in layer dtype) or scale [R, I/128] (fp8-block; inter float8_e4m3fn).
+    cfg: a GemmConfig (configs.py). poison: fill outputs with NaN first (tests)."""
+    r, h = x.shape
+    e, two_i, _ = w13.shape
+    i = two_i // 2
+    dev = x.device
+    q = QUANT_CODES[scheme]
+    fill = torch.full if poison else (lambda shape, _v, **kw: torch.empty(shape, **kw))
+    nan = float("nan")
+    inter = fill((r, i), nan, dtype=FP8_DTYPE if q == 3 else dtype, device=dev)
+    extra = None
+    if q == 3:
+        extra = fill((r, triton.cdiv(i, 128)), nan, dtype=torch.float32, device=dev)
+    elif q in (1, 2):
+        extra = torch.zeros(r if q == 2 else 1, dtype=torch.float32, device=dev)
+    ws = w13_scale if w13_scale is not None else x  # unused pointer when q == 0
+    stride_wse, stride_wsn = _scale_strides(ws, q)
+    xs = x_scale if x_scale is not None else x
+    blocks_m = layout.num_row_blocks(cfg.block_m)
+    grid = (blocks_m * triton.cdiv(i, cfg.block_n),)
+    _gate_up_kernel[grid](
+        x, xs, w13, ws, inter, extra if q == 3 else inter, extra if q in (1, 2) else inter, layout.meta,
+        layout.num_experts, max(layout.capacity, 1), blocks_m, i, h,
+        x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), stride_wse, stride_wsn, inter.stride(0),
+        extra.stride(0) if q == 3 else 0,
+        QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
+        E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
+        ROUND_IN_FP32=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return inter, extra
+
+
+def _act_code(name: str) -> int:
+    from .common import ACT_CODES
+    return ACT_CODES[name]
+
+
+def _scale_strides(ws: Tensor, q: int) -> tuple[int, int]:
+    """(per-expert stride, per-output-row(-block) stride) of a weight scale:
+    tensor [E] -> (1, 0); channel [E, N] -> (N, 1); block [E, N/128, K/128] -> (NB*KB, KB)."""
+    if q == 1:
+        return ws.stride(0), 0
+    if q in (2, 3):
+        return ws.stride(0), ws.stride(1)
+    return 0, 0
+
+
+def gate_up_torch(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
+                  scheme: str, activation: str, dtype: torch.dtype) -> Tensor:
+    """Reference: act(gate) * up per valid row, float32 math, rounded to ``dtype`` -> [R, I]
+    (rows of empty masked slots are 0). Dequantizes by the scheme (quant/*.py)."""
+    from ..experts.base import gated_activation
+    from ..quant import create_scheme
+    sch = create_scheme(scheme)
+    xf = sch.dequantize_activation(x, x_scale) if x_scale is not None else x.float()
+    wf = sch.dequantize_weight(w13, w13_scale)
+    expert = _expert_of_row(layout)
+    out = torch.zeros(x.shape[0], w13.shape[1] // 2, dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        sel = expert == e
+        if bool(sel.any()):
+            out[sel] = gated_activation(xf[sel] @ wf[e].T, activation)
+    return out.to(dtype)
+
+
+def _expert_of_row(layout: RowLayout) -> Tensor:
+    """[R] int64 local expert of each flat row, -1 for empty masked slots (torch)."""
+    dev = layout.meta.device
+    if layout.masked:
+        e = torch.arange(layout.num_experts, device=dev).repeat_interleave(layout.capacity)
+        return torch.where(layout.valid_rows(), e, -1)
+    counts = (layout.meta[1:] - layout.meta[:-1]).to(torch.int64)
+    return torch.repeat_interleave(torch.arange(layout.num_experts, device=dev), counts, output_size=layout.rows)

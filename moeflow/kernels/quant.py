@@ -1,0 +1,119 @@
+"""Dynamic FP8 activation quantization of flat rows (the input of a GEMM), as quant/*.py define it.
+
+    fp8-block   : scale [R, ceil(K/128)], one per 128 values of a row      (1 kernel)
+    fp8-channel : scale [R, 1], the row's amax                             (row amax, then quantize)
+    fp8-tensor  : scale [R, 1], all equal: the amax over the *valid* rows   (row amax, torch max, quantize)
+
+Rows of empty masked slots are left out of the tensor amax (they may hold garbage) and are
+quantized like any row (nothing reads them). ``quantize_rows_torch`` is the reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..quant import FP8_DTYPE, create_scheme
+from .common import RowLayout, fp8_scale, interpreting, to_fp8
+
+GROUP = 128  # fp8-block activation group (quant/fp8_block.py)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _row_amax_kernel(x_ptr, amax_ptr, meta_ptr, num_rows, K, stride_x, capacity,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+    """amax [R] float32 of |x| per row; 0 for rows of empty masked slots."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < num_rows
+    if MASKED:
+        count = tl.load(meta_ptr + rows // capacity, mask=valid, other=0)
+        valid = valid & (rows % capacity < count)
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                    mask=valid[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    tl.store(amax_ptr + rows, amax, mask=rows < num_rows)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _quant_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, num_rows, K, stride_x, stride_q, stride_s, amax_stride,
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """q [R, K] fp8 and scale [R, G]. GROUPED: BLOCK_K == 128, one scale per (row, group);
+    else the scale of row r comes from amax_ptr[r * amax_stride] (stride 0: one tensor amax)."""
+    pid_k = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < num_rows
+    mask = rmask[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GROUPED:
+        scale = fp8_scale(tl.max(tl.abs(x), axis=1))
+        tl.store(s_ptr + rows * stride_s + pid_k, scale, mask=rmask)
+    else:
+        scale = fp8_scale(tl.load(amax_ptr + rows * amax_stride, mask=rmask, other=1.0))
+        if pid_k == 0:
+            tl.store(s_ptr + rows * stride_s, scale, mask=rmask)
+    q = to_fp8(x, scale[:, None], ROUND_IN_FP32)
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=mask)
+
+
+def row_amax(x: Tensor, layout: RowLayout) -> Tensor:
+    """x [R, K] float -> [R] float32 amax per row (0 for empty masked slots)."""
+    r, k = x.shape
+    amax = torch.empty(r, dtype=torch.float32, device=x.device)
+    block_r = 16
+    _row_amax_kernel[(triton.cdiv(r, block_r),)](
+        x, amax, layout.meta, r, k, x.stride(0), max(layout.capacity, 1),
+        BLOCK_R=block_r, BLOCK_K=min(256, triton.next_power_of_2(max(k, 16))), MASKED=layout.masked)
+    return amax
+
+
+def quantize_with_amax(x: Tensor, amax: Tensor) -> tuple[Tensor, Tensor]:
+    """x [R, K] float, amax [R] (per row) or [1] (one for the tensor) -> (q [R, K] fp8, scale [R, 1])."""
+    r, k = x.shape
+    q = torch.empty((r, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((r, 1), dtype=torch.float32, device=x.device)
+    block_r, block_k = 16, min(512, triton.next_power_of_2(max(k, 16)))
+    _quant_kernel[(triton.cdiv(r, block_r), triton.cdiv(k, block_k))](
+        x, q, scale, amax, r, k, x.stride(0), q.stride(0), scale.stride(0), 0 if amax.numel() == 1 else 1,
+        BLOCK_R=block_r, BLOCK_K=block_k, GROUPED=False, ROUND_IN_FP32=interpreting())
+    return q, scale
+
+
+def quantize_groups(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [R, K] float -> (q [R, K] fp8, scale [R, ceil(K/128)]): fp8-block activations."""
+    r, k = x.shape
+    g = triton.cdiv(k, GROUP)
+    q = torch.empty((r, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((r, g), dtype=torch.float32, device=x.device)
+    block_r = 16
+    _quant_kernel[(triton.cdiv(r, block_r), g)](
+        x, q, scale, scale, r, k, x.stride(0), q.stride(0), scale.stride(0), 0,
+        BLOCK_R=block_r, BLOCK_K=GROUP, GROUPED=True, ROUND_IN_FP32=interpreting())
+    return q, scale
+
+
+def quantize_rows(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tensor, Tensor]:
+    """x [R, K] layer dtype -> (q [R, K] float8_e4m3fn, scale [R, G] float32) by ``scheme``."""
+    x = x.contiguous()
+    if scheme == "fp8-block":
+        return quantize_groups(x)
+    amax = row_amax(x, layout)
+    if scheme == "fp8-tensor":
+        amax = amax.amax().reshape(1) if amax.numel() else amax.new_zeros(1)
+    return quantize_with_amax(x, amax)
+
+
+def quantize_rows_torch(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tensor, Tensor]:
+    """Reference of quantize_rows: the scheme's own quantize_activation; for fp8-tensor the
+    tensor amax is taken over valid rows only."""
+    sch = create_scheme(scheme)
+    if scheme != "fp8-tensor":
+        return sch.quantize_activation(x)
+    valid = layout.valid_rows()
+    _, s = sch.quantize_activation(x[valid]) if bool(valid.any()) else (None, x.new_full((1, 1), 1e-12 / 448))
+    scale = s[:1].float().expand(x.shape[0], 1).contiguous()
+    return (x.float() / scale).clamp(-448, 448).to(FP8_DTYPE), scale

@@ -1,0 +1,51 @@
+"""The top-k reduction: each token's output is the sum of its K (already weighted) expert copies.
+
+    y [N, H] runner output in sorted order; row_of_copy [T * K] int64: the row of y holding copy
+    k of token t at t * K + k (-1: the copy was not computed here, it counts as zero)
+    -> out [T, H] y.dtype, summed in float32 in k order (0 .. K-1).
+One pass over y instead of torch's scatter + float copy + sum (three passes and a float32
+[N, H] temporary); a dispatcher's combine can call it (the local one gets row_of_copy as the
+inverse of its sort order).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _moe_sum_kernel(y_ptr, row_ptr, out_ptr, H, stride_y, stride_out,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        row = tl.load(row_ptr + t * TOP_K + k)
+        acc += tl.load(y_ptr + row * stride_y + cols, mask=ok & (row >= 0), other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_sum(y: Tensor, row_of_copy: Tensor, top_k: int) -> Tensor:
+    """y [N, H], row_of_copy [T * top_k] int64 -> [T, H] y.dtype (module docstring)."""
+    t = row_of_copy.numel() // top_k
+    h = y.shape[1]
+    out = torch.empty((t, h), dtype=y.dtype, device=y.device)
+    if t == 0 or h == 0:
+        return out.zero_()
+    block_h = min(1024, triton.next_power_of_2(h))
+    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, row_of_copy.contiguous(), out, h, y.stride(0), out.stride(0),
+                                                   TOP_K=top_k, BLOCK_H=block_h)
+    return out
+
+
+def moe_sum_torch(y: Tensor, row_of_copy: Tensor, top_k: int) -> Tensor:
+    """Reference of moe_sum."""
+    rows = row_of_copy.view(-1, top_k)
+    picked = torch.where((rows >= 0)[..., None], y.float()[rows.clamp(min=0)], 0.0)
+    acc = torch.zeros(rows.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    for k in range(top_k):
+        acc += picked[:, k]
+    return acc.to(y.dtype)

@@ -1,0 +1,42 @@
+"""The other runners on a real GPU through MoE(..., device="cuda") against the float64 oracle:
+"grouped_mm" (torch._grouped_mm bf16; torch._scaled_grouped_mm fp8-tensor / fp8-channel) and
+"reference" (every scheme). Also what "auto" picks on this GPU. Run: pytest -m gpu tests/gpu
+"""
+import pytest
+import torch
+
+from oracle import assert_close, layer_oracle
+from tolerances import rel_tol
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPE = dict(num_experts=8, hidden_size=256, intermediate_size=256, top_k=2)
+
+
+def routing(t, e, k):
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
+    return ids, torch.rand(t, k, device="cuda") + 0.1
+
+
+@pytest.mark.parametrize("t", [1, 64, 700])
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel"])
+def test_grouped_mm(make_layer, poison, scheme, t):
+    layer = make_layer(**SHAPE, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="grouped_mm")
+    x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(t, 8, 2)
+    out = layer.forward_topk(x, ids, w)
+    assert_close(out, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"grouped_mm {scheme} T={t}")
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel", "fp8-block"])
+def test_reference_on_cuda(make_layer, poison, scheme):
+    layer = make_layer(**SHAPE, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="reference")
+    x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(33, 8, 2)
+    assert_close(layer.forward_topk(x, ids, w), layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), scheme)
+
+
+def test_auto_prefers_triton(make_layer):
+    for scheme in ("none", "fp8-tensor", "fp8-channel", "fp8-block"):
+        layer = make_layer(**SHAPE, quant=scheme, dtype=torch.bfloat16, device="cuda")
+        assert layer.plan.runner == "triton", layer.plan

@@ -1,0 +1,138 @@
+"""Each Triton kernel against the torch reference beside it, under TRITON_INTERPRET=1, plus the
+kernel-config files (lookup, override directory, defaults, validation)."""
+import json
+
+import pytest
+import torch
+
+from triton_interp import SKIP_REASON
+
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+
+if SKIP_REASON is None:
+    from moeflow.kernels import configs as kc
+    from moeflow.kernels.align import align_blocks, align_blocks_torch
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.down import down, down_torch
+    from moeflow.kernels.gate_up import gate_up, gate_up_torch
+    from moeflow.kernels.quant import quantize_rows, quantize_rows_torch
+    from moeflow.kernels.reduce import moe_sum, moe_sum_torch
+    from moeflow.layouts import offsets_from_counts
+    from moeflow.quant import create_scheme
+
+from oracle import assert_close
+
+
+def sorted_layout(counts):
+    counts = torch.tensor(counts, dtype=torch.int32)
+    return RowLayout(False, offsets_from_counts(counts), len(counts), 0, int(counts.sum()))
+
+
+def masked_layout(counts, capacity):
+    counts = torch.tensor(counts, dtype=torch.int32)
+    return RowLayout(True, counts, len(counts), capacity, len(counts) * capacity)
+
+
+@pytest.mark.parametrize("counts,block_m", [
+    ([5, 0, 33, 16, 1], 16),   # empty expert, a segment over 3 blocks, an exact multiple, a single row
+    ([0, 0, 0], 16),           # no rows: every block empty
+    ([40], 16),                # one expert owns everything
+    ([1, 2, 3, 4, 5, 6, 7], 4),  # E=7: non-power-of-two expert count
+])
+def test_align_sorted(counts, block_m):
+    layout = sorted_layout(counts)
+    table = align_blocks(layout, block_m)
+    assert torch.equal(table, align_blocks_torch(layout, block_m))
+    real = table[table[:, 0] >= 0]
+    assert int((real[:, 2] - real[:, 1]).sum()) == sum(counts)  # every row in exactly one block
+    assert (real[:, 2] - real[:, 1] <= block_m).all()
+
+
+def test_align_masked():
+    layout = masked_layout([0, 9, 4, 12], capacity=12)
+    assert torch.equal(align_blocks(layout, 8), align_blocks_torch(layout, 8))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel", "fp8-block"])
+@pytest.mark.parametrize("masked", [False, True], ids=["sorted", "masked"])
+def test_quantize_rows(scheme, masked):
+    """Same FP8 bytes and scales as the scheme's own quantize_activation (valid rows)."""
+    layout = masked_layout([3, 0, 5], 6) if masked else sorted_layout([3, 0, 5])
+    x = (torch.randn(layout.rows, 256) * torch.rand(layout.rows, 1) * 4).half()
+    if masked:
+        x[~layout.valid_rows()] = 1e4  # garbage the tensor amax must skip
+    q, s = quantize_rows(x, scheme, layout)
+    q_ref, s_ref = quantize_rows_torch(x, scheme, layout)
+    v = layout.valid_rows()
+    assert s.shape == s_ref.shape and torch.equal(s[v], s_ref[v].float())
+    assert torch.equal(q[v].view(torch.uint8), q_ref[v].view(torch.uint8))
+
+
+@pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-channel", torch.float32),
+                                          ("fp8-block", torch.float16)])
+def test_gate_up_and_down_kernels(scheme, dtype):
+    """gate_up (with its fused epilogue) and down against their references, sorted layout."""
+    sch = create_scheme(scheme)
+    layout = sorted_layout([4, 0, 19])
+    e, h, i = 3, 128, 128
+    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).to(dtype))
+    q2, s2 = sch.quantize_weight((torch.randn(e, h, i) / i ** 0.5).to(dtype))
+    x = torch.randn(layout.rows, h).to(dtype)
+    xq, xs = sch.quantize_activation(x)
+    cfg = kc.GemmConfig(16, 128, 64)
+    inter, extra = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype, cfg, poison=True)
+    ref = gate_up_torch(xq, xs, q13, s13, layout, scheme, "silu", dtype)
+    if scheme == "fp8-block":
+        deq = sch.dequantize_activation(inter, extra)
+        assert_close(deq, ref, 5e-2, "gate_up (fp8-block output, one e4m3 rounding)")
+        a, a_s = inter, extra
+    else:
+        assert_close(inter, ref, 1e-3, "gate_up")
+        if scheme == "fp8-channel":
+            assert torch.equal(extra, inter.float().abs().amax(dim=1))  # fused row amax
+        a, a_s = sch.quantize_activation(inter)
+    route_w = torch.rand(layout.rows)
+    out = down(a, a_s, q2, s2, route_w, layout, scheme, dtype, kc.GemmConfig(16, 32, 64), poison=True)
+    assert_close(out, down_torch(a, a_s, q2, s2, route_w, layout, scheme, dtype), 1e-3, "down")
+
+
+def test_moe_sum():
+    y = torch.randn(10, 40).half()
+    rows = torch.randperm(12)
+    rows[rows >= 10] = -1  # two copies not computed here
+    assert torch.equal(moe_sum(y, rows, 3), moe_sum_torch(y, rows, 3))
+
+
+# ---------------------------------------------------------------- kernel configs
+def test_config_file_lookup(monkeypatch, tmp_path):
+    """The override directory wins over shipped files; the nearest token count (log scale) wins."""
+    monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
+    small, big = kc.MoEKernelConfig(kc.GemmConfig(16, 64, 128), kc.GemmConfig(16, 64, 128)), \
+        kc.MoEKernelConfig(kc.GemmConfig(128, 128, 64, 8, 8, 3), kc.GemmConfig(128, 256, 64, 8, 8, 3))
+    name = kc.file_name("NVIDIA H200", 8, 128, 256, "fp8-block")
+    assert name == "E=8,N=128,K=256,device=NVIDIA_H200,scheme=fp8-block.json"
+    kc.write_table(tmp_path / name, {"triton_version": "x"}, {1: small, 4096: big})
+    table = kc.find_table("NVIDIA H200", 8, 128, 256, "fp8-block")
+    assert kc.nearest(table, 1) == small and kc.nearest(table, 60) == small and kc.nearest(table, 70) == big
+    assert json.loads((tmp_path / name).read_text())["triton_version"] == "x"
+
+
+def test_config_file_missing_and_malformed(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
+    with pytest.warns(UserWarning, match="moeflow tune"):
+        assert kc.find_table("Some GPU", 3, 5, 7, "none") is None
+    (tmp_path / kc.file_name("Some GPU", 3, 5, 7, "none")).write_text("{not json")
+    with pytest.raises(Exception) as info:
+        kc.find_table("Some GPU", 3, 5, 7, "none")
+    assert getattr(info.value, "code", None) == "MF603"
+
+
+def test_fit_rules():
+    """fp8-block: BLOCK_K divides 128, gate_up BLOCK_N is 128 (or 256 when I allows); shared memory
+    bounded by lowering stages; minimum dot tiles."""
+    g = kc.fit(kc.GemmConfig(8, 64, 256, 1, 4, 6), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=384)
+    assert (g.block_m, g.block_n, g.block_k) == (16, 128, 128)
+    assert kc.fit(kc.GemmConfig(64, 256, 128), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=512).block_n == 256
+    big = kc.fit(kc.GemmConfig(128, 256, 128, 8, 8, 5), fused_pair=True, scheme="none", elem_bytes=4, n_size=512)
+    assert big.num_stages * (128 * 128 + 2 * 128 * 256) * 4 <= 200 * 1024 or big.num_stages == 1
+    assert kc.fit(kc.GemmConfig(16, 16, 16), fused_pair=False, scheme="fp8-tensor", elem_bytes=1, n_size=64).block_k == 32

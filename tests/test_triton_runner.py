@@ -1,0 +1,188 @@
+"""The "triton" runner under Triton's CPU interpreter (TRITON_INTERPRET=1), at tiny shapes.
+
+The planner refuses "triton" on CPU (it declares CUDA only), so these tests build a layer with
+the reference runner for its weights and local dispatcher, and call TritonRunner directly on the
+dispatcher's batch: whole layer (dispatch -> triton -> combine) vs the float64 oracle, and the
+runner vs the reference runner on the same batch, in both layouts. bf16 is not run: the
+interpreter has no bf16 (tests/gpu/ covers it).
+"""
+import pytest
+import torch
+
+from triton_interp import SKIP_REASON
+
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+
+if SKIP_REASON is None:
+    from moeflow import MoEConfig
+    from moeflow.experts.reference import ReferenceRunner
+    from moeflow.experts.triton import TritonRunner
+    from moeflow.kernels.configs import GemmConfig, MoEKernelConfig
+    from moeflow.layouts import masked_output_to_sorted, sorted_to_masked
+    from moeflow.quant import payload_scheme
+
+from oracle import assert_close, layer_oracle
+from tolerances import rel_tol
+
+ALIGNED = dict(num_experts=4, hidden_size=128, intermediate_size=128, top_k=2)  # every scheme's rules hold
+ODD = dict(num_experts=3, hidden_size=48, intermediate_size=40, top_k=2)  # non-power-of-two, K tails
+CASES = [("none", torch.float32), ("none", torch.float16), ("fp8-tensor", torch.float16),
+         ("fp8-channel", torch.float32), ("fp8-channel", torch.float16), ("fp8-block", torch.float16),
+         ("fp8-block", torch.float32)]
+
+
+def small_config(scheme):
+    """Small tiles keep the interpreter quick; fp8-block's gate_up needs BLOCK_N = 128."""
+    return MoEKernelConfig(GemmConfig(16, 128 if scheme == "fp8-block" else 32, 64), GemmConfig(16, 32, 64, group_m=2))
+
+
+def build(make_layer, fields, scheme, dtype, **extra):
+    layer = make_layer(**fields, quant=scheme, dtype=dtype, runner="reference", **extra)
+    return layer, TritonRunner(layer.config, layer.scheme)
+
+
+def route(t, e, k, skew=None):
+    """Distinct top-k ids [T, K] and weights [T, K]; skew=j sends every token to expert j first."""
+    ids = torch.rand(t, e).argsort(dim=1)[:, :k]
+    if skew is not None:
+        ids = torch.rand(t, e).add(torch.arange(e) == skew).argsort(dim=1, descending=True)[:, :k]
+    return ids.to(torch.int32), torch.rand(t, k) + 0.1
+
+
+def layer_through_triton(layer, runner, x, ids, w, masked=False, capacity=None):
+    batch, handle = layer.dispatcher.dispatch(x, ids, w)
+    kcfg = small_config(layer.scheme.name)
+    if masked:
+        mbatch, slot = sorted_to_masked(batch, capacity)
+        out = masked_output_to_sorted(runner.run_with(mbatch, layer.expert_weights(), kcfg, poison=True), slot)
+    else:
+        out = runner.run_with(batch, layer.expert_weights(), kcfg, poison=True)
+    return layer.dispatcher.combine(out, handle)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["sorted", "masked"])
+@pytest.mark.parametrize("scheme,dtype", CASES, ids=lambda v: str(v).removeprefix("torch."))
+def test_layer_vs_oracle(make_layer, scheme, dtype, masked):
+    layer, runner = build(make_layer, ALIGNED, scheme, dtype)
+    x = torch.randn(9, 128).to(dtype)
+    ids, w = route(9, 4, 2)
+    out = layer_through_triton(layer, runner, x, ids, w, masked=masked, capacity=12 if masked else None)
+    assert out.dtype == dtype and out.shape == (9, 128)
+    assert_close(out, layer_oracle(layer, x, ids, w), rel_tol(scheme, dtype), f"triton {scheme} {dtype}")
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel"])
+def test_odd_sizes_vs_reference_runner(make_layer, scheme):
+    """H=48, I=40, E=3: K tails (H % BLOCK_K != 0), partial N tiles, a non-power-of-two expert count."""
+    layer, runner = build(make_layer, ODD, scheme, torch.float16)
+    x = torch.randn(5, 48).to(torch.float16)
+    ids, w = route(5, 3, 2)
+    batch, _ = layer.dispatcher.dispatch(x, ids, w)
+    out = runner.run_with(batch, layer.expert_weights(), small_config(scheme), poison=True)
+    ref = ReferenceRunner(layer.config, layer.scheme).run(batch, layer.expert_weights())
+    assert_close(out, ref, rel_tol(scheme, torch.float16), "odd sizes")
+
+
+@pytest.mark.parametrize("case", ["T=1", "one-expert", "idle-experts", "K=E"])
+@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+def test_edge_routing(make_layer, scheme, case):
+    """T=1: a single copy per expert, mostly padding; one-expert: all tokens' first choice is
+    expert 2 (one long segment, several row blocks); idle-experts: top-1 of 4 experts with 3
+    tokens leaves experts empty; K=E: every token visits every expert."""
+    fields = dict(ALIGNED)
+    t, skew = {"T=1": (1, None), "one-expert": (40, 2), "idle-experts": (3, None), "K=E": (5, None)}[case]
+    fields["top_k"] = {"idle-experts": 1, "K=E": 4}.get(case, 2)
+    layer, runner = build(make_layer, fields, scheme, torch.float16)
+    x = torch.randn(t, 128).to(torch.float16)
+    ids, w = route(t, 4, fields["top_k"], skew)
+    out = layer_through_triton(layer, runner, x, ids, w)
+    assert_close(out, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.float16), case)
+
+
+@pytest.mark.parametrize("layout", ["sorted", "masked"])
+def test_no_tokens(make_layer, layout):
+    """T=0: no copies at all; the output is empty (sorted) or all zeros (masked), never garbage."""
+    layer, runner = build(make_layer, ALIGNED, "fp8-block", torch.float16)
+    ids, w = route(0, 4, 2)
+    batch, handle = layer.dispatcher.dispatch(torch.randn(0, 128).half(), ids, w)
+    if layout == "masked":
+        batch, _ = sorted_to_masked(batch, capacity=4)
+        out = runner.run_with(batch, layer.expert_weights(), small_config("fp8-block"), poison=True)
+        assert out.shape == (4, 4, 128) and not out.any()
+    else:
+        out = runner.run_with(batch, layer.expert_weights(), small_config("fp8-block"), poison=True)
+        assert layer.dispatcher.combine(out, handle).shape == (0, 128)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-block"])
+def test_masked_garbage_slots(make_layer, scheme):
+    """Empty masked slots full of huge values and NaN: valid rows match the reference runner
+    (fp8-tensor's amax must skip them) and every empty output slot is exactly zero."""
+    layer, runner = build(make_layer, ALIGNED, scheme, torch.float32)
+    x = torch.randn(6, 128)
+    ids, w = route(6, 4, 2)
+    batch, _ = layer.dispatcher.dispatch(x, ids, w)
+    mb, _ = sorted_to_masked(batch, capacity=8)
+    valid = torch.arange(8)[None, :] < mb.counts[:, None].long()
+    garbage = torch.full_like(mb.hidden[~valid], 1e6)
+    garbage[::2] = float("nan")
+    mb.hidden[~valid] = garbage
+    out = runner.run_with(mb, layer.expert_weights(), small_config(scheme), poison=True)
+    ref = ReferenceRunner(layer.config, layer.scheme).run(mb, layer.expert_weights())
+    assert_close(out[valid], ref[valid], rel_tol(scheme, torch.float32), "valid slots")
+    assert not out[~valid].any(), "empty masked slots must be zero"
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-channel", "fp8-block"])
+def test_prequantized_payload(make_layer, scheme):
+    """A dispatcher may send FP8 rows + scales (payload_scheme): used as is by FP8 layers,
+    dequantized to the layer dtype by a "none" layer. Same result as the reference runner."""
+    layer, runner = build(make_layer, ALIGNED, scheme, torch.float16)
+    x = torch.randn(7, 128).half()
+    ids, w = route(7, 4, 2)
+    batch, _ = layer.dispatcher.dispatch(x, ids, w)
+    batch.hidden, batch.hidden_scale = payload_scheme(layer.scheme).quantize_activation(batch.hidden)
+    out = runner.run_with(batch, layer.expert_weights(), small_config(scheme), poison=True)
+    ref = ReferenceRunner(layer.config, layer.scheme).run(batch, layer.expert_weights())
+    assert_close(out, ref, rel_tol(scheme, torch.float16), "fp8 payload")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_activations(make_layer, activation):
+    layer, runner = build(make_layer, ALIGNED, "none", torch.float32, activation=activation)
+    x = torch.randn(4, 128)
+    ids, w = route(4, 4, 2)
+    out = layer_through_triton(layer, runner, x, ids, w)
+    assert_close(out, layer_oracle(layer, x, ids, w), rel_tol("none", torch.float32), activation)
+
+
+def test_run_uses_default_configs(make_layer, monkeypatch, tmp_path):
+    """run() without explicit configs: no tuned file for the CPU 'device' -> a warning naming the
+    file it looked for, defaults fitted to the scheme, the same result."""
+    monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
+    layer, runner = build(make_layer, ALIGNED, "fp8-block", torch.float16)
+    x = torch.randn(3, 128).half()
+    ids, w = route(3, 4, 2)
+    batch, _ = layer.dispatcher.dispatch(x, ids, w)
+    with pytest.warns(UserWarning, match=r"E=4,N=128,K=128,device=cpu,scheme=fp8-block\.json"):
+        out = runner.run(batch, layer.expert_weights())
+    kcfg = runner.kernel_config(batch, layer.expert_weights())
+    assert kcfg.gate_up.block_n % 128 == 0 and 128 % kcfg.gate_up.block_k == 0
+    ref = ReferenceRunner(layer.config, layer.scheme).run(batch, layer.expert_weights())
+    assert_close(out, ref, rel_tol("fp8-block", torch.float16), "defaults")
+
+
+def test_declared_capabilities():
+    """CUDA only; FP8 needs sm_90 (the only validated FP8 target); the planner refuses it on CPU
+    with MF203 at construction and "auto" prefers it on a Hopper GPU."""
+    from moeflow.capabilities import Environment
+    from moeflow.planner import check_runner, plan
+    caps = TritonRunner.caps
+    assert {s.device for s in caps.support} == {"cuda"} and caps.requires == ("triton",)
+    cfg = MoEConfig(**ALIGNED, quant="fp8-block", runner="triton")
+    assert check_runner("triton", cfg, Environment("cpu")).code == "MF203"
+    assert check_runner("triton", cfg, Environment("cuda", (8, 9))).code == "MF204"
+    assert check_runner("triton", cfg.replace(quant="none"), Environment("cuda", (8, 0))) is None
+    hopper = Environment("cuda", (9, 0))
+    for scheme in ("none", "fp8-tensor", "fp8-channel", "fp8-block"):
+        assert plan(cfg.replace(quant=scheme, runner="auto"), hopper).runner == "triton"
