@@ -58,8 +58,8 @@ class Ctx:
                           "shared_experts.down_proj.weight": torch.randn(h, s) / s ** 0.5})
         if cfg.use_correction_bias:
             state["e_score_correction_bias"] = torch.rand(e) - 0.5
-        x = torch.randn(sum(tokens), h).to(cfg.dtype)
-        logits = logits_fn(sum(tokens), e) if logits_fn else torch.randn(sum(tokens), e) * 2
+        x = torch.randn(sum(tokens), h).to(cfg.dtype).to(cfg.device)
+        logits = (logits_fn(sum(tokens), e) if logits_fn else torch.randn(sum(tokens), e) * 2).to(cfg.device)
         ep = MoE(cfg)
         if payload:
             ep.dispatcher = ep.dispatcher.with_payload(payload)
@@ -127,9 +127,9 @@ def suite(world):
     return checks
 
 
-def check_halves(c, d):
+def check_halves(c, d, **fields):
     ep, x, logits, want = c.compare(tokens_for(c, "h" + d), dispatcher=d, runner="reference", dtype=torch.float32,
-                                    num_shared_experts=1, shared_intermediate_size=32)
+                                    num_shared_experts=1, shared_intermediate_size=32, **fields)
     ids, w = ep.router(logits, None)
     disp = ep.dispatcher
     pending = disp.dispatch_start(x, ids, w)
@@ -138,7 +138,7 @@ def check_halves(c, d):
     from moeflow.layouts import run_in_layout
     pending = disp.combine_start(run_in_layout(ep.runner, batch, ep.expert_weights()), handle)
     got = (disp.combine_wait(pending).float() + shared).to(ep.config.dtype)
-    assert torch.equal(got, want), rel_err(got, want)
+    assert rel_err(got, want) <= 1e-6, rel_err(got, want)  # == on CPU; GPU index_add_ order varies
 
 
 def check_auto(c):

@@ -68,6 +68,7 @@ class ExpertParallelDispatcher(Dispatcher):
     It checks the ranks agree (MF501, MF502 if one never comes) and the placement (MF504).
 
     expert_rank: [E] int64, rank owning each expert. expert_local: [E] int64, its local id there.
+    _copy_table: [E + 1] int64, entry e + 1 = local id of expert e here, or E_local (entry 0: id -1).
     """
 
     def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None, payload: str = "auto"):
@@ -89,6 +90,8 @@ class ExpertParallelDispatcher(Dispatcher):
                 local_id[e] = i
         self.expert_rank = torch.tensor(self.placement, dtype=torch.int64, device=self.device)
         self.expert_local = torch.tensor(local_id, dtype=torch.int64, device=self.device)
+        mine = [local_id[e] if r == self.rank else len(self._local) for e, r in enumerate(self.placement)]
+        self._copy_table = torch.tensor([len(self._local)] + mine, dtype=torch.int64, device=self.device)
         compress = payload == "fp8" or (payload == "auto" and scheme.quantized)
         self.codec = RowCodec(config.hidden_size, config.top_k, config.dtype,
                               payload_scheme(scheme) if compress else None)
@@ -96,6 +99,11 @@ class ExpertParallelDispatcher(Dispatcher):
     @property
     def local_experts(self) -> list[int]:
         return list(self._local)
+
+    def local_copies(self, gids: Tensor) -> Tensor:
+        """gids [R, K] global expert ids (-1 padding) -> [R * K] int64: the local expert of each
+        copy, or E_local (a sentinel that sorts last) where the copy is not for this rank."""
+        return self._copy_table[gids.long().flatten() + 1]
 
     def with_payload(self, payload: str) -> "ExpertParallelDispatcher":
         """A new dispatcher of the same kind and group with another payload mode (collective: every

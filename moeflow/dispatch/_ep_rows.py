@@ -92,27 +92,19 @@ class RowCodec:
         return token_bytes.view(self.dtype)
 
 
-def local_copy_experts(gids: Tensor, expert_rank: Tensor, expert_local: Tensor, rank: int, e_local: int) -> Tensor:
-    """gids [R, K] global expert ids (-1 padding) -> [R * K] int64 local expert of each copy,
-    ``e_local`` (a sentinel that sorts last) where the copy is not for this rank."""
-    g = gids.long().clamp(min=0)
-    mine = (gids >= 0) & (expert_rank[g] == rank)
-    return torch.where(mine, expert_local[g], e_local).flatten()
-
-
-def copy_counts(experts: Tensor, e_local: int) -> Tensor:
-    """experts [R * K] (sentinel e_local) -> counts [E_local] int32, without a host sync."""
-    ones = torch.ones_like(experts, dtype=torch.int32)
-    return torch.zeros(e_local + 1, dtype=torch.int32, device=experts.device).scatter_add_(0, experts, ones)[:e_local]
-
-
 def sorted_batch(codec: RowCodec, rows: Rows, experts: Tensor, n: int, e_local: int) -> tuple[ExpertBatch, Tensor]:
-    """The copies marked in ``experts`` ([R * K], sentinel e_local; ``n`` of them are real) as a
-    sorted-layout batch. Returns (batch, row_of_copy [n] int64: the packed row of each batch row)."""
+    """The copies marked in ``experts`` ([R * K] local expert of each copy, ``e_local`` where the
+    copy is not for this rank; ``n`` are real) as a sorted-layout batch.
+
+    Returns (batch, copy_pos [R, K] int64: the batch row of each copy, -1 for non-copies).
+    """
     k = codec.top_k
     order = torch.argsort(experts, stable=True)[:n]  # grouped by local expert, in row order
     row = order // k
-    counts = copy_counts(experts, e_local)
+    ones = torch.ones_like(experts, dtype=torch.int32)  # (bincount would read its max on the host)
+    counts = torch.zeros(e_local + 1, dtype=torch.int32, device=experts.device).scatter_add_(0, experts, ones)[:e_local]
+    copy_pos = torch.full_like(experts, -1)
+    copy_pos[order] = torch.arange(n, device=experts.device)
     batch = ExpertBatch(
         layout=SORTED,
         hidden=codec.as_payload(rows.hidden.index_select(0, row)),
@@ -121,25 +113,24 @@ def sorted_batch(codec: RowCodec, rows: Rows, experts: Tensor, n: int, e_local: 
         offsets=offsets_from_counts(counts),
         hidden_scale=None if rows.scale is None else rows.scale.index_select(0, row),
     )
-    return batch, row
+    return batch, copy_pos.view(-1, k)
 
 
 def masked_batch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int, capacity: int) -> tuple[ExpertBatch, Tensor]:
     """Every copy of ``experts`` ([R * K], sentinel e_local) into a fixed slab [E_local, capacity, H],
-    with no host synchronization (CUDA-graph capturable). Returns (batch, slot [R * K] int64:
-    e * capacity + position of each copy, or E_local * capacity — a trash slot — for non-copies).
+    with no host synchronization (CUDA-graph capturable). Returns (batch, copy_slot [R, K] int64:
+    e * capacity + position of each copy, -1 for non-copies).
 
     The caller guarantees no expert receives more than ``capacity`` copies. Empty slots of
     ``hidden`` hold unspecified bytes (zeroing E_local·capacity·H bytes would cost more than the
     dispatch); ``weights`` is 0 there and ``counts`` says which slots are valid.
     """
     k, dev = codec.top_k, experts.device
-    order = torch.argsort(experts, stable=True)
-    counts = copy_counts(experts, e_local)
-    starts = offsets_from_counts(counts)  # [E_local + 1]; the sentinel's start is the real total
-    sorted_e = experts[order]
-    pos_sorted = torch.arange(experts.numel(), device=dev) - starts[sorted_e]
-    pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
+    # position of each copy among its expert's copies, in row order: a running count per expert
+    # ([R*K, E_local+1] int32, a few MB at decode sizes) instead of a sort: fewer kernels
+    running = (experts[:, None] == torch.arange(e_local + 1, device=dev)).to(torch.int32).cumsum(0)
+    pos = running.gather(1, experts[:, None]).squeeze(1) - 1
+    counts = running[-1, :e_local]
     trash = e_local * capacity
     slot = torch.where(experts < e_local, experts * capacity + pos, trash)
     row = torch.arange(experts.numel(), device=dev) // k
@@ -152,25 +143,30 @@ def masked_batch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int, cap
     batch = ExpertBatch(
         layout=MASKED,
         hidden=codec.as_payload(scatter(rows.hidden.index_select(0, row), None)),
-        weights=scatter(rows.weights.reshape(-1), 0.0).float(),
+        weights=scatter(rows.weights.reshape(-1), 0.0),
         counts=counts,
         hidden_scale=None if rows.scale is None else scatter(rows.scale.index_select(0, row), None),
     )
-    return batch, slot
+    return batch, torch.where(slot < trash, slot, -1).view(-1, k)
 
 
-def partial_sums(expert_out: Tensor, row: Tensor, num_rows: int) -> Tensor:
-    """Sorted-layout outputs [N, H] (weights applied) -> [num_rows, H] float32: per packed row, the
-    sum of its copies computed on this rank (its partial combine)."""
-    out = torch.zeros(num_rows, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-    return out.index_add_(0, row, expert_out.float())
+def gather_sum(src: Tensor, index: Tensor) -> Tensor:
+    """out[r] = sum over j of src[index[r, j]] (index -1 counts as zero), accumulated in float32
+    in j order, returned in src.dtype. src [M, H], index [R, J] int64 -> [R, H].
 
-
-def masked_partial_sums(expert_out: Tensor, slot: Tensor, top_k: int) -> Tensor:
-    """Masked outputs [E_local, C, H] -> [R, H] float32, R = slot.numel() / K: per packed row, the
-    sum of its K copies' outputs (non-copies, slot == trash, count as 0). No host sync."""
-    flat = expert_out.reshape(-1, expert_out.shape[-1])
-    trash = flat.shape[0]
-    picked = flat.index_select(0, slot.clamp(max=max(trash - 1, 0)))
-    picked = torch.where((slot < trash)[:, None], picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
-    return picked.view(-1, top_k, flat.shape[1]).sum(dim=1, dtype=torch.float32)
+    Reads each indexed row once: the combine's reduction without a float32 copy of src. On CUDA it
+    is the Triton kernel moeflow.kernels.reduce.moe_sum when present; torch otherwise.
+    """
+    if src.is_cuda:
+        try:
+            from ..kernels.reduce import moe_sum
+        except ImportError:  # triton (or the kernel module) missing: torch below
+            pass
+        else:
+            return moe_sum(src, index.reshape(-1).contiguous(), index.shape[1])
+    r, j = index.shape
+    if src.shape[0] == 0:
+        return src.new_zeros(r, src.shape[1])
+    picked = src.index_select(0, index.clamp(min=0).reshape(-1)).view(r, j, src.shape[1])
+    picked = torch.where((index >= 0)[..., None], picked, torch.zeros((), dtype=src.dtype, device=src.device))
+    return picked.sum(dim=1, dtype=torch.float32).to(src.dtype)

@@ -4,7 +4,7 @@ for its own experts, and the outputs are reduce-scattered back. Sorted layout.
 dispatch: token counts are all-gathered (the host reads them), every rank's packed rows (padded to
 the largest count, T_max) are all-gathered: [W * T_max] rows; the copies for this rank's experts
 are sorted by local expert (one more host read: their number).
-combine: per gathered row, the partial sum of this rank's copies (float32), cast to the layer dtype;
+combine: per gathered row, the partial sum of this rank's copies (float32, stored in the layer dtype);
 the reduce-scatter is an all_to_all_single of those rows followed by a float32 sum on the home
 rank — the same bytes as a ring reduce-scatter, one rounding to the layer dtype fewer than NCCL's
 reduce_scatter in bf16, and deterministic.
@@ -24,12 +24,12 @@ from ..capabilities import DispatcherCaps
 from ..distributed import all_gather_host, all_gather_start, collective, wait
 from ..layouts import SORTED
 from ._ep_base import ExpertParallelDispatcher
-from ._ep_rows import local_copy_experts, partial_sums, sorted_batch
+from ._ep_rows import gather_sum, sorted_batch
 
 
 @dataclass
 class AllGatherHandle:
-    row: Tensor  # [N] int64: gathered row (rank * T_max + token) of each batch row
+    copy_pos: Tensor  # [W * T_max, K] int64: batch row of each gathered copy, -1 if not for this rank
     rows_per_rank: int  # T_max
     num_tokens: int
 
@@ -64,14 +64,13 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
         wait(pending.work, "allgather dispatch", self.process_group, pending.buf.device)
         rows = self.codec.unpack(pending.buf)
         e_local = len(self._local)
-        experts = local_copy_experts(rows.ids, self.expert_rank, self.expert_local, self.rank, e_local)
+        experts = self.local_copies(rows.ids)
         n = int((experts < e_local).sum())
-        batch, row = sorted_batch(self.codec, rows, experts, n, e_local)
-        return batch, AllGatherHandle(row, pending.rows_per_rank, pending.num_tokens)
+        batch, copy_pos = sorted_batch(self.codec, rows, experts, n, e_local)
+        return batch, AllGatherHandle(copy_pos, pending.rows_per_rank, pending.num_tokens)
 
     def combine_start(self, expert_out: Tensor, handle: AllGatherHandle) -> _Pending:
-        rows = self.world * handle.rows_per_rank
-        partial = partial_sums(expert_out, handle.row, rows).to(self.config.dtype)
+        partial = gather_sum(expert_out, handle.copy_pos)  # [W * T_max, H]: this rank's share of each row
         back = torch.empty_like(partial)
         with collective("allgather combine (reduce-scatter)", self.process_group):
             work = dist.all_to_all_single(back, partial, group=self.process_group, async_op=True)

@@ -8,7 +8,8 @@ dispatch:
   3. one all_to_all_single moves the rows; the receiver sorts the copies by local expert.
 combine: each rank sums, per received row, the outputs of that row's copies (float32), sends the
 rows back in the layer dtype (one all_to_all_single), and the token's home rank adds the partial
-sums of the ranks it went to (float32, then the layer dtype).
+sums of the ranks it went to (float32, then the layer dtype). Both sums are ``gather_sum``: one
+read of each row, a fixed order, deterministic.
 
 Payload: the layer dtype, or FP8 with its scales (``payload``, see _ep_base.PAYLOADS).
 """
@@ -25,16 +26,15 @@ from ..capabilities import DispatcherCaps
 from ..distributed import collective, wait
 from ..layouts import SORTED
 from ._ep_base import ExpertParallelDispatcher
-from ._ep_rows import partial_sums, sorted_batch
+from ._ep_rows import gather_sum, sorted_batch
 
 
 @dataclass
 class AllToAllHandle:
-    row: Tensor  # [N] int64: received row of each batch row
-    token: Tensor  # [S] int64: local token of each sent row (sent rows are grouped by destination rank)
-    sent: list[int]  # rows sent to each rank
+    copy_pos: Tensor | None  # [R, K] int64: batch row of each received copy, -1 if none
+    home: Tensor  # [T, W] int64: row of the combine's receive buffer holding token t's sum from rank r, or -1
+    sent: list[int]  # rows sent to each rank (grouped by destination, tokens ascending)
     received: list[int]  # rows received from each rank
-    num_tokens: int
 
 
 @dataclass
@@ -63,6 +63,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         with collective("alltoall counts exchange", self.process_group):
             work = dist.all_to_all_single(theirs, counts, group=self.process_group, async_op=True)
         dest, token = need.t().nonzero(as_tuple=True)  # grouped by destination, tokens in order
+        home = torch.full((t, w), -1, dtype=torch.int64, device=hidden.device)
+        home[token, dest] = torch.arange(token.numel(), device=hidden.device)
         valid = rank_of[token] == dest[:, None]  # [S, K] copies meant for that destination
         local = torch.where(valid, self.expert_local[ids[token]], -1).to(torch.int32)
         weights = torch.where(valid, topk_weights[token].float(), 0.0)
@@ -74,19 +76,18 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         buf = torch.empty(sum(received), self.codec.row_bytes, dtype=torch.uint8, device=hidden.device)
         with collective("alltoall dispatch", self.process_group):
             work = dist.all_to_all_single(buf, send, received, sent, group=self.process_group, async_op=True)
-        return _Pending(work, buf, AllToAllHandle(None, token, sent, received, t), copies_in)
+        return _Pending(work, buf, AllToAllHandle(None, home, sent, received), copies_in)
 
     def dispatch_wait(self, pending: _Pending):
         wait(pending.work, "alltoall dispatch", self.process_group, pending.buf.device)
         rows = self.codec.unpack(pending.buf)
         e_local = len(self._local)
         experts = torch.where(rows.ids >= 0, rows.ids, e_local).long().flatten()
-        batch, row = sorted_batch(self.codec, rows, experts, pending.copies, e_local)
-        pending.handle.row = row
+        batch, pending.handle.copy_pos = sorted_batch(self.codec, rows, experts, pending.copies, e_local)
         return batch, pending.handle
 
     def combine_start(self, expert_out: Tensor, handle: AllToAllHandle) -> _Pending:
-        partial = partial_sums(expert_out, handle.row, sum(handle.received)).to(self.config.dtype)
+        partial = gather_sum(expert_out, handle.copy_pos)  # [R, H]: per received row, its copies here
         back = partial.new_empty(sum(handle.sent), partial.shape[1])
         with collective("alltoall combine", self.process_group):
             work = dist.all_to_all_single(back, partial, handle.sent, handle.received,
@@ -95,6 +96,4 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
     def combine_wait(self, pending: _Pending) -> Tensor:
         wait(pending.work, "alltoall combine", self.process_group, pending.buf.device)
-        h = pending.handle
-        out = torch.zeros(h.num_tokens, self.config.hidden_size, dtype=torch.float32, device=pending.buf.device)
-        return out.index_add_(0, h.token, pending.buf.float()).to(self.config.dtype)
+        return gather_sum(pending.buf, pending.handle.home)  # [T, H]: the partial sums of its ranks

@@ -34,12 +34,12 @@ from ..distributed import all_gather_start, collective, wait
 from ..errors import error
 from ..layouts import MASKED
 from ._ep_base import ExpertParallelDispatcher
-from ._ep_rows import local_copy_experts, masked_batch, masked_partial_sums
+from ._ep_rows import gather_sum, masked_batch
 
 
 @dataclass
 class LowLatencyHandle:
-    slot: Tensor  # [W * C_rank * K] int64: slab slot of each gathered copy (E_local * C = none)
+    copy_slot: Tensor  # [W * C_rank, K] int64: slab slot (e * C + c) of each gathered copy, -1: not here
     num_tokens: int  # tokens of this rank that were sent (<= C_rank)
     overflow: int  # tokens this rank was given (> C_rank means MF503 at combine_wait), else 0
 
@@ -81,14 +81,12 @@ class LowLatencyDispatcher(ExpertParallelDispatcher):
     def dispatch_wait(self, pending: _Pending):
         wait(pending.work, "lowlatency dispatch", self.process_group, pending.buf.device)
         rows = self.codec.unpack(pending.buf)
-        e_local = len(self._local)
-        experts = local_copy_experts(rows.ids, self.expert_rank, self.expert_local, self.rank, e_local)
-        batch, slot = masked_batch(self.codec, rows, experts, e_local, self.capacity)
-        pending.handle.slot = slot
+        experts = self.local_copies(rows.ids)
+        batch, pending.handle.copy_slot = masked_batch(self.codec, rows, experts, len(self._local), self.capacity)
         return batch, pending.handle
 
     def combine_start(self, expert_out: Tensor, handle: LowLatencyHandle) -> _Pending:
-        partial = masked_partial_sums(expert_out, handle.slot, self.config.top_k).to(self.config.dtype)
+        partial = gather_sum(expert_out.reshape(-1, expert_out.shape[-1]), handle.copy_slot)
         back = torch.empty_like(partial)  # [W * C_rank, H]: block r = rank r's sums for my tokens
         with collective("lowlatency combine", self.process_group):
             work = dist.all_to_all_single(back, partial, group=self.process_group, async_op=True)
