@@ -11,6 +11,9 @@ from .errors import MoeflowError
 from .layer import MoE
 from .layouts import ExpertBatch
 from .planner import Plan
+from .integrations import install_import_hooks as _install_import_hooks
+
+_install_import_hooks()  # "moeflow" joins transformers' experts interfaces when transformers loads them
 
 __version__ = "0.1.0"
 __all__ = ["MoE", "MoEConfig", "MoeflowError", "ExpertBatch", "Plan", "__version__"]

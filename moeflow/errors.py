@@ -393,6 +393,71 @@ MOEFLOW_KERNEL_CONFIG_DIR or copy them into moeflow/kernels/configs/.
 Example: CUDA_VISIBLE_DEVICES=0 moeflow tune --preset deepseek-v3 --quant fp8-block
 """)
 # ---------------------------------------------------------------- MF7xx: model integration (transformers)
+_spec("MF701", UnsupportedError, "transformers is not installed",
+      "{what} needs the optional package 'transformers': {why}",
+      """
+What: the Hugging Face integration (moeflow.integrations.hf, `moeflow generate`) uses the
+transformers library, which moeflow does not require. `import moeflow` works without it.
+When: calling moeflow.integrations.hf.register(), replace_moe_blocks(), load_fp8_model(), or
+running `moeflow generate`.
+Fix: install the extra.
+Example: pip install "moeflow[transformers]"
+""")
+_spec("MF702", UnsupportedError, "MoE block not supported",
+      "{path}: MoE block {cls!r} cannot be replaced by moeflow; supported blocks: {valid}",
+      """
+What: replace_moe_blocks() replaces the sparse MoE blocks (router + experts + shared experts) of
+the model families whose routing it knows exactly (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+DeepSeek-V3). A block of another class has routing moeflow cannot promise to reproduce, so it is
+refused when the model is converted, never at forward time.
+When: replace_moe_blocks(model) meets a module holding a `gate` and `experts` of another class.
+Fix: use the experts implementation instead (routing stays in transformers, the experts run in
+moeflow): from_pretrained(..., experts_implementation="moeflow"); or pass skip_unknown=True to
+keep unknown blocks as they are.
+Example: model.set_experts_implementation("moeflow")
+""")
+_spec("MF703", UnsupportedError, "no MoE block found",
+      "{model} has no sparse MoE block to replace; supported blocks: {valid}",
+      """
+What: replace_moe_blocks() found no block of a supported family in the model (a dense model,
+or an MoE family moeflow does not know).
+When: replace_moe_blocks(model) or load_fp8_model(path).
+Fix: check the model is one of the supported families, or use experts_implementation="moeflow".
+Example: replace_moe_blocks(AutoModelForCausalLM.from_pretrained(path))
+""")
+_spec("MF704", UnsupportedError, "experts module not supported",
+      "{cls}: {feature} is not supported by the moeflow experts implementation; {fix}",
+      """
+What: transformers' experts modules declare how their weights are stored and computed (has_gate,
+is_transposed, has_bias, is_concatenated, has_post_expert_norm, act_fn, a custom gate, FP8 block
+size and scale format). moeflow runs gated, bias-free experts with silu / gelu / gelu_tanh
+activations, weights in [E, 2I, H] / [E, H, I] (or their transposes), high-precision or FP8 with
+128x128 block scales in float32. Anything else is refused, naming the feature.
+When: the first forward of an experts module with experts_implementation="moeflow".
+Fix: use another experts implementation for this model (e.g. "grouped_mm" or "eager").
+Example: model.set_experts_implementation("grouped_mm")
+""")
+_spec("MF705", WeightError, "FP8 checkpoint not loadable",
+      "{path}: {why}",
+      """
+What: load_fp8_model() reads a fine-grained FP8 checkpoint (float8_e4m3fn weights, each with a
+`weight_scale_inv` of 128x128 block scales, quantization_config.quant_method "fp8") and loads
+the experts into moeflow fp8-block layers without dequantizing. The checkpoint has something it
+cannot read: no such directory, no safetensors, a missing scale, another block size.
+When: load_fp8_model(path).
+Fix: point at a directory with config.json and *.safetensors of a fine-grained FP8 checkpoint
+with weight_block_size [128, 128].
+Example: load_fp8_model("/models/tiny-fp8", dtype=torch.bfloat16)
+""")
+_spec("MF706", ToolError, "model cannot be loaded",
+      "--model {path!r}: {why}",
+      """
+What: `moeflow generate --model PATH` loads a local Hugging Face checkpoint (a directory with
+config.json and safetensors weights); nothing is downloaded.
+When: moeflow generate.
+Fix: pass a local checkpoint directory, or omit --model to build a small random-weight model.
+Example: moeflow generate --model ./Qwen3-30B-A3B --prompt "Hello"
+""")
 
 
 CATALOGUE: dict[str, ErrorSpec] = {s.code: s for s in _SPECS}

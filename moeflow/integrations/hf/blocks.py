@@ -1,0 +1,212 @@
+"""replace_moe_blocks: each sparse MoE block of a transformers model -> a MoeflowBlock.
+
+A MoeflowBlock computes the router logits with the block's own gate weight [E, H] (the same
+Parameter, not a copy) and hands everything else to one ``moeflow.MoE``: routing, the experts and
+the shared experts. Expert weights already in the layer's storage format are adopted (the layer's
+parameter points at the model's tensor); others go through ``MoE.load_weights`` (quantized when
+``quant`` asks for FP8, kept FP8 when they already are 128x128-block FP8).
+
+Families (block class -> routing as MoEConfig fields), following transformers' modeling code:
+  MixtralSparseMoeBlock   softmax top-k, always renormalized
+  Qwen2MoeSparseMoeBlock  softmax top-k, renormalized iff norm_topk_prob; shared_expert with a sigmoid gate
+  Qwen3MoeSparseMoeBlock  softmax top-k, renormalized iff norm_topk_prob
+  OlmoeSparseMoeBlock     softmax top-k, renormalized iff norm_topk_prob
+  DeepseekV3MoE           sigmoid, grouped top-k (n_group, topk_group) chosen with e_score_correction_bias,
+                          renormalized iff norm_topk_prob, x routed_scaling_factor; shared_experts;
+                          router logits in float32
+Any other module holding a ``gate`` and an ``experts`` module is refused with MF702.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...capabilities import Environment
+from ...config import DTYPES, MoEConfig
+from ...errors import error
+from ...experts import ExpertWeights
+from ...layer import MoE
+from ...planner import plan as make_plan
+from .experts import _check_features, _check_fp8, _local, activation_of, expert_weights, is_experts_module
+
+
+def _softmax(block: nn.Module, renormalize: bool | None = None) -> dict:
+    gate = block.gate
+    renorm = bool(gate.norm_topk_prob) if renormalize is None else renormalize
+    return dict(top_k=int(gate.top_k), scoring="softmax", renormalize=renorm)
+
+
+def _deepseek_v3(block: nn.Module) -> dict:
+    gate = block.gate
+    return dict(top_k=int(gate.top_k), scoring="sigmoid", renormalize=bool(gate.norm_topk_prob),
+                num_expert_groups=int(gate.num_group), topk_groups=int(gate.topk_group), use_correction_bias=True,
+                routed_scaling_factor=float(gate.routed_scaling_factor))
+
+
+@dataclass(frozen=True)
+class Family:
+    routing: Callable[[nn.Module], dict]  # block -> MoEConfig routing fields
+    shared: str | None = None  # attribute holding the shared-expert MLP (gate_proj/up_proj/down_proj)
+    shared_gate: str | None = None  # attribute holding the shared expert's sigmoid gate Linear(H, 1)
+    router_fp32: bool = False  # router logits computed in float32 from float32 weights
+
+
+FAMILIES: dict[str, Family] = {
+    "MixtralSparseMoeBlock": Family(lambda b: _softmax(b, renormalize=True)),
+    "Qwen2MoeSparseMoeBlock": Family(_softmax, shared="shared_expert", shared_gate="shared_expert_gate"),
+    "Qwen3MoeSparseMoeBlock": Family(_softmax),
+    "OlmoeSparseMoeBlock": Family(_softmax),
+    "DeepseekV3MoE": Family(_deepseek_v3, shared="shared_experts", router_fp32=True),
+}
+
+
+def supported_blocks() -> list[str]:
+    return list(FAMILIES)
+
+
+class MoeflowBlock(nn.Module):
+    """Drop-in for a sparse MoE block: hidden_states [..., H] -> [..., H], same dtype.
+
+    gate_weight: the router's [E, H] weight; moe: the moeflow layer doing routing, experts and
+    shared experts; router_fp32: compute the logits in float32 (DeepSeek-V3) instead of the input dtype.
+    """
+
+    def __init__(self, moe: MoE, gate_weight: nn.Parameter, router_fp32: bool, source: str):
+        super().__init__()
+        self.moe = moe
+        self.gate_weight = gate_weight
+        self.router_fp32 = router_fp32
+        self.source = source
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        if self.router_fp32:
+            logits = F.linear(x.float(), self.gate_weight.float())  # [T, E]
+        else:
+            logits = F.linear(x, self.gate_weight.to(x.dtype))
+        return self.moe(x.to(self.moe.config.dtype), logits).to(hidden_states.dtype).reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"replaces {self.source}, router_fp32={self.router_fp32}"
+
+
+def _is_moe_block(module: nn.Module) -> bool:
+    experts = getattr(module, "experts", None)
+    return isinstance(experts, nn.Module) and is_experts_module(experts) and isinstance(getattr(module, "gate", None), nn.Module)
+
+
+def _state(block: nn.Module, family: Family, experts: dict[str, Tensor] | None = None) -> tuple[dict, dict[str, Tensor]]:
+    """-> (MoEConfig size/activation/shared fields, tensors by moeflow.load_weights name).
+
+    experts: the routed experts' tensors by load_weights name, used instead of the block's own
+    (an FP8 checkpoint read by fp8.py)."""
+    cls = type(block).__name__
+    _check_features(block.experts)
+    w = expert_weights(block.experts) if experts is None else ExpertWeights(
+        experts["gate_up_proj"], experts["down_proj"], experts.get("gate_up_proj_scale_inv"), experts.get("down_proj_scale_inv"))
+    if experts is None and w.w13_scale is not None:  # transformers' FP8Experts: block size, scale format, ...
+        _check_fp8(block.experts, type(block.experts).__name__, bool(getattr(block.experts, "is_transposed", False)))
+    e, i2, h = w.w13.shape
+    act = activation_of(block.experts.act_fn, type(block.experts).__name__)
+    fields = dict(num_experts=e, hidden_size=h, intermediate_size=i2 // 2, activation=act, **family.routing(block))
+    state = {"gate_up_proj": w.w13, "down_proj": w.w2}
+    if w.w13_scale is not None:
+        state.update(gate_up_proj_scale_inv=w.w13_scale, down_proj_scale_inv=w.w2_scale)
+    if fields.get("use_correction_bias"):
+        state["e_score_correction_bias"] = block.gate.e_score_correction_bias
+    if family.shared:
+        mlp = getattr(block, family.shared)
+        if activation_of(mlp.act_fn, type(mlp).__name__) != act:
+            raise error("MF702", path=cls, cls=f"{cls} with a shared-expert activation unlike the experts'", valid=supported_blocks())
+        fields.update(num_shared_experts=1, shared_intermediate_size=mlp.gate_proj.weight.shape[0],
+                      shared_expert_gate=family.shared_gate is not None)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(mlp, proj)
+            state[f"shared_experts.{proj}.weight"] = lin.weight
+            if getattr(lin, "weight_scale_inv", None) is not None:  # an FP8Linear: dequantized by load_weights
+                state[f"shared_experts.{proj}.weight_scale_inv"] = lin.weight_scale_inv
+    if family.shared_gate:
+        state["shared_expert_gate.weight"] = getattr(block, family.shared_gate).weight
+    return fields, {k: _local(v.detach()) for k, v in state.items()}
+
+
+@torch.no_grad()
+def _adopt(moe: MoE, state: dict[str, Tensor]) -> None:
+    """Point moe's parameters at ``state``'s tensors where shape, dtype and device already match
+    (no copy); load the rest through ``load_weights`` (quantizing or converting)."""
+    rest = {}
+    for name, t in state.items():
+        owner, _, attr = name.rpartition(".")
+        module = moe.get_submodule(owner) if owner else moe
+        cur = getattr(module, attr, None)
+        if isinstance(cur, nn.Parameter) and (cur.shape, cur.dtype, cur.device) == (t.shape, t.dtype, t.device) \
+                and t.is_contiguous():
+            setattr(module, attr, nn.Parameter(t, requires_grad=False))
+        else:
+            rest[name] = t
+    if rest:
+        moe.load_weights(rest, strict=False)
+
+
+def _plan_block(block: nn.Module, quant: str | None, runner: str, dtype: torch.dtype | None,
+                path: str, experts: dict[str, Tensor] | None = None) -> tuple[MoEConfig, dict[str, Tensor], Family]:
+    """-> (the layer configuration, its tensors, the family); refusals raise here (MF702/MF704/MF1xx/MF2xx)."""
+    cls = type(block).__name__
+    family = FAMILIES.get(cls)
+    if family is None:
+        raise error("MF702", path=path or cls, cls=cls, valid=supported_blocks())
+    fields, state = _state(block, family, experts)
+    fp8 = "gate_up_proj_scale_inv" in state
+    layer_dtype = (dtype or torch.bfloat16) if fp8 else state["gate_up_proj"].dtype
+    if layer_dtype not in DTYPES.values():
+        layer_dtype = torch.bfloat16
+    cfg = MoEConfig(**fields, quant=quant or ("fp8-block" if fp8 else "none"), runner=runner, dtype=layer_dtype,
+                    device=state["gate_up_proj"].device)
+    make_plan(cfg, Environment.detect(cfg.device))
+    return cfg, state, family
+
+
+def build_block(block: nn.Module, quant: str | None = None, runner: str = "auto", dtype: torch.dtype | None = None,
+                path: str = "", experts: dict[str, Tensor] | None = None) -> MoeflowBlock:
+    """One sparse MoE block -> MoeflowBlock. quant: None keeps the experts' format ("none", or
+    "fp8-block" for FP8 experts); dtype: activation dtype for FP8 experts (default bfloat16);
+    experts: routed-expert tensors to use instead of the block's (see _state)."""
+    cfg, state, family = _plan_block(block, quant, runner, dtype, path, experts)
+    moe = MoE(cfg)
+    _adopt(moe, state)
+    return MoeflowBlock(moe, block.gate.weight, family.router_fp32, f"{type(block).__name__} at {path or '?'}")
+
+
+def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str = "auto", dtype: torch.dtype | None = None,
+                       skip_unknown: bool = False, progress=None, experts: dict[str, dict] | None = None) -> list[str]:
+    """Replace every sparse MoE block of ``model`` in place; -> the replaced module paths.
+
+    quant: None keeps each block's expert format; "fp8-block" etc. quantize high-precision experts.
+    dtype: activation dtype of FP8 experts (default: the model's). Every block is planned before the
+    first is replaced, so a refusal (MF702 unknown block, MF704 unsupported experts, MF1xx/MF2xx
+    from the configuration and planner) leaves the model untouched. No block at all: MF703.
+    progress: optional callable(done, total, path). experts: {block path: routed-expert tensors}
+    overriding the blocks' own (fp8.py).
+    """
+    experts = experts or {}
+    blocks = [(name, m) for name, m in model.named_modules() if _is_moe_block(m)]
+    unknown = [(name, m) for name, m in blocks if type(m).__name__ not in FAMILIES]
+    if unknown and not skip_unknown:
+        name, m = unknown[0]
+        raise error("MF702", path=name, cls=type(m).__name__, valid=supported_blocks())
+    blocks = [(name, m) for name, m in blocks if type(m).__name__ in FAMILIES]
+    if not blocks:
+        raise error("MF703", model=type(model).__name__, valid=supported_blocks())
+    dtype = dtype or getattr(model, "dtype", None)
+    for name, m in blocks:
+        _plan_block(m, quant, runner, dtype, name, experts.get(name))
+    for done, (name, m) in enumerate(blocks, 1):
+        model.set_submodule(name, build_block(m, quant, runner, dtype, name, experts.get(name)))
+        if progress:
+            progress(done, len(blocks), name)
+    return [name for name, _ in blocks]

@@ -1,0 +1,60 @@
+"""ExpertsPath: moeflow's planned dispatcher + expert runner, run on weights the caller owns.
+
+``moeflow.MoE`` owns its parameters; a model library that already holds the expert weights (a
+transformers experts module) should not copy them into a second set. An ExpertsPath is planned
+from a :class:`MoEConfig` exactly like a layer (same planner, same coded refusals, at
+construction) and is then called with the weights as :class:`ExpertWeights` views:
+
+    path = ExpertsPath(MoEConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, dtype=...))
+    y = path(hidden [T, H], topk_ids [T, K] int, topk_weights [T, K] float, ExpertWeights(w13, w2))  # -> [T, H]
+
+Routing is the caller's; expert ids must lie in [0, E) except where ``valid_below`` says otherwise.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..capabilities import Environment
+from ..config import MoEConfig
+from ..dispatch import create_dispatcher
+from ..experts import ExpertWeights, create_runner
+from ..layouts import run_in_layout
+from ..planner import plan as make_plan
+from ..quant import create_scheme
+
+
+class ExpertsPath:
+    """One planned (scheme, dispatcher, runner) for a layer shape; stateless between calls."""
+
+    def __init__(self, config: MoEConfig):
+        self.config = config
+        self.plan = make_plan(config, Environment.detect(config.device))
+        self.scheme = create_scheme(self.plan.scheme)
+        self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme)
+        self.runner = create_runner(self.plan.runner, config, self.scheme)
+
+    def __call__(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+                 valid_below: int | None = None) -> Tensor:
+        """hidden [T, H] layer dtype, topk_ids [T, K] int, topk_weights [T, K] float,
+        weights: the E experts' [E, 2I, H] / [E, H, I] (views are fine) -> [T, H] layer dtype.
+
+        valid_below: when set, ids >= valid_below are sentinels (expert parallelism: a copy whose
+        expert lives on another rank, weight 0). They are dropped before the experts run and
+        contribute exactly zero; this costs one host synchronization (the count of valid copies).
+        """
+        ids, w = topk_ids.to(torch.int32), topk_weights.float()
+        if valid_below is None:
+            return self._run(hidden, ids, w, weights)
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        keep = (flat < valid_below).nonzero().squeeze(1)  # [N] flat copy indices, host sync
+        per_copy = hidden.new_zeros(t * k, hidden.shape[1])
+        if keep.numel():
+            rows = self._run(hidden[keep // k], flat[keep, None], w.reshape(-1)[keep, None], weights)  # [N, H]
+            per_copy[keep] = rows
+        return per_copy.view(t, k, hidden.shape[1]).float().sum(dim=1).to(hidden.dtype)  # explicit H: T may be 0
+
+    def _run(self, hidden: Tensor, ids: Tensor, w: Tensor, weights: ExpertWeights) -> Tensor:
+        batch, handle = self.dispatcher.dispatch(hidden, ids, w)
+        return self.dispatcher.combine(run_in_layout(self.runner, batch, weights), handle)

@@ -1,0 +1,208 @@
+"""transformers integration: the "moeflow" experts implementation and whole-block replacement
+against transformers' eager experts, on tiny random models of the five supported families saved
+with save_pretrained (safetensors) and reloaded. Whole-model logits are held to the layer's own
+rows of tests/tolerances.py (measured: ~2e-7 in float32, ~6e-3 in bfloat16).
+"""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from moeflow import MoeflowError  # noqa: E402
+from moeflow.integrations.hf import prepare_experts, replace_moe_blocks  # noqa: E402
+from moeflow.integrations.hf.blocks import MoeflowBlock  # noqa: E402
+from moeflow.integrations.hf.tiny import FAMILIES, tiny_model  # noqa: E402
+from oracle import assert_close  # noqa: E402
+from tolerances import rel_tol  # noqa: E402
+
+Auto = transformers.AutoModelForCausalLM
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{(family, dtype): directory of a saved tiny random model}, built on first use."""
+    cache = {}
+
+    def get(family, dtype=torch.float32):
+        if (family, dtype) not in cache:
+            path = tmp_path_factory.mktemp(f"{family}_{str(dtype)[6:]}")
+            tiny_model(family, dtype=dtype).save_pretrained(path)
+            cache[family, dtype] = path
+        return cache[family, dtype]
+    return get
+
+
+def load(path, impl, dtype=torch.float32):
+    return Auto.from_pretrained(path, dtype=dtype, experts_implementation=impl).eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_logits_match_eager(checkpoints, family):
+    path = checkpoints(family)
+    ids = torch.randint(0, 256, (2, 11))
+    ref = logits(load(path, "eager"), ids)
+    via_interface = load(path, "moeflow")
+    assert via_interface.config._experts_implementation == "moeflow"
+    assert prepare_experts(via_interface) == via_interface.config.num_hidden_layers - (family == "deepseek_v3")
+    assert_close(logits(via_interface, ids), ref, rel_tol("none", torch.float32), f"{family} experts_implementation")
+    blocks = load(path, "eager")
+    replaced = replace_moe_blocks(blocks)
+    assert replaced and all(isinstance(blocks.get_submodule(p), MoeflowBlock) for p in replaced)
+    assert_close(logits(blocks, ids), ref, rel_tol("none", torch.float32), f"{family} replace_moe_blocks")
+
+
+def test_bf16_model(checkpoints):
+    # Qwen2-MoE: shared expert with its sigmoid gate, routing weights rounded to bf16 by transformers
+    path = checkpoints("qwen2_moe", torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 9))
+    ref = logits(load(path, "eager", torch.bfloat16), ids)
+    tol = rel_tol("none", torch.bfloat16)
+    assert_close(logits(load(path, "moeflow", torch.bfloat16), ids), ref, tol, "bf16 experts_implementation")
+    model = load(path, "eager", torch.bfloat16)
+    replace_moe_blocks(model)
+    assert_close(logits(model, ids), ref, tol, "bf16 replace_moe_blocks")
+
+
+def test_set_experts_implementation_switches_a_loaded_model(checkpoints):
+    model = load(checkpoints("olmoe"), "eager")
+    ids = torch.randint(0, 256, (1, 7))
+    ref = logits(model, ids)
+    model.set_experts_implementation("moeflow")
+    got = logits(model, ids)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.__dict__.get("_moeflow_paths"), "the moeflow path did not run"
+    assert_close(got, ref, rel_tol("none", torch.float32), "set_experts_implementation")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_greedy_generation_same_tokens(checkpoints, family):
+    path = checkpoints(family)
+    prompt = torch.randint(0, 256, (1, 6))
+
+    def generate(model):
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)[0].tolist()
+    want = generate(load(path, "eager"))
+    assert generate(load(path, "moeflow")) == want
+    blocks = load(path, "eager")
+    replace_moe_blocks(blocks)
+    assert generate(blocks) == want
+
+
+def test_adopted_weights_are_not_copied(checkpoints):
+    model = load(checkpoints("qwen3_moe"), "eager")
+    w = model.model.layers[1].mlp.experts.gate_up_proj
+    replace_moe_blocks(model)
+    assert model.model.layers[1].mlp.moe.gate_up_proj.data_ptr() == w.data_ptr()
+
+
+def test_expert_parallel_sentinels(checkpoints):
+    """A rank holding experts 2..5 of 8: ids of other ranks' experts arrive as sentinels (>= the
+    local count, weight 0) and must contribute exactly nothing."""
+    full = load(checkpoints("qwen3_moe"), "eager").model.layers[0].mlp.experts
+    local = load(checkpoints("qwen3_moe"), "moeflow").model.layers[0].mlp.experts
+    local.gate_up_proj = nn.Parameter(full.gate_up_proj[2:6].clone())
+    local.down_proj = nn.Parameter(full.down_proj[2:6].clone())
+    local.num_experts, local._is_expert_parallel = 4, True
+    x = torch.randn(13, full.hidden_dim)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(13)])
+    w = torch.rand(13, 2)
+    mine = (ids >= 2) & (ids < 6)
+    with torch.no_grad():
+        want = full(x, ids, torch.where(mine, w, 0.0))
+        got = local(x, torch.where(mine, ids - 2, 4 + ids % 3), torch.where(mine, w, 0.0))  # sentinels 4, 5, 6
+    assert_close(got, want, rel_tol("none", torch.float32), "EP sentinels")
+
+
+def _experts_class(**flags):
+    from transformers.activations import ACT2FN
+    from transformers.integrations.moe import use_experts_implementation
+
+    class ToyExperts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+            t = flags.get("is_transposed", False)
+            self.num_experts = e
+            self.gate_up_proj = nn.Parameter(torch.randn(*((e, h, 2 * i) if t else (e, 2 * i, h))) / h ** 0.5)
+            self.down_proj = nn.Parameter(torch.randn(*((e, i, h) if t else (e, h, i))) / i ** 0.5)
+            if flags.get("has_bias"):
+                self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
+                self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+            self.act_fn = ACT2FN[config.hidden_act]
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise AssertionError("an experts implementation should have run instead")
+    return use_experts_implementation(ToyExperts, **flags)
+
+
+def test_transposed_weights_match_batched_mm():
+    config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4)
+    module = _experts_class(is_transposed=True)(config)
+    x, ids, w = torch.randn(9, 32), torch.stack([torch.randperm(4)[:2] for _ in range(9)]), torch.rand(9, 2)
+    with torch.no_grad():
+        config._experts_implementation = "batched_mm"  # transformers' own handling of is_transposed
+        want = module(x, ids, w)
+        config._experts_implementation = "moeflow"
+        got = module(x, ids, w)
+    assert_close(got, want, rel_tol("none", torch.float32), "is_transposed")
+
+
+@pytest.mark.parametrize("flags,act,feature", [
+    (dict(has_bias=True), "silu", "has_bias"),
+    (dict(), "relu", "act_fn"),
+])
+def test_unsupported_experts_are_refused(flags, act, feature):
+    config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4, hidden_act=act)
+    config._experts_implementation = "moeflow"
+    module = _experts_class(**flags)(config)
+    with pytest.raises(MoeflowError) as info:
+        module(torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+    assert info.value.code == "MF704" and feature in str(info.value)
+
+
+def test_unknown_block_refused_and_model_untouched(checkpoints):
+    model = load(checkpoints("qwen3_moe"), "eager")
+
+    class MysteryMoE(nn.Module):  # a gate and experts, but routing moeflow does not know
+        def __init__(self, block):
+            super().__init__()
+            self.gate, self.experts = block.gate, block.experts
+    before = model.model.layers[0].mlp
+    model.model.layers[1].mlp = MysteryMoE(model.model.layers[1].mlp)
+    with pytest.raises(MoeflowError) as info:
+        replace_moe_blocks(model)
+    assert info.value.code == "MF702" and "MysteryMoE" in str(info.value)
+    assert model.model.layers[0].mlp is before  # nothing replaced before the refusal
+    assert replace_moe_blocks(model, skip_unknown=True) == ["model.layers.0.mlp"]
+    with pytest.raises(MoeflowError) as info:
+        replace_moe_blocks(nn.Sequential(nn.Linear(4, 4)))
+    assert info.value.code == "MF703"
+
+
+def test_registration_is_lazy_and_transformers_optional():
+    """In fresh interpreters: `import moeflow` imports no transformers, registers "moeflow" with both
+    interfaces once transformers loads them; without transformers, import works and register() is MF701."""
+    lazy = ("import sys, moeflow; assert 'transformers' not in sys.modules; "
+            "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS as A; "
+            "from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS as B; "
+            "assert 'moeflow' in A and 'moeflow' in B; print('ok')")
+    absent = ("import sys; sys.modules['transformers'] = None; import moeflow; "
+              "from moeflow.integrations import hf\n"
+              "try:\n    hf.register()\nexcept moeflow.MoeflowError as e:\n    print(e.code)")
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    for code, want in ((lazy, "ok"), (absent, "MF701")):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0 and proc.stdout.strip() == want, proc.stderr[-2000:]
