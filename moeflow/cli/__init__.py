@@ -10,7 +10,7 @@ import sys
 from ..errors import MoeflowError
 
 # subcommand modules, in the order `moeflow --help` lists them
-COMMANDS = ("matrix", "check", "explain", "bench", "env", "tune")
+COMMANDS = ("matrix", "check", "explain", "bench", "env", "generate", "tune")
 
 
 def build_parser() -> argparse.ArgumentParser:
