@@ -1,0 +1,167 @@
+"""load_fp8_model: a fine-grained FP8 checkpoint whose routed experts stay FP8 (moeflow fp8-block).
+
+Checkpoint format (DeepSeek-V3, Qwen3-*-FP8, transformers' own FP8 quantizer): config.json has
+``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``; a
+quantized Linear weight ``<name>.weight`` [N, K] is float8_e4m3fn, beside
+``<name>.weight_scale_inv`` [ceil(N/128), ceil(K/128)] float32 (real ≈ q * scale, per 128x128 block).
+Routed experts are stored per expert, ``<block>.experts.<e>.{gate_proj|up_proj|down_proj}.weight``
+(Mixtral: ``block_sparse_moe.experts.<e>.{w1|w3|w2}``), or fused as ``<block>.experts.gate_up_proj``.
+
+Why a loader of its own: without a GPU, transformers 5.24 dequantizes a pre-quantized FP8
+checkpoint to bf16 (and needs the accelerate package even for that); on a GPU it keeps FP8 and
+``experts_implementation="moeflow"`` runs FP8Experts through the FP8 interface (experts.py).
+This loader keeps the routed experts FP8 on any device:
+  1. the model is built from config.json without its quantization_config, weights uninitialized;
+  2. every other tensor is loaded, FP8 ones dequantized (attention, dense MLPs, shared experts:
+     moeflow keeps only the routed experts in FP8);
+  3. each block's experts are stacked into gate_up_proj [E, 2I, H] / down_proj [E, H, I] with
+     block scales [E, 2I/128, H/128] / [E, H/128, I/128] (gate and up scales stack exactly since
+     I is a multiple of 128) and given to replace_moe_blocks: fp8-block layers adopt them as is.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ...errors import error
+from ...quant.fp8_block import BLOCK, expand_blocks
+from . import require_transformers
+from .blocks import replace_moe_blocks
+
+_PER_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+                         r"\.(?P<kind>weight|weight_scale_inv)$")
+_FUSED = re.compile(r"^(?P<block>.+)\.experts\.(?P<name>gate_up_proj|down_proj(?:_scale_inv)?|gate_up_proj_scale_inv)$")
+_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_RENAMES = ((".block_sparse_moe.", ".mlp."),)  # Mixtral checkpoint names -> transformers 5 module names
+
+
+def load_fp8_model(path, dtype=None, device="cpu", runner: str = "auto", progress=None):
+    """path: checkpoint directory; dtype: activation / non-expert dtype (default: config's, else
+    bfloat16); device: where the model lives; progress: optional callable(done, total, what).
+    -> a transformers causal LM in eval mode whose MoE blocks are MoeflowBlocks with fp8-block experts."""
+    transformers = require_transformers("load_fp8_model()")
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors"))
+    if not (root / "config.json").is_file() or not files:
+        raise error("MF705", path=str(path), why="expected a directory with config.json and *.safetensors")
+    config = transformers.AutoConfig.from_pretrained(root)
+    scale_fmt = _check_quantization(config, root)
+    dtype = dtype or (config.dtype if isinstance(config.dtype, torch.dtype) else torch.bfloat16)
+    with torch.device(device), _no_init(transformers):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    experts, rest = _read(files, device, dtype, scale_fmt, root)
+    result = model.load_state_dict(rest, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = [k for k in result.missing_keys if ".experts." not in k and k not in tied]
+    if missing or result.unexpected_keys:
+        raise error("MF705", path=str(path), why=f"names do not match the model: missing {missing[:4]}, "
+                                                 f"unexpected {result.unexpected_keys[:4]}")
+    stacked = {block: _stack(block, parts, str(path)) for block, parts in experts.items()}
+    replaced = replace_moe_blocks(model, runner=runner, dtype=dtype, experts=stacked, progress=progress)
+    if set(replaced) != set(stacked):
+        raise error("MF705", path=str(path), why=f"expert blocks in the checkpoint {sorted(stacked)[:3]} do not "
+                                                 f"match the model's MoE blocks {sorted(replaced)[:3]}")
+    return model.eval()
+
+
+def _check_quantization(config, root: Path) -> str:
+    """quantization_config must be fine-grained FP8, 128x128, dynamic; it is removed from ``config``.
+    -> the scale format ("float" or "ue8m0")."""
+    qc = getattr(config, "quantization_config", None)
+    qc = qc if isinstance(qc, dict) else (qc.to_dict() if qc is not None else {})
+    block = list(qc.get("weight_block_size") or [])
+    problems = [(qc.get("quant_method") != "fp8", f"quant_method={qc.get('quant_method')!r}, not 'fp8'"),
+                (block != [BLOCK, BLOCK], f"weight_block_size={block or None}; moeflow's fp8-block is [128, 128]"),
+                (qc.get("activation_scheme", "dynamic") != "dynamic",
+                 f"activation_scheme={qc.get('activation_scheme')!r}; moeflow quantizes activations dynamically")]
+    for bad, why in problems:
+        if bad:
+            raise error("MF705", path=str(root), why=why)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    return qc.get("scale_fmt") or "float"
+
+
+def _no_init(transformers):
+    """transformers' context that skips random initialization (weights are loaded next)."""
+    init = getattr(transformers, "initialization", None)
+    return init.no_init_weights() if init is not None and hasattr(init, "no_init_weights") else contextlib.nullcontext()
+
+
+def _scale(t: Tensor, scale_fmt: str) -> Tensor:
+    """A weight_scale_inv as float32 (ue8m0 scales are powers of two stored in one byte)."""
+    if t.dtype == torch.uint8 and scale_fmt == "ue8m0":
+        t = t.view(torch.float8_e8m0fnu)
+    return t.float()
+
+
+def _read(files, device, dtype, scale_fmt: str, root: Path):
+    """-> (experts: {block: {key: tensor}}, rest: {model name: tensor}, FP8 rest dequantized to dtype)."""
+    safetensors = _safetensors(root)
+    tensors = {}
+    for f in files:
+        with safetensors.safe_open(str(f), framework="pt", device=str(device)) as handle:
+            for key in handle.keys():
+                name = key
+                for old, new in _RENAMES:
+                    name = name.replace(old, new)
+                tensors[name] = handle.get_tensor(key)
+    experts, rest = defaultdict(dict), {}
+    for name, t in tensors.items():
+        m = _PER_EXPERT.match(name) or _FUSED.match(name)
+        if m:
+            experts[m["block"]][name[len(m["block"]) + len(".experts."):]] = t
+        elif name.endswith("_scale_inv") or name.endswith(".activation_scale"):
+            continue  # consumed beside its weight
+        elif t.dtype == torch.float8_e4m3fn:
+            scale = tensors.get(name + "_scale_inv")
+            if scale is None:
+                raise error("MF705", path=str(root), why=f"{name} is float8_e4m3fn without {name}_scale_inv")
+            n, k = t.shape
+            rest[name] = (t.float() * expand_blocks(_scale(scale, scale_fmt), n, k)).to(dtype)
+        else:
+            rest[name] = t
+    return {b: {k: (_scale(v, scale_fmt) if k.endswith("_scale_inv") else v) for k, v in parts.items()}
+            for b, parts in experts.items()}, rest
+
+
+def _safetensors(root: Path):
+    try:
+        import safetensors
+        return safetensors
+    except ImportError as exc:
+        raise error("MF701", what=f"reading {root}", why=f"safetensors: {exc}") from None
+
+
+def _stack(block: str, parts: dict[str, Tensor], path: str) -> dict[str, Tensor]:
+    """One block's expert tensors -> {"gate_up_proj", "down_proj"[, "*_scale_inv"]} in moeflow's layout."""
+    if "gate_up_proj" in parts:  # already fused [E, 2I, H]
+        return parts
+    by = defaultdict(dict)  # (proj, kind) -> {expert: tensor}
+    for key, t in parts.items():
+        e, proj, kind = key.split(".")
+        by[(_PROJ[proj], kind)][int(e)] = t
+    num = 1 + max(max(d) for d in by.values())
+
+    def stacked(proj: str, kind: str) -> Tensor:
+        d = by.get((proj, kind), {})
+        if len(d) != num:
+            raise error("MF705", path=path, why=f"{block}: {proj} {kind} missing for experts "
+                                                f"{sorted(set(range(num)) - set(d))[:4]}")
+        return torch.stack([d[e] for e in range(num)])
+
+    out = {"gate_up_proj": torch.cat([stacked("gate", "weight"), stacked("up", "weight")], dim=1),
+           "down_proj": stacked("down", "weight")}
+    if out["gate_up_proj"].dtype == torch.float8_e4m3fn:
+        inter = out["down_proj"].shape[2]
+        if inter % BLOCK:
+            raise error("MF705", path=path, why=f"{block}: expert intermediate size {inter} is not a multiple of "
+                                                f"{BLOCK}, so gate and up block scales cannot be stacked")
+        out["gate_up_proj_scale_inv"] = torch.cat([stacked("gate", "weight_scale_inv"), stacked("up", "weight_scale_inv")], dim=1)
+        out["down_proj_scale_inv"] = stacked("down", "weight_scale_inv")
+    return out
