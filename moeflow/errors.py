@@ -68,6 +68,11 @@ class ErrorSpec:
     message: str  # str.format template; names the offending value and valid alternatives
     explanation: str  # what it means, when it happens, how to fix it, an example
 
+    @property
+    def builtin(self) -> type[Exception]:
+        """The builtin exception class this code is also an instance of (ValueError, ...)."""
+        return next(c for c in self.cls.__mro__ if c.__module__ == "builtins")
+
 
 _SPECS: list[ErrorSpec] = []
 
@@ -475,4 +480,4 @@ def explain(code: str) -> str:
     spec = CATALOGUE.get(code.upper())
     if spec is None:
         raise error("MF602", code=code, valid=sorted(CATALOGUE))
-    return f"{spec.code} ({spec.cls.__name__}: {spec.cls.__mro__[2].__name__}) - {spec.title}\n\n{spec.explanation}\n"
+    return f"{spec.code} ({spec.cls.__name__}: {spec.builtin.__name__}) - {spec.title}\n\n{spec.explanation}\n"

@@ -26,7 +26,7 @@ def _cli(*argv: str) -> str:
 
 def sections() -> dict[str, str]:
     codes = ["| code | raised as | meaning |", "|---|---|---|"]
-    codes += [f"| {c} | {s.cls.__mro__[2].__name__} | {s.title} |" for c, s in CATALOGUE.items()]
+    codes += [f"| {c} | {s.builtin.__name__} | {s.title} |" for c, s in CATALOGUE.items()]
     return {"MATRIX": _cli("matrix", "--standard", "--markdown"), "ERRORS": "\n".join(codes)}
 
 
