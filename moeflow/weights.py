@@ -101,7 +101,7 @@ def _load_expert(layer, name: str, w: Tensor, scale: Tensor | None, n: int, k: i
             raise error("MF404", name=name + "_scale_inv", why=f"scales must be floating, got {scale.dtype}")
         if pick and scale.dim() and scale.shape[0] == e_all:
             scale = scale.index_select(0, index.to(scale.device))
-        source = _scheme_of_scale(layer.scheme, scale, w.shape)
+        source, scale = _scheme_of_scale(layer.scheme, scale, w.shape)
         if source is None:
             raise error("MF402", name=name + "_scale_inv", shape=tuple(scale.shape),
                         expected=f"{list(layer.scheme.weight_scale_shape(*w.shape))} (or another FP8 scheme's scale shape)")
@@ -117,13 +117,17 @@ def _load_expert(layer, name: str, w: Tensor, scale: Tensor | None, n: int, k: i
     layer._store_expert_weight(name, w.to(cfg.dtype))
 
 
-def _scheme_of_scale(preferred, scale: Tensor, wshape) -> object | None:
-    """The FP8 scheme whose weight-scale shape matches ``scale`` (the layer's own first)."""
+def _scheme_of_scale(preferred, scale: Tensor, wshape) -> tuple[object | None, Tensor]:
+    """-> (the FP8 scheme whose weight-scale shape matches ``scale``, the layer's own first;
+    the scale in that scheme's shape). A trailing singleton dim is accepted too: per-channel
+    scales are often stored [.., N, 1]."""
     candidates = [preferred] + [create_scheme(n) for n in SCHEMES.names() if n != preferred.name]
-    for scheme in candidates:
-        if scheme.quantized and tuple(scheme.weight_scale_shape(*wshape)) == tuple(scale.shape):
-            return scheme
-    return None
+    forms = [scale] + ([scale.squeeze(-1)] if scale.dim() and scale.shape[-1] == 1 else [])
+    for form in forms:
+        for scheme in candidates:
+            if scheme.quantized and tuple(scheme.weight_scale_shape(*wshape)) == tuple(form.shape):
+                return scheme, form
+    return None, scale
 
 
 def _dense(name: str, w: Tensor, scale: Tensor | None, shape: tuple) -> Tensor:
@@ -134,7 +138,7 @@ def _dense(name: str, w: Tensor, scale: Tensor | None, shape: tuple) -> Tensor:
     if scale is None:
         raise error("MF404", name=name, why=f"float8_e4m3fn weights need {name}_scale_inv beside them")
     s1 = scale.reshape(1) if scale.numel() == 1 else scale.unsqueeze(0)  # as a 1-expert scale
-    source = _scheme_of_scale(create_scheme("fp8-block"), s1, (1, *shape))
+    source, s1 = _scheme_of_scale(create_scheme("fp8-block"), s1, (1, *shape))
     if source is None:
         raise error("MF402", name=name + "_scale_inv", shape=tuple(scale.shape), expected="a block, channel or tensor scale")
     return source.dequantize_weight(w[None], s1.float().to(w.device))[0]

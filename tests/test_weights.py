@@ -227,6 +227,24 @@ def test_fp8_shared_expert_weights_are_dequantized(weights_for):
     assert torch.equal(layer.shared_experts.gate_proj.weight, q.float() * 0.01)
 
 
+def test_per_channel_scales_with_trailing_singleton_dim(weights_for):
+    """Per-channel scales stored [N, 1] (shared experts) or [E, N, 1] (experts), as many HF
+    checkpoints do, are recognised as fp8-channel scales."""
+    layer = MoE(**FULL, dtype=torch.float32)
+    state = weights_for(layer.config)
+    ch = create_scheme("fp8-channel")
+    q, scale = ch.quantize_weight(torch.randn(1, S, H))
+    state["shared_experts.up_proj.weight"] = q[0]
+    state["shared_experts.up_proj.weight_scale_inv"] = scale[0][:, None]  # [S, 1]
+    qe, se = ch.quantize_weight(torch.randn(FULL["num_experts"], H, FULL["intermediate_size"]))
+    state["down_proj"], state["down_proj_scale_inv"] = qe, se[:, :, None]  # [E, H, 1]
+    layer.load_weights(state)
+    assert torch.equal(layer.shared_experts.up_proj.weight, ch.dequantize_weight(q, scale)[0])
+    want = ch.dequantize_weight(qe, se)
+    got = layer.scheme.dequantize_weight(layer.down_proj, layer.down_proj_scale_inv)
+    assert torch.equal(got, want)  # quant="none" layer: dequantized exactly
+
+
 # ---------------------------------------------------------------- full-E tensors into a rank's subset
 @pytest.fixture
 def subset_layer(monkeypatch):
