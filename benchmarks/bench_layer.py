@@ -44,7 +44,7 @@ FIELDS = ["preset", "scheme", "runner", "T", "layer_us", "experts_us", "graph_us
           "floor_us", "experts_hit", "rel_err", "anchor_us", "note"]
 
 
-def bench(fn, rep_ms=100):
+def bench(fn, rep_ms=50):
     from triton.testing import do_bench
     return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3  # µs
 

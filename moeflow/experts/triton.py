@@ -40,7 +40,7 @@ class TritonRunner(ExpertRunner):
     def __init__(self, config, scheme):
         super().__init__(config, scheme)
         self._table = None  # tuned configs of this shape: {tokens: MoEKernelConfig}, or {} for defaults
-        self._device_name = None
+        self._fitted = {}  # (layout, tokens) -> fitted MoEKernelConfig: no per-call lookup cost
 
     def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
         return self.run_with(batch, weights, self.kernel_config(batch, weights))
@@ -91,15 +91,16 @@ class TritonRunner(ExpertRunner):
         from ..kernels import configs as kc
         cfg = self.config
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
+        tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.hidden.shape[0] // cfg.top_k, 1)
+        key = (batch.layout, tokens, e)
+        if key in self._fitted:
+            return self._fitted[key]
         if self._table is None:
-            self._device_name = torch.cuda.get_device_name(batch.hidden.device) if batch.hidden.is_cuda else "cpu"
-            self._table = kc.find_table(self._device_name, e, i, h, self.scheme.name) or {}
-        if batch.layout == MASKED:
-            tokens = batch.hidden.shape[1]
-        else:
-            tokens = max(batch.hidden.shape[0] // cfg.top_k, 1)
+            device = torch.cuda.get_device_name(batch.hidden.device) if batch.hidden.is_cuda else "cpu"
+            self._table = kc.find_table(device, e, i, h, self.scheme.name) or {}
         chosen = kc.nearest(self._table, tokens) if self._table else kc.default_config(tokens, cfg.top_k, e, self.scheme.name)
         nbytes = 1 if self.scheme.quantized else cfg.dtype.itemsize
-        return kc.MoEKernelConfig(
+        self._fitted[key] = kc.MoEKernelConfig(
             kc.fit(chosen.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
             kc.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
+        return self._fitted[key]

@@ -40,15 +40,17 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
         gu = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3), (32, 256, 4))]
         dn = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3), (32, 256, 4))]
     elif m <= 96:
-        gu = [GemmConfig(bm, bn, bk2, 4, w, s) for bm, bn, bk2, w, s in
-              ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 4, 3), (16, 64, 128, 4, 4))]
-        dn = [GemmConfig(bm, bn, bk2, 4, w, s) for bm, bn, bk2, w, s in
-              ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 4, 3), (16, 128, 128, 4, 4))]
-    else:
+        gu = [GemmConfig(bm, bn, k, 4, w, s) for bm, bn, k, w, s in
+              ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 8, 3), (16, 64, 128, 4, 4),
+               (16, 128, 128, 4, 4))]
+        dn = [GemmConfig(bm, bn, k, 4, w, s) for bm, bn, k, w, s in
+              ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 4, 4), (16, 128, 128, 4, 4))]
+    else:  # registers: gate_up holds two accumulators, so its big tiles need 8 warps (ptxas: no spills)
         gu = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
-              ((64, 128, bk, 4, 4), (128, 128, bk, 8, 3), (128, 128, 64, 8, 4), (128, 64, bk, 4, 4), (64, 256, bk, 8, 3))]
+              ((64, 128, bk, 8, 4), (64, 128, bk, 8, 3), (128, 64, bk, 8, 4), (128, 128, 64, 8, 3), (64, 64, bk, 4, 4),
+               (32, 128, 128, 4, 3))]
         dn = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
-              ((64, 128, bk, 4, 4), (128, 128, bk, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 256, bk, 8, 3))]
+              ((128, 128, bk, 8, 3), (64, 256, bk, 8, 3), (128, 256, 64, 8, 3), (64, 128, bk, 4, 4), (128, 64, bk, 4, 4))]
     nbytes = 1 if shape.scheme != "none" else shape.dtype.itemsize
 
     def fitted(cfgs, pair, n):

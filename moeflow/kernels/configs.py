@@ -61,20 +61,17 @@ def file_name(device: str, e: int, n: int, k: int, scheme: str) -> str:
 def default_config(tokens: int, top_k: int, num_experts: int, scheme: str) -> MoEKernelConfig:
     """Defaults by rows per expert m = tokens * top_k / E (uniform routing):
     m <= 16: BLOCK_M 16, narrow N tiles (64) and deep K (128): weight streaming, many programs;
-    m <= 128: BLOCK_M 64; larger: 128 x 128 tiles, K 64 (bf16) / 128 (fp8), 8 warps, grouped order.
+    m <= 128: BLOCK_M 64, 64-wide tiles, grouped order (row blocks of one expert share weight tiles in L2);
+    larger: gate_up 64 x 128 with 8 warps (its two accumulators; larger tiles spill), down 64 x 256.
     """
     fp8 = scheme != "none"
+    bk = 128 if fp8 else 64
     m = tokens * top_k / max(num_experts, 1)
     if m <= 16:
-        g = GemmConfig(16, 64, 128, 1, 4, 4)
-        d = GemmConfig(16, 64, 128, 1, 4, 4)
-    elif m <= 128:
-        g = GemmConfig(64, 64, 128 if fp8 else 64, 1, 4, 3)
-        d = GemmConfig(64, 128, 128 if fp8 else 64, 1, 4, 3)
-    else:
-        g = GemmConfig(128, 128, 128 if fp8 else 64, 8, 8, 3)
-        d = GemmConfig(128, 128, 128 if fp8 else 64, 8, 8, 3)
-    return MoEKernelConfig(g, d)
+        return MoEKernelConfig(GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4))
+    if m <= 128:
+        return MoEKernelConfig(GemmConfig(64, 64, bk, 4, 4, 3), GemmConfig(64, 128, bk, 4, 4, 3))
+    return MoEKernelConfig(GemmConfig(64, 128, bk, 8, 8, 3), GemmConfig(64, 256, bk, 8, 8, 3))
 
 
 def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_size: int) -> GemmConfig:

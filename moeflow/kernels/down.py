@@ -24,7 +24,7 @@ def _down_kernel(
         stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
         QUANT: tl.constexpr, MASKED: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr):
+        EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr):
     pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
     expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,6 +59,8 @@ def _down_kernel(
             acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         elif DOT_IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
+        elif PROMOTE:  # fp32 layers: fp8 partial sums added in full fp32 every K step
+            acc += tl.dot(a, b)
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
@@ -93,6 +95,7 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
         QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=i % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
+        PROMOTE=dtype == torch.float32 and q in (1, 2),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

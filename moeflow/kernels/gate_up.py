@@ -9,6 +9,9 @@ reaches memory. Epilogue by scheme:
     fp8-block                inter [R, I] float8_e4m3fn + scale [R, I/128]: the 1x128 activation
                              quantization of the down GEMM's input, fused here (BLOCK_N % 128 == 0)
 In every case the value is act(gate)*up in float32, rounded to the layer dtype first (experts/base.py).
+Registers bound the tile: two accumulators (plus two per-step partial sums for fp8-block) of
+BLOCK_M x BLOCK_N float32 each; 64 x 128 with 8 warps fits without spills (ptxas, sm_90a),
+128 x 128 does not for fp8-block (1.7 KB of spills).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ def _gate_up_kernel(
         stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_out, stride_outs,
         QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr, MASKED: tl.constexpr,
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
+        ROUND_IN_FP32: tl.constexpr):
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
     expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
@@ -68,6 +72,9 @@ def _gate_up_kernel(
         elif DOT_IEEE:
             acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        elif PROMOTE:  # fp32 layers: fp8 partial sums added in full fp32 every K step
+            acc_g += tl.dot(a, bg)
+            acc_u += tl.dot(a, bu)
         else:
             acc_g = tl.dot(a, bg, acc_g)
             acc_u = tl.dot(a, bu, acc_u)
@@ -136,7 +143,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
         E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
-        ROUND_IN_FP32=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return inter, extra
 
 
