@@ -6,11 +6,13 @@ One packed row (uint8 [row_bytes]) carries everything a rank needs about one tok
     weights  float32 [K]   routing weights (0 where ids is -1)
     scale    float32 [G]   payload scales when the payload is FP8 (G = 0 for a layer-dtype payload)
     hidden   [H]           the token, in the payload dtype (layer dtype or float8_e4m3fn)
-    padding up to a multiple of 16 bytes (NCCL likes 16-byte aligned rows)
+    padding up to a multiple of 16 bytes (NCCL likes 16-byte aligned rows; hidden starts 16-aligned)
 
 so one collective per direction moves tokens, routing and scales together: the ~40 µs latency floor
-of an NCCL call (PERF.md) is paid once per dispatch, not three times. Token bytes move as uint8
-(index kernels need no FP8 support) and are viewed back as the payload dtype at the end.
+of an NCCL call (PERF.md) is paid once per dispatch, not three times. Token bytes move as "words"
+(int64 when the row's token bytes allow, else narrower): torch's index kernels move one element
+per thread, and on 2×H200 gathering 117 MB of rows as uint8 took ~1 ms, 8x the bytes' worth.
+Words are viewed back as the payload dtype at the end (``as_payload``).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ class Rows:
     ids: Tensor  # [R, K] int32
     weights: Tensor  # [R, K] float32
     scale: Tensor | None  # [R, G] float32
-    hidden: Tensor  # [R, H * itemsize] uint8
+    hidden: Tensor  # [R, token_bytes / word size] words (see RowCodec.word)
 
 
 class RowCodec:
@@ -47,15 +49,20 @@ class RowCodec:
             q, s = payload.quantize_activation(torch.ones(1, hidden_size))
             self.dtype, self.groups = q.dtype, s.shape[1]
         self.token_bytes = hidden_size * self.dtype.itemsize
-        self._hidden_at = 4 * (2 * top_k + self.groups)
+        self.word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                         if self.token_bytes % w.itemsize == 0)
+        self._hidden_at = -(-4 * (2 * top_k + self.groups) // _ALIGN) * _ALIGN
         self.row_bytes = -(-(self._hidden_at + self.token_bytes) // _ALIGN) * _ALIGN
 
     def encode(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
-        """hidden [T, H] layer dtype -> (token bytes [T, H * itemsize] uint8, scale [T, G] | None)."""
+        """hidden [T, H] layer dtype -> (token words [T, token_bytes / word size], scale [T, G] | None)."""
         if self.payload is None:
-            return hidden.contiguous().view(torch.uint8), None
+            return self._words(hidden), None
         q, s = self.payload.quantize_activation(hidden)
-        return q.contiguous().view(torch.uint8), s.float()
+        return self._words(q), s.float()
+
+    def _words(self, t: Tensor) -> Tensor:
+        return t.contiguous().view(torch.uint8).view(self.word)
 
     def pack(self, rows: int, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor,
              index: Tensor | None = None) -> Tensor:
@@ -83,13 +90,13 @@ class RowCodec:
         return Rows(
             ids=buf[:, :4 * k].view(torch.int32),
             weights=buf[:, 4 * k:8 * k].view(torch.float32),
-            scale=buf[:, 8 * k:at].view(torch.float32) if g else None,
-            hidden=buf[:, at:at + self.token_bytes],
+            scale=buf[:, 8 * k:8 * k + 4 * g].view(torch.float32) if g else None,
+            hidden=buf[:, at:at + self.token_bytes].view(self.word),
         )
 
-    def as_payload(self, token_bytes: Tensor) -> Tensor:
-        """uint8 [..., H * itemsize] -> [..., H] payload dtype (a view)."""
-        return token_bytes.view(self.dtype)
+    def as_payload(self, words: Tensor) -> Tensor:
+        """Contiguous token words [..., token_bytes / word size] -> [..., H] payload dtype (a view)."""
+        return words.view(torch.uint8).view(self.dtype)
 
 
 def sorted_batch(codec: RowCodec, rows: Rows, experts: Tensor, n: int, e_local: int) -> tuple[ExpertBatch, Tensor]:
@@ -127,10 +134,11 @@ def masked_batch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int, cap
     """
     k, dev = codec.top_k, experts.device
     # position of each copy among its expert's copies, in row order: a running count per expert
-    # ([R*K, E_local+1] int32, a few MB at decode sizes) instead of a sort: fewer kernels
-    running = (experts[:, None] == torch.arange(e_local + 1, device=dev)).to(torch.int32).cumsum(0)
-    pos = running.gather(1, experts[:, None]).squeeze(1) - 1
-    counts = running[-1, :e_local]
+    # ([E_local+1, R*K] int32, a few MB at decode sizes) instead of a sort: fewer kernels. The scan
+    # runs along the last dim: along dim 0 torch scans each column serially (~0.5 ms on H200).
+    running = (torch.arange(e_local + 1, device=dev)[:, None] == experts[None, :]).to(torch.int32).cumsum(1)
+    pos = running.gather(0, experts[None, :]).squeeze(0) - 1
+    counts = running[:e_local, -1]
     trash = e_local * capacity
     slot = torch.where(experts < e_local, experts * capacity + pos, trash)
     row = torch.arange(experts.numel(), device=dev) // k

@@ -1,0 +1,86 @@
+"""The expert-parallel building blocks in one process: packed rows, batch builders, gather_sum."""
+import pytest
+import torch
+
+from moeflow.dispatch._ep_rows import RowCodec, gather_sum, masked_batch, sorted_batch
+from moeflow.quant import create_scheme
+
+
+@pytest.mark.parametrize("hidden,dtype,payload", [
+    (7168, torch.bfloat16, None),  # int64 words
+    (7168, torch.bfloat16, "fp8-block"),  # G = 56 scales per row
+    (96, torch.bfloat16, "fp8-channel"),  # G = 1: scale columns must not spill into the padding
+    (128, torch.float32, "fp8-tensor"),
+    (30, torch.float16, None),  # 60 token bytes: int32 words
+    (33, torch.float16, "fp8-channel"),  # 33 token bytes: uint8 words
+], ids=str)
+def test_pack_round_trip(hidden, dtype, payload):
+    scheme = payload and create_scheme(payload)
+    codec = RowCodec(hidden, 8, dtype, scheme)
+    assert codec.row_bytes % 16 == 0
+    x = torch.randn(5, hidden).to(dtype)
+    tokens, scale = codec.encode(x)
+    ids, w = torch.randint(0, 8, (3, 8), dtype=torch.int32), torch.rand(3, 8)
+    index = torch.tensor([4, 0, 2])
+    rows = codec.unpack(codec.pack(6, tokens, scale, ids, w, index=index))
+    q, s = (x, None) if scheme is None else scheme.quantize_activation(x)
+    got = codec.as_payload(rows.hidden[:3].contiguous())
+    assert torch.equal(got.view(torch.uint8), q[index].contiguous().view(torch.uint8))
+    assert torch.equal(rows.ids[:3], ids) and torch.equal(rows.weights[:3], w)
+    assert (rows.ids[3:] == -1).all() and (rows.weights[3:] == 0).all()  # padding rows
+    assert (s is None) == (rows.scale is None) and (s is None or torch.equal(rows.scale[:3], s[index]))
+
+
+def random_copies(r, k, e_local):
+    """[R * K] local expert per copy (sentinel e_local), distinct experts within a row."""
+    choice = torch.rand(r, e_local + k).argsort(dim=1)[:, :k]  # values >= e_local become the sentinel
+    return torch.where(choice < e_local, choice, e_local).flatten()
+
+
+def test_sorted_batch_invariants():
+    codec = RowCodec(64, 4, torch.float32, None)
+    x = torch.randn(20, 64)
+    rows = codec.unpack(codec.pack(20, codec.encode(x)[0], None, torch.zeros(20, 4, dtype=torch.int32),
+                                   torch.rand(20, 4)))
+    experts = random_copies(20, 4, 5)
+    n = int((experts < 5).sum())
+    batch, copy_pos = sorted_batch(codec, rows, experts, n, 5)
+    assert batch.hidden.shape == (n, 64) and int(batch.offsets[-1]) == n
+    assert torch.equal(batch.counts.long(), torch.bincount(experts, minlength=6)[:5])
+    flat = copy_pos.flatten()
+    assert torch.equal(flat >= 0, experts < 5)  # every copy has a batch row, non-copies none
+    assert torch.equal(flat[flat >= 0].sort().values, torch.arange(n))  # a permutation
+    for c in torch.nonzero(flat >= 0).flatten().tolist():
+        assert torch.equal(batch.hidden[flat[c]], x[c // 4]) and batch.weights[flat[c]] == rows.weights.flatten()[c]
+
+
+def test_masked_batch_invariants():
+    codec = RowCodec(64, 4, torch.float32, None)
+    x = torch.randn(24, 64)
+    rows = codec.unpack(codec.pack(24, codec.encode(x)[0], None, torch.zeros(24, 4, dtype=torch.int32),
+                                   torch.rand(24, 4)))
+    experts = random_copies(24, 4, 6)
+    batch, slot = masked_batch(codec, rows, experts, 6, capacity=24)
+    assert batch.hidden.shape == (6, 24, 64)
+    assert torch.equal(batch.counts.long(), torch.bincount(experts, minlength=7)[:6])
+    flat = slot.flatten()
+    assert torch.equal(flat >= 0, experts < 6)
+    used = flat[flat >= 0]
+    assert used.unique().numel() == used.numel()  # no two copies share a slot
+    assert torch.equal(used // 24, experts[experts < 6]) and ((used % 24) < batch.counts.long()[used // 24]).all()
+    valid = torch.arange(24)[None, :] < batch.counts[:, None]
+    assert (batch.weights[~valid] == 0).all()
+    for c in torch.nonzero(flat >= 0).flatten().tolist():
+        assert torch.equal(batch.hidden.view(-1, 64)[flat[c]], x[c // 4])
+
+
+def test_gather_sum_matches_a_loop():
+    src = torch.randn(30, 48).to(torch.bfloat16)
+    index = torch.randint(-1, 30, (17, 5))
+    want = torch.zeros(17, 48)
+    for r in range(17):
+        for j in range(5):
+            if index[r, j] >= 0:
+                want[r] += src[index[r, j]].float()
+    assert torch.equal(gather_sum(src, index), want.to(torch.bfloat16))
+    assert gather_sum(src[:0], torch.full((3, 2), -1)).abs().sum() == 0  # nothing to gather
