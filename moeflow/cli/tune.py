@@ -49,11 +49,11 @@ def run(args) -> int:
     out_dir = Path(args.out or moeflow_env.KERNEL_CONFIG_DIR.get() or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"tuning {shape} on {device} for T={tokens}", file=sys.stderr)
-    table, measured = tune(shape, tokens, rep_ms=args.rep_ms, log=lambda s: print(s, file=sys.stderr))
     path = out_dir / kc.file_name(device, e, cfg.intermediate_size, cfg.hidden_size, cfg.quant)
     meta = dict(device=device, E=e, N=cfg.intermediate_size, K=cfg.hidden_size, scheme=cfg.quant,
                 dtype=str(cfg.dtype).removeprefix("torch."), top_k=cfg.top_k, triton_version=triton.__version__,
                 torch_version=torch.__version__)
-    kc.write_table(path, meta, table, measured)
+    tune(shape, tokens, rep_ms=args.rep_ms, log=lambda s: print(s, file=sys.stderr),
+         on_result=lambda table, measured: kc.write_table(path, meta, table, measured))  # after every T
     print(path)
     return 0

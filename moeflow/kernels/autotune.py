@@ -142,8 +142,9 @@ def precompile(jobs: list[tuple[Shape, MoEKernelConfig]], workers: int | None = 
         list(pool.map(_compile_job, [jobs[i::workers] for i in range(workers)]))
 
 
-def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: float = 15, log=print):
-    """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us}}) for the current GPU."""
+def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: float = 15, log=print, on_result=None):
+    """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us}}) for the current GPU.
+    on_result(table, measured) is called after each T (so a stopped search keeps what it found)."""
     from triton.testing import do_bench
 
     from .common import RowLayout
@@ -181,4 +182,6 @@ def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: fl
         table[t] = MoEKernelConfig(best_gu, best_dn)
         measured[str(t)] = {"gate_up": round(min(gu_t) * 1e3, 2), "down": round(min(dn_t) * 1e3, 2)}
         log(f"  T={t:>6}: gate_up {min(gu_t) * 1e3:9.1f} us {best_gu}  down {min(dn_t) * 1e3:9.1f} us {best_dn}")
+        if on_result:
+            on_result(table, measured)
     return table, measured
