@@ -64,6 +64,21 @@ def routing(t, e, k, dev):
     return ids, torch.rand(t, k, device=dev)
 
 
+def profile(name, fn, dev, rank, res):
+    """Device time per kernel of 5 eager calls (torch.profiler), kept under res["profile/<name>"]."""
+    if dev.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    dev_us = lambda e: getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)  # noqa: E731
+    rows = sorted(p.key_averages(), key=lambda e: -dev_us(e))[:15]
+    res[f"profile/{name}"] = {e.key[:90]: round(dev_us(e) / 5, 1) for e in rows}
+
+
 def raw_a2a(send_rows, recv_rows, row_bytes, dev):
     """A closure running all_to_all_single over uint8 buffers of these split sizes."""
     inp = torch.randint(0, 255, (sum(send_rows), row_bytes), dtype=torch.uint8, device=dev)
@@ -90,6 +105,8 @@ def bench_alltoall(a, dev, rank, res):
         others = [r for r in range(d.world) if r != rank]
         d_bytes = sum(handle.sent[r] for r in others) * d.codec.row_bytes
         c_bytes = sum(handle.received[r] for r in others) * h * dt.itemsize
+        if a.profile:
+            profile(f"alltoall-{quant}-dispatch", lambda: d.dispatch(x, ids, w), dev, rank, res)
         r_d = timed(raw_a2a(handle.sent, handle.received, d.codec.row_bytes, dev), a.iters, dev)
         r_c = timed(raw_a2a(handle.received, handle.sent, h * dt.itemsize, dev), a.iters, dev)
         res[f"alltoall/{quant}"] = dict(
@@ -122,6 +139,8 @@ def bench_lowlatency(a, dev, rank, res):
         "raw_allgather": lambda: all_gather_start(gather_out, gather_in, None).wait(),
         "raw_alltoall": lambda: dist.all_to_all_single(back_out, back_in),
     }
+    if a.profile:
+        profile("lowlatency-dispatch", fns["dispatch"], dev, rank, res)
     r = dict(tokens=t, row_bytes=row, dispatch_bytes=(world - 1) * t * row, combine_bytes=(world - 1) * t * h * 2)
     for name, fn in fns.items():
         r[f"eager_{name}_us"] = timed(fn, a.iters, dev)
@@ -174,6 +193,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke run)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: alltoall,lowlatency,layer")
+    p.add_argument("--profile", action="store_true", help="also record device time per kernel of dispatch")
     p.add_argument("--out", default="")
     a = p.parse_args()
     if a.small:
@@ -217,6 +237,8 @@ def print_table(res):
                   f"  [transfer only: dispatch {r['dispatch_transfer_us']:.1f} us, combine {r['combine_transfer_us']:.1f} us]")
         elif key.startswith("lowlatency/"):
             print(f"{key:22s} " + "  ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us")) + "  (us)")
+        elif key.startswith("profile/"):
+            print(f"{key}: " + ", ".join(f"{k[:40]} {v:.0f}" for k, v in list(r.items())[:8]) + " (us per call)")
         elif key.startswith("layer/"):
             print(f"{key:42s} " + (f"{r['layer_us']:9.1f} us" if "layer_us" in r else f"skipped ({r['skipped']})"))
 
