@@ -130,15 +130,34 @@ def _run_one(transformers, path: Path, name: str, dtype, device, prompt, max_new
         return dict(name=name, skipped=note)
     _say(f"{time.perf_counter() - start:.1f}s; generating {max_new} tokens ...", end=" ")
     pad = _pad_id(model)
-    gen = lambda n: model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
-    gen(2)  # warm-up: first-call planning, allocator, caches
-    t1 = min(_timed(lambda: gen(1), device)[0] for _ in range(repeats))  # prefill (+ one token)
-    runs = [_timed(lambda: gen(max_new), device) for _ in range(repeats)]
-    tn, out = min(runs, key=lambda r: r[0])
-    out = out[0, prompt.shape[1]:].tolist()
-    decode = (max_new - 1) / max(tn - t1, 1e-9)
-    _say(f"prefill {prompt.shape[1] / t1:.0f} tok/s, decode {decode:.1f} tok/s")
-    return dict(name=name, prefill_tok_s=prompt.shape[1] / t1, decode_tok_s=decode, ids=out, note=note)
+    runs = []
+    for i in range(repeats + 1):  # the first run warms up (planning, allocator, caches) and is not counted
+        clock = _Clock()
+        out = model.generate(prompt, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                             pad_token_id=pad, streamer=clock)
+        runs += [clock.rates(prompt.shape[1])] if i else []
+    prefill, decode = max(r[0] for r in runs), max(r[1] for r in runs)
+    _say(f"prefill {prefill:.0f} tok/s, decode {decode:.1f} tok/s")
+    return dict(name=name, prefill_tok_s=prefill, decode_tok_s=decode, ids=out[0, prompt.shape[1]:].tolist(), note=note)
+
+
+class _Clock:
+    """A generate() streamer that only timestamps: put() gets the prompt first, then each new
+    token (moved to the host, so the device is synchronized)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def rates(self, prompt_len: int) -> tuple[float, float]:
+        """-> (prefill tokens/s: prompt over time to the first new token, decode tokens/s after it)."""
+        t = self.times
+        return prompt_len / (t[1] - t[0]), (len(t) - 2) / max(t[-1] - t[1], 1e-9)
 
 
 def _pad_id(model) -> int:
@@ -147,17 +166,6 @@ def _pad_id(model) -> int:
         if isinstance(value, int):
             return value
     return 0
-
-
-def _timed(fn, device) -> tuple[float, object]:
-    """-> (seconds, fn's result), the device synchronized around the call."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, result
 
 
 def _report(rows, tokenizer, prompt_len, dtype, device, source) -> None:
