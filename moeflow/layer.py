@@ -42,11 +42,14 @@ class MoE(nn.Module):
         moe.load_weights({"gate_up_proj": w13, "down_proj": w2})   # [E, 2I, H], [E, H, I]
         y = moe(x, router_logits)                                  # [T, H], [T, E] -> [T, H]
 
-    Weights start random (uniform ±1/sqrt(fan_in), like nn.Linear) until ``load_weights``.
+    Weights start random (uniform ±1/sqrt(fan_in), like nn.Linear) until ``load_weights``;
+    ``init_weights=False`` skips that (the parameters are then uninitialized memory: load weights
+    before the first forward; this saves time and memory when a checkpoint follows at once).
     Parameters use Hugging Face names, so ``state_dict()`` keys are checkpoint keys.
     """
 
-    def __init__(self, config: MoEConfig | None = None, *, process_group=None, **fields):
+    def __init__(self, config: MoEConfig | None = None, *, process_group=None, init_weights: bool = True,
+                 **fields):
         super().__init__()
         if config is None:
             config = MoEConfig(**fields)
@@ -62,7 +65,8 @@ class MoE(nn.Module):
         self.runner = create_runner(self.plan.runner, config, self.scheme)
         self.local_experts = self.dispatcher.local_experts
         self._make_parameters()
-        self.reset_parameters()
+        if init_weights:
+            self.reset_parameters()
 
     # ---------------------------------------------------------------- parameters
     def _make_parameters(self):

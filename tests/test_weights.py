@@ -350,3 +350,14 @@ def test_matches_transformers_mixtral_block():
     randomize(block)
     layer = MoE(num_experts=6, hidden_size=64, intermediate_size=48, top_k=2, dtype=torch.float32)
     compare_with_block(block, layer)
+
+
+def test_init_weights_false_then_load(weights_for):
+    """init_weights=False skips the random init; a following load_weights gives the same layer."""
+    ref = MoE(**FULL, dtype=torch.float32)
+    state = weights_for(ref.config)
+    ref.load_weights(state)
+    lazy = MoE(ref.config, init_weights=False)
+    lazy.load_weights(state)
+    x, logits = torch.randn(9, H), torch.randn(9, E)
+    assert torch.equal(lazy(x, logits), ref(x, logits))
