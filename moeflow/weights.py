@@ -29,14 +29,14 @@ EXPERT_NAMES = ("gate_up_proj", "down_proj")
 SHARED_NAMES = ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
 
 
-def expected_names(layer) -> list[str]:
-    """Names load_weights requires for this layer (scales are optional companions)."""
+def expected_names(cfg) -> list[str]:
+    """Names load_weights requires for a layer of configuration ``cfg`` (scales are optional companions)."""
     names = list(EXPERT_NAMES)
-    if layer.e_score_correction_bias is not None:
+    if cfg.use_correction_bias:
         names.append("e_score_correction_bias")
-    if layer.shared_experts is not None:
+    if cfg.shared_size:
         names += SHARED_NAMES
-    if getattr(layer, "shared_expert_gate", None) is not None:
+    if cfg.shared_expert_gate:
         names.append("shared_expert_gate.weight")
     return names
 
@@ -48,7 +48,7 @@ def _canonical(name: str) -> str:
 @torch.no_grad()
 def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
     state = {_canonical(k): v for k, v in state.items()}
-    required = expected_names(layer)
+    required = expected_names(layer.config)
     optional = [n + "_scale_inv" for n in EXPERT_NAMES] + [n + "_scale_inv" for n in SHARED_NAMES]
     valid = required + optional
     if strict:

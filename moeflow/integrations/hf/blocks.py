@@ -31,6 +31,7 @@ from ...errors import error
 from ...experts import ExpertWeights
 from ...layer import MoE
 from ...planner import plan as make_plan
+from ...weights import expected_names
 from .experts import _check_features, _check_fp8, _local, activation_of, expert_weights, is_experts_module
 
 
@@ -177,7 +178,8 @@ def build_block(block: nn.Module, quant: str | None = None, runner: str = "auto"
     "fp8-block" for FP8 experts); dtype: activation dtype for FP8 experts (default bfloat16);
     experts: routed-expert tensors to use instead of the block's (see _state)."""
     cfg, state, family = _plan_block(block, quant, runner, dtype, path, experts)
-    moe = MoE(cfg)
+    # skip the random init when the block's tensors cover every weight the layer needs
+    moe = MoE(cfg, init_weights=not set(expected_names(cfg)) <= set(state))
     _adopt(moe, state)
     return MoeflowBlock(moe, block.gate.weight, family.router_fp32, f"{type(block).__name__} at {path or '?'}")
 
