@@ -6,6 +6,8 @@ Per preset, scheme (none = bf16, fp8-channel, fp8-block), runner and T:
     layer_us    route -> dispatch (local) -> experts -> combine, the same calls as MoE._run, timed
                 with triton's do_bench (L2 flushed before every repetition, median) on 4 rotated inputs
     experts_us  the runner alone on a ready batch;  graph_us: the same replayed as a CUDA graph (T <= 128)
+    fused_us    (triton) layer_us with the combine done by kernels/reduce.moe_sum (one pass over the
+                expert outputs) instead of the local dispatcher's scatter + float copy + sum; fused_err
     tflops, gbs, roof_pct  FLOPs and bytes (experts actually hit x 3HI weights + activations in/out)
                 over layer_us; roof_pct = floor / layer_us with ceilings re-measured in this run
     rel_err     layer output vs the layer with the reference runner on the same weights and input
@@ -40,8 +42,8 @@ ANCHORS = {("qwen3-30b-a3b", 1): (35, 27), ("qwen3-30b-a3b", 128): (300, 169), (
            ("deepseek-v3", 4096): (10239, 5741), ("deepseek-v3", 16384): (22764, 15453),
            ("mixtral-8x7b", 1): (188, 144), ("mixtral-8x7b", 128): (677, 376), ("mixtral-8x7b", 4096): (5088, 3325),
            ("mixtral-8x7b", 16384): (18283, 12092)}
-FIELDS = ["preset", "scheme", "runner", "T", "layer_us", "experts_us", "graph_us", "tflops", "gbs", "roof_pct",
-          "floor_us", "experts_hit", "rel_err", "anchor_us", "note"]
+FIELDS = ["preset", "scheme", "runner", "T", "layer_us", "experts_us", "graph_us", "fused_us", "tflops", "gbs",
+          "roof_pct", "floor_us", "experts_hit", "rel_err", "fused_err", "anchor_us", "note"]
 
 
 def bench(fn, rep_ms=50):
@@ -99,6 +101,16 @@ class Case:
         batch, handle = self.dispatcher.dispatch(x, ids, w)
         return self.dispatcher.combine(run_in_layout(runner, batch, self.weights), handle)
 
+    def layer_fused(self, runner, x, logits):
+        """layer() with the top-k reduction of kernels/reduce.py in place of the dispatcher's combine."""
+        from moeflow.kernels.reduce import moe_sum
+        ids, w = self.router(logits, self.bias)
+        batch, handle = self.dispatcher.dispatch(x, ids, w)
+        out = runner.run(batch, self.weights)
+        row_of_copy = torch.empty_like(handle.order)
+        row_of_copy[handle.order] = torch.arange(handle.order.numel(), device=x.device)
+        return moe_sum(out, row_of_copy, handle.top_k)
+
 
 def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
     c = case.cfg
@@ -108,15 +120,20 @@ def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
     batches = [case.dispatcher.dispatch(x, *case.router(lg, case.bias))[0] for x, lg in ins[:2]]
     experts_us = bench(lambda: runner.run(batches[next(it) % 2], case.weights))
     g_us = graph_us(lambda: runner.run(batches[0], case.weights)) if name == "triton" and t <= 128 else None
-    out = case.layer(runner, *ins[0])
-    err = ((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30)).item()
+    rel = lambda out: ((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30)).item()
+    err = rel(case.layer(runner, *ins[0]))
+    fused_us = fused_err = None
+    if name == "triton":
+        fused_us = bench(lambda: case.layer_fused(runner, *ins[next(it) % len(ins)]))
+        fused_err = rel(case.layer_fused(runner, *ins[0]))
     hit = int(case.router(ins[0][1], case.bias)[0].unique().numel())
     fp8 = c.quant != "none"
     flops = 2.0 * t * c.top_k * 3 * c.hidden_size * c.intermediate_size
     nbytes = hit * 3 * c.hidden_size * c.intermediate_size * (1 if fp8 else 2) + 2 * t * c.hidden_size * 2
     floor_s = max(flops / ceil["fp8_flops" if fp8 else "bf16_flops"], nbytes / ceil["bandwidth"])
     anchor = ANCHORS.get((case.preset, t))
-    return dict(runner=name, T=t, layer_us=layer_us, experts_us=experts_us, graph_us=g_us,
+    return dict(runner=name, T=t, layer_us=layer_us, experts_us=experts_us, graph_us=g_us, fused_us=fused_us,
+                fused_err=fused_err,
                 tflops=flops / layer_us / 1e6, gbs=nbytes / layer_us / 1e3, roof_pct=100 * floor_s * 1e6 / layer_us,
                 floor_us=floor_s * 1e6, experts_hit=hit, rel_err=err, anchor_us=anchor and anchor[1 if fp8 else 0])
 
@@ -190,9 +207,10 @@ def _fmt(r) -> str:
     if "layer_us" not in r:
         return f"{r['preset']:>14} {r['scheme']:>11} {r['runner']:>10} T={r['T']:>5}  {r.get('note')}"
     g = f"{r['graph_us']:8.1f}" if r.get("graph_us") else "       -"
+    f = f"{r['fused_us']:9.1f}" if r.get("fused_us") else "        -"
     a = f"{r['anchor_us']:>6}" if r.get("anchor_us") else "     -"
     return (f"{r['preset']:>14} {r['scheme']:>11} {r['runner']:>10} T={r['T']:>5} layer {r['layer_us']:9.1f}us "
-            f"experts {r['experts_us']:9.1f} graph {g} {r['tflops']:7.1f}TF {r['gbs']:7.0f}GB/s "
+            f"experts {r['experts_us']:9.1f} graph {g} fused {f} {r['tflops']:7.1f}TF {r['gbs']:7.0f}GB/s "
             f"roof {r['roof_pct']:5.1f}% anchor {a} err {r['rel_err']:.1e}")
 
 
