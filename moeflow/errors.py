@@ -376,6 +376,17 @@ When: building the layer (configuration check), or in dispatch/combine.
 Fix: look at the other ranks' logs for the first error; use NCCL for CUDA layers and gloo for CPU.
 Example: torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
 """)
+_spec("MF506", UnsupportedError, "FP8 payload not possible for this scheme",
+      "payload='fp8' is not possible with quant={scheme!r}: {why}; valid payloads: {valid}",
+      """
+What: an expert-parallel dispatcher compresses tokens to FP8 on their home rank, one token at a
+time. A scheme whose activation scale spans the whole batch a GEMM sees (fp8-tensor: one amax for
+all rows) cannot be reproduced that way: the rows from different ranks would carry different
+scales where the scheme promises one.
+When: building the dispatcher with payload="fp8" (dispatcher.with_payload("fp8")).
+Fix: use payload="auto" (FP8 for fp8-channel and fp8-block, the layer dtype otherwise) or "dtype".
+Example: moe.dispatcher = moe.dispatcher.with_payload("auto")
+""")
 # ---------------------------------------------------------------- MF603+: kernel configs / tuning
 _spec("MF603", ToolError, "invalid kernel config file",
       "kernel config file {path} cannot be used: {why}",

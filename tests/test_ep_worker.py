@@ -124,6 +124,8 @@ def suite(world):
     checks.append(("mismatch-MF501", check_mismatch))
     checks.append(("bad-placement-MF504", lambda c: c.expect("MF504", lambda: MoE(**BASE, placement=(0,) * 8))))
     checks.append(("overflow-MF503", check_overflow))
+    checks.append(("fp8-payload-fp8-tensor-MF506", lambda c: c.expect(
+        "MF506", lambda: MoE(**BASE, quant="fp8-tensor", runner="reference").dispatcher.with_payload("fp8"))))
     return checks
 
 

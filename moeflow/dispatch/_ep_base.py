@@ -33,11 +33,22 @@ from ..quant import QuantScheme, payload_scheme
 from ._ep_rows import RowCodec
 from .base import Dispatcher
 
-# "auto": FP8 when the layer's scheme is quantized (the runner would quantize the same rows with the
-# same scheme: nothing is lost, except that fp8-tensor's one scale becomes one per source rank);
-# "fp8": always (lossy for quant="none": per-token FP8, dequantized to the layer dtype by the runner);
+# "auto": FP8 when the layer's scheme quantizes each row on its own (fp8-channel, fp8-block): the
+#   runner would quantize the same rows the same way, so nothing is lost; else the layer dtype
+#   (fp8-tensor's one scale spans the batch the GEMM sees: the runner must quantize that batch);
+# "fp8": always (lossy for quant="none": per-token FP8, dequantized to the layer dtype by the
+#   runner); refused with MF506 for schemes whose rows are not quantized on their own;
 # "dtype": never (the layer dtype travels; the runner quantizes).
 PAYLOADS = ("auto", "fp8", "dtype")
+
+
+def row_local(scheme: QuantScheme) -> bool:
+    """Whether ``scheme`` quantizes each activation row independently of the others (probed, not
+    looked up by name: a row quantized alone gets the scale it gets inside a larger batch)."""
+    x = torch.tensor([[1.0, -2.0], [30.0, 4.0]])
+    _, alone = scheme.quantize_activation(x[:1])
+    _, together = scheme.quantize_activation(x)
+    return alone is None or torch.equal(alone[0], together[0])
 
 
 def expert_placement(config: MoEConfig, world: int) -> tuple[int, ...]:
@@ -92,7 +103,11 @@ class ExpertParallelDispatcher(Dispatcher):
         self.expert_local = torch.tensor(local_id, dtype=torch.int64, device=self.device)
         mine = [local_id[e] if r == self.rank else len(self._local) for e, r in enumerate(self.placement)]
         self._copy_table = torch.tensor([len(self._local)] + mine, dtype=torch.int64, device=self.device)
-        compress = payload == "fp8" or (payload == "auto" and scheme.quantized)
+        per_row = row_local(payload_scheme(scheme))
+        if payload == "fp8" and not per_row:
+            raise error("MF506", scheme=scheme.name, why="its activation scale spans the whole batch",
+                        valid=["auto", "dtype"])
+        compress = payload == "fp8" or (payload == "auto" and scheme.quantized and per_row)
         self.codec = RowCodec(config.hidden_size, config.top_k, config.dtype,
                               payload_scheme(scheme) if compress else None)
 

@@ -62,17 +62,20 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         theirs = torch.empty_like(counts)
         with collective("alltoall counts exchange", self.process_group):
             work = dist.all_to_all_single(theirs, counts, group=self.process_group, async_op=True)
-        dest, token = need.t().nonzero(as_tuple=True)  # grouped by destination, tokens in order
+        tokens, scale = self.codec.encode(hidden)  # queued while the counts travel
+        wait(work, "alltoall counts exchange", self.process_group, counts.device, host=True)
+        both = torch.cat([counts, theirs], dim=1).tolist()  # the one host synchronization of dispatch
+        sent, received = [row[0] for row in both], [row[2] for row in both]
+        copies_in = sum(row[3] for row in both)
+        # rows to send, grouped by destination, tokens in order; the count is known: no second sync
+        j = torch.nonzero_static(need.t().flatten(), size=sum(sent)).squeeze(1)
+        dest, token = j // max(t, 1), j % max(t, 1)
         home = torch.full((t, w), -1, dtype=torch.int64, device=hidden.device)
         home[token, dest] = torch.arange(token.numel(), device=hidden.device)
         valid = rank_of[token] == dest[:, None]  # [S, K] copies meant for that destination
         local = torch.where(valid, self.expert_local[ids[token]], -1).to(torch.int32)
         weights = torch.where(valid, topk_weights[token].float(), 0.0)
-        tokens, scale = self.codec.encode(hidden)
         send = self.codec.pack(token.numel(), tokens, scale, local, weights, index=token)
-        wait(work, "alltoall counts exchange", self.process_group, counts.device, host=True)
-        sent = counts[:, 0].tolist()
-        received, copies_in = theirs[:, 0].tolist(), int(theirs[:, 1].sum())
         buf = torch.empty(sum(received), self.codec.row_bytes, dtype=torch.uint8, device=hidden.device)
         with collective("alltoall dispatch", self.process_group):
             work = dist.all_to_all_single(buf, send, received, sent, group=self.process_group, async_op=True)
