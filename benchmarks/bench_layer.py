@@ -3,13 +3,14 @@
     python benchmarks/bench_layer.py --out $OUT [--presets ...] [--tokens ...] [--schemes ...]
 
 Per preset, scheme (none = bf16, fp8-channel, fp8-block), runner and T:
-    layer_us    route -> dispatch (local) -> experts -> combine, the same calls as MoE._run, timed
-                with triton's do_bench (L2 flushed before every repetition, median) on 4 rotated inputs
+    layer_us    route -> dispatch (local) -> experts -> combine, the same calls as MoE._run, eager,
+                timed with triton's do_bench (L2 flushed before every repetition, median) on 4 rotated inputs
+    layer_graph_us  the same whole layer captured once as a CUDA graph and replayed (do_bench, L2
+                flushed): PERF.md's method; the headline figure (runners whose call syncs the host
+                cannot be captured: then "-" and the eager time counts)
     experts_us  the runner alone on a ready batch;  graph_us: the same replayed as a CUDA graph (T <= 128)
-    fused_us    (triton) layer_us with the combine done by kernels/reduce.moe_sum (one pass over the
-                expert outputs) instead of the local dispatcher's scatter + float copy + sum; fused_err
     tflops, gbs, roof_pct  FLOPs and bytes (experts actually hit x 3HI weights + activations in/out)
-                over layer_us; roof_pct = floor / layer_us with ceilings re-measured in this run
+                over the headline time; roof_pct = floor / time with ceilings re-measured in this run
     rel_err     layer output vs the layer with the reference runner on the same weights and input
 Weights are random, made a few experts at a time (kernels/autotune.random_weights) so that
 DeepSeek-V3's 11-22 GB of experts need no whole-tensor temporaries. Writes bench.csv (row by
@@ -42,8 +43,8 @@ ANCHORS = {("qwen3-30b-a3b", 1): (35, 27), ("qwen3-30b-a3b", 128): (300, 169), (
            ("deepseek-v3", 4096): (10239, 5741), ("deepseek-v3", 16384): (22764, 15453),
            ("mixtral-8x7b", 1): (188, 144), ("mixtral-8x7b", 128): (677, 376), ("mixtral-8x7b", 4096): (5088, 3325),
            ("mixtral-8x7b", 16384): (18283, 12092)}
-FIELDS = ["preset", "scheme", "runner", "T", "layer_us", "experts_us", "graph_us", "fused_us", "tflops", "gbs",
-          "roof_pct", "floor_us", "experts_hit", "rel_err", "fused_err", "anchor_us", "note"]
+FIELDS = ["preset", "scheme", "runner", "T", "layer_us", "layer_graph_us", "experts_us", "graph_us", "tflops", "gbs",
+          "roof_pct", "floor_us", "experts_hit", "rel_err", "anchor_us", "note"]
 
 
 def bench(fn, rep_ms=50):
@@ -101,16 +102,6 @@ class Case:
         batch, handle = self.dispatcher.dispatch(x, ids, w)
         return self.dispatcher.combine(run_in_layout(runner, batch, self.weights), handle)
 
-    def layer_fused(self, runner, x, logits):
-        """layer() with the top-k reduction of kernels/reduce.py in place of the dispatcher's combine."""
-        from moeflow.kernels.reduce import moe_sum
-        ids, w = self.router(logits, self.bias)
-        batch, handle = self.dispatcher.dispatch(x, ids, w)
-        out = runner.run(batch, self.weights)
-        row_of_copy = torch.empty_like(handle.order)
-        row_of_copy[handle.order] = torch.arange(handle.order.numel(), device=x.device)
-        return moe_sum(out, row_of_copy, handle.top_k)
-
 
 def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
     c = case.cfg
@@ -122,19 +113,21 @@ def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
     g_us = graph_us(lambda: runner.run(batches[0], case.weights)) if name == "triton" and t <= 128 else None
     rel = lambda out: ((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30)).item()
     err = rel(case.layer(runner, *ins[0]))
-    fused_us = fused_err = None
-    if name == "triton":
-        fused_us = bench(lambda: case.layer_fused(runner, *ins[next(it) % len(ins)]))
-        fused_err = rel(case.layer_fused(runner, *ins[0]))
+    try:
+        layer_graph_us = graph_us(lambda: case.layer(runner, *ins[0]))
+    except RuntimeError:  # the runner synchronizes with the host: not capturable
+        torch.cuda.synchronize()
+        layer_graph_us = None
+    best_us = layer_graph_us or layer_us
     hit = int(case.router(ins[0][1], case.bias)[0].unique().numel())
     fp8 = c.quant != "none"
     flops = 2.0 * t * c.top_k * 3 * c.hidden_size * c.intermediate_size
     nbytes = hit * 3 * c.hidden_size * c.intermediate_size * (1 if fp8 else 2) + 2 * t * c.hidden_size * 2
     floor_s = max(flops / ceil["fp8_flops" if fp8 else "bf16_flops"], nbytes / ceil["bandwidth"])
     anchor = ANCHORS.get((case.preset, t))
-    return dict(runner=name, T=t, layer_us=layer_us, experts_us=experts_us, graph_us=g_us, fused_us=fused_us,
-                fused_err=fused_err,
-                tflops=flops / layer_us / 1e6, gbs=nbytes / layer_us / 1e3, roof_pct=100 * floor_s * 1e6 / layer_us,
+    return dict(runner=name, T=t, layer_us=layer_us, layer_graph_us=layer_graph_us, experts_us=experts_us,
+                graph_us=g_us, tflops=flops / best_us / 1e6, gbs=nbytes / best_us / 1e3,
+                roof_pct=100 * floor_s * 1e6 / best_us,
                 floor_us=floor_s * 1e6, experts_hit=hit, rel_err=err, anchor_us=anchor and anchor[1 if fp8 else 0])
 
 
@@ -207,10 +200,10 @@ def _fmt(r) -> str:
     if "layer_us" not in r:
         return f"{r['preset']:>14} {r['scheme']:>11} {r['runner']:>10} T={r['T']:>5}  {r.get('note')}"
     g = f"{r['graph_us']:8.1f}" if r.get("graph_us") else "       -"
-    f = f"{r['fused_us']:9.1f}" if r.get("fused_us") else "        -"
+    f = f"{r['layer_graph_us']:9.1f}" if r.get("layer_graph_us") else "        -"
     a = f"{r['anchor_us']:>6}" if r.get("anchor_us") else "     -"
     return (f"{r['preset']:>14} {r['scheme']:>11} {r['runner']:>10} T={r['T']:>5} layer {r['layer_us']:9.1f}us "
-            f"experts {r['experts_us']:9.1f} graph {g} fused {f} {r['tflops']:7.1f}TF {r['gbs']:7.0f}GB/s "
+            f"layer-graph {f} experts {r['experts_us']:9.1f} graph {g} {r['tflops']:7.1f}TF {r['gbs']:7.0f}GB/s "
             f"roof {r['roof_pct']:5.1f}% anchor {a} err {r['rel_err']:.1e}")
 
 
@@ -226,7 +219,7 @@ def _plot(rows, path) -> None:
     for ax, (preset, scheme) in zip(axes[0], keys):
         sel = [r for r in rows if (r["preset"], r["scheme"]) == (preset, scheme) and "layer_us" in r]
         for name in sorted({r["runner"] for r in sel}):
-            pts = [(r["T"], r["layer_us"]) for r in sel if r["runner"] == name]
+            pts = [(r["T"], r.get("layer_graph_us") or r["layer_us"]) for r in sel if r["runner"] == name]
             ax.loglog(*zip(*pts), marker="o", label=name)
         floor = sorted({(r["T"], r["floor_us"]) for r in sel})
         if floor:

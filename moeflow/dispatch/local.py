@@ -1,6 +1,7 @@
 """dispatcher="local": one process, all experts here. Permute token copies by expert (sorted
 layout); combine is the weighted sum of each token's K copies (weights already applied by the
-runner), accumulated in float32 in a fixed order, so results are deterministic.
+runner), accumulated in float32 in k order, so results are deterministic. No host
+synchronization anywhere: with a graph-safe runner the whole layer is CUDA-graph capturable.
 """
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ from torch import Tensor
 
 from ..capabilities import DispatcherCaps
 from ..layouts import SORTED, ExpertBatch, offsets_from_counts
+from ._ep_rows import gather_sum
 from .base import Dispatcher
 
 
 @dataclass
 class LocalHandle:
-    order: Tensor  # [T*K] int64: sorted row r holds flat copy order[r] = token * K + k
-    num_tokens: int
-    top_k: int
+    row_of_copy: Tensor  # [T, K] int64: the sorted row holding copy k of token t (inverse of the sort)
 
 
 class LocalDispatcher(Dispatcher):
@@ -30,7 +30,11 @@ class LocalDispatcher(Dispatcher):
         t, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1).to(torch.int64)
         order = torch.argsort(flat_ids, stable=True)  # [T*K]
-        counts = torch.bincount(flat_ids, minlength=self.config.num_experts).to(torch.int32)
+        # scatter_add, not bincount: bincount reads the max id on the host (no CUDA-graph capture)
+        counts = torch.zeros(self.config.num_experts, dtype=torch.int32, device=flat_ids.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        row_of_copy = torch.empty_like(order)
+        row_of_copy[order] = torch.arange(order.numel(), device=order.device)
         batch = ExpertBatch(
             layout=SORTED,
             hidden=hidden[order // k],
@@ -38,11 +42,7 @@ class LocalDispatcher(Dispatcher):
             counts=counts,
             offsets=offsets_from_counts(counts),
         )
-        return batch, LocalHandle(order, t, k)
+        return batch, LocalHandle(row_of_copy.view(t, k))
 
     def combine(self, expert_out: Tensor, handle: LocalHandle) -> Tensor:
-        t, k = handle.num_tokens, handle.top_k
-        per_copy = torch.empty_like(expert_out)
-        per_copy[handle.order] = expert_out
-        # explicit H: view(0, k, -1) is ambiguous when T = 0
-        return per_copy.view(t, k, expert_out.shape[-1]).float().sum(dim=1).to(expert_out.dtype)
+        return gather_sum(expert_out, handle.row_of_copy)
