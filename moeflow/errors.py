@@ -328,11 +328,12 @@ Fix: look at the other ranks' logs; raise MOEFLOW_DIST_TIMEOUT_S if the job is j
 Example: MOEFLOW_DIST_TIMEOUT_S=600 torchrun --nproc-per-node 8 app.py
 """)
 _spec("MF503", DistributedError, "low-latency capacity exceeded",
-      "{count} token copies were sent to rank {rank}, beyond the capacity of {capacity} per expert",
+      "{count} tokens on rank {rank} exceed the low-latency capacity of {capacity} tokens per rank",
       """
-What: the low-latency dispatcher uses fixed-capacity buffers; more copies arrived for one expert
-than it holds. No token is dropped silently: the overflow is detected and reported.
-When: in dispatch, with more tokens per rank than the capacity was built for.
+What: the low-latency dispatcher uses fixed-capacity buffers sized for max_tokens_per_rank tokens
+on each rank; a rank was given more. No token is dropped silently: the overflowing rank still
+takes part in both collectives (so its peers finish correctly) and then raises this error.
+When: at the end of the forward (combine) on the rank that was given too many tokens.
 Fix: raise max_tokens_per_rank (the capacity), or use the alltoall dispatcher for large batches.
 Example: MoE(..., dispatcher="lowlatency", max_tokens_per_rank=256)
 """)

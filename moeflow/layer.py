@@ -151,15 +151,24 @@ class MoE(nn.Module):
         return self._run(hidden_states, topk_ids.to(torch.int32), topk_weights.float())
 
     def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        batch, handle = self.dispatcher.dispatch(hidden, topk_ids, topk_weights)
+        d = self.dispatcher
+        pending = d.dispatch_start(hidden, topk_ids, topk_weights)
+        shared = self._shared(hidden)  # overlaps the dispatch exchange under expert parallelism
+        batch, handle = d.dispatch_wait(pending)
         expert_out = run_in_layout(self.runner, batch, self.expert_weights())
-        out = self.dispatcher.combine(expert_out, handle)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(hidden, self.config.activation)
-            if self.shared_expert_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_expert_gate(hidden).float())
+        out = d.combine_wait(d.combine_start(expert_out, handle))
+        if shared is not None:
             out = (out.float() + shared).to(self.config.dtype)
         return out
+
+    def _shared(self, hidden: Tensor) -> Tensor | None:
+        """Shared experts on every token: [T, H] float32, or None without shared experts."""
+        if self.shared_experts is None:
+            return None
+        shared = self.shared_experts(hidden, self.config.activation)
+        if self.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(self.shared_expert_gate(hidden).float())
+        return shared
 
     def extra_repr(self) -> str:
         c = self.config

@@ -6,8 +6,11 @@
         (the sum over the K weighted copies of each token, on the token's own rank)
 
 The handle is the dispatcher's own record of where each row came from; callers pass it back
-unchanged. Expert-parallel dispatchers also split each call in two halves (start / wait) so
-other work overlaps the communication; the base class provides the synchronous halves.
+unchanged. Each call also comes in two halves, start / wait (DeepEP's dispatch_a/b style), so
+other work overlaps the communication: the layer computes shared experts between
+``dispatch_start`` and ``dispatch_wait``. Expert-parallel dispatchers implement the halves (and
+dispatch = wait(start)); one-process dispatchers keep the defaults below, which do all the work
+in ``*_start``.
 """
 from __future__ import annotations
 
@@ -43,3 +46,19 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, expert_out: Tensor, handle: Any) -> Tensor:
         ...
+
+    def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Any:
+        """First half of dispatch (same arguments): returns a pending object at once."""
+        return self.dispatch(hidden, topk_ids, topk_weights)
+
+    def dispatch_wait(self, pending: Any) -> tuple[ExpertBatch, Any]:
+        """Second half of dispatch -> (ExpertBatch, handle)."""
+        return pending
+
+    def combine_start(self, expert_out: Tensor, handle: Any) -> Any:
+        """First half of combine (same arguments): returns a pending object at once."""
+        return self.combine(expert_out, handle)
+
+    def combine_wait(self, pending: Any) -> Tensor:
+        """Second half of combine -> [T, H] layer dtype."""
+        return pending
