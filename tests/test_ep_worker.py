@@ -194,7 +194,7 @@ def main():
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     ctx, results = Ctx(rank, world), {}
-    checks = suite(world) + [LAST[world]]
+    checks = suite(world) + ([LAST[world]] if world in LAST else [])
     for check, fn in checks:
         torch.manual_seed(zlib.crc32(f"{name}-{check}".encode()))
         try:
