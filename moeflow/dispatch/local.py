@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..capabilities import DispatcherCaps
-from ..layouts import SORTED, ExpertBatch, offsets_from_counts
+from ..layouts import SORTED, ExpertBatch
 from ._ep_rows import gather_sum
 from .base import Dispatcher
 
@@ -26,23 +26,35 @@ class LocalDispatcher(Dispatcher):
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=False, priority=10,
                           note="single process: sort copies by expert")
 
+    def __init__(self, config, scheme, process_group=None):
+        super().__init__(config, scheme, process_group)
+        self._bounds: dict = {}
+
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
         t, k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1).to(torch.int64)
-        order = torch.argsort(flat_ids, stable=True)  # [T*K]
-        # scatter_add, not bincount: bincount reads the max id on the host (no CUDA-graph capture)
-        counts = torch.zeros(self.config.num_experts, dtype=torch.int32, device=flat_ids.device)
-        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        flat_ids = topk_ids.reshape(-1)
+        sorted_ids, order = torch.sort(flat_ids, stable=True)  # [T*K]: copies grouped by expert
+        # offsets[e] = copies with id < e, found in the sorted ids: no host sync (bincount would
+        # read the largest id on the host, which a CUDA graph cannot capture)
+        offsets = torch.searchsorted(sorted_ids, self._expert_bounds(sorted_ids))
         row_of_copy = torch.empty_like(order)
         row_of_copy[order] = torch.arange(order.numel(), device=order.device)
         batch = ExpertBatch(
             layout=SORTED,
             hidden=hidden[order // k],
             weights=topk_weights.reshape(-1).float()[order],
-            counts=counts,
-            offsets=offsets_from_counts(counts),
+            counts=offsets.diff().to(torch.int32),
+            offsets=offsets,
         )
         return batch, LocalHandle(row_of_copy.view(t, k))
+
+    def _expert_bounds(self, like: Tensor) -> Tensor:
+        """[E + 1] = 0..E in ``like``'s dtype and device, made once per (device, dtype)."""
+        key = (like.device, like.dtype)
+        bounds = self._bounds.get(key)
+        if bounds is None:
+            bounds = self._bounds[key] = torch.arange(self.config.num_experts + 1, dtype=like.dtype, device=like.device)
+        return bounds
 
     def combine(self, expert_out: Tensor, handle: LocalHandle) -> Tensor:
         return gather_sum(expert_out, handle.row_of_copy)

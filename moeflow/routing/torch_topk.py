@@ -19,6 +19,8 @@ class TorchTopK(Router):
     def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
         cfg = self.config
         logits = router_logits.float()
+        if not cfg.grouped and correction_bias is None and (cfg.renormalize or cfg.scoring == "sigmoid"):
+            return self._select_on_logits(logits)
         scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
         choice = scores if correction_bias is None else scores + correction_bias.float()
         if cfg.grouped:
@@ -27,6 +29,22 @@ class TorchTopK(Router):
         weights = scores.gather(1, ids)
         if cfg.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
+        return ids.to(torch.int32), weights
+
+    def _select_on_logits(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Plain top-k, fewer kernels (the eager decode path): softmax and sigmoid are monotonic,
+        so the top-k logits pick the same experts as the top-k scores; the renormalized softmax
+        of the K picked is the softmax over their logits alone. Same values to fp32 rounding."""
+        cfg = self.config
+        vals, ids = torch.topk(logits, cfg.top_k, dim=-1, sorted=True)
+        if cfg.scoring == "softmax":
+            weights = vals.softmax(dim=-1)
+        else:
+            weights = vals.sigmoid()
+            if cfg.renormalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.routed_scaling_factor != 1.0:
             weights = weights * cfg.routed_scaling_factor
         return ids.to(torch.int32), weights
