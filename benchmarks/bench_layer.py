@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from moeflow.benchmark import Ceilings, layer_bytes, layer_flops, roofline_seconds
 from moeflow.capabilities import Environment
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import create_runner
@@ -121,9 +122,8 @@ def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
     best_us = layer_graph_us or layer_us
     hit = int(case.router(ins[0][1], case.bias)[0].unique().numel())
     fp8 = c.quant != "none"
-    flops = 2.0 * t * c.top_k * 3 * c.hidden_size * c.intermediate_size
-    nbytes = hit * 3 * c.hidden_size * c.intermediate_size * (1 if fp8 else 2) + 2 * t * c.hidden_size * 2
-    floor_s = max(flops / ceil["fp8_flops" if fp8 else "bf16_flops"], nbytes / ceil["bandwidth"])
+    flops, nbytes = layer_flops(c, t), layer_bytes(c, t, hit)
+    floor_s = roofline_seconds(c, t, Ceilings(**ceil), hit)
     anchor = ANCHORS.get((case.preset, t))
     return dict(runner=name, T=t, layer_us=layer_us, layer_graph_us=layer_graph_us, experts_us=experts_us,
                 graph_us=g_us, tflops=flops / best_us / 1e6, gbs=nbytes / best_us / 1e3,

@@ -35,15 +35,17 @@ def experts_hit(cfg: MoEConfig, tokens: int) -> float:
     return e * (1.0 - (1.0 - k / e) ** tokens)
 
 
-def layer_bytes(cfg: MoEConfig, tokens: int) -> float:
+def layer_bytes(cfg: MoEConfig, tokens: int, hit: float | None = None) -> float:
+    """Fewest bytes moved; ``hit``: distinct experts the routing touched (default: the expectation)."""
     w_bytes = 1 if cfg.quant.startswith("fp8") else cfg.dtype.itemsize
-    weights = experts_hit(cfg, tokens) * 3 * cfg.hidden_size * cfg.intermediate_size * w_bytes
+    hit = experts_hit(cfg, tokens) if hit is None else hit
+    weights = hit * 3 * cfg.hidden_size * cfg.intermediate_size * w_bytes
     return weights + tokens * cfg.hidden_size * 2 * cfg.dtype.itemsize
 
 
-def roofline_seconds(cfg: MoEConfig, tokens: int, ceilings: Ceilings = Ceilings()) -> float:
+def roofline_seconds(cfg: MoEConfig, tokens: int, ceilings: Ceilings = Ceilings(), hit: float | None = None) -> float:
     peak = ceilings.fp8_flops if cfg.quant.startswith("fp8") else ceilings.bf16_flops
-    return max(layer_flops(cfg, tokens) / peak, layer_bytes(cfg, tokens) / ceilings.bandwidth)
+    return max(layer_flops(cfg, tokens) / peak, layer_bytes(cfg, tokens, hit) / ceilings.bandwidth)
 
 
 def time_fn(fn, device: torch.device, min_seconds: float = 0.2, max_reps: int = 200, warmup: int = 2) -> float:
