@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from moeflow.dispatch._ep_rows import RowCodec, gather_sum, masked_batch, sorted_batch
+from moeflow.dispatch._ep_rows import RowCodec, masked_batch, sorted_batch
+from moeflow.dispatch.gather_sum import gather_sum
 from moeflow.quant import create_scheme
 
 

@@ -26,7 +26,8 @@ from ..capabilities import DispatcherCaps
 from ..distributed import collective, wait
 from ..layouts import SORTED
 from ._ep_base import ExpertParallelDispatcher
-from ._ep_rows import gather_sum, sorted_batch
+from ._ep_rows import sorted_batch
+from .gather_sum import gather_sum
 
 
 @dataclass

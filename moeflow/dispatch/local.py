@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..capabilities import DispatcherCaps
 from ..layouts import SORTED, ExpertBatch
-from ._ep_rows import gather_sum
+from .gather_sum import gather_sum
 from .base import Dispatcher
 
 

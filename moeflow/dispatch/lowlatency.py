@@ -34,7 +34,8 @@ from ..distributed import all_gather_start, collective, wait
 from ..errors import error
 from ..layouts import MASKED
 from ._ep_base import ExpertParallelDispatcher
-from ._ep_rows import gather_sum, masked_batch
+from ._ep_rows import masked_batch
+from .gather_sum import gather_sum
 
 
 @dataclass

@@ -1,0 +1,27 @@
+"""The combine's reduction, shared by every dispatcher: per output row, the sum of indexed rows."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def gather_sum(src: Tensor, index: Tensor) -> Tensor:
+    """out[r] = sum over j of src[index[r, j]] (index -1 counts as zero), accumulated in float32
+    in j order, returned in src.dtype. src [M, H], index [R, J] int64 -> [R, H].
+
+    Reads each indexed row once: the combine's reduction without a float32 copy of src. On CUDA it
+    is the Triton kernel moeflow.kernels.reduce.moe_sum when present; torch otherwise.
+    """
+    if src.is_cuda:
+        try:
+            from ..kernels.reduce import moe_sum
+        except ImportError:  # triton (or the kernel module) missing: torch below
+            pass
+        else:
+            return moe_sum(src, index.reshape(-1).contiguous(), index.shape[1])
+    r, j = index.shape
+    if src.shape[0] == 0:
+        return src.new_zeros(r, src.shape[1])
+    picked = src.index_select(0, index.clamp(min=0).reshape(-1)).view(r, j, src.shape[1])
+    picked = torch.where((index >= 0)[..., None], picked, torch.zeros((), dtype=src.dtype, device=src.device))
+    return picked.sum(dim=1, dtype=torch.float32).to(src.dtype)
