@@ -409,6 +409,15 @@ Fix: run it on the target GPU (pip install 'moeflow[triton]'); use the files it 
 MOEFLOW_KERNEL_CONFIG_DIR or copy them into moeflow/kernels/configs/.
 Example: CUDA_VISIBLE_DEVICES=0 moeflow tune --preset deepseek-v3 --quant fp8-block
 """)
+_spec("MF605", ToolError, "benchmark does not fit in memory",
+      "{what} needs about {need_gb:.1f} GB on {device}; {free_gb:.1f} GB are free",
+      """
+What: `moeflow bench` keeps two copies of the experts (the reference layer and the layer under
+test); the preset's experts at this dtype do not fit in the memory free on the device.
+When: moeflow bench with a large preset (deepseek-v3 holds 22.5 GB of bf16 experts) on a small machine.
+Fix: benchmark fewer experts with the same shapes (--experts), a smaller preset, or a GPU with more memory.
+Example: moeflow bench --preset deepseek-v3 --experts 16 --device cpu
+""")
 # ---------------------------------------------------------------- MF7xx: model integration (transformers)
 _spec("MF701", UnsupportedError, "transformers is not installed",
       "{what} needs the optional package 'transformers': {why}",

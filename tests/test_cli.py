@@ -54,3 +54,11 @@ def test_bench_small_runs_and_checks(tmp_path, capsys, quant):
         assert r["rel_err"] is None or r["rel_err"] < 2e-2  # bf16 vs the reference runner
     refused = [r for r in rows if r["status"] != "ok"]
     assert all(r["status"] in CATALOGUE for r in refused)
+
+
+def test_bench_refuses_a_preset_that_does_not_fit(capsys, monkeypatch):
+    # deepseek-v3 keeps 2 x 22.5 GB of bf16 experts: refused up front (MF605), not killed mid-run
+    monkeypatch.setattr("os.sysconf", lambda name: {"SC_AVPHYS_PAGES": 1 << 20, "SC_PAGE_SIZE": 4096}[name])
+    assert main(["bench", "--preset", "deepseek-v3", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "MF605" in err and "45.1 GB" in err

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 
 import torch
 
 from ..benchmark import layer_flops, roofline_seconds, time_fn
-from ..errors import MoeflowError
+from ..errors import MoeflowError, error
 from ..experts import RUNNERS
 from ..layer import MoE
 from ..quant import SCHEMES
@@ -37,6 +38,7 @@ def run(args) -> int:
     runners = [r for r in RUNNERS.names() if r != "reference"] if args.runners == "all" else args.runners.split(",")
     base = config_from_args(args, quant="none", runner="reference")
     tokens = [int(t) for t in (args.tokens or ("1,16,128,1024,4096,16384" if base.device.type == "cuda" else "1,16,128")).split(",")]
+    _check_memory(base)
     jobs = [(s, r) for s in schemes for r in ["reference", *runners]]
     rows, done = [], 0
     for scheme in schemes:
@@ -67,6 +69,18 @@ def run(args) -> int:
     _print_table(base, rows)
     _write(rows, args)
     return 0
+
+
+def _check_memory(cfg) -> None:
+    """MF605 when two copies of the experts (reference + layer under test) would not fit."""
+    need = 2 * cfg.num_experts * 3 * cfg.hidden_size * cfg.intermediate_size * cfg.dtype.itemsize
+    if cfg.device.type == "cuda":
+        free = torch.cuda.mem_get_info(cfg.device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > 0.8 * free:
+        raise error("MF605", what=f"E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size} "
+                    f"{str(cfg.dtype).removeprefix('torch.')}", need_gb=need / 1e9, device=cfg.device, free_gb=free / 1e9)
 
 
 def _measure(layer: MoE, x, logits, want) -> dict:
