@@ -410,7 +410,7 @@ MOEFLOW_KERNEL_CONFIG_DIR or copy them into moeflow/kernels/configs/.
 Example: CUDA_VISIBLE_DEVICES=0 moeflow tune --preset deepseek-v3 --quant fp8-block
 """)
 _spec("MF605", ToolError, "benchmark does not fit in memory",
-      "{what} needs about {need_gb:.1f} GB on {device}; {free_gb:.1f} GB are free",
+      "{what} needs about {need} GB on {device}; {free} GB are free",
       """
 What: `moeflow bench` keeps two copies of the experts (the reference layer and the layer under
 test); the preset's experts at this dtype do not fit in the memory free on the device.

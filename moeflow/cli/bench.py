@@ -80,7 +80,7 @@ def _check_memory(cfg) -> None:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > 0.8 * free:
         raise error("MF605", what=f"E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size} "
-                    f"{str(cfg.dtype).removeprefix('torch.')}", need_gb=need / 1e9, device=cfg.device, free_gb=free / 1e9)
+                    f"{str(cfg.dtype).removeprefix('torch.')}", need=f"{need / 1e9:.1f}", device=cfg.device, free=f"{free / 1e9:.1f}")
 
 
 def _measure(layer: MoE, x, logits, want) -> dict:
