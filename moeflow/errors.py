@@ -486,7 +486,7 @@ Example: moeflow generate --model ./Qwen3-30B-A3B --prompt "Hello"
 """)
 
 
-CATALOGUE: dict[str, ErrorSpec] = {s.code: s for s in _SPECS}
+CATALOGUE: dict[str, ErrorSpec] = {s.code: s for s in sorted(_SPECS, key=lambda spec: spec.code)}
 
 
 def error(code: str, /, **fields) -> MoeflowError:

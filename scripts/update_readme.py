@@ -24,10 +24,25 @@ def _cli(*argv: str) -> str:
     return buf.getvalue().strip()
 
 
+def tolerance_table() -> str:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tolerances import REL_TOL  # noqa: E402 (the one table, in tests/)
+
+    dtypes = ["float32", "float16", "bfloat16"]
+    keys = list(dict.fromkeys(k for k, _ in REL_TOL))
+    lines = ["| scheme | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
+    for key in keys:
+        cells = [f"{REL_TOL[(key, d)]:g}" if (key, d) in REL_TOL else "—"
+                 for d in (getattr(__import__("torch"), n) for n in dtypes)]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def sections() -> dict[str, str]:
     codes = ["| code | raised as | meaning |", "|---|---|---|"]
     codes += [f"| {c} | {s.builtin.__name__} | {s.title} |" for c, s in CATALOGUE.items()]
-    return {"MATRIX": _cli("matrix", "--standard", "--markdown"), "ERRORS": "\n".join(codes)}
+    return {"MATRIX": _cli("matrix", "--standard", "--markdown"), "ERRORS": "\n".join(codes),
+            "TOLERANCES": tolerance_table()}
 
 
 def render(text: str) -> str:
