@@ -15,7 +15,7 @@ if SKIP_REASON is None:
     from moeflow.kernels.common import RowLayout
     from moeflow.kernels.down import down, down_torch
     from moeflow.kernels.gate_up import gate_up, gate_up_torch
-    from moeflow.kernels.quant import quantize_rows, quantize_rows_torch
+    from moeflow.kernels.quant import quantize_activation, quantize_rows, quantize_rows_torch
     from moeflow.kernels.reduce import moe_sum, moe_sum_torch
     from moeflow.layouts import offsets_from_counts
     from moeflow.quant import create_scheme
@@ -66,6 +66,16 @@ def test_quantize_rows(scheme, masked):
     v = layout.valid_rows()
     assert s.shape == s_ref.shape and torch.equal(s[v], s_ref[v].float())
     assert torch.equal(q[v].view(torch.uint8), q_ref[v].view(torch.uint8))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel", "fp8-block"])
+@pytest.mark.parametrize("rows,k", [(1, 256), (7, 200)])  # one token; partial last 1x128 group
+def test_quantize_activation_matches_the_scheme(scheme, rows, k):
+    """The dispatchers' FP8 payload path: identical bytes and scales to quant/*.py's torch code."""
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 8).half()
+    q, s = quantize_activation(x, scheme)
+    q_ref, s_ref = create_scheme(scheme).quantize_activation(x)
+    assert torch.equal(s, s_ref.float()) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-channel", torch.float32),

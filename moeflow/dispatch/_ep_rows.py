@@ -37,6 +37,18 @@ class Rows:
     hidden: Tensor  # [R, token_bytes / word size] words (see RowCodec.word)
 
 
+def _quantize(scheme: QuantScheme, x: Tensor) -> tuple[Tensor, Tensor]:
+    """scheme.quantize_activation(x), through the Triton kernel on CUDA when triton is present."""
+    if x.is_cuda and x.shape[0]:
+        try:
+            from ..kernels.quant import quantize_activation
+        except ImportError:  # triton missing: the scheme's torch code below
+            pass
+        else:
+            return quantize_activation(x, scheme.name)
+    return scheme.quantize_activation(x)
+
+
 class RowCodec:
     """Packs (payload, routing) rows. ``payload``: a quant scheme whose ``quantize_activation``
     compresses the token (FP8 payload), or None to send the layer dtype."""
@@ -58,7 +70,7 @@ class RowCodec:
         """hidden [T, H] layer dtype -> (token words [T, token_bytes / word size], scale [T, G] | None)."""
         if self.payload is None:
             return self._words(hidden), None
-        q, s = self.payload.quantize_activation(hidden)
+        q, s = _quantize(self.payload, hidden)
         return self._words(q), s.float()
 
     def _words(self, t: Tensor) -> Tensor:

@@ -107,6 +107,15 @@ def quantize_rows(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tensor, Te
     return quantize_with_amax(x, amax)
 
 
+def quantize_activation(x: Tensor, scheme: str) -> tuple[Tensor, Tensor]:
+    """x [R, K] layer dtype (every row valid) -> (q [R, K] fp8, scale [R, G] float32): the same
+    result as ``create_scheme(scheme).quantize_activation(x)``, in one or two kernels instead of
+    torch's chain of elementwise and reduction kernels (dispatchers' FP8 payloads use it on CUDA)."""
+    rows = x.shape[0]
+    offsets = torch.tensor([0, rows], dtype=torch.int64, device=x.device)
+    return quantize_rows(x, scheme, RowLayout(False, offsets, 1, 0, rows))
+
+
 def quantize_rows_torch(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tensor, Tensor]:
     """Reference of quantize_rows: the scheme's own quantize_activation; for fp8-tensor the
     tensor amax is taken over valid rows only."""
