@@ -112,8 +112,9 @@ def quantize_activation(x: Tensor, scheme: str) -> tuple[Tensor, Tensor]:
     result as ``create_scheme(scheme).quantize_activation(x)``, in one or two kernels instead of
     torch's chain of elementwise and reduction kernels (dispatchers' FP8 payloads use it on CUDA)."""
     rows = x.shape[0]
-    offsets = torch.full((2,), rows, dtype=torch.int64, device=x.device)  # [0, rows] made on the
-    offsets[0] = 0  # device: no host-to-device copy, so CUDA-graph capture (low-latency decode) works
+    # [0, rows] made by kernels on the device: a host tensor, or an item assignment, would copy from
+    # the host, which CUDA-graph capture (the low-latency decode path) forbids
+    offsets = torch.arange(2, dtype=torch.int64, device=x.device) * rows
     return quantize_rows(x, scheme, RowLayout(False, offsets, 1, 0, rows))
 
 
