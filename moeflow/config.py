@@ -6,7 +6,7 @@ routed expert, E num_experts, K top_k, E_local experts on this rank, W expert-pa
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -143,7 +143,3 @@ class MoEConfig:
         d["dtype"] = str(self.dtype).removeprefix("torch.")
         d["device"] = self.device.type
         return d
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
