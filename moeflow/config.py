@@ -16,6 +16,9 @@ SCORINGS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANT_SCHEMES = ("none", "fp8-tensor", "fp8-channel", "fp8-block")
+# expert-parallel token payload (dispatch/_ep_base.py): "auto" = FP8 when the scheme quantizes each
+# row on its own (fp8-channel, fp8-block), "fp8" = always (MF506 where impossible), "dtype" = never
+PAYLOADS = ("auto", "fp8", "dtype")
 
 
 def parse_dtype(value) -> torch.dtype:
@@ -76,6 +79,7 @@ class MoEConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     placement: tuple[int, ...] | None = None  # expert e lives on rank placement[e]; None = contiguous blocks
     max_tokens_per_rank: int = 256  # capacity of fixed-size (low-latency) dispatch buffers
+    dispatch_payload: str = "auto"  # expert parallelism: how tokens travel (PAYLOADS)
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -99,7 +103,8 @@ class MoEConfig:
                         why="num_shared_experts and shared_intermediate_size must be both zero or both positive")
         if self.shared_expert_gate and self.num_shared_experts == 0:
             raise error("MF101", field="shared_expert_gate", value=True, why="needs num_shared_experts > 0")
-        for name, valid in (("scoring", SCORINGS), ("activation", ACTIVATIONS), ("quant", QUANT_SCHEMES)):
+        for name, valid in (("scoring", SCORINGS), ("activation", ACTIVATIONS), ("quant", QUANT_SCHEMES),
+                            ("dispatch_payload", PAYLOADS)):
             if getattr(self, name) not in valid:
                 raise error("MF102", field=name, value=getattr(self, name), valid=list(valid))
         self._check_groups()

@@ -154,6 +154,7 @@ CONFIG_BAD = {
     "unknown-scoring": ("MF102", dict(scoring="relu"), "'relu'"),
     "unknown-activation": ("MF102", dict(activation="swiglu"), "'swiglu'"),
     "unknown-quant": ("MF102", dict(quant="int4"), "'int4'"),
+    "unknown-dispatch-payload": ("MF102", dict(dispatch_payload="int8"), "'int8'"),
     "groups-not-dividing-E": ("MF103", dict(num_expert_groups=3), "num_expert_groups=3"),
     "zero-topk-groups": ("MF103", dict(num_expert_groups=4, topk_groups=0), "topk_groups=0"),
     "topk-groups-above-groups": ("MF103", dict(num_expert_groups=2, topk_groups=3), "topk_groups=3"),

@@ -48,7 +48,7 @@ class Ctx:
 
     def compare(self, tokens, payload=None, tol=None, logits_fn=None, **fields):
         """EP layer on this rank's tokens vs the one-process layer on all tokens; tokens[r] per rank."""
-        cfg = MoEConfig(**{**BASE, **fields})
+        cfg = MoEConfig(**{**BASE, **fields, **({"dispatch_payload": payload} if payload else {})})
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
         state = {"gate_up_proj": torch.randn(e, 2 * i, h) / h ** 0.5, "down_proj": torch.randn(e, h, i) / i ** 0.5}
         if cfg.shared_size:
@@ -61,8 +61,6 @@ class Ctx:
         x = torch.randn(sum(tokens), h).to(cfg.dtype).to(cfg.device)
         logits = (logits_fn(sum(tokens), e) if logits_fn else torch.randn(sum(tokens), e) * 2).to(cfg.device)
         ep = MoE(cfg)
-        if payload:
-            ep.dispatcher = ep.dispatcher.with_payload(payload)
         one = MoE(cfg.replace(dispatcher="auto"), process_group=self.solo[self.rank])
         for layer in (ep, one):
             layer.load_weights(state)
@@ -126,6 +124,8 @@ def suite(world):
     checks.append(("overflow-MF503", check_overflow))
     checks.append(("fp8-payload-fp8-tensor-MF506", lambda c: c.expect(
         "MF506", lambda: MoE(**BASE, quant="fp8-tensor", runner="reference").dispatcher.with_payload("fp8"))))
+    checks.append(("fp8-payload-config-fp8-tensor-MF506", lambda c: c.expect(
+        "MF506", lambda: MoE(**BASE, quant="fp8-tensor", runner="reference", dispatch_payload="fp8"))))
     return checks
 
 

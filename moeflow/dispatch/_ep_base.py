@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..capabilities import Environment
-from ..config import MoEConfig
+from ..config import PAYLOADS, MoEConfig
 from ..distributed import check_agreement, comm_device, resolve_group
 from ..errors import MoeflowError, error
 from ..layouts import ExpertBatch
@@ -33,13 +33,13 @@ from ..quant import QuantScheme, payload_scheme
 from ._ep_rows import RowCodec
 from .base import Dispatcher
 
+# MoEConfig.dispatch_payload (config.PAYLOADS), or with_payload(...):
 # "auto": FP8 when the layer's scheme quantizes each row on its own (fp8-channel, fp8-block): the
 #   runner would quantize the same rows the same way, so nothing is lost; else the layer dtype
 #   (fp8-tensor's one scale spans the batch the GEMM sees: the runner must quantize that batch);
 # "fp8": always (lossy for quant="none": per-token FP8, dequantized to the layer dtype by the
 #   runner); refused with MF506 for schemes whose rows are not quantized on their own;
 # "dtype": never (the layer dtype travels; the runner quantizes).
-PAYLOADS = ("auto", "fp8", "dtype")
 
 
 def row_local(scheme: QuantScheme) -> bool:
@@ -82,7 +82,8 @@ class ExpertParallelDispatcher(Dispatcher):
     _copy_table: [E + 1] int64, entry e + 1 = local id of expert e here, or E_local (entry 0: id -1).
     """
 
-    def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None, payload: str = "auto"):
+    def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None, payload: str | None = None):
+        payload = config.dispatch_payload if payload is None else payload
         group = resolve_group(process_group)
         super().__init__(config, scheme, group)
         if group is None or dist.get_world_size(group) < 2:

@@ -11,7 +11,7 @@ rows back in the layer dtype (one all_to_all_single), and the token's home rank 
 sums of the ranks it went to (float32, then the layer dtype). Both sums are ``gather_sum``: one
 read of each row, a fixed order, deterministic.
 
-Payload: the layer dtype, or FP8 with its scales (``payload``, see _ep_base.PAYLOADS).
+Payload: the layer dtype, or FP8 with its scales (``MoEConfig.dispatch_payload``, see _ep_base).
 """
 from __future__ import annotations
 
