@@ -173,8 +173,8 @@ def test_run_uses_default_configs(make_layer, monkeypatch, tmp_path):
 
 
 def test_declared_capabilities():
-    """CUDA only; FP8 needs sm_90 (the only validated FP8 target); the planner refuses it on CPU
-    with MF203 at construction and "auto" prefers it on a Hopper GPU."""
+    """CUDA only; every scheme needs sm_90 (the only GPU it was run on); the planner refuses it on
+    CPU with MF203 and on older GPUs with MF204 at construction, and "auto" prefers it on Hopper."""
     from moeflow.capabilities import Environment
     from moeflow.planner import check_runner, plan
     caps = TritonRunner.caps
@@ -182,7 +182,7 @@ def test_declared_capabilities():
     cfg = MoEConfig(**ALIGNED, quant="fp8-block", runner="triton")
     assert check_runner("triton", cfg, Environment("cpu")).code == "MF203"
     assert check_runner("triton", cfg, Environment("cuda", (8, 9))).code == "MF204"
-    assert check_runner("triton", cfg.replace(quant="none"), Environment("cuda", (8, 0))) is None
+    assert check_runner("triton", cfg.replace(quant="none"), Environment("cuda", (8, 0))).code == "MF204"
     hopper = Environment("cuda", (9, 0))
     for scheme in ("none", "fp8-tensor", "fp8-channel", "fp8-block"):
         assert plan(cfg.replace(quant=scheme, runner="auto"), hopper).runner == "triton"
