@@ -39,10 +39,17 @@ class FP8Block(QuantScheme):
         padded = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * BLOCK - n))
         amax = padded.abs().view(e, nb, BLOCK, kb, BLOCK).amax(dim=(2, 4))
         scale = amax_to_scale(amax)
+        if n % BLOCK == 0 and k % BLOCK == 0:  # broadcast over the blocks: no [E, N, K] scale tensor
+            q = to_fp8(padded.view(e, nb, BLOCK, kb, BLOCK), scale[:, :, None, :, None])
+            return q.view(e, n, k), scale
         return to_fp8(w, expand_blocks(scale, n, k)), scale
 
     def dequantize_weight(self, q: Tensor, scale: Tensor):
         n, k = q.shape[-2:]
+        if n % BLOCK == 0 and k % BLOCK == 0:  # the same products, without expanding the scales
+            lead = q.shape[:-2]
+            blocks = q.float().reshape(*lead, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+            return (blocks * scale.float()[..., :, None, :, None]).reshape(*lead, n, k)
         return q.float() * expand_blocks(scale.float(), n, k)
 
     def quantize_activation(self, x: Tensor):
