@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -62,7 +61,7 @@ def init_distributed(backend: str | None = None, device: torch.device | None = N
     """
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if device is None:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = int(env.LOCAL_RANK.get())
         device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if device.type == "cuda":

@@ -35,8 +35,11 @@ KERNEL_CONFIG_DIR = EnvVar(
 DIST_TIMEOUT_S = EnvVar(
     "MOEFLOW_DIST_TIMEOUT_S", "300",
     "Seconds an expert-parallel collective may take before it is reported as a stopped rank (MF502).")
+LOCAL_RANK = EnvVar(
+    "LOCAL_RANK", "0",
+    "torchrun's own: this process's GPU index on its node (init_distributed picks cuda:LOCAL_RANK).")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
-ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, TRITON_INTERPRET)
+ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_INTERPRET)
