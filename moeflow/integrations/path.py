@@ -18,6 +18,7 @@ from torch import Tensor
 from ..capabilities import Environment
 from ..config import MoEConfig
 from ..dispatch import create_dispatcher
+from ..dispatch.gather_sum import gather_sum
 from ..experts import ExpertWeights, create_runner
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan
@@ -49,11 +50,10 @@ class ExpertsPath:
         t, k = ids.shape
         flat = ids.reshape(-1)
         keep = (flat < valid_below).nonzero().squeeze(1)  # [N] flat copy indices, host sync
-        per_copy = hidden.new_zeros(t * k, hidden.shape[1])
-        if keep.numel():
-            rows = self._run(hidden[keep // k], flat[keep, None], w.reshape(-1)[keep, None], weights)  # [N, H]
-            per_copy[keep] = rows
-        return per_copy.view(t, k, hidden.shape[1]).float().sum(dim=1).to(hidden.dtype)  # explicit H: T may be 0
+        rows = self._run(hidden[keep // k], flat[keep, None], w.reshape(-1)[keep, None], weights)  # [N, H]
+        row_of_copy = torch.full((t * k,), -1, dtype=torch.int64, device=hidden.device)  # -1: dropped copy
+        row_of_copy[keep] = torch.arange(keep.numel(), device=hidden.device)
+        return gather_sum(rows, row_of_copy.view(t, k))
 
     def _run(self, hidden: Tensor, ids: Tensor, w: Tensor, weights: ExpertWeights) -> Tensor:
         batch, handle = self.dispatcher.dispatch(hidden, ids, w)
