@@ -29,9 +29,11 @@ import torch
 from torch import Tensor
 
 from ...errors import error
-from ...quant.fp8_block import BLOCK, expand_blocks
+from ...quant.fp8_block import BLOCK, FP8Block
 from . import require_transformers
 from .blocks import replace_moe_blocks
+
+_BLOCKS = FP8Block()  # the one definition of 128x128 block dequantization
 
 _PER_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
                          r"\.(?P<kind>weight|weight_scale_inv)$")
@@ -122,8 +124,7 @@ def _read(files, device, dtype, scale_fmt: str, root: Path):
             scale = tensors.get(name + "_scale_inv")
             if scale is None:
                 raise error("MF705", path=str(root), why=f"{name} is float8_e4m3fn without {name}_scale_inv")
-            n, k = t.shape
-            rest[name] = (t.float() * expand_blocks(_scale(scale, scale_fmt), n, k)).to(dtype)
+            rest[name] = _BLOCKS.dequantize_weight(t, _scale(scale, scale_fmt)).to(dtype)  # [N, K], 128x128 scales
         else:
             rest[name] = t
     return {b: {k: (_scale(v, scale_fmt) if k.endswith("_scale_inv") else v) for k, v in parts.items()}
