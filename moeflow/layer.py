@@ -126,8 +126,8 @@ class MoE(nn.Module):
         """hidden_states [T, H] layer dtype, router_logits [T, E] any float -> [T, H] layer dtype."""
         cfg = self.config
         if _validating():
-            _check(hidden_states, "hidden_states", (None, cfg.hidden_size), "[T, hidden_size]", cfg)
-            _check(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), "[T, num_experts]", cfg,
+            _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
+            _check(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
                    dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
         topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)
         return self._run(hidden_states, topk_ids, topk_weights)
@@ -140,11 +140,11 @@ class MoE(nn.Module):
         cfg = self.config
         if _validating():
             t = hidden_states.shape[0] if hidden_states.dim() == 2 else None
-            _check(hidden_states, "hidden_states", (None, cfg.hidden_size), "[T, hidden_size]", cfg)
-            _check(topk_ids, "topk_ids", (t, cfg.top_k), "[T, top_k]", cfg,
+            _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
+            _check(topk_ids, "topk_ids", (t, cfg.top_k), cfg,
                    dtype_ok=lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool,
                    dtype_desc="an integer dtype")
-            _check(topk_weights, "topk_weights", (t, cfg.top_k), "[T, top_k]", cfg,
+            _check(topk_weights, "topk_weights", (t, cfg.top_k), cfg,
                    dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
             if not _capturing(hidden_states):
                 _check_ids(topk_ids, cfg.num_experts)
@@ -213,12 +213,13 @@ def _capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _check(t, name, shape, shape_desc, cfg, dtype_ok=None, dtype_desc=None):
+def _check(t, name, shape, cfg, dtype_ok=None, dtype_desc=None):
+    """t must be a tensor of ``shape`` = (T or None, size), the layer's device, and the layer dtype
+    (or a dtype ``dtype_ok`` accepts, described by ``dtype_desc``); else MF301 / MF302 / MF303."""
     if not isinstance(t, Tensor):
         raise error("MF302", name=name, dtype=type(t).__name__, expected="a torch.Tensor")
     if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-        raise error("MF301", name=name, shape=tuple(t.shape), expected=shape_desc.replace(
-            "hidden_size", str(cfg.hidden_size)).replace("num_experts", str(cfg.num_experts)).replace("top_k", str(cfg.top_k)))
+        raise error("MF301", name=name, shape=tuple(t.shape), expected=f"[T, {shape[1]}]")
     ok = dtype_ok(t.dtype) if dtype_ok else t.dtype == cfg.dtype
     if not ok:
         raise error("MF302", name=name, dtype=t.dtype, expected=dtype_desc or cfg.dtype)
