@@ -38,8 +38,12 @@ DIST_TIMEOUT_S = EnvVar(
 LOCAL_RANK = EnvVar(
     "LOCAL_RANK", "0",
     "torchrun's own: this process's GPU index on its node (init_distributed picks cuda:LOCAL_RANK).")
+TRITON_TMA = EnvVar(
+    "MOEFLOW_TRITON_TMA", "1",
+    "Triton runner: load weight tiles through TMA tensor descriptors where the weight allows it "
+    "(16-byte aligned rows). Set 0 to force plain pointer loads (debugging, comparisons).")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
-ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_INTERPRET)
+ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_INTERPRET)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 if SKIP_REASON is None:
     from moeflow.kernels import configs as kc
     from moeflow.kernels.align import align_blocks, align_blocks_torch
-    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.common import RowLayout, weight_operand
     from moeflow.kernels.down import down, down_torch
     from moeflow.kernels.gate_up import gate_up, gate_up_torch
     from moeflow.kernels.quant import quantize_activation, quantize_rows, quantize_rows_torch
@@ -78,10 +78,13 @@ def test_quantize_activation_matches_the_scheme(scheme, rows, k):
     assert torch.equal(s, s_ref.float()) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-channel", torch.float32),
                                           ("fp8-block", torch.float16)])
-def test_gate_up_and_down_kernels(scheme, dtype):
-    """gate_up (with its fused epilogue) and down against their references, sorted layout."""
+def test_gate_up_and_down_kernels(scheme, dtype, tma, monkeypatch):
+    """gate_up (with its fused epilogue) and down against their references, sorted layout,
+    weight tiles through TMA descriptors and through pointer loads."""
+    monkeypatch.setenv("MOEFLOW_TRITON_TMA", "1" if tma else "0")
     sch = create_scheme(scheme)
     layout = sorted_layout([4, 0, 19])
     e, h, i = 3, 128, 128
@@ -104,6 +107,34 @@ def test_gate_up_and_down_kernels(scheme, dtype):
     route_w = torch.rand(layout.rows)
     out = down(a, a_s, q2, s2, route_w, layout, scheme, dtype, kc.GemmConfig(16, 32, 64), poison=True)
     assert_close(out, down_torch(a, a_s, q2, s2, route_w, layout, scheme, dtype), 1e-3, "down")
+
+
+def test_weight_operand_choice(monkeypatch):
+    """TMA descriptor where rows are 16-byte aligned and experts back to back; pointers otherwise."""
+    w = torch.randn(3, 64, 128).half()
+    desc, per_expert = weight_operand(w, 32, 64)
+    assert desc is not w and per_expert == 64 and list(desc.shape) == [192, 128]
+    one = torch.randn(1, 64, 128).half().expand(3, 64, 128)  # expert stride 0: one expert's rows
+    desc, per_expert = weight_operand(one, 32, 64)
+    assert desc is not one and per_expert == 0 and list(desc.shape) == [64, 128]
+    odd = torch.randn(3, 64, 20).half()  # 40-byte rows: TMA cannot address them
+    assert weight_operand(odd, 32, 64) == (odd, 0)
+    gappy = torch.randn(3, 80, 128).half()[:, :64]  # experts not back to back
+    assert weight_operand(gappy, 32, 64) == (gappy, 0)
+    monkeypatch.setenv("MOEFLOW_TRITON_TMA", "0")
+    assert weight_operand(w, 32, 64) == (w, 0)
+
+
+def test_expanded_weights_through_tma():
+    """An expert stride of 0 (every expert the same tensor, as autotune compiles with) gives the
+    same bytes as the materialized weights."""
+    layout = sorted_layout([3, 5, 0, 9])
+    w13 = (torch.randn(1, 64, 128) / 12).half().expand(4, 64, 128)
+    x = torch.randn(layout.rows, 128).half()
+    cfg = kc.GemmConfig(16, 32, 64)
+    got, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True)
+    want, _ = gate_up(x, None, w13.contiguous(), None, layout, "none", "silu", torch.float16, cfg, poison=True)
+    assert torch.equal(got, want)
 
 
 def test_moe_sum():

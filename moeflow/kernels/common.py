@@ -159,6 +159,32 @@ class RowLayout:
         return torch.ones(self.rows, dtype=torch.bool, device=dev)
 
 
+def weight_operand(w: Tensor, block_n: int, block_k: int):
+    """How a GEMM kernel reads weight tiles of w [E, N, K] (last dimension contiguous).
+
+    -> (TensorDescriptor over the rows [E * N, K] with [block_n, block_k] boxes, N), for TMA loads
+       (an expert stride of 0 gives a descriptor over one expert's [N, K] and 0: every expert
+       reads the same rows); or (w, 0) where TMA cannot address w (rows not 16-byte aligned,
+       experts not back to back, MOEFLOW_TRITON_TMA=0) and the kernel uses pointer loads.
+    Rows a box reads past an expert's N belong to the next expert or are zero (past the end):
+    the kernels never store the output columns they feed. Columns past K are zero.
+    """
+    e, n, k = w.shape
+    item = w.element_size()
+    if not moeflow_env.TRITON_TMA.get_bool() or w.stride(2) != 1 or e * n == 0 or k == 0:
+        return w, 0
+    if (w.stride(1) * item) % 16 or w.data_ptr() % 16:
+        return w, 0
+    if w.stride(0) == 0:
+        rows, per_expert = n, 0
+    elif w.stride(0) == n * w.stride(1):
+        rows, per_expert = e * n, n
+    else:
+        return w, 0
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(w, [rows, k], [w.stride(1), 1], [block_n, block_k]), per_expert
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (see to_fp8)."""
     return moeflow_env.TRITON_INTERPRET.get_bool()

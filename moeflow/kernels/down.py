@@ -13,18 +13,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import QUANT_CODES, RowLayout, block_rows, tile_ids
+from .common import QUANT_CODES, RowLayout, block_rows, tile_ids, weight_operand
 from .gate_up import _expert_of_row, _scale_strides
 
 
-@triton.jit(do_not_specialize=["num_blocks_m"])
+@triton.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
 def _down_kernel(
-        a_ptr, as_ptr, w_ptr, ws_ptr, rw_ptr, out_ptr, meta_ptr,
-        num_experts, capacity, num_blocks_m, H, I,
+        a_ptr, as_ptr, w, ws_ptr, rw_ptr, out_ptr, meta_ptr,
+        num_experts, capacity, num_blocks_m, H, I, w_rows_per_expert,
         stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
         QUANT: tl.constexpr, MASKED: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr):
+        EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr):
+    """w: a TMA descriptor over the weight rows [E * H, I] (W_TMA; expert e's rows start at
+    e * w_rows_per_expert) or a pointer to down_proj [E, H, I] (strides stride_we, stride_wn)."""
     pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
     expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,19 +41,24 @@ def _down_kernel(
     rows_ld = tl.minimum(rows, row_end - 1)
     cols_ld = cols % H
     rk = tl.arange(0, BLOCK_K)
-    w_e = w_ptr + expert.to(tl.int64) * stride_we
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
     a_ptrs = a_ptr + rows_ld[:, None] * stride_a + rk[None, :]
-    b_ptrs = w_e + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    if W_TMA:
+        w_row = expert * w_rows_per_expert + pid_n * BLOCK_N  # rows past H are never stored
+    else:
+        b_ptrs = w + expert.to(tl.int64) * stride_we + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(I, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(rk < I - kb * BLOCK_K)[None, :], other=0.0)
+        if W_TMA:  # the descriptor zero-fills past I
+            b = w.load([w_row, kb * BLOCK_K]).T
+        elif EVEN_K:
             b = tl.load(b_ptrs)
         else:
-            k_ok = rk < I - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=(rk < I - kb * BLOCK_K)[:, None], other=0.0)
         if QUANT == 3:
             kg = (kb * BLOCK_K) // 128
             a_s = tl.load(as_ptr + rows_ld * stride_as + kg)
@@ -64,7 +71,8 @@ def _down_kernel(
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        if not W_TMA:
+            b_ptrs += BLOCK_K
     if QUANT == 1:
         acc = acc * (tl.load(as_ptr + row_start * stride_as) * tl.load(ws_e))
     elif QUANT == 2:
@@ -88,14 +96,15 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     a_s = a_scale if a_scale is not None else a
     blocks_m = layout.num_row_blocks(cfg.block_m)
     grid = (blocks_m * triton.cdiv(h, cfg.block_n),)
+    w_arg, w_rows = weight_operand(w2, cfg.block_n, cfg.block_k)
     _down_kernel[grid](
-        a, a_s, w2, ws, route_w, out, layout.meta,
-        layout.num_experts, max(layout.capacity, 1), blocks_m, h, i,
+        a, a_s, w_arg, ws, route_w, out, layout.meta,
+        layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows,
         a.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=i % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
-        PROMOTE=dtype == torch.float32 and q in (1, 2),
+        PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
