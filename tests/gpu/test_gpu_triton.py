@@ -54,6 +54,19 @@ def test_odd_shapes(make_layer, poison, scheme):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
+def test_pointer_loads(make_layer, poison, scheme, monkeypatch):
+    """MOEFLOW_TRITON_TMA=0: the weight tiles through pointer loads (the path of weights TMA cannot
+    address), 128-row tiles and small ones."""
+    monkeypatch.setenv("MOEFLOW_TRITON_TMA", "0")
+    layer = make_layer(**ALIGNED, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="triton")
+    for t in (3, 700):
+        x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+        ids, w = routing(t, 8, 2)
+        assert_close(layer.forward_topk(x, ids, w), layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16),
+                     f"{scheme} T={t} pointers")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_masked_layout(make_layer, scheme):
     """Masked batch with NaN/huge garbage in empty slots: valid slots match the reference runner,
     empty slots are exactly zero; poisoned intermediates (run_with(poison=True))."""
