@@ -43,6 +43,7 @@ class RunnerCaps:
     requires: tuple[str, ...] = ()  # importable packages needed
     priority: int = 0  # "auto" picks the valid runner of highest priority
     note: str = ""
+    indexed_rows: bool = False  # reads sorted rows through ExpertBatch.source_rows itself (no gathered copy)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class DispatcherCaps:
     requires: tuple[str, ...] = ()
     priority: int = 0
     note: str = ""
+    indexed_rows: bool = False  # can hand sorted rows by index (ExpertBatch.source_rows) when asked
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ class MoE(nn.Module):
         self.plan = make_plan(config, self.environment)
         self.scheme = create_scheme(self.plan.scheme)
         self.router = create_router(config)
-        self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme, process_group)
+        self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme, process_group,
+                                            indexed_rows=self.plan.indexed_rows)
         self.runner = create_runner(self.plan.runner, config, self.scheme)
         self.local_experts = self.dispatcher.local_experts
         self._make_parameters()

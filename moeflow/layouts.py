@@ -38,6 +38,10 @@ class ExpertBatch:
     counts: [E_local] int32, copies per local expert (both layouts).
     offsets: sorted only: [E_local + 1] int64, exclusive prefix sum of counts (offsets[-1] == N).
     hidden_scale: float32 activation scales, sorted [N, G] / masked [E_local, C, G], or None.
+    source_rows: sorted only, or None: [N] int64. When set, the rows are given by index: row r is
+        ``hidden[source_rows[r]]`` and ``hidden`` [S, H] (``hidden_scale`` [S, G]) holds the S source
+        rows un-permuted. A dispatcher hands this only when the plan says the runner reads rows by
+        index (``Plan.indexed_rows``); ``gathered()`` makes the ordinary batch.
     """
 
     layout: str
@@ -46,10 +50,26 @@ class ExpertBatch:
     counts: Tensor
     offsets: Tensor | None = None
     hidden_scale: Tensor | None = None
+    source_rows: Tensor | None = None
 
     @property
     def num_local_experts(self) -> int:
         return self.counts.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        """Flat rows the runner computes: N (sorted) or E_local * C (masked)."""
+        if self.source_rows is not None:
+            return self.source_rows.shape[0]
+        return self.hidden.shape[0] if self.layout == SORTED else self.hidden.shape[0] * self.hidden.shape[1]
+
+    def gathered(self) -> "ExpertBatch":
+        """The same batch with its rows materialized in order (itself when not given by index)."""
+        if self.source_rows is None:
+            return self
+        pick = self.source_rows
+        return ExpertBatch(self.layout, self.hidden.index_select(0, pick), self.weights, self.counts, self.offsets,
+                           None if self.hidden_scale is None else self.hidden_scale.index_select(0, pick))
 
     @property
     def quantized(self) -> bool:
@@ -71,6 +91,7 @@ def sorted_to_masked(batch: ExpertBatch, capacity: int | None = None) -> tuple[E
     capacity defaults to the largest count (a host synchronization). Rows beyond a given
     capacity would be lost, so a too-small capacity is a programming error and raises.
     """
+    batch = batch.gathered()
     e_local = batch.num_local_experts
     n = batch.hidden.shape[0]
     counts = batch.counts.to(torch.int64)
@@ -135,9 +156,11 @@ def run_in_layout(runner, batch: ExpertBatch, weights) -> Tensor:
     """Run ``runner`` on ``batch``, converting the layout when the runner does not consume it.
 
     Returns the output in ``batch.layout``. The native path is an optimization; the converted
-    path is always correct.
+    path is always correct. A batch given by index reaches only runners that read rows by index.
     """
     if batch.layout in runner.caps.layouts:
+        if batch.source_rows is not None and not runner.caps.indexed_rows:
+            batch = batch.gathered()
         return runner.run(batch, weights)
     if batch.layout == SORTED:
         masked, slot = sorted_to_masked(batch)

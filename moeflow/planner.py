@@ -27,6 +27,7 @@ class Plan:
     runner_layout: str  # what the runner consumes (equal to layout when native)
     environment: str
     reasons: tuple[str, ...]
+    indexed_rows: bool = False  # the dispatcher hands rows by index and the runner gathers them itself
 
     @property
     def converted(self) -> bool:
@@ -142,10 +143,14 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
     layout = DISPATCHERS.get(dispatcher).caps.layout
     runner_layouts = RUNNERS.get(runner).caps.layouts
     runner_layout = layout if layout in runner_layouts else runner_layouts[0]
+    indexed = (layout == runner_layout and DISPATCHERS.get(dispatcher).caps.indexed_rows
+               and RUNNERS.get(runner).caps.indexed_rows)
     reasons = (f"quant {cfg.quant!r}: shape rules met", why_d, why_r,
                f"layout {layout!r} " + ("consumed natively" if layout == runner_layout
                                         else f"converted to {runner_layout!r} for the runner"))
-    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons)
+    if indexed:
+        reasons += ("rows by index: the runner reads each token's row in place (no permuted copy of hidden)",)
+    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed)
 
 
 def cell_status(cfg: MoEConfig, env: Environment) -> str:

@@ -49,8 +49,12 @@ def route(t, e, k, skew=None):
     return ids.to(torch.int32), torch.rand(t, k) + 0.1
 
 
-def layer_through_triton(layer, runner, x, ids, w, masked=False, capacity=None):
+def layer_through_triton(layer, runner, x, ids, w, masked=False, capacity=None, indexed=True):
+    """dispatch -> triton -> combine. indexed: the sorted rows by index (ExpertBatch.source_rows),
+    as a layer whose plan has indexed_rows dispatches for this runner."""
+    layer.dispatcher.indexed_rows = indexed and not masked
     batch, handle = layer.dispatcher.dispatch(x, ids, w)
+    assert (batch.source_rows is not None) == (indexed and not masked)
     kcfg = small_config(layer.scheme.name)
     if masked:
         mbatch, slot = sorted_to_masked(batch, capacity)
@@ -60,26 +64,30 @@ def layer_through_triton(layer, runner, x, ids, w, masked=False, capacity=None):
     return layer.dispatcher.combine(out, handle)
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["sorted", "masked"])
+@pytest.mark.parametrize("layout", ["sorted", "indexed", "masked"])
 @pytest.mark.parametrize("scheme,dtype", CASES, ids=lambda v: str(v).removeprefix("torch."))
-def test_layer_vs_oracle(make_layer, scheme, dtype, masked):
+def test_layer_vs_oracle(make_layer, scheme, dtype, layout):
     layer, runner = build(make_layer, ALIGNED, scheme, dtype)
     x = torch.randn(9, 128).to(dtype)
     ids, w = route(9, 4, 2)
-    out = layer_through_triton(layer, runner, x, ids, w, masked=masked, capacity=12 if masked else None)
+    masked = layout == "masked"
+    out = layer_through_triton(layer, runner, x, ids, w, masked=masked, capacity=12 if masked else None,
+                               indexed=layout == "indexed")
     assert out.dtype == dtype and out.shape == (9, 128)
     assert_close(out, layer_oracle(layer, x, ids, w), rel_tol(scheme, dtype), f"triton {scheme} {dtype}")
 
 
+@pytest.mark.parametrize("indexed", [False, True], ids=["gathered", "indexed"])
 @pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel"])
-def test_odd_sizes_vs_reference_runner(make_layer, scheme):
+def test_odd_sizes_vs_reference_runner(make_layer, scheme, indexed):
     """H=48, I=40, E=3: K tails (H % BLOCK_K != 0), partial N tiles, a non-power-of-two expert count."""
     layer, runner = build(make_layer, ODD, scheme, torch.float16)
     x = torch.randn(5, 48).to(torch.float16)
     ids, w = route(5, 3, 2)
+    layer.dispatcher.indexed_rows = indexed
     batch, _ = layer.dispatcher.dispatch(x, ids, w)
     out = runner.run_with(batch, layer.expert_weights(), small_config(scheme), poison=True)
-    ref = ReferenceRunner(layer.config, layer.scheme).run(batch, layer.expert_weights())
+    ref = ReferenceRunner(layer.config, layer.scheme).run(batch.gathered(), layer.expert_weights())
     assert_close(out, ref, rel_tol(scheme, torch.float16), "odd sizes")
 
 
@@ -99,10 +107,11 @@ def test_edge_routing(make_layer, scheme, case):
     assert_close(out, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.float16), case)
 
 
-@pytest.mark.parametrize("layout", ["sorted", "masked"])
+@pytest.mark.parametrize("layout", ["sorted", "indexed", "masked"])
 def test_no_tokens(make_layer, layout):
     """T=0: no copies at all; the output is empty (sorted) or all zeros (masked), never garbage."""
     layer, runner = build(make_layer, ALIGNED, "fp8-block", torch.float16)
+    layer.dispatcher.indexed_rows = layout == "indexed"
     ids, w = route(0, 4, 2)
     batch, handle = layer.dispatcher.dispatch(torch.randn(0, 128).half(), ids, w)
     if layout == "masked":
@@ -133,17 +142,23 @@ def test_masked_garbage_slots(make_layer, scheme):
     assert not out[~valid].any(), "empty masked slots must be zero"
 
 
-@pytest.mark.parametrize("scheme", ["none", "fp8-channel", "fp8-block"])
-def test_prequantized_payload(make_layer, scheme):
+@pytest.mark.parametrize("indexed", [False, True], ids=["gathered", "indexed"])
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel", "fp8-block"])
+def test_prequantized_payload(make_layer, scheme, indexed):
     """A dispatcher may send FP8 rows + scales (payload_scheme): used as is by FP8 layers,
-    dequantized to the layer dtype by a "none" layer. Same result as the reference runner."""
+    dequantized to the layer dtype by a "none" layer. Same result as the reference runner.
+    Payload scales differ per row (fp8-tensor rows from different EP ranks carry different scales)."""
     layer, runner = build(make_layer, ALIGNED, scheme, torch.float16)
     x = torch.randn(7, 128).half()
     ids, w = route(7, 4, 2)
+    layer.dispatcher.indexed_rows = indexed
     batch, _ = layer.dispatcher.dispatch(x, ids, w)
-    batch.hidden, batch.hidden_scale = payload_scheme(layer.scheme).quantize_activation(batch.hidden)
+    sch = payload_scheme(layer.scheme)
+    halves = [sch.quantize_activation(part) for part in (batch.hidden[:3], batch.hidden[3:] * 8)]  # two "ranks"
+    batch.hidden = torch.cat([halves[0][0], halves[1][0]])
+    batch.hidden_scale = torch.cat([halves[0][1].expand(3, -1), halves[1][1].expand(batch.hidden.shape[0] - 3, -1)])
     out = runner.run_with(batch, layer.expert_weights(), small_config(scheme), poison=True)
-    ref = ReferenceRunner(layer.config, layer.scheme).run(batch, layer.expert_weights())
+    ref = ReferenceRunner(layer.config, layer.scheme).run(batch.gathered(), layer.expert_weights())
     assert_close(out, ref, rel_tol(scheme, torch.float16), "fp8 payload")
 
 
@@ -186,3 +201,28 @@ def test_declared_capabilities():
     hopper = Environment("cuda", (9, 0))
     for scheme in ("none", "fp8-tensor", "fp8-channel", "fp8-block"):
         assert plan(cfg.replace(quant=scheme, runner="auto"), hopper).runner == "triton"
+
+
+def test_plan_reads_rows_by_index_only_where_both_sides_declare_it():
+    """local + triton: rows by index (no permuted copy); a runner without indexed_rows, or a
+    converted layout, gets ordinary batches; run_in_layout gathers for such a runner."""
+    from moeflow.capabilities import Environment
+    from moeflow.dispatch import create_dispatcher
+    from moeflow.layouts import run_in_layout
+    from moeflow.planner import plan
+    from moeflow.quant import create_scheme
+    hopper = Environment("cuda", (9, 0))
+    cfg = MoEConfig(**ALIGNED, quant="none", runner="triton")
+    p = plan(cfg, hopper)
+    assert p.indexed_rows and any("rows by index" in r for r in p.reasons)
+    assert not plan(cfg.replace(runner="reference"), hopper).indexed_rows
+    assert not plan(cfg.replace(runner="grouped_mm", dtype=torch.bfloat16), hopper).indexed_rows
+    d = create_dispatcher("local", cfg, create_scheme("none"), indexed_rows=True)
+    x, (ids, w) = torch.randn(6, 128), route(6, 4, 2)
+    batch, _ = d.dispatch(x, ids, w)
+    assert batch.source_rows is not None and batch.hidden is x and batch.num_rows == 12
+    ref_cfg = cfg.replace(runner="reference")
+    ref = ReferenceRunner(ref_cfg, create_scheme("none"))
+    from moeflow.experts.base import ExpertWeights
+    weights = ExpertWeights(torch.randn(4, 256, 128) / 12, torch.randn(4, 128, 128) / 12, None, None)
+    assert torch.equal(run_in_layout(ref, batch, weights), ref.run(batch.gathered(), weights))

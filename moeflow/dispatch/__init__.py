@@ -17,8 +17,11 @@ for _cls in (AllToAllDispatcher, AllGatherDispatcher, LowLatencyDispatcher):
     DISPATCHERS.register(_cls)
 
 
-def create_dispatcher(name, config, scheme, process_group=None) -> Dispatcher:
-    return DISPATCHERS.get(name)(config, scheme, process_group)
+def create_dispatcher(name, config, scheme, process_group=None, indexed_rows: bool = False) -> Dispatcher:
+    """indexed_rows: hand sorted rows by index (Plan.indexed_rows; only where caps.indexed_rows)."""
+    d = DISPATCHERS.get(name)(config, scheme, process_group)
+    d.indexed_rows = indexed_rows and d.caps.indexed_rows
+    return d
 
 
 __all__ = ["DISPATCHERS", "Dispatcher", "create_dispatcher"]

@@ -28,6 +28,9 @@ from ..quant import QuantScheme
 class Dispatcher(ABC):
     name: ClassVar[str]
     caps: ClassVar[DispatcherCaps]
+    # set by create_dispatcher from the plan: hand sorted rows by index (ExpertBatch.source_rows)
+    # because the runner reads them in place; only dispatchers whose caps say indexed_rows honour it
+    indexed_rows: bool = False
 
     def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None):
         self.config = config

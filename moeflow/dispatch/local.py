@@ -1,5 +1,5 @@
 """dispatcher="local": one process, all experts here. Permute token copies by expert (sorted
-layout); combine is the weighted sum of each token's K copies (weights already applied by the
+layout; by index when the plan says the runner reads rows in place: no permuted copy); combine is the weighted sum of each token's K copies (weights already applied by the
 runner), accumulated in float32 in k order, so results are deterministic. No host
 synchronization anywhere: with a graph-safe runner the whole layer is CUDA-graph capturable.
 """
@@ -24,7 +24,7 @@ class LocalHandle:
 class LocalDispatcher(Dispatcher):
     name = "local"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=False, priority=10,
-                          note="single process: sort copies by expert")
+                          note="single process: sort copies by expert", indexed_rows=True)
 
     def __init__(self, config, scheme, process_group=None):
         super().__init__(config, scheme, process_group)
@@ -39,12 +39,14 @@ class LocalDispatcher(Dispatcher):
         offsets = torch.searchsorted(sorted_ids, self._expert_bounds(sorted_ids))
         row_of_copy = torch.empty_like(order)
         row_of_copy[order] = torch.arange(order.numel(), device=order.device)
+        source = order // k  # [T*K] token of each sorted row
         batch = ExpertBatch(
             layout=SORTED,
-            hidden=hidden[order // k],
+            hidden=hidden if self.indexed_rows else hidden[source],
             weights=topk_weights.reshape(-1).float()[order],
             counts=offsets.diff().to(torch.int32),
             offsets=offsets,
+            source_rows=source if self.indexed_rows else None,
         )
         return batch, LocalHandle(row_of_copy.view(t, k))
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..capabilities import RunnerCaps
 from ..config import MoEConfig
-from ..layouts import ExpertBatch
+from ..layouts import MASKED, ExpertBatch
 from ..quant import QuantScheme, payload_scheme
 
 
@@ -77,4 +77,5 @@ class ExpertRunner(ABC):
 
 def empty_output(batch: ExpertBatch, hidden_size: int, dtype: torch.dtype) -> Tensor:
     """Zero output in the batch's layout: [N, H] or [E_local, C, H]."""
-    return torch.zeros((*batch.hidden.shape[:-1], hidden_size), dtype=dtype, device=batch.hidden.device)
+    lead = batch.hidden.shape[:-1] if batch.layout == MASKED else (batch.num_rows,)
+    return torch.zeros((*lead, hidden_size), dtype=dtype, device=batch.hidden.device)

@@ -36,6 +36,7 @@ class TritonRunner(ExpertRunner):
         requires=("triton",),
         priority=30,
         note="fused Triton GEMMs (activation, routing weight and FP8 quantization fused)",
+        indexed_rows=True,  # gate_up loads each sorted row from its token's row (ExpertBatch.source_rows)
     )
 
     def __init__(self, config, scheme):
@@ -57,22 +58,24 @@ class TritonRunner(ExpertRunner):
         from ..kernels.common import RowLayout
         from ..kernels.down import down
         from ..kernels.gate_up import gate_up
-        from ..kernels.quant import quantize_rows, quantize_with_amax
+        from ..kernels.quant import quantize_activation, quantize_rows, quantize_with_amax
         config, scheme = self.config, self.scheme
         h = config.hidden_size
         layout = RowLayout.of(batch)
         if layout.rows == 0:
             return empty_output(batch, h, config.dtype)
-        x = batch.hidden.reshape(layout.rows, h)
+        src = batch.source_rows  # rows by index: quantize the S source rows once, gather in gate_up
+        x = batch.hidden.reshape(-1 if src is not None else layout.rows, h)
         if batch.hidden_scale is not None:
-            xq, xs = self.input_activations(x, batch.hidden_scale.reshape(layout.rows, -1))
+            xq, xs = self.input_activations(x, batch.hidden_scale.reshape(x.shape[0], -1))
         elif scheme.quantized:
-            xq, xs = quantize_rows(x, scheme.name, layout)
+            xq, xs = quantize_activation(x, scheme.name) if src is not None else quantize_rows(x, scheme.name, layout)
         else:
             xq, xs = x, None
         xq = xq.contiguous()
         inter, extra = gate_up(xq, None if xs is None else xs.contiguous(), weights.w13, weights.w13_scale,
-                               layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison)
+                               layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison,
+                               source_rows=None if src is None else src.contiguous())
         if scheme.name == "fp8-block":
             a, a_scale = inter, extra
         elif scheme.quantized:
@@ -81,7 +84,7 @@ class TritonRunner(ExpertRunner):
             a, a_scale = inter, None
         out = down(a, a_scale, weights.w2, weights.w2_scale, batch.weights.reshape(-1).float().contiguous(),
                    layout, scheme.name, config.dtype, kcfg.down, poison)
-        return out.view(*batch.hidden.shape[:-1], h)
+        return out.view(*batch.hidden.shape[:-1], h) if batch.layout == MASKED else out
 
     def kernel_config(self, batch: ExpertBatch, weights: ExpertWeights):
         """Tuned (or default) configs for this batch, fitted to the scheme and dtype.
@@ -92,7 +95,7 @@ class TritonRunner(ExpertRunner):
         from ..kernels import configs as kc
         cfg = self.config
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
-        tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.hidden.shape[0] // cfg.top_k, 1)
+        tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.num_rows // cfg.top_k, 1)
         key = (batch.layout, tokens, e)
         if key in self._fitted:
             return self._fitted[key]

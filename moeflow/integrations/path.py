@@ -32,7 +32,8 @@ class ExpertsPath:
         self.config = config
         self.plan = make_plan(config, Environment.detect(config.device))
         self.scheme = create_scheme(self.plan.scheme)
-        self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme)
+        self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme,
+                                            indexed_rows=self.plan.indexed_rows)
         self.runner = create_runner(self.plan.runner, config, self.scheme)
 
     def __call__(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,

@@ -141,7 +141,7 @@ class RowLayout:
         if batch.layout == "masked":
             c = batch.hidden.shape[1]
             return cls(True, batch.counts.to(torch.int32).contiguous(), e, c, e * c)
-        return cls(False, batch.offsets.to(torch.int64).contiguous(), e, 0, batch.hidden.shape[0])
+        return cls(False, batch.offsets.to(torch.int64).contiguous(), e, 0, batch.num_rows)
 
     def num_row_blocks(self, block_m: int) -> int:
         return num_row_blocks(self.rows, self.num_experts, self.capacity, block_m, self.masked)

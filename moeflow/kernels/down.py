@@ -74,7 +74,7 @@ def _down_kernel(
         if not W_TMA:
             b_ptrs += BLOCK_K
     if QUANT == 1:
-        acc = acc * (tl.load(as_ptr + row_start * stride_as) * tl.load(ws_e))
+        acc = acc * (tl.load(as_ptr + rows_ld * stride_as) * tl.load(ws_e))[:, None]
     elif QUANT == 2:
         acc = acc * tl.load(as_ptr + rows_ld * stride_as)[:, None] * tl.load(ws_e + cols_ld * stride_wsn)[None, :]
     route_w = tl.load(rw_ptr + rows_ld)

@@ -32,15 +32,16 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 @triton.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
 def _gate_up_kernel(
-        x_ptr, xs_ptr, w, ws_ptr, out_ptr, outs_ptr, amax_ptr, meta_ptr,
+        x_ptr, xs_ptr, src_ptr, w, ws_ptr, out_ptr, outs_ptr, amax_ptr, meta_ptr,
         num_experts, capacity, num_blocks_m, I, H, w_rows_per_expert,
         stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_out, stride_outs,
         QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr, MASKED: tl.constexpr,
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
-        ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr):
+        ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr):
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
-    e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn)."""
+    e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
+    INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r]."""
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
     expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
@@ -48,10 +49,14 @@ def _gate_up_kernel(
     rows = row_start + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     rows_ld = tl.minimum(rows, row_end - 1)  # in-bounds loads without a mask; stores are masked
+    if INDEXED:
+        x_rows = tl.load(src_ptr + rows_ld)
+    else:
+        x_rows = rows_ld
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ld = cols % I
     rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows_ld[:, None] * stride_x + rk[None, :]
+    x_ptrs = x_ptr + x_rows[:, None] * stride_x + rk[None, :]
     if W_TMA:
         g_row = expert * w_rows_per_expert + pid_n * BLOCK_N  # rows past I are never stored
     else:
@@ -78,7 +83,7 @@ def _gate_up_kernel(
             bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
             kg = (kb * BLOCK_K) // 128
-            a_s = tl.load(xs_ptr + rows_ld * stride_xs + kg)
+            a_s = tl.load(xs_ptr + x_rows * stride_xs + kg)
             g_s = tl.load(ws_e + (cols_ld // 128) * stride_wsn + kg)
             u_s = tl.load(ws_e + ((cols_ld + I) // 128) * stride_wsn + kg)
             acc_g += tl.dot(a, bg) * (a_s[:, None] * g_s[None, :])
@@ -96,12 +101,12 @@ def _gate_up_kernel(
         if not W_TMA:
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-    if QUANT == 1:  # one activation scale (all rows equal) x one weight scale per expert
-        s = tl.load(xs_ptr + row_start * stride_xs) * tl.load(ws_e)
-        acc_g = acc_g * s
-        acc_u = acc_u * s
+    if QUANT == 1:  # each row's activation scale (rows from different EP ranks may differ) x the expert's
+        s = tl.load(xs_ptr + x_rows * stride_xs) * tl.load(ws_e)
+        acc_g = acc_g * s[:, None]
+        acc_u = acc_u * s[:, None]
     elif QUANT == 2:  # per-token x per-output-channel
-        a_s = tl.load(xs_ptr + rows_ld * stride_xs)
+        a_s = tl.load(xs_ptr + x_rows * stride_xs)
         acc_g = acc_g * a_s[:, None] * tl.load(ws_e + cols_ld * stride_wsn)[None, :]
         acc_u = acc_u * a_s[:, None] * tl.load(ws_e + (cols_ld + I) * stride_wsn)[None, :]
     h = gated_act(acc_g, acc_u, ACT).to(INTER_DTYPE)
@@ -126,13 +131,14 @@ def _gate_up_kernel(
 
 
 def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
-            scheme: str, activation: str, dtype: torch.dtype, cfg, poison: bool = False
-            ) -> tuple[Tensor, Tensor | None]:
+            scheme: str, activation: str, dtype: torch.dtype, cfg, poison: bool = False,
+            source_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """x [R, H] (layer dtype, or fp8 with x_scale [R, G]), w13 [E, 2I, H] (+ scheme scale)
     -> (inter [R, I], extra): extra is None (none), amax [R] / [1] float32 (fp8-channel /
     fp8-tensor; inter in layer dtype) or scale [R, I/128] (fp8-block; inter float8_e4m3fn).
+    source_rows: [R] int64 or None: row r is x[source_rows[r]] (x [S, H], x_scale [S, G]).
     cfg: a GemmConfig (configs.py). poison: fill outputs with NaN first (tests)."""
-    r, h = x.shape
+    r, h = layout.rows, x.shape[1]
     e, two_i, _ = w13.shape
     i = two_i // 2
     dev = x.device
@@ -152,7 +158,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     grid = (blocks_m * triton.cdiv(i, cfg.block_n),)
     w_arg, w_rows = weight_operand(w13, cfg.block_n, cfg.block_k)
     _gate_up_kernel[grid](
-        x, xs, w_arg, ws, inter, extra if q == 3 else inter, extra if q in (1, 2) else inter, layout.meta,
+        x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, inter, extra if q == 3 else inter, extra if q in (1, 2) else inter, layout.meta,
         layout.num_experts, max(layout.capacity, 1), blocks_m, i, h, w_rows,
         x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), stride_wse, stride_wsn, inter.stride(0),
         extra.stride(0) if q == 3 else 0,
@@ -160,6 +166,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
+        INDEXED=source_rows is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return inter, extra
 
@@ -180,13 +187,15 @@ def _scale_strides(ws: Tensor, q: int) -> tuple[int, int]:
 
 
 def gate_up_torch(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
-                  scheme: str, activation: str, dtype: torch.dtype) -> Tensor:
+                  scheme: str, activation: str, dtype: torch.dtype, source_rows: Tensor | None = None) -> Tensor:
     """Reference: act(gate) * up per valid row, float32 math, rounded to ``dtype`` -> [R, I]
-    (rows of empty masked slots are 0). Dequantizes by the scheme (quant/*.py)."""
+    (rows of empty masked slots are 0). Dequantizes by the scheme (quant/*.py). source_rows as gate_up."""
     from ..experts.base import gated_activation
     from ..quant import create_scheme
     sch = create_scheme(scheme)
     xf = sch.dequantize_activation(x, x_scale) if x_scale is not None else x.float()
+    if source_rows is not None:
+        xf = xf[source_rows]
     wf = sch.dequantize_weight(w13, w13_scale)
     expert = _expert_of_row(layout)
     out = torch.zeros(x.shape[0], w13.shape[1] // 2, dtype=torch.float32, device=x.device)
