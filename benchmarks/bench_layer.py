@@ -34,6 +34,7 @@ from moeflow.experts import create_runner
 from moeflow.kernels.autotune import Shape, expanded_weights, precompile, random_batch, random_weights
 from moeflow.layouts import run_in_layout
 from moeflow.planner import check_runner
+from moeflow.planner import plan as make_plan
 from moeflow.presets import preset_config
 from moeflow.quant import create_scheme
 from moeflow.routing import create_router
@@ -92,13 +93,22 @@ class Case:
         self.router = create_router(c)
         self.bias = (torch.rand(c.num_experts, device="cuda") - 0.5) * 0.1 if c.use_correction_bias else None
         self.dispatcher = create_dispatcher("local", c, self.scheme)
+        self.env = Environment.detect(torch.device("cuda"))
+        self._indexed = {}  # runner name -> Plan.indexed_rows of (local, that runner)
 
     def inputs(self, t: int, n: int = 4):
         c = self.cfg
         return [(torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16),
                  torch.randn(t, c.num_experts, device="cuda")) for _ in range(n)]
 
+    def use(self, runner) -> None:
+        """Hand rows the way a layer planned with this runner would (Plan.indexed_rows)."""
+        if runner.name not in self._indexed:
+            self._indexed[runner.name] = make_plan(self.cfg.replace(runner=runner.name), self.env).indexed_rows
+        self.dispatcher.indexed_rows = self._indexed[runner.name]
+
     def layer(self, runner, x, logits):
+        self.use(runner)
         ids, w = self.router(logits, self.bias)
         batch, handle = self.dispatcher.dispatch(x, ids, w)
         return self.dispatcher.combine(run_in_layout(runner, batch, self.weights), handle)
@@ -109,6 +119,7 @@ def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
     runner = create_runner(name, c.replace(runner=name), case.scheme)
     it = iter(range(10 ** 9))
     layer_us = bench(lambda: case.layer(runner, *ins[next(it) % len(ins)]))
+    case.use(runner)
     batches = [case.dispatcher.dispatch(x, *case.router(lg, case.bias))[0] for x, lg in ins[:2]]
     experts_us = bench(lambda: runner.run(batches[next(it) % 2], case.weights))
     g_us = graph_us(lambda: runner.run(batches[0], case.weights)) if name == "triton" and t <= 128 else None
