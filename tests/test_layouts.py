@@ -247,3 +247,22 @@ def test_grouped_mm_through_the_masked_conversion(poison):
     torch.testing.assert_close(masked_output_to_sorted(converted, slot), native, rtol=1e-6, atol=1e-6)
     valid = torch.arange(converted.shape[1])[None, :] < masked.counts.long()[:, None]
     assert (converted[~valid] == 0).all()
+
+
+def test_runners_without_indexed_rows_read_an_indexed_batch_correctly():
+    """A batch given by index, handed straight to a runner that does not declare indexed_rows,
+    is gathered by the runner (never read as if its rows were in order)."""
+    import torch
+    from moeflow import MoEConfig
+    from moeflow.dispatch import create_dispatcher
+    from moeflow.experts.base import ExpertWeights
+    from moeflow.experts.reference import ReferenceRunner
+    from moeflow.quant import create_scheme
+    cfg = MoEConfig(num_experts=4, hidden_size=16, intermediate_size=8, top_k=2, dtype=torch.float32)
+    d = create_dispatcher("local", cfg, create_scheme("none"), indexed_rows=True)
+    x = torch.randn(5, 16)
+    ids = torch.rand(5, 4).argsort(dim=1)[:, :2].to(torch.int32)
+    batch, _ = d.dispatch(x, ids, torch.rand(5, 2))
+    weights = ExpertWeights(torch.randn(4, 16, 16), torch.randn(4, 16, 8), None, None)
+    runner = ReferenceRunner(cfg, create_scheme("none"))
+    assert torch.equal(runner.run(batch, weights), runner.run(batch.gathered(), weights))

@@ -32,6 +32,7 @@ class GroupedMMRunner(ExpertRunner):
     )
 
     def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
+        batch = batch.gathered()  # rows given by index (not declared, but never misread)
         cfg = self.config
         if batch.hidden.shape[0] == 0:
             return empty_output(batch, cfg.hidden_size, cfg.dtype)

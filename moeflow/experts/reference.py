@@ -26,6 +26,7 @@ class ReferenceRunner(ExpertRunner):
     )
 
     def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
+        batch = batch.gathered()  # rows given by index (not declared, but never misread)
         cfg, scheme = self.config, self.scheme
         out = empty_output(batch, cfg.hidden_size, cfg.dtype)
         flat_out = out.view(-1, cfg.hidden_size)

@@ -91,6 +91,7 @@ def test_prequantized_payload(make_layer):
     x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(40, 8, 2)
     batch, _ = layer.dispatcher.dispatch(x, ids, w)
+    assert batch.source_rows is not None  # the plan (local + triton) hands rows by index
     batch.hidden, batch.hidden_scale = payload_scheme(layer.scheme).quantize_activation(batch.hidden)
     out = layer.runner.run(batch, layer.expert_weights())
     ref = ReferenceRunner(layer.config, layer.scheme).run(batch, layer.expert_weights())
