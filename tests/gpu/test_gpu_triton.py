@@ -140,7 +140,7 @@ def test_cuda_graph_decode(make_layer, scheme, layout):
     with torch.cuda.graph(graph):
         out = layer.runner.run(static, wts)
     for new in fresh:
-        for name in ("hidden", "weights", "counts", "offsets"):
+        for name in ("hidden", "weights", "counts", "offsets", "source_rows"):
             if getattr(static, name) is not None:
                 getattr(static, name).copy_(getattr(new, name))
         graph.replay()
