@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 if SKIP_REASON is None:
     from moeflow.kernels import configs as kc
     from moeflow.kernels.align import align_blocks, align_blocks_torch
-    from moeflow.kernels.common import RowLayout, weight_operand
+    from moeflow.kernels.common import RowLayout, rows_operand, weight_operand
     from moeflow.kernels.down import down, down_torch
     from moeflow.kernels.gate_up import gate_up, gate_up_torch
     from moeflow.kernels.quant import quantize_activation, quantize_rows, quantize_rows_torch
@@ -121,8 +121,12 @@ def test_weight_operand_choice(monkeypatch):
     assert weight_operand(odd, 32, 64) == (odd, 0)
     gappy = torch.randn(3, 80, 128).half()[:, :64]  # experts not back to back
     assert weight_operand(gappy, 32, 64) == (gappy, 0)
+    a = torch.randn(10, 128).half()
+    assert rows_operand(a, 16, 64) is not a and list(rows_operand(a, 16, 64).shape) == [10, 128]
+    odd_rows = torch.randn(10, 20).half()
+    assert rows_operand(odd_rows, 16, 64) is odd_rows
     monkeypatch.setenv("MOEFLOW_TRITON_TMA", "0")
-    assert weight_operand(w, 32, 64) == (w, 0)
+    assert weight_operand(w, 32, 64) == (w, 0) and rows_operand(a, 16, 64) is a
 
 
 def test_expanded_weights_through_tma():

@@ -185,6 +185,18 @@ def weight_operand(w: Tensor, block_n: int, block_k: int):
     return TensorDescriptor(w, [rows, k], [w.stride(1), 1], [block_n, block_k]), per_expert
 
 
+def rows_operand(a: Tensor, block_m: int, block_k: int):
+    """How a GEMM kernel reads activation tiles of a [R, K] whose rows are in layout order (the
+    down GEMM's input): a TensorDescriptor with [block_m, block_k] boxes where TMA can address it
+    (16-byte aligned rows, MOEFLOW_TRITON_TMA not 0), else ``a`` itself (pointer loads)."""
+    r, k = a.shape
+    if (not moeflow_env.TRITON_TMA.get_bool() or a.stride(1) != 1 or r == 0 or k == 0
+            or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16):
+        return a
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(a, [r, k], [a.stride(0), 1], [block_m, block_k])
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (see to_fp8)."""
     return moeflow_env.TRITON_INTERPRET.get_bool()

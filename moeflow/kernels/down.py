@@ -13,20 +13,23 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import QUANT_CODES, RowLayout, block_rows, tile_ids, weight_operand
+from .common import QUANT_CODES, RowLayout, block_rows, rows_operand, tile_ids, weight_operand
 from .gate_up import _expert_of_row, _scale_strides
 
 
 @triton.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
 def _down_kernel(
-        a_ptr, as_ptr, w, ws_ptr, rw_ptr, out_ptr, meta_ptr,
+        a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, meta_ptr,
         num_experts, capacity, num_blocks_m, H, I, w_rows_per_expert,
         stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
         QUANT: tl.constexpr, MASKED: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr):
+        EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
+        A_TMA: tl.constexpr):
     """w: a TMA descriptor over the weight rows [E * H, I] (W_TMA; expert e's rows start at
-    e * w_rows_per_expert) or a pointer to down_proj [E, H, I] (strides stride_we, stride_wn)."""
+    e * w_rows_per_expert) or a pointer to down_proj [E, H, I] (strides stride_we, stride_wn).
+    a_src: a TMA descriptor over a [R, I] (A_TMA: the box at the block's first row; rows past the
+    block's end are read but never stored: the row_ok select below drops them, NaN included) or a pointer."""
     pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
     expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -42,14 +45,19 @@ def _down_kernel(
     cols_ld = cols % H
     rk = tl.arange(0, BLOCK_K)
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
-    a_ptrs = a_ptr + rows_ld[:, None] * stride_a + rk[None, :]
+    if A_TMA:
+        a_row = row_start.to(tl.int32)
+    else:
+        a_ptrs = a_src + rows_ld[:, None] * stride_a + rk[None, :]
     if W_TMA:
         w_row = expert * w_rows_per_expert + pid_n * BLOCK_N  # rows past H are never stored
     else:
         b_ptrs = w + expert.to(tl.int64) * stride_we + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(I, BLOCK_K)):
-        if EVEN_K:
+        if A_TMA:  # zero-filled past I
+            a = a_src.load([a_row, kb * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
         else:
             a = tl.load(a_ptrs, mask=(rk < I - kb * BLOCK_K)[None, :], other=0.0)
@@ -62,7 +70,7 @@ def _down_kernel(
         if QUANT == 3:
             kg = (kb * BLOCK_K) // 128
             a_s = tl.load(as_ptr + rows_ld * stride_as + kg)
-            b_s = tl.load(ws_e + (cols_ld // 128) * stride_wsn + kg)
+            b_s = tl.load(ws_e + tl.minimum(cols // 128, (H - 1) // 128) * stride_wsn + kg)  # per block, not cols % H
             acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         elif DOT_IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -70,7 +78,8 @@ def _down_kernel(
             acc += tl.dot(a, b)
         else:
             acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
+        if not A_TMA:
+            a_ptrs += BLOCK_K
         if not W_TMA:
             b_ptrs += BLOCK_K
     if QUANT == 1:
@@ -97,14 +106,15 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     blocks_m = layout.num_row_blocks(cfg.block_m)
     grid = (blocks_m * triton.cdiv(h, cfg.block_n),)
     w_arg, w_rows = weight_operand(w2, cfg.block_n, cfg.block_k)
+    a_arg = rows_operand(a, cfg.block_m, cfg.block_k)
     _down_kernel[grid](
-        a, a_s, w_arg, ws, route_w, out, layout.meta,
+        a_arg, a_s, w_arg, ws, route_w, out, layout.meta,
         layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows,
         a.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), stride_wse, stride_wsn, out.stride(0),
         QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=i % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
-        PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2,
+        PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2, A_TMA=a_arg is not a,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

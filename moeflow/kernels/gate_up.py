@@ -84,8 +84,11 @@ def _gate_up_kernel(
         if QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
             kg = (kb * BLOCK_K) // 128
             a_s = tl.load(xs_ptr + x_rows * stride_xs + kg)
-            g_s = tl.load(ws_e + (cols_ld // 128) * stride_wsn + kg)
-            u_s = tl.load(ws_e + ((cols_ld + I) // 128) * stride_wsn + kg)
+            # block rows of the tile's columns, clamped per block (not per column: cols % I would
+            # hide that 128 columns share a scale, and cost ~70 registers, ptxas sm_90a)
+            g_b = tl.minimum(cols // 128, (I - 1) // 128)
+            g_s = tl.load(ws_e + g_b * stride_wsn + kg)
+            u_s = tl.load(ws_e + (g_b + I // 128) * stride_wsn + kg)
             acc_g += tl.dot(a, bg) * (a_s[:, None] * g_s[None, :])
             acc_u += tl.dot(a, bu) * (a_s[:, None] * u_s[None, :])
         elif DOT_IEEE:
