@@ -11,7 +11,8 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 
 if SKIP_REASON is None:
     from moeflow.kernels import configs as kc
-    from moeflow.kernels.align import align_blocks, align_blocks_torch
+    from moeflow.dispatch.expert_sort import sort_by_expert_torch
+    from moeflow.kernels.align import align_blocks, align_blocks_torch, sort_copies
     from moeflow.kernels.common import RowLayout, rows_operand, weight_operand
     from moeflow.kernels.down import down, down_torch
     from moeflow.kernels.gate_up import gate_up, gate_up_torch
@@ -46,6 +47,27 @@ def test_align_sorted(counts, block_m):
     real = table[table[:, 0] >= 0]
     assert int((real[:, 2] - real[:, 1]).sum()) == sum(counts)  # every row in exactly one block
     assert (real[:, 2] - real[:, 1] <= block_m).all()
+
+
+@pytest.mark.parametrize("t,k,e,skew", [
+    (0, 2, 4, None),     # no tokens: offsets all 0
+    (1, 8, 128, None),   # decode, Qwen3-like routing
+    (5, 2, 7, None),     # non-power-of-two expert count
+    (40, 2, 4, 2),       # every token's first choice is expert 2; experts left empty
+    (100, 8, 256, None),  # 800 copies: several row blocks, several expert blocks
+])
+def test_sort_copies_matches_the_torch_sort(t, k, e, skew):
+    """The one-launch sort of copies by expert: offsets, rows, sources and weights exactly equal
+    to the stable torch.sort path (outputs of the kernel are fresh, unwritten rows would differ)."""
+    ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
+    if skew is not None:
+        ids[:, 0] = skew
+        ids[:, 1:] = torch.where(ids[:, 1:] == skew, (skew + 1) % e, ids[:, 1:])
+    w = torch.rand(t, k)
+    got = sort_copies(ids, w, e)
+    want = sort_by_expert_torch(ids, w, e)
+    for g, r, name in zip(got, want, ("offsets", "row_of_copy", "source", "weights")):
+        assert g.shape == r.shape and g.dtype == r.dtype and torch.equal(g, r), name
 
 
 def test_align_masked():

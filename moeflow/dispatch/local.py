@@ -1,6 +1,7 @@
 """dispatcher="local": one process, all experts here. Permute token copies by expert (sorted
-layout; by index when the plan says the runner reads rows in place: no permuted copy); combine is the weighted sum of each token's K copies (weights already applied by the
-runner), accumulated in float32 in k order, so results are deterministic. No host
+layout; by index when the plan says the runner reads rows in place: no permuted copy); combine
+is the weighted sum of each token's K copies (weights already applied by the runner),
+accumulated in float32 in k order, so results are deterministic. No host
 synchronization anywhere: with a graph-safe runner the whole layer is CUDA-graph capturable.
 """
 from __future__ import annotations
@@ -12,8 +13,9 @@ from torch import Tensor
 
 from ..capabilities import DispatcherCaps
 from ..layouts import SORTED, ExpertBatch
-from .gather_sum import gather_sum
 from .base import Dispatcher
+from .expert_sort import sort_by_expert
+from .gather_sum import gather_sum
 
 
 @dataclass
@@ -31,24 +33,17 @@ class LocalDispatcher(Dispatcher):
         self._bounds: dict = {}
 
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
-        t, k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)
-        sorted_ids, order = torch.sort(flat_ids, stable=True)  # [T*K]: copies grouped by expert
-        # offsets[e] = copies with id < e, found in the sorted ids: no host sync (bincount would
-        # read the largest id on the host, which a CUDA graph cannot capture)
-        offsets = torch.searchsorted(sorted_ids, self._expert_bounds(sorted_ids))
-        row_of_copy = torch.empty_like(order)
-        row_of_copy[order] = torch.arange(order.numel(), device=order.device)
-        source = order // k  # [T*K] token of each sorted row
+        offsets, row_of_copy, source, sorted_w = sort_by_expert(topk_ids, topk_weights, self.config.num_experts,
+                                                                self._expert_bounds(topk_ids))
         batch = ExpertBatch(
             layout=SORTED,
             hidden=hidden if self.indexed_rows else hidden[source],
-            weights=topk_weights.reshape(-1).float()[order],
+            weights=sorted_w,
             counts=offsets.diff().to(torch.int32),
             offsets=offsets,
             source_rows=source if self.indexed_rows else None,
         )
-        return batch, LocalHandle(row_of_copy.view(t, k))
+        return batch, LocalHandle(row_of_copy)
 
     def _expert_bounds(self, like: Tensor) -> Tensor:
         """[E + 1] = 0..E in ``like``'s dtype and device, made once per (device, dtype)."""

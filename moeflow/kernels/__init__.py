@@ -2,12 +2,14 @@
 each JIT kernel above its launcher and a torch reference (``*_torch``) beside it:
 
     common.py   block alignment of token copies to experts (in-kernel), gated activation, FP8 rounding
-    align.py    the alignment as a table (tests, inspection): block -> (expert, first row, last row)
+    align.py    the alignment as a table (tests, inspection): block -> (expert, first row, last row);
+                sort_copies: copies grouped by expert in one launch (the local dispatcher, decode
+                sizes; its torch reference is dispatch/expert_sort.py, which runs without triton)
     quant.py    dynamic FP8 activation quantization (1x128 groups, per token, per tensor)
     gate_up.py  x @ W_gate/up^T with act(gate)*up fused (+ amax, or fp8-block quantization, fused)
     down.py     inter @ W_down^T with the routing weight fused; zeros for empty masked slots
     reduce.py   the top-k reduction: sum of each token's K weighted copies (for dispatchers)
     configs.py  tuned configs (JSON under configs/) and documented defaults
 
-Importing this package imports triton; moeflow imports it only when a triton runner runs.
+Importing this package imports triton; moeflow imports it only when a Triton kernel runs.
 """

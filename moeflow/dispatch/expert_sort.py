@@ -1,0 +1,41 @@
+"""Token copies grouped by expert: the sort behind the sorted layout, shared by dispatchers.
+
+    topk_ids [T, K] int (ids in 0 .. E-1), topk_weights [T, K] float
+    -> offsets [E + 1] int64      copies of expert e are sorted rows offsets[e] .. offsets[e+1]-1
+       row_of_copy [T, K] int64   the sorted row of copy k of token t
+       source [T*K] int64         the token of each sorted row
+       sorted_weights [T*K] f32   the routing weight of each sorted row
+Stable: within an expert, copies keep their (t, k) order. No host synchronization.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
+    """Decode-sized batches on CUDA: one Triton launch (kernels/align.sort_copies) instead of a
+    sort, a searchsorted and four index kernels; torch otherwise (the same values).
+    bounds: 0 .. E in topk_ids' dtype and device, when the caller keeps one (torch path)."""
+    if topk_ids.is_cuda:
+        try:
+            from ..kernels.align import MAX_FUSED_COPIES, sort_copies
+        except ImportError:  # triton missing: torch below
+            pass
+        else:
+            if topk_ids.numel() <= MAX_FUSED_COPIES:
+                return sort_copies(topk_ids, topk_weights, num_experts)
+    return sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
+
+
+def sort_by_expert_torch(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
+    """A stable torch.sort; offsets by searchsorted on the sorted ids (bincount would read the
+    largest id on the host, which a CUDA graph cannot capture)."""
+    t, k = topk_ids.shape
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    if bounds is None:
+        bounds = torch.arange(num_experts + 1, dtype=sorted_ids.dtype, device=sorted_ids.device)
+    offsets = torch.searchsorted(sorted_ids, bounds)
+    row = torch.empty_like(order)
+    row[order] = torch.arange(order.numel(), device=order.device)
+    return offsets, row.view(t, k), order // k, topk_weights.reshape(-1).float()[order]
