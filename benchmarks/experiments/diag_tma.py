@@ -1,6 +1,13 @@
-"""Diagnose (GPU): the library gate_up with TMA weights vs the experiment's TMA kernel, registers and time."""
-import torch, triton, sys
-sys.argv=['x']
+"""Diagnose (GPU): the library gate_up with TMA weights vs gemm_variants.py's TMA kernel, registers and time.
+
+    PYTHONPATH=$PWD python benchmarks/experiments/diag_tma.py
+At 1831dc9 it printed 253 registers (library, fp8-block) vs 181 (experiment): the cause was the
+per-column `cols % I` weight-scale index in the K loop (fixed in 7d7588c; ptxas -v confirms 174).
+"""
+import sys
+
+import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 from triton.testing import do_bench
 from moeflow.kernels.autotune import Shape, _runner, random_batch, random_weights
@@ -19,7 +26,6 @@ for preset, scheme in [("deepseek-v3","fp8-block"),("qwen3-30b-a3b","fp8-block")
     x=b.hidden; q=3 if scheme=="fp8-block" else 0
     xq,xs=quantize_rows(x,scheme,lay) if q else (x,None)
     bk=128 if q else 64; bm,bn,nw,ns=(64,128,8,4) if q else (128,128,8,3)
-    gc=G.GemmConfig if hasattr(G,'GemmConfig') else None
     from moeflow.kernels.configs import GemmConfig
     c=GemmConfig(bm,bn,bk,8,nw,ns)
     f=lambda: G.gate_up(xq,xs,w.w13,w.w13_scale,lay,scheme,"silu",torch.bfloat16,c)
