@@ -10,6 +10,7 @@ each JIT kernel above its launcher and a torch reference (``*_torch``) beside it
     down.py     inter @ W_down^T with the routing weight fused; zeros for empty masked slots
     reduce.py   the top-k reduction: sum of each token's K weighted copies (for dispatchers)
     configs.py  tuned configs (JSON under configs/) and documented defaults
+    registers.py registers and spills of the GEMMs for sm_90a, from ptxas, without a GPU
 
 Importing this package imports triton; moeflow imports it only when a Triton kernel runs.
 """

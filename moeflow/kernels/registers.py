@@ -1,0 +1,103 @@
+"""Registers and spills of the GEMM kernels for Hopper, found without a GPU.
+
+Triton compiles a kernel to PTX for sm_90a on any machine; the ptxas that ships in the triton wheel
+then reports what a thread needs (`ptxas -v`). Register pressure decides which tiles are fast (a
+per-column index in the K loop once cost the fp8-block gate_up ~80 registers and the 128x128
+tiles), so tests/test_kernel_registers.py keeps the large-tile configs spill-free, and
+`python -m moeflow.kernels.registers` prints the table.
+
+    register_usage(kernel, scheme, dtype, GemmConfig, tma=True) -> (registers per thread, spill-store bytes)
+kernel: "gate_up" | "down"; scheme: a quant scheme name; dtype: the layer dtype (torch).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import QUANT_CODES
+from .configs import GemmConfig
+
+_ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def ptxas_path() -> str | None:
+    """The ptxas inside the triton wheel, or None where this build has none."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return path if os.path.isfile(path) else None
+
+
+def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma: bool):
+    q = QUANT_CODES[scheme]
+    act = "fp8e4nv" if q else _ELEM[dtype]  # GEMM operand type
+    out = "fp8e4nv" if (kernel == "gate_up" and q == 3) else _ELEM[dtype]
+    desc = f"tensordesc<{act}[{cfg.block_n}, {cfg.block_k}]>"
+    aligned = {"I", "H", "stride_x", "stride_a", "stride_out", "stride_wn"}  # specialized as multiples of 16
+    if kernel == "gate_up":
+        from .gate_up import _gate_up_kernel as fn
+        ptrs = dict(x_ptr=act, xs_ptr="fp32", src_ptr="i64", w=act, ws_ptr="fp32", out_ptr=out, outs_ptr="fp32",
+                    amax_ptr="fp32", meta_ptr="i64")
+        const = dict(QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype], MASKED=False, E_POW2=256, EVEN_K=True, INDEXED=True,
+                     DOT_IEEE=False, PROMOTE=False, ROUND_IN_FP32=False, W_TMA=tma)
+    else:
+        from .down import _down_kernel as fn
+        ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64")
+        const = dict(QUANT=q, MASKED=False, E_POW2=256, EVEN_K=True, DOT_IEEE=False, PROMOTE=False, W_TMA=tma,
+                     A_TMA=tma)
+    const.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = desc if (tma and name == "w") else ("tensordesc<%s[%d, %d]>" % (act, cfg.block_m, cfg.block_k)
+                                                            if (tma and name == "a_src") else "*" + ptrs[name])
+        else:
+            sig[name] = "i32"
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n, t in sig.items() if t.startswith("*") or n in aligned}
+    return fn, sig, const, attrs
+
+
+def register_usage(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma: bool = True):
+    """-> (registers per thread, spill-store bytes) of the kernel compiled for sm_90a (module docstring)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    ptxas = ptxas_path()
+    if ptxas is None:
+        raise FileNotFoundError("this triton build ships no ptxas")
+    fn, sig, const, attrs = _signature(kernel, scheme, dtype, cfg, tma)
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        res = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", res.stderr)
+    return int(regs.group(1)), int(spill.group(1)) if spill else 0
+
+
+def main() -> None:
+    rows = [("gate_up", "none", GemmConfig(128, 128, 64, 8, 8, 3)), ("gate_up", "fp8-block", GemmConfig(64, 128, 128, 8, 8, 4)),
+            ("gate_up", "fp8-block", GemmConfig(128, 128, 128, 8, 8, 4)), ("down", "none", GemmConfig(128, 256, 64, 8, 8, 3)),
+            ("down", "fp8-block", GemmConfig(128, 128, 128, 8, 8, 3))]
+    print("kernel   scheme      tile            regs  spill bytes (TMA / pointers)")
+    for kernel, scheme, cfg in rows:
+        t = register_usage(kernel, scheme, torch.bfloat16, cfg, tma=True)
+        p = register_usage(kernel, scheme, torch.bfloat16, cfg, tma=False)
+        tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"
+        print(f"{kernel:8} {scheme:11} {tile:15} {t[0]:4} {t[1]:5}   /  {p[0]:4} {p[1]:5}")
+
+
+if __name__ == "__main__":
+    main()
