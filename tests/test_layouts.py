@@ -266,3 +266,41 @@ def test_runners_without_indexed_rows_read_an_indexed_batch_correctly():
     weights = ExpertWeights(torch.randn(4, 16, 16), torch.randn(4, 16, 8), None, None)
     runner = ReferenceRunner(cfg, create_scheme("none"))
     assert torch.equal(runner.run(batch, weights), runner.run(batch.gathered(), weights))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_indexed_dispatch_is_the_gathered_dispatch(shape):
+    """Rows by index (Plan.indexed_rows): the same offsets, weights and, once gathered, the same
+    rows as the ordinary sorted batch; source_rows name each row's token."""
+    t, e, k, unused = SHAPES[shape]
+    ids, w = random_routing(t, e, k, unused)
+    x = tagged_hidden(t)
+    plain, h_plain = local_dispatcher(e, k).dispatch(x, ids, w)
+    d = create_dispatcher("local", MoEConfig(num_experts=e, hidden_size=H, intermediate_size=16, top_k=k),
+                          create_scheme("none"), indexed_rows=True)
+    indexed, h_indexed = d.dispatch(x, ids, w)
+    assert indexed.hidden is x and indexed.source_rows.dtype == torch.int64 and indexed.num_rows == t * k
+    assert torch.equal(indexed.source_rows, x[indexed.source_rows, 0].long())  # column 0 tags the token
+    g = indexed.gathered()
+    assert g.source_rows is None and torch.equal(g.hidden, plain.hidden)
+    for name in ("weights", "counts", "offsets"):
+        assert torch.equal(getattr(indexed, name), getattr(plain, name)), name
+    assert torch.equal(h_indexed.row_of_copy, h_plain.row_of_copy)
+
+
+@pytest.mark.parametrize("runner_layouts", ((SORTED,), (MASKED,)), ids=str)
+def test_run_in_layout_gathers_an_indexed_batch_for_other_runners(runner_layouts):
+    """A runner that does not declare indexed_rows (natively sorted, or masked through the
+    conversion) sees ordinary rows, with FP8-style scales following them."""
+    ids, w = random_routing(10, 9, 2, (0, 4, 8))
+    d = create_dispatcher("local", MoEConfig(num_experts=9, hidden_size=H, intermediate_size=16, top_k=2),
+                          create_scheme("none"), indexed_rows=True)
+    batch, _ = d.dispatch(torch.randn(10, H), ids, w)
+    batch.hidden_scale = torch.rand(10, 3) + 0.5  # one per source token
+    want = 2 * batch.hidden[batch.source_rows] * batch.weights[:, None]
+    runner = FakeRunner(*runner_layouts)
+    assert torch.equal(run_in_layout(runner, batch, None), want)
+    assert torch.equal(batch.gathered().hidden_scale, batch.hidden_scale[batch.source_rows])
+    if runner_layouts == (MASKED,):
+        masked, _ = sorted_to_masked(batch)
+        assert masked.hidden_scale.shape == (9, masked.hidden.shape[1], 3)
