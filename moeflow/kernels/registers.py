@@ -33,7 +33,7 @@ def ptxas_path() -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma: bool):
+def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma: bool, extra: dict | None = None):
     q = QUANT_CODES[scheme]
     act = "fp8e4nv" if q else _ELEM[dtype]  # GEMM operand type
     out = "fp8e4nv" if (kernel == "gate_up" and q == 3) else _ELEM[dtype]
@@ -51,6 +51,10 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
         const = dict(QUANT=q, MASKED=False, E_POW2=256, EVEN_K=True, DOT_IEEE=False, PROMOTE=False, W_TMA=tma,
                      A_TMA=tma)
     const.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+    for p in fn.params:  # constexpr parameters with defaults take them unless given
+        if p.is_constexpr and p.name not in const and p.has_default:
+            const[p.name] = p.default
+    const.update(extra or {})
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -65,14 +69,15 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
     return fn, sig, const, attrs
 
 
-def register_usage(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma: bool = True):
+def register_usage(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma: bool = True,
+                   extra: dict | None = None):
     """-> (registers per thread, spill-store bytes) of the kernel compiled for sm_90a (module docstring)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     ptxas = ptxas_path()
     if ptxas is None:
         raise FileNotFoundError("this triton build ships no ptxas")
-    fn, sig, const, attrs = _signature(kernel, scheme, dtype, cfg, tma)
+    fn, sig, const, attrs = _signature(kernel, scheme, dtype, cfg, tma, extra)
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
