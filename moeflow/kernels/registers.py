@@ -51,9 +51,6 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
         const = dict(QUANT=q, MASKED=False, E_POW2=256, EVEN_K=True, DOT_IEEE=False, PROMOTE=False, W_TMA=tma,
                      A_TMA=tma)
     const.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
-    for p in fn.params:  # constexpr parameters with defaults take them unless given
-        if p.is_constexpr and p.name not in const and p.has_default:
-            const[p.name] = p.default
     const.update(extra or {})
     sig = {}
     for name in fn.arg_names:
@@ -72,15 +69,29 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
 def register_usage(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma: bool = True,
                    extra: dict | None = None):
     """-> (registers per thread, spill-store bytes) of the kernel compiled for sm_90a (module docstring)."""
+    fn, sig, const, attrs = _signature(kernel, scheme, dtype, cfg, tma, extra)
+    return compile_for_hopper(fn, sig, const, attrs, cfg.num_warps, cfg.num_stages)
+
+
+def compile_for_hopper(fn, signature: dict, constexprs: dict, attrs: dict | None = None, num_warps: int = 4,
+                       num_stages: int = 3):
+    """Compile a @triton.jit kernel for sm_90a here (no GPU) -> (registers per thread, spill-store bytes).
+
+    signature: every non-constexpr parameter's Triton type ("*bf16", "i32", "fp32",
+    "tensordesc<fp8e4nv[128, 128]>"); constexprs: the constexpr values (defaults fill the rest).
+    Raises triton's CompilationError for code only the CPU interpreter accepts.
+    """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     ptxas = ptxas_path()
     if ptxas is None:
         raise FileNotFoundError("this triton build ships no ptxas")
-    fn, sig, const, attrs = _signature(kernel, scheme, dtype, cfg, tma, extra)
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+    const = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    const.update(constexprs)
+    sig = {name: ("constexpr" if name in const else signature[name]) for name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs or {}),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
