@@ -170,31 +170,30 @@ def weight_operand(w: Tensor, block_n: int, block_k: int):
     the kernels never store the output columns they feed. Columns past K are zero.
     """
     e, n, k = w.shape
-    item = w.element_size()
-    if not moeflow_env.TRITON_TMA.get_bool() or w.stride(2) != 1 or e * n == 0 or k == 0:
+    if e == 0 or w.stride(0) not in (0, n * w.stride(1)):
         return w, 0
-    if (w.stride(1) * item) % 16 or w.data_ptr() % 16:
-        return w, 0
-    if w.stride(0) == 0:
-        rows, per_expert = n, 0
-    elif w.stride(0) == n * w.stride(1):
-        rows, per_expert = e * n, n
-    else:
-        return w, 0
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor(w, [rows, k], [w.stride(1), 1], [block_n, block_k]), per_expert
+    per_expert = n if w.stride(0) else 0
+    desc = _rows_descriptor(w, e * n if per_expert else n, k, w.stride(1), [block_n, block_k])
+    return (w, 0) if desc is None else (desc, per_expert)
 
 
 def rows_operand(a: Tensor, block_m: int, block_k: int):
     """How a GEMM kernel reads activation tiles of a [R, K] whose rows are in layout order (the
     down GEMM's input): a TensorDescriptor with [block_m, block_k] boxes where TMA can address it
     (16-byte aligned rows, MOEFLOW_TRITON_TMA not 0), else ``a`` itself (pointer loads)."""
-    r, k = a.shape
-    if (not moeflow_env.TRITON_TMA.get_bool() or a.stride(1) != 1 or r == 0 or k == 0
-            or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16):
-        return a
+    desc = _rows_descriptor(a, a.shape[0], a.shape[1], a.stride(0), [block_m, block_k])
+    return a if desc is None else desc
+
+
+def _rows_descriptor(t: Tensor, rows: int, k: int, row_stride: int, block: list[int]):
+    """A TMA descriptor over ``rows`` rows of ``k`` contiguous elements from t's start, ``row_stride``
+    elements apart; None where TMA cannot address them (MOEFLOW_TRITON_TMA=0, nothing to read,
+    last dimension not contiguous, rows or base not 16-byte aligned)."""
+    if (not moeflow_env.TRITON_TMA.get_bool() or rows == 0 or k == 0 or t.stride(-1) != 1
+            or (row_stride * t.element_size()) % 16 or t.data_ptr() % 16):
+        return None
     from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor(a, [r, k], [a.stride(0), 1], [block_m, block_k])
+    return TensorDescriptor(t, [rows, k], [row_stride, 1], block)
 
 
 def interpreting() -> bool:
