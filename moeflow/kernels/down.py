@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import QUANT_CODES, RowLayout, block_rows, rows_operand, tile_ids, weight_operand
+from .common import QUANT_CODES, RowLayout, block_rows, rows_operand, scale_block, tile_ids, weight_operand
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -70,7 +70,7 @@ def _down_kernel(
         if QUANT == 3:
             kg = (kb * BLOCK_K) // 128
             a_s = tl.load(as_ptr + rows_ld * stride_as + kg)
-            b_s = tl.load(ws_e + tl.minimum(cols // 128, (H - 1) // 128) * stride_wsn + kg)  # per block, not cols % H
+            b_s = tl.load(ws_e + scale_block(cols, H) * stride_wsn + kg)
             acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         elif DOT_IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")

@@ -24,8 +24,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import FP8_DTYPE
-from .common import (QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, tile_ids, to_fp8,
-                     weight_operand)
+from .common import (QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, scale_block, tile_ids,
+                     to_fp8, weight_operand)
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -84,9 +84,7 @@ def _gate_up_kernel(
         if QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
             kg = (kb * BLOCK_K) // 128
             a_s = tl.load(xs_ptr + x_rows * stride_xs + kg)
-            # block rows of the tile's columns, clamped per block (not per column: cols % I would
-            # hide that 128 columns share a scale, and cost ~70 registers, ptxas sm_90a)
-            g_b = tl.minimum(cols // 128, (I - 1) // 128)
+            g_b = scale_block(cols, I)
             g_s = tl.load(ws_e + g_b * stride_wsn + kg)
             u_s = tl.load(ws_e + (g_b + I // 128) * stride_wsn + kg)
             acc_g += tl.dot(a, bg) * (a_s[:, None] * g_s[None, :])
