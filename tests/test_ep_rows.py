@@ -38,11 +38,16 @@ def random_copies(r, k, e_local):
     return torch.where(choice < e_local, choice, e_local).flatten()
 
 
+def received_rows(codec, x, k):
+    """x [T, H] packed and unpacked as a rank receives it: K copies per token, ids 0, random weights."""
+    t = x.shape[0]
+    return codec.unpack(codec.pack(t, codec.encode(x)[0], None, torch.zeros(t, k, dtype=torch.int32), torch.rand(t, k)))
+
+
 def test_sorted_batch_invariants():
     codec = RowCodec(64, 4, torch.float32, None)
     x = torch.randn(20, 64)
-    rows = codec.unpack(codec.pack(20, codec.encode(x)[0], None, torch.zeros(20, 4, dtype=torch.int32),
-                                   torch.rand(20, 4)))
+    rows = received_rows(codec, x, 4)
     experts = random_copies(20, 4, 5)
     n = int((experts < 5).sum())
     batch, copy_pos = sorted_batch(codec, rows, experts, n, 5)
@@ -58,8 +63,7 @@ def test_sorted_batch_invariants():
 def test_masked_batch_invariants():
     codec = RowCodec(64, 4, torch.float32, None)
     x = torch.randn(24, 64)
-    rows = codec.unpack(codec.pack(24, codec.encode(x)[0], None, torch.zeros(24, 4, dtype=torch.int32),
-                                   torch.rand(24, 4)))
+    rows = received_rows(codec, x, 4)
     experts = random_copies(24, 4, 6)
     batch, slot = masked_batch(codec, rows, experts, 6, capacity=24)
     assert batch.hidden.shape == (6, 24, 64)
