@@ -52,15 +52,16 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
                      A_TMA=tma)
     const.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
     const.update(extra or {})
-    sig = {}
+    sig = {}  # the runtime parameters' types (compile_for_hopper marks the constexprs)
     for name in fn.arg_names:
         if name in const:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name] = desc if (tma and name == "w") else ("tensordesc<%s[%d, %d]>" % (act, cfg.block_m, cfg.block_k)
-                                                            if (tma and name == "a_src") else "*" + ptrs[name])
+            continue
+        if tma and name == "w":
+            sig[name] = desc
+        elif tma and name == "a_src":
+            sig[name] = f"tensordesc<{act}[{cfg.block_m}, {cfg.block_k}]>"
         else:
-            sig[name] = "i32"
+            sig[name] = "*" + ptrs[name] if name in ptrs else "i32"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
              for n, t in sig.items() if t.startswith("*") or n in aligned}
     return fn, sig, const, attrs
