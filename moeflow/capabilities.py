@@ -58,6 +58,16 @@ class DispatcherCaps:
 
 
 @dataclass(frozen=True)
+class RouterCaps:
+    devices: frozenset[str]
+    requires: tuple[str, ...] = ()
+    priority: int = 0  # the plan picks the valid router of highest priority
+    max_experts: int | None = None  # the most experts it routes over (None: any)
+    grouped_pow2: bool = False  # grouped selection needs a power-of-two expert count
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class SchemeCaps:
     shape_rules: tuple[ShapeRule, ...] = ()
     note: str = ""

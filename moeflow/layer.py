@@ -60,7 +60,7 @@ class MoE(nn.Module):
         self.environment = Environment.detect(config.device, world)
         self.plan = make_plan(config, self.environment)
         self.scheme = create_scheme(self.plan.scheme)
-        self.router = create_router(config)
+        self.router = create_router(config, self.plan.router)
         self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme, process_group,
                                             indexed_rows=self.plan.indexed_rows)
         self.runner = create_runner(self.plan.runner, config, self.scheme)

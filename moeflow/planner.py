@@ -4,7 +4,8 @@ Checks, in order: the scheme's shape rules; the dispatcher (device, world size, 
 runner (device, scheme, dtype, compute capability, alignment, packages). "auto" picks, among the
 valid candidates, the one of highest declared ``priority`` (a fixed, documented order:
 triton > grouped_mm > reference for runners). The layout the dispatcher produces is handed to the
-runner natively when the runner lists it, else converted (layouts.run_in_layout).
+runner natively when the runner lists it, else converted (layouts.run_in_layout). The router
+is always chosen ("auto"): the valid one of highest priority (triton > torch).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .dispatch import DISPATCHERS
 from .errors import MoeflowError, error
 from .experts import RUNNERS
 from .quant import SCHEMES
+from .routing import ROUTERS
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class Plan:
     environment: str
     reasons: tuple[str, ...]
     indexed_rows: bool = False  # the dispatcher hands rows by index and the runner gathers them itself
+    router: str = "torch"
 
     @property
     def converted(self) -> bool:
@@ -36,6 +39,7 @@ class Plan:
     def __str__(self) -> str:
         conv = f" -> converted to {self.runner_layout}" if self.converted else " (native)"
         lines = [f"environment: {self.environment}",
+                 f"router:      {self.router}",
                  f"quant:       {self.scheme}",
                  f"dispatcher:  {self.dispatcher} (layout {self.layout})",
                  f"runner:      {self.runner}{conv}",
@@ -101,6 +105,20 @@ def check_runner(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
     return _package_error("runner", name, caps.requires, env)
 
 
+def check_router(name: str, cfg: MoEConfig, env: Environment, alternatives: bool = True) -> MoeflowError | None:
+    """None when router ``name`` can route ``cfg`` in ``env``, else its coded error."""
+    caps = ROUTERS.get(name).caps
+    if env.device_type not in caps.devices:
+        return error("MF203", kind="router", name=name, device=env.device_type, valid=sorted(caps.devices))
+    e = cfg.num_experts
+    if caps.max_experts is not None and e > caps.max_experts:
+        return error("MF206", what=f"num_experts={e}", rule=f"at most {caps.max_experts}", kind="router", name=name)
+    if caps.grouped_pow2 and cfg.grouped and e & (e - 1):
+        return error("MF206", what=f"num_experts={e} with grouped selection", rule="a power of two",
+                     kind="router", name=name)
+    return _package_error("router", name, caps.requires, env)
+
+
 def _package_error(kind: str, name: str, packages, env: Environment) -> MoeflowError | None:
     for pkg in packages:
         why = env.package_error(pkg)
@@ -140,6 +158,7 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
         raise err
     dispatcher, why_d = _choose("dispatcher", DISPATCHERS, check_dispatcher, cfg.dispatcher, cfg, env)
     runner, why_r = _choose("runner", RUNNERS, check_runner, cfg.runner, cfg, env)
+    router, why_t = _choose("router", ROUTERS, check_router, "auto", cfg, env)
     layout = DISPATCHERS.get(dispatcher).caps.layout
     runner_layouts = RUNNERS.get(runner).caps.layouts
     runner_layout = layout if layout in runner_layouts else runner_layouts[0]
@@ -150,7 +169,8 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
                                         else f"converted to {runner_layout!r} for the runner"))
     if indexed:
         reasons += ("rows by index: the runner reads each token's row in place (no permuted copy of hidden)",)
-    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed)
+    reasons += (why_t,)
+    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router)
 
 
 def cell_status(cfg: MoEConfig, env: Environment) -> str:

@@ -168,6 +168,24 @@ def test_auto_picks_the_highest_priority_valid_runner():
                dtype=torch.float32).plan.runner == "grouped_mm"  # over reference on CPU
 
 
+def test_router_choice():
+    """The plan routes with the one-launch Triton router where its caps allow, else torch, and says why."""
+    from moeflow.planner import check_router
+    sm90 = Environment("cuda", (9, 0))
+    base = MoEConfig(num_experts=256, hidden_size=128, intermediate_size=128, top_k=8, scoring="sigmoid",
+                     num_expert_groups=8, topk_groups=4, use_correction_bias=True)
+    assert plan(base, sm90).router == "triton" and "router 'auto' -> 'triton'" in str(plan(base, sm90))
+    assert plan(base, CPU).router == "torch" and check_router("triton", base, CPU).code == "MF203"
+    too_many = base.replace(num_experts=2048)
+    assert plan(too_many, sm90).router == "torch" and check_router("triton", too_many, sm90).code == "MF206"
+    odd_grouped = base.replace(num_experts=96)
+    assert plan(odd_grouped, sm90).router == "torch" and check_router("triton", odd_grouped, sm90).code == "MF206"
+    assert plan(odd_grouped.replace(num_expert_groups=1, topk_groups=1), sm90).router == "triton"
+    no_triton = Environment("cuda", (9, 0), unavailable=frozenset({"triton"}))
+    assert plan(base, no_triton).router == "torch" and check_router("triton", base, no_triton).code == "MF205"
+    assert "skipped triton (MF205)" in str(plan(base, no_triton))
+
+
 def test_auto_with_nothing_valid_is_mf209():
     """A device no dispatcher declares: "auto" lists each candidate with the code that refused it."""
     with pytest.raises(MoeflowError) as info:

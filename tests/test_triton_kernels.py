@@ -203,3 +203,31 @@ def test_fit_rules():
     big = kc.fit(kc.GemmConfig(128, 256, 128, 8, 8, 5), fused_pair=True, scheme="none", elem_bytes=4, n_size=512)
     assert big.num_stages * (128 * 128 + 2 * 128 * 256) * 4 <= 200 * 1024 or big.num_stages == 1
     assert kc.fit(kc.GemmConfig(16, 16, 16), fused_pair=False, scheme="fp8-tensor", elem_bytes=1, n_size=64).block_k == 32
+
+
+ROUTING = {  # name: MoEConfig routing fields (E=64, K=6)
+    "softmax-renorm": dict(scoring="softmax", renormalize=True),
+    "softmax": dict(scoring="softmax", renormalize=False),
+    "sigmoid-renorm-scaled": dict(scoring="sigmoid", renormalize=True, routed_scaling_factor=2.5),
+    "grouped-bias (DeepSeek-V3)": dict(scoring="sigmoid", renormalize=True, num_expert_groups=8, topk_groups=4,
+                                       use_correction_bias=True, routed_scaling_factor=2.5),
+    "grouped (DeepSeek-V2)": dict(scoring="softmax", renormalize=False, num_expert_groups=8, topk_groups=3),
+}
+
+
+@pytest.mark.parametrize("t", [1, 37])
+@pytest.mark.parametrize("case", ROUTING)
+def test_route_kernel_matches_the_torch_router(case, t):
+    """The one-launch router: the same expert ids (in order) and weights as routing/torch_topk.py."""
+    from moeflow import MoEConfig
+    from moeflow.kernels.route import route
+    from moeflow.routing import create_router
+    fields = ROUTING[case]
+    cfg = MoEConfig(num_experts=64, hidden_size=16, intermediate_size=16, top_k=6, **fields)
+    logits = torch.randn(t, 64) * 3
+    bias = (torch.rand(64) - 0.5) * 0.2 if cfg.use_correction_bias else None
+    want_ids, want_w = create_router(cfg)(logits, bias)
+    ids, w = route(logits, bias, 6, cfg.scoring, cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups,
+                   cfg.routed_scaling_factor)
+    assert ids.dtype == torch.int32 and torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)

@@ -6,11 +6,13 @@ from typing import ClassVar
 
 from torch import Tensor
 
+from ..capabilities import RouterCaps
 from ..config import MoEConfig
 
 
 class Router(ABC):
     name: ClassVar[str]
+    caps: ClassVar[RouterCaps]  # what it supports; the planner picks (planner.check_router)
 
     def __init__(self, config: MoEConfig):
         self.config = config

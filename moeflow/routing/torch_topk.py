@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..capabilities import RouterCaps
 from .base import Router
 
 
 class TorchTopK(Router):
     name = "torch"
+    caps = RouterCaps(devices=frozenset({"cpu", "cuda"}), note="torch ops, float32; any expert count")
 
     def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
         cfg = self.config

@@ -158,3 +158,19 @@ def test_sort_copies_on_gpu(t, k, e):
     w = torch.rand(t, k, device="cuda")
     for got, want in zip(sort_copies(ids, w, e), sort_by_expert_torch(ids, w, e)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
+@pytest.mark.parametrize("t", [1, 37, 4096])
+def test_triton_router_on_gpu(preset, t):
+    """routing/triton_topk.py on CUDA, the presets' real routing: ids equal the torch router's
+    (float32 logits spread wide enough that no two scores tie) and weights to float32 rounding."""
+    from moeflow.presets import preset_config
+    from moeflow.routing import create_router
+    cfg = preset_config(preset, device="cuda")
+    logits = torch.randn(t, cfg.num_experts, device="cuda") * 4
+    bias = (torch.rand(cfg.num_experts, device="cuda") - 0.5) * 0.1 if cfg.use_correction_bias else None
+    ids, w = create_router(cfg, "triton")(logits, bias)
+    want_ids, want_w = create_router(cfg, "torch")(logits, bias)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,26 @@
+"""router="triton": the whole routing of routing/torch_topk.py in one Triton launch on CUDA
+(kernels/route.py): scores, grouped selection with the correction bias, top-k, renormalization and
+scaling. The same expert ids as the torch router and weights to float32 rounding.
+
+At decode sizes the torch router is ~10 small kernels; measured on one H200 (whole layer as a
+CUDA graph, benchmarks/results/branches_2026-11-30_h200_95ead73.md) the one launch saves 7-43 µs
+per layer at T <= 128.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..capabilities import RouterCaps
+from .base import Router
+
+
+class TritonTopK(Router):
+    name = "triton"
+    caps = RouterCaps(devices=frozenset({"cuda"}), requires=("triton",), priority=10, max_experts=1024,
+                      grouped_pow2=True, note="one launch per call; experts held in registers (E <= 1024)")
+
+    def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
+        from ..kernels.route import route
+        cfg = self.config
+        return route(router_logits, correction_bias, cfg.top_k, cfg.scoring, cfg.renormalize,
+                     cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
