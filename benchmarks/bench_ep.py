@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from moeflow import MoE, MoEConfig  # noqa: E402
-from moeflow.dispatch import DISPATCHERS  # noqa: E402
+from moeflow.dispatch import DISPATCHERS, create_dispatcher  # noqa: E402
 from moeflow.distributed import all_gather_start, init_distributed  # noqa: E402
 from moeflow.quant import create_scheme  # noqa: E402
 
@@ -91,12 +91,16 @@ def bench_alltoall(a, dev, rank, res):
     for quant in ("none", "fp8-block"):  # bf16 payload; FP8 payload (the scheme's own 1x128 scales)
         cfg = MoEConfig(num_experts=a.experts, hidden_size=h, intermediate_size=a.inter, top_k=a.topk, quant=quant,
                         dtype=dt, device=dev)
-        d = DISPATCHERS.get("alltoall")(cfg, create_scheme(quant))
+        # rows by index, as the layer's plan asks for the triton runner (Plan.indexed_rows); the
+        # gathered batch (one row copied per copy, what other runners get) is timed beside it
+        d = create_dispatcher("alltoall", cfg, create_scheme(quant), indexed_rows=True)
+        gathered = create_dispatcher("alltoall", cfg, create_scheme(quant), indexed_rows=False)
         x = torch.randn(a.tokens, h, device=dev).to(dt)
         ids, w = routing(a.tokens, a.experts, a.topk, dev)
         batch, handle = d.dispatch(x, ids, w)
-        out = torch.randn(batch.hidden.shape[0], h, device=dev).to(dt)
+        out = torch.randn(batch.num_rows, h, device=dev).to(dt)
         t_d = timed(lambda: d.dispatch(x, ids, w), a.iters, dev)
+        t_dg = timed(lambda: gathered.dispatch(x, ids, w), a.iters, dev)
         t_c = timed(lambda: d.combine(out, handle), a.iters, dev)
         # the transfer alone: pack + counts exchange + the all-to-all, without building the ExpertBatch
         # (dispatch) or the home-rank sum (combine)
@@ -111,7 +115,7 @@ def bench_alltoall(a, dev, rank, res):
         r_c = timed(raw_a2a(handle.received, handle.sent, h * dt.itemsize, dev), a.iters, dev)
         res[f"alltoall/{quant}"] = dict(
             tokens=a.tokens, payload=str(d.codec.dtype), row_bytes=d.codec.row_bytes, rows_sent=handle.sent,
-            dispatch_us=t_d, combine_us=t_c, raw_dispatch_us=r_d, raw_combine_us=r_c, copies=batch.hidden.shape[0],
+            dispatch_us=t_d, dispatch_gathered_us=t_dg, combine_us=t_c, raw_dispatch_us=r_d, raw_combine_us=r_c, copies=batch.num_rows,
             dispatch_transfer_us=t_dx, combine_transfer_us=t_cx,
             dispatch_bytes=d_bytes, combine_bytes=c_bytes,
             dispatch_GBps=d_bytes / t_d / 1e3, combine_GBps=c_bytes / t_c / 1e3,
@@ -234,7 +238,8 @@ def print_table(res):
             print(f"{key:22s} dispatch {r['dispatch_us']:8.1f} us {r['dispatch_GBps']:6.1f} GB/s (raw {r['raw_dispatch_us']:7.1f} us,"
                   f" x{r['ratio_dispatch']:.2f})  combine {r['combine_us']:8.1f} us {r['combine_GBps']:6.1f} GB/s"
                   f" (raw {r['raw_combine_us']:7.1f} us, x{r['ratio_combine']:.2f})  total x{r['ratio_total']:.2f}"
-                  f"  [transfer only: dispatch {r['dispatch_transfer_us']:.1f} us, combine {r['combine_transfer_us']:.1f} us]")
+                  f"  [transfer only: dispatch {r['dispatch_transfer_us']:.1f} us, combine {r['combine_transfer_us']:.1f} us;"
+                  f" gathered dispatch {r['dispatch_gathered_us']:.1f} us]")
         elif key.startswith("lowlatency/"):
             print(f"{key:22s} " + "  ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us")) + "  (us)")
         elif key.startswith("profile/"):

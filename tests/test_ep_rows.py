@@ -21,15 +21,23 @@ def test_pack_round_trip(hidden, dtype, payload):
     assert codec.row_bytes % 16 == 0
     x = torch.randn(5, hidden).to(dtype)
     tokens, scale = codec.encode(x)
-    ids, w = torch.randint(0, 8, (3, 8), dtype=torch.int32), torch.rand(3, 8)
-    index = torch.tensor([4, 0, 2])
-    rows = codec.unpack(codec.pack(6, tokens, scale, ids, w, index=index))
+    ids, w = torch.randint(0, 8, (5, 8), dtype=torch.int32), torch.rand(5, 8)
     q, s = (x, None) if scheme is None else scheme.quantize_activation(x)
-    got = codec.as_payload(rows.hidden[:3].contiguous())
+    # rows in token order, then padding
+    rows = codec.unpack(codec.pack(6, tokens, scale, ids, w))
+    assert torch.equal(codec.as_payload(rows.hidden[:5].contiguous()).view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(rows.ids[:5], ids) and torch.equal(rows.weights[:5], w)
+    assert (rows.ids[5:] == -1).all() and (rows.weights[5:] == 0).all()  # padding rows
+    assert (s is None) == (rows.scale is None) and (s is None or torch.equal(rows.scale[:5], s))
+    # rows named per token (dest_pos): row i holds token index[i]; tokens 1 and 3 go nowhere
+    index = torch.tensor([4, 0, 2])
+    dest_pos = torch.full((5, 1), -1)
+    dest_pos[index, 0] = torch.arange(3)
+    rows = codec.unpack(codec.pack(3, tokens, scale, ids, w, dest_pos=dest_pos))
+    got = codec.as_payload(rows.hidden.contiguous())
     assert torch.equal(got.view(torch.uint8), q[index].contiguous().view(torch.uint8))
-    assert torch.equal(rows.ids[:3], ids) and torch.equal(rows.weights[:3], w)
-    assert (rows.ids[3:] == -1).all() and (rows.weights[3:] == 0).all()  # padding rows
-    assert (s is None) == (rows.scale is None) and (s is None or torch.equal(rows.scale[:3], s[index]))
+    assert torch.equal(rows.ids, ids[index]) and torch.equal(rows.weights, w[index])
+    assert s is None or torch.equal(rows.scale, s[index])
 
 
 def random_copies(r, k, e_local):
@@ -58,6 +66,26 @@ def test_sorted_batch_invariants():
     assert torch.equal(flat[flat >= 0].sort().values, torch.arange(n))  # a permutation
     for c in torch.nonzero(flat >= 0).flatten().tolist():
         assert torch.equal(batch.hidden[flat[c]], x[c // 4]) and batch.weights[flat[c]] == rows.weights.flatten()[c]
+
+
+@pytest.mark.parametrize("payload", [None, "fp8-block"])
+def test_sorted_batch_by_index_equals_the_gathered_one(payload):
+    """indexed=True names the received rows (strided views of the buffer, source_rows) instead of
+    copying them: gathered, it is the copied batch byte for byte."""
+    codec = RowCodec(256, 4, torch.bfloat16, payload and create_scheme(payload))
+    x = torch.randn(20, 256).to(torch.bfloat16)
+    tokens, scale = codec.encode(x)
+    rows = codec.unpack(codec.pack(20, tokens, scale, torch.zeros(20, 4, dtype=torch.int32), torch.rand(20, 4)))
+    experts = random_copies(20, 4, 5)
+    n = int((experts < 5).sum())
+    copied, pos = sorted_batch(codec, rows, experts, n, 5)
+    named, pos2 = sorted_batch(codec, rows, experts, n, 5, indexed=True)
+    assert named.source_rows is not None and named.num_rows == n and named.hidden.shape == (20, 256)
+    assert named.hidden.data_ptr() == rows.hidden.data_ptr()  # a view of the receive buffer, no copy
+    got = named.gathered()
+    assert torch.equal(got.hidden.view(torch.uint8), copied.hidden.view(torch.uint8)) and torch.equal(pos, pos2)
+    assert torch.equal(got.weights, copied.weights) and torch.equal(got.offsets, copied.offsets)
+    assert payload is None or torch.equal(got.hidden_scale, copied.hidden_scale)
 
 
 def test_masked_batch_invariants():

@@ -46,8 +46,9 @@ class Ctx:
         self.rank, self.world = rank, world
         self.solo = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
 
-    def compare(self, tokens, payload=None, tol=None, logits_fn=None, **fields):
-        """EP layer on this rank's tokens vs the one-process layer on all tokens; tokens[r] per rank."""
+    def compare(self, tokens, payload=None, tol=None, logits_fn=None, indexed=False, **fields):
+        """EP layer on this rank's tokens vs the one-process layer on all tokens; tokens[r] per rank.
+        indexed: the dispatcher hands rows by index (as for the triton runner on CUDA)."""
         cfg = MoEConfig(**{**BASE, **fields, **({"dispatch_payload": payload} if payload else {})})
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
         state = {"gate_up_proj": torch.randn(e, 2 * i, h) / h ** 0.5, "down_proj": torch.randn(e, h, i) / i ** 0.5}
@@ -61,6 +62,7 @@ class Ctx:
         x = torch.randn(sum(tokens), h).to(cfg.dtype).to(cfg.device)
         logits = (logits_fn(sum(tokens), e) if logits_fn else torch.randn(sum(tokens), e) * 2).to(cfg.device)
         ep = MoE(cfg)
+        ep.dispatcher.indexed_rows = indexed and ep.dispatcher.caps.indexed_rows
         one = MoE(cfg.replace(dispatcher="auto"), process_group=self.solo[self.rank])
         for layer in (ep, one):
             layer.load_weights(state)
@@ -114,6 +116,10 @@ def suite(world):
             [7 + 3 * r for r in range(c.world)], dispatcher=d, runner="reference", quant="fp8-block", dtype=torch.float32,
             logits_fn=lambda t, e: torch.randn(t, e) + 20 * (torch.arange(e) >= e - e // c.world))))
         checks.append((f"halves-shared-experts-{d}", lambda c, d=d: check_halves(c, d)))
+    for s in ("none", "fp8-block"):  # received rows named in the receive buffer; the runner gathers
+        checks.append((f"alltoall-rows-by-index-{s}", lambda c, s=s: c.compare(
+            tokens_for(c, "ix" + s), indexed=True, dispatcher="alltoall", runner="reference", quant=s,
+            dtype=torch.bfloat16)))
     checks.append(("deepseek-routing-shared-alltoall", lambda c: c.compare(
         tokens_for(c, "ds"), num_experts=16, top_k=4, scoring="sigmoid", num_expert_groups=4, topk_groups=2,
         use_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1, shared_intermediate_size=64,

@@ -162,6 +162,39 @@ def test_prequantized_payload(make_layer, scheme, indexed):
     assert_close(out, ref, rel_tol(scheme, torch.float16), "fp8 payload")
 
 
+def in_wider_rows(t, pad=24):
+    """t [R, C] as a strided view into a wider buffer (row stride C + pad, starting 16 elements in,
+    the rest poisoned): the alltoall receive buffer hands rows and scales to the runner like this."""
+    buf = torch.full((t.shape[0], t.shape[1] + pad), float("nan")).to(t.dtype) if t.is_floating_point() and t.element_size() > 1 \
+        else torch.zeros((t.shape[0], t.shape[1] + pad), dtype=t.dtype)
+    view = buf[:, 16:16 + t.shape[1]]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("payload", ["layer dtype", "fp8"])
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel", "fp8-block"])
+def test_rows_by_index_in_a_strided_buffer(make_layer, scheme, payload):
+    """Rows by index whose rows (and FP8 scales) are strided views of a wider buffer, as the
+    alltoall dispatcher hands them: read in place, same result as the reference on the gathered batch."""
+    if payload == "fp8" and scheme == "fp8-tensor":
+        pytest.skip("fp8-tensor payloads are not row-local (MF506): the layer dtype travels")
+    layer, runner = build(make_layer, ALIGNED, scheme, torch.float16)
+    x = torch.randn(9, 128).half()
+    ids, w = route(9, 4, 2)
+    layer.dispatcher.indexed_rows = True
+    batch, _ = layer.dispatcher.dispatch(x, ids, w)
+    if payload == "fp8":
+        q, sc = payload_scheme(layer.scheme).quantize_activation(x)
+        batch.hidden, batch.hidden_scale = in_wider_rows(q.view(torch.uint8)).view(q.dtype), in_wider_rows(sc)
+    else:
+        batch.hidden = in_wider_rows(x)
+    assert batch.hidden.stride(0) != batch.hidden.shape[1]
+    out = runner.run_with(batch, layer.expert_weights(), small_config(scheme), poison=True)
+    ref = ReferenceRunner(layer.config, layer.scheme).run(batch.gathered(), layer.expert_weights())
+    assert_close(out, ref, rel_tol(scheme, torch.float16), f"strided rows, {payload} payload")
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 def test_activations(make_layer, activation):
     layer, runner = build(make_layer, ALIGNED, "none", torch.float32, activation=activation)

@@ -49,6 +49,42 @@ def _quantize(scheme: QuantScheme, x: Tensor) -> tuple[Tensor, Tensor]:
     return scheme.quantize_activation(x)
 
 
+def _ep_kernels(t: Tensor):
+    """moeflow.kernels.ep_rows when ``t`` is on CUDA and triton imports, else None (torch code)."""
+    if not t.is_cuda:
+        return None
+    try:
+        from ..kernels import ep_rows
+    except ImportError:
+        return None
+    return ep_rows
+
+
+def pack_rows_torch(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor,
+                    dest_pos: Tensor, expert_rank: Tensor | None = None, expert_local: Tensor | None = None,
+                    pad_from: int | None = None) -> None:
+    """Torch reference of kernels/ep_rows.pack_rows (same arguments; it reads the number of
+    (token, destination) pairs on the host): rows of ``out`` named by dest_pos [T, D] get token t,
+    its scale and its routing (remapped to destination d's local ids when expert_rank / expert_local
+    [E] are given); rows pad_from.. get ids -1, weights 0."""
+    token, dest = torch.nonzero(dest_pos >= 0, as_tuple=True)
+    row = dest_pos[token, dest]
+    gid, w = ids[token], weights[token]
+    if expert_rank is not None:
+        g = gid.long().clamp(min=0)
+        keep = (gid >= 0) & (expert_rank[g] == dest[:, None])
+        gid = torch.where(keep, expert_local[g], -1).to(torch.int32)
+        w = torch.where(keep, w, 0.0)
+    out.ids[row] = gid
+    out.weights[row] = w
+    out.hidden[row] = tokens[token]
+    if scale is not None:
+        out.scale[row] = scale[token]
+    if pad_from is not None:
+        out.ids[pad_from:] = -1
+        out.weights[pad_from:] = 0
+
+
 class RowCodec:
     """Packs (payload, routing) rows. ``payload``: a quant scheme whose ``quantize_activation``
     compresses the token (FP8 payload), or None to send the layer dtype."""
@@ -77,24 +113,26 @@ class RowCodec:
         return t.contiguous().view(torch.uint8).view(self.word)
 
     def pack(self, rows: int, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor,
-             index: Tensor | None = None) -> Tensor:
-        """-> uint8 [rows, row_bytes]. Row i < n = ids.shape[0] holds token ``index[i]`` (or i) with
-        routing ``ids[i]``, ``weights[i]``; rows n.. are padding (ids -1, weights 0)."""
-        n = ids.shape[0]
+             dest_pos: Tensor | None = None, expert_rank: Tensor | None = None,
+             expert_local: Tensor | None = None) -> Tensor:
+        """-> uint8 [rows, row_bytes]. tokens [T, Wd] words, scale [T, G] | None (``encode``),
+        ids [T, K] int32 global expert ids, weights [T, K] float32.
+
+        dest_pos None: row t holds token t as it is; rows T.. are padding (ids -1, weights 0).
+        dest_pos [T, D] int64: token t goes to row dest_pos[t, d] for each d where it is >= 0, with
+        the ids of rank d's experts as local ids (``expert_local``, where ``expert_rank`` is d)
+        and -1 / weight 0 for the others; rows no pair names stay unwritten.
+        One Triton launch on CUDA (kernels/ep_rows.pack_rows), torch otherwise; the same bytes.
+        """
         buf = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=tokens.device)
-        view = self.unpack(buf)
-        view.ids[:n] = ids
-        view.ids[n:] = -1
-        view.weights[:n] = weights
-        view.weights[n:] = 0
-        if index is None:
-            view.hidden[:n] = tokens[:n]
-            if scale is not None:
-                view.scale[:n] = scale[:n]
-        else:
-            torch.index_select(tokens, 0, index, out=view.hidden[:n])  # one pass, into the row
-            if scale is not None:
-                torch.index_select(scale, 0, index, out=view.scale[:n])
+        t = ids.shape[0]
+        pad_from = None
+        if dest_pos is None:
+            dest_pos, pad_from = torch.arange(t, device=tokens.device)[:, None], t
+        kernels = _ep_kernels(tokens)
+        pack = pack_rows_torch if kernels is None else kernels.pack_rows
+        pack(self.unpack(buf), tokens, scale, ids.to(torch.int32), weights.float(), dest_pos, expert_rank,
+             expert_local, pad_from)
         return buf
 
     def unpack(self, buf: Tensor) -> Rows:
@@ -111,10 +149,14 @@ class RowCodec:
         return words.view(torch.uint8).view(self.dtype)
 
 
-def sorted_batch(codec: RowCodec, rows: Rows, experts: Tensor, n: int, e_local: int) -> tuple[ExpertBatch, Tensor]:
+def sorted_batch(codec: RowCodec, rows: Rows, experts: Tensor, n: int, e_local: int,
+                 indexed: bool = False) -> tuple[ExpertBatch, Tensor]:
     """The copies marked in ``experts`` ([R * K] local expert of each copy, ``e_local`` where the
     copy is not for this rank; ``n`` are real) as a sorted-layout batch.
 
+    indexed: the batch names its rows (``source_rows`` [n] into the R received rows, which it
+    holds as strided views of the receive buffer) instead of copying one row per copy
+    (n x H bytes written and read again: 470 MB per dispatch at 4096 tokens/rank, H=7168, top-8).
     Returns (batch, copy_pos [R, K] int64: the batch row of each copy, -1 for non-copies).
     """
     k = codec.top_k
@@ -124,33 +166,46 @@ def sorted_batch(codec: RowCodec, rows: Rows, experts: Tensor, n: int, e_local: 
     counts = torch.zeros(e_local + 1, dtype=torch.int32, device=experts.device).scatter_add_(0, experts, ones)[:e_local]
     copy_pos = torch.full_like(experts, -1)
     copy_pos[order] = torch.arange(n, device=experts.device)
-    batch = ExpertBatch(
-        layout=SORTED,
-        hidden=codec.as_payload(rows.hidden.index_select(0, row)),
-        weights=rows.weights.reshape(-1)[order],
-        counts=counts,
-        offsets=offsets_from_counts(counts),
-        hidden_scale=None if rows.scale is None else rows.scale.index_select(0, row),
-    )
+    if indexed:
+        hidden, scale, source = codec.as_payload(rows.hidden), rows.scale, row
+    else:
+        hidden = codec.as_payload(rows.hidden.index_select(0, row))
+        scale = None if rows.scale is None else rows.scale.index_select(0, row)
+        source = None
+    batch = ExpertBatch(layout=SORTED, hidden=hidden, weights=rows.weights.reshape(-1)[order], counts=counts,
+                        offsets=offsets_from_counts(counts), hidden_scale=scale, source_rows=source)
     return batch, copy_pos.view(-1, k)
 
 
 def masked_batch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int, capacity: int) -> tuple[ExpertBatch, Tensor]:
     """Every copy of ``experts`` ([R * K], sentinel e_local) into a fixed slab [E_local, capacity, H],
     with no host synchronization (CUDA-graph capturable). Returns (batch, copy_slot [R, K] int64:
-    e * capacity + position of each copy, -1 for non-copies).
+    e * capacity + position of each copy among its expert's copies in row order, -1 for non-copies).
 
     The caller guarantees no expert receives more than ``capacity`` copies. Empty slots of
     ``hidden`` hold unspecified bytes (zeroing E_local·capacity·H bytes would cost more than the
     dispatch); ``weights`` is 0 there and ``counts`` says which slots are valid.
+    Two Triton launches on CUDA (kernels/ep_rows.masked_scatter), masked_batch_torch otherwise.
     """
+    kernels = _ep_kernels(experts)
+    if kernels is None:
+        return masked_batch_torch(codec, rows, experts, e_local, capacity)
+    hidden, weights, scale, counts, slot = kernels.masked_scatter(rows, experts, e_local, capacity)
+    batch = ExpertBatch(layout=MASKED, hidden=codec.as_payload(hidden), weights=weights, counts=counts,
+                        hidden_scale=scale)
+    return batch, slot.view(-1, codec.top_k)
+
+
+def masked_batch_torch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int,
+                       capacity: int) -> tuple[ExpertBatch, Tensor]:
+    """masked_batch in torch ops (the reference of kernels/ep_rows.masked_scatter)."""
     k, dev = codec.top_k, experts.device
     # position of each copy among its expert's copies, in row order: a running count per expert
-    # ([E_local+1, R*K] int32, a few MB at decode sizes) instead of a sort: fewer kernels. The scan
-    # runs along the last dim: along dim 0 torch scans each column serially (~0.5 ms on H200).
+    # ([E_local+1, R*K] int32, a few MB at decode sizes) instead of a sort. The scan runs along the
+    # last dim: along dim 0 torch scans each column serially (~0.5 ms on H200).
     running = (torch.arange(e_local + 1, device=dev)[:, None] == experts[None, :]).to(torch.int32).cumsum(1)
     pos = running.gather(0, experts[None, :]).squeeze(0) - 1
-    counts = running[:e_local, -1]
+    counts = running[:e_local, -1].to(torch.int32)
     trash = e_local * capacity
     slot = torch.where(experts < e_local, experts * capacity + pos, trash)
     row = torch.arange(experts.numel(), device=dev) // k

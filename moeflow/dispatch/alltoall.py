@@ -5,7 +5,9 @@ dispatch:
      rank's experts only (local ids, -1 for the others) — one packed row (see _ep_rows);
   2. per destination rank, (rows, copies) counts are exchanged (a small all-to-all; the host reads
      them: this dispatcher synchronizes once per dispatch, like every variable-size all-to-all);
-  3. one all_to_all_single moves the rows; the receiver sorts the copies by local expert.
+  3. one all_to_all_single moves the rows; the receiver sorts the copies by local expert. With
+     rows by index (Plan.indexed_rows: the triton runner) the batch names the received rows
+     instead of copying one row per copy.
 combine: each rank sums, per received row, the outputs of that row's copies (float32), sends the
 rows back in the layer dtype (one all_to_all_single), and the token's home rank adds the partial
 sums of the ranks it went to (float32, then the layer dtype). Both sums are ``gather_sum``: one
@@ -49,37 +51,40 @@ class _Pending:
 class AllToAllDispatcher(ExpertParallelDispatcher):
     name = "alltoall"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=30,
-                          note="counts exchange + one all_to_all_single per direction; FP8 payload optional")
+                          note="counts exchange + one all_to_all_single per direction; FP8 payload optional",
+                          indexed_rows=True)
 
     def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> _Pending:
-        t, w = topk_ids.shape[0], self.world
-        ids = topk_ids.long()
-        rank_of = self.expert_rank[ids]  # [T, K]
-        need = torch.zeros(t, w, dtype=torch.bool, device=hidden.device)
-        need.scatter_(1, rank_of, True)  # token t goes to rank r
-        copies = torch.zeros(w, dtype=torch.int64, device=hidden.device)
+        t, w, dev = topk_ids.shape[0], self.world, hidden.device
+        rank_of = self.expert_rank[topk_ids.long()]  # [T, K]
+        need = torch.zeros(w, t, dtype=torch.int32, device=dev)
+        need.scatter_(0, rank_of.t(), 1)  # [W, T]: token t goes to rank r
+        copies = torch.zeros(w, dtype=torch.int64, device=dev)
         copies.scatter_add_(0, rank_of.flatten(), torch.ones_like(rank_of.flatten()))
-        counts = torch.stack([need.sum(0), copies], dim=1)  # [W, 2]: rows, copies per destination
+        rows_to = need.sum(1, dtype=torch.int64)  # [W]
+        counts = torch.stack([rows_to, copies], dim=1)  # [W, 2]: rows, copies per destination
         theirs = torch.empty_like(counts)
         with collective("alltoall counts exchange", self.process_group):
             work = dist.all_to_all_single(theirs, counts, group=self.process_group, async_op=True)
-        tokens, scale = self.codec.encode(hidden)  # queued while the counts travel
+        # Everything below up to the host read runs on the device while the counts travel; after
+        # it the host only launches the all-to-all (each op queued after a host synchronization
+        # leaves the GPU idle for its launch time).
+        # home[t, r]: row of token t in the send buffer for rank r (grouped by destination, tokens
+        # ascending), -1 if not sent; the combine's receive buffer has the same rows.
+        first = torch.cumsum(rows_to, 0) - rows_to  # [W] first row of each destination's block
+        home = torch.where(need > 0, first[:, None] + need.cumsum(1) - 1, -1).t()  # [T, W] int64
+        tokens, scale = self.codec.encode(hidden)
+        most = t * min(w, self.config.top_k)  # a token goes to at most min(W, K) ranks
+        send = self.codec.pack(most, tokens, scale, topk_ids, topk_weights, dest_pos=home,
+                               expert_rank=self.expert_rank, expert_local=self.expert_local)
         wait(work, "alltoall counts exchange", self.process_group, counts.device, host=True)
         both = torch.cat([counts, theirs], dim=1).tolist()  # the one host synchronization of dispatch
         sent, received = [row[0] for row in both], [row[2] for row in both]
         copies_in = sum(row[3] for row in both)
-        # rows to send, grouped by destination, tokens in order; the count is known: no second sync
-        j = torch.nonzero_static(need.t().flatten(), size=sum(sent)).squeeze(1)
-        dest, token = j // max(t, 1), j % max(t, 1)
-        home = torch.full((t, w), -1, dtype=torch.int64, device=hidden.device)
-        home[token, dest] = torch.arange(token.numel(), device=hidden.device)
-        valid = rank_of[token] == dest[:, None]  # [S, K] copies meant for that destination
-        local = torch.where(valid, self.expert_local[ids[token]], -1).to(torch.int32)
-        weights = torch.where(valid, topk_weights[token].float(), 0.0)
-        send = self.codec.pack(token.numel(), tokens, scale, local, weights, index=token)
-        buf = torch.empty(sum(received), self.codec.row_bytes, dtype=torch.uint8, device=hidden.device)
+        buf = torch.empty(sum(received), self.codec.row_bytes, dtype=torch.uint8, device=dev)
         with collective("alltoall dispatch", self.process_group):
-            work = dist.all_to_all_single(buf, send, received, sent, group=self.process_group, async_op=True)
+            work = dist.all_to_all_single(buf, send[:sum(sent)], received, sent, group=self.process_group,
+                                          async_op=True)
         return _Pending(work, buf, AllToAllHandle(None, home, sent, received), copies_in)
 
     def dispatch_wait(self, pending: _Pending):
@@ -87,7 +92,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         rows = self.codec.unpack(pending.buf)
         e_local = len(self._local)
         experts = torch.where(rows.ids >= 0, rows.ids, e_local).long().flatten()
-        batch, pending.handle.copy_pos = sorted_batch(self.codec, rows, experts, pending.copies, e_local)
+        batch, pending.handle.copy_pos = sorted_batch(self.codec, rows, experts, pending.copies, e_local,
+                                                      indexed=self.indexed_rows)
         return batch, pending.handle
 
     def combine_start(self, expert_out: Tensor, handle: AllToAllHandle) -> _Pending:

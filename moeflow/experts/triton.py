@@ -72,8 +72,8 @@ class TritonRunner(ExpertRunner):
             xq, xs = quantize_activation(x, scheme.name) if src is not None else quantize_rows(x, scheme.name, layout)
         else:
             xq, xs = x, None
-        xq = xq.contiguous()
-        inter, extra = gate_up(xq, None if xs is None else xs.contiguous(), weights.w13, weights.w13_scale,
+        xq, xs = _rows(xq), None if xs is None else _rows(xs)  # strided rows (a receive buffer) as they are
+        inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale,
                                layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison,
                                source_rows=None if src is None else src.contiguous())
         if scheme.name == "fp8-block":
@@ -108,3 +108,8 @@ class TritonRunner(ExpertRunner):
             kc.fit(chosen.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
             kc.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
         return self._fitted[key]
+
+
+def _rows(t: Tensor) -> Tensor:
+    """t [R, C] with contiguous columns (the kernels take any row stride), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -97,8 +97,9 @@ def quantize_groups(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def quantize_rows(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tensor, Tensor]:
-    """x [R, K] layer dtype -> (q [R, K] float8_e4m3fn, scale [R, G] float32) by ``scheme``."""
-    x = x.contiguous()
+    """x [R, K] layer dtype, any row stride -> (q [R, K] float8_e4m3fn, scale [R, G] float32) by ``scheme``."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     if scheme == "fp8-block":
         return quantize_groups(x)
     amax = row_amax(x, layout)

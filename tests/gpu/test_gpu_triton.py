@@ -174,3 +174,32 @@ def test_triton_router_on_gpu(preset, t):
     want_ids, want_w = create_router(cfg, "torch")(logits, bias)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("payload", [None, "fp8-block"])
+def test_ep_row_kernels_on_gpu(payload):
+    """kernels/ep_rows.py at the benchmark's sizes (H=7168, top-8, 256 rows, 128 local experts) on
+    CUDA: bit for bit the torch code of the dispatchers (pack_rows_torch, masked_batch_torch)."""
+    from moeflow.dispatch._ep_rows import RowCodec, masked_batch_torch, pack_rows_torch
+    from moeflow.kernels.ep_rows import masked_scatter, pack_rows
+    from moeflow.quant import create_scheme
+    codec = RowCodec(7168, 8, torch.bfloat16, payload and create_scheme(payload))
+    t, world, e = 256, 2, 256
+    tokens, scale = codec.encode(torch.randn(t, 7168, device="cuda").to(torch.bfloat16))
+    ids, w = routing(t, e, 8)
+    rank = torch.arange(e, device="cuda") % world
+    local = torch.arange(e, device="cuda") // world
+    home = torch.randperm(t * world, device="cuda").view(t, world)
+    bufs = [torch.full((t * world, codec.row_bytes), 0x7F, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    for fn, buf in zip((pack_rows, pack_rows_torch), bufs):
+        fn(codec.unpack(buf), tokens, scale, ids, w, home, rank, local)
+    assert torch.equal(bufs[0], bufs[1])
+    rows = codec.unpack(bufs[0])
+    experts = torch.where(rows.ids >= 0, rows.ids, 128).long().flatten()
+    batch, slot = masked_batch_torch(codec, rows, experts, 128, t * world)
+    hidden, weights, sc, counts, copy_slot = masked_scatter(rows, experts, 128, t * world)
+    assert torch.equal(copy_slot, slot.flatten()) and torch.equal(counts, batch.counts)
+    assert torch.equal(weights, batch.weights)
+    valid = torch.arange(t * world, device="cuda")[None, :] < counts[:, None]
+    assert torch.equal(hidden[valid], batch.hidden.contiguous().view(torch.uint8).view(codec.word)[valid])
+    assert sc is None or torch.equal(sc[valid], batch.hidden_scale[valid])

@@ -1,0 +1,208 @@
+"""Packed-row kernels of the expert-parallel dispatchers (rows: moeflow/dispatch/_ep_rows.py).
+
+A packed buffer is uint8 [M, row_bytes]; RowCodec.unpack gives strided views of it (a ``Rows``):
+ids int32 [M, K], weights float32 [M, K], scale float32 [M, G] or None, hidden words [M, Wd]
+(int64 / int32 / int16 / uint8: RowCodec.word). The kernels take those views as they are (each
+with its row stride, in elements) and do in one launch what took a chain of small torch ops.
+
+pack_rows: tokens into the rows of a send buffer, one row per (token, destination).
+    tokens [T, Wd] words, scale [T, G] float32 | None, ids [T, K] int32 (global expert ids),
+    weights [T, K] float32, dest_pos [T, D] int64 (row of token t for destination d, -1: not sent),
+    expert_rank / expert_local [E] int64 or None (then ids and weights are copied as they are).
+    With them, destination d gets ids ``expert_local[id]`` where ``expert_rank[id] == d``, else -1,
+    and weights where kept, else 0.0. Rows pad_from .. M-1 get ids -1, weights 0 (padding).
+    Its torch reference (the dispatchers' path off CUDA) is dispatch/_ep_rows.pack_rows_torch.
+
+masked_scatter: the copies of received rows into a masked batch's slab, as masked_batch does.
+    experts [R*K] int64: local expert of copy j (of row j // K), E_local for copies not here
+    -> hidden [E_local, C, Wd] words, weights [E_local, C] float32, scale [E_local, C, G] float32 | None,
+       counts [E_local] int32, copy_slot [R*K] int64 (e*C + position of the copy among its
+       expert's copies in j order; -1 for copies not here).
+    Empty slots: weights 0, hidden / scale unspecified. Two launches, no host synchronization
+    (CUDA-graph capturable). The reference is masked_batch itself.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..dispatch._ep_rows import Rows
+
+_PAD_ROWS = 64  # padding rows per program of pack_rows
+
+
+def _block(n: int, most: int = 1024) -> int:
+    return min(most, triton.next_power_of_2(max(n, 1)))
+
+
+def _check_rows(rows: Rows) -> None:
+    views = [rows.ids, rows.weights, rows.hidden] + ([] if rows.scale is None else [rows.scale])
+    if any(v.dim() != 2 or (v.shape[1] > 1 and v.stride(1) != 1) for v in views):
+        raise ValueError("Rows views must be 2-D with contiguous columns (RowCodec.unpack)")
+
+
+# ---------------------------------------------------------------- pack_rows
+@triton.jit
+def _pack_rows_kernel(tokens_ptr, tscale_ptr, ids_ptr, w_ptr, dest_ptr, rank_ptr, local_ptr,
+                      out_ids_ptr, out_w_ptr, out_scale_ptr, out_hidden_ptr,
+                      num_dest, num_pairs, num_rows, pad_from, words,
+                      stride_tok, stride_tscale, stride_ids, stride_w,
+                      stride_oids, stride_ow, stride_oscale, stride_oh,
+                      TOP_K: tl.constexpr, GROUPS: tl.constexpr, REMAP: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
+                      BLOCK_P: tl.constexpr):
+    """Programs 0 .. T*D-1: pair (t, d) = divmod(pid, D), written to row dest_pos[t, d] if >= 0.
+    The rest: BLOCK_P padding rows each, from pad_from."""
+    pid = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < TOP_K
+    if pid < num_pairs:
+        t = pid // num_dest
+        row = tl.load(dest_ptr + pid)  # dest_pos is contiguous: pair (t, d) at t * D + d
+        if row >= 0:
+            ids = tl.load(ids_ptr + t * stride_ids + kk, mask=k_ok, other=-1)
+            w = tl.load(w_ptr + t * stride_w + kk, mask=k_ok, other=0.0)
+            if REMAP:
+                known = k_ok & (ids >= 0)
+                keep = known & (tl.load(rank_ptr + ids, mask=known, other=-1) == pid % num_dest)
+                ids = tl.where(keep, tl.load(local_ptr + ids, mask=keep, other=-1), -1).to(tl.int32)
+                w = tl.where(keep, w, 0.0)
+            tl.store(out_ids_ptr + row * stride_oids + kk, ids, mask=k_ok)
+            tl.store(out_w_ptr + row * stride_ow + kk, w, mask=k_ok)
+            if GROUPS > 0:
+                gg = tl.arange(0, BLOCK_G)
+                s = tl.load(tscale_ptr + t * stride_tscale + gg, mask=gg < GROUPS)
+                tl.store(out_scale_ptr + row * stride_oscale + gg, s, mask=gg < GROUPS)
+            for c0 in range(0, words, BLOCK_W):
+                cols = c0 + tl.arange(0, BLOCK_W)
+                x = tl.load(tokens_ptr + t * stride_tok + cols, mask=cols < words)
+                tl.store(out_hidden_ptr + row * stride_oh + cols, x, mask=cols < words)
+    else:
+        rows = pad_from + (pid - num_pairs) * BLOCK_P + tl.arange(0, BLOCK_P)
+        ok = (rows < num_rows)[:, None] & k_ok[None, :]
+        tl.store(out_ids_ptr + rows[:, None] * stride_oids + kk[None, :],
+                 tl.full((BLOCK_P, BLOCK_K), -1, tl.int32), mask=ok)
+        tl.store(out_w_ptr + rows[:, None] * stride_ow + kk[None, :],
+                 tl.zeros((BLOCK_P, BLOCK_K), tl.float32), mask=ok)
+
+
+def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor,
+              dest_pos: Tensor, expert_rank: Tensor | None = None, expert_local: Tensor | None = None,
+              pad_from: int | None = None) -> None:
+    """Write tokens into the rows of ``out`` (module docstring), one launch, no host synchronization.
+
+    out: Rows of M rows; tokens [T, Wd] out.hidden's word dtype; scale [T, G] float32 | None (None
+    iff out.scale is None); ids [T, K] int32; weights [T, K] float32; dest_pos [T, D] int64;
+    expert_rank, expert_local [E] int64 or both None (D is then 1); ids in 0 .. E-1 (negative ones
+    are never kept). dest_pos names each row at most once, all below pad_from; rows below pad_from
+    that it does not name are left as they are.
+    """
+    _check_rows(out)
+    if (scale is None) != (out.scale is None) or (expert_rank is None) != (expert_local is None):
+        raise ValueError("scale must be given iff out.scale is; expert_rank and expert_local together")
+    if tokens.dtype != out.hidden.dtype:
+        raise ValueError(f"tokens are {tokens.dtype} words, out.hidden {out.hidden.dtype}")
+    m, k = out.ids.shape
+    t, d = dest_pos.shape
+    words = out.hidden.shape[1]
+    groups = 0 if scale is None else scale.shape[1]
+    pads = 0 if pad_from is None or pad_from >= m else triton.cdiv(m - pad_from, _PAD_ROWS)
+    if t * d + pads == 0:
+        return
+    tokens, ids, weights, dest_pos = tokens.contiguous(), ids.contiguous(), weights.contiguous(), dest_pos.contiguous()
+    scale = out.weights if scale is None else scale.contiguous()  # unused pointer when G == 0
+    remap = expert_rank is not None
+    rank, local = (expert_rank.contiguous(), expert_local.contiguous()) if remap else (dest_pos, dest_pos)
+    out_scale = out.weights if out.scale is None else out.scale
+    _pack_rows_kernel[(t * d + pads,)](
+        tokens, scale, ids, weights, dest_pos, rank, local,
+        out.ids, out.weights, out_scale, out.hidden,
+        d, t * d, m, 0 if pad_from is None else pad_from, words,
+        tokens.stride(0), scale.stride(0), ids.stride(0), weights.stride(0),
+        out.ids.stride(0), out.weights.stride(0), out_scale.stride(0), out.hidden.stride(0),
+        TOP_K=k, GROUPS=groups, REMAP=remap, BLOCK_K=_block(k), BLOCK_G=_block(groups), BLOCK_W=_block(words),
+        BLOCK_P=_PAD_ROWS)
+
+
+# ---------------------------------------------------------------- masked_scatter
+@triton.jit
+def _copy_slots_kernel(experts_ptr, slot_ptr, counts_ptr, w_slab_ptr, num_copies, e_local, capacity,
+                       BLOCK: tl.constexpr):
+    """Program e < E_local: slots of expert e's copies (a running count in j order), counts[e], and
+    weights 0 in its empty slots. Program E_local: copy_slot -1 for the copies not here."""
+    e = tl.program_id(0)
+    here = e < e_local
+    base = e.to(tl.int64) * capacity
+    total = 0
+    for j0 in range(0, num_copies, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        hit = (tl.load(experts_ptr + j, mask=j < num_copies, other=-1) == e).to(tl.int32)
+        pos = total + tl.cumsum(hit, axis=0) - 1
+        tl.store(slot_ptr + j, tl.where(here, base + pos, -1), mask=hit != 0)
+        total += tl.sum(hit, axis=0)
+    if here:
+        tl.store(counts_ptr + e, total)
+        for c0 in range(0, capacity, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            tl.store(w_slab_ptr + base + c, tl.zeros((BLOCK,), tl.float32), mask=(c >= total) & (c < capacity))
+
+
+@triton.jit
+def _scatter_rows_kernel(slot_ptr, w_ptr, scale_ptr, hidden_ptr, w_slab_ptr, scale_slab_ptr, hidden_slab_ptr,
+                         words, stride_w, stride_scale, stride_h,
+                         TOP_K: tl.constexpr, GROUPS: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program r: row r read once, written to the slot of each of its K copies that is here."""
+    r = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    slots = tl.load(slot_ptr + r * TOP_K + kk, mask=kk < TOP_K, other=-1)
+    here = slots >= 0
+    if tl.max(slots, axis=0) >= 0:
+        tl.store(w_slab_ptr + slots, tl.load(w_ptr + r * stride_w + kk, mask=here), mask=here)
+        if GROUPS > 0:
+            gg = tl.arange(0, BLOCK_G)
+            s = tl.load(scale_ptr + r * stride_scale + gg, mask=gg < GROUPS)
+            tl.store(scale_slab_ptr + slots[:, None] * GROUPS + gg[None, :],
+                     tl.broadcast_to(s[None, :], (BLOCK_K, BLOCK_G)), mask=here[:, None] & (gg < GROUPS)[None, :])
+        for c0 in range(0, words, BLOCK_W):
+            cols = c0 + tl.arange(0, BLOCK_W)
+            x = tl.load(hidden_ptr + r * stride_h + cols, mask=cols < words)
+            for k in tl.static_range(TOP_K):
+                slot = tl.load(slot_ptr + r * TOP_K + k)
+                tl.store(hidden_slab_ptr + slot * words + cols, x, mask=(cols < words) & (slot >= 0))
+
+
+def masked_scatter(rows: Rows, experts: Tensor, e_local: int,
+                   capacity: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+    """rows: R received rows; experts [R*K] int64 (sentinel e_local) -> (hidden [E_local, capacity, Wd]
+    words, weights [E_local, capacity] float32, scale [E_local, capacity, G] float32 | None,
+    counts [E_local] int32, copy_slot [R*K] int64): masked_batch's slabs (module docstring).
+
+    The caller guarantees no expert receives more than ``capacity`` copies.
+    """
+    _check_rows(rows)
+    r, k = rows.ids.shape
+    words = rows.hidden.shape[1]
+    dev = experts.device
+    experts = experts.contiguous()
+    hidden = torch.empty((e_local, capacity, words), dtype=rows.hidden.dtype, device=dev)
+    weights = torch.empty((e_local, capacity), dtype=torch.float32, device=dev)
+    scale = None if rows.scale is None else torch.empty((e_local, capacity, rows.scale.shape[1]),
+                                                       dtype=torch.float32, device=dev)
+    counts = torch.empty(e_local, dtype=torch.int32, device=dev)
+    copy_slot = torch.empty(r * k, dtype=torch.int64, device=dev)
+    _copy_slots_kernel[(e_local + 1,)](experts, copy_slot, counts, weights, r * k, e_local, capacity,
+                                       BLOCK=_block(max(r * k, capacity)))
+    if r:
+        groups = 0 if scale is None else scale.shape[2]
+        src_scale, slab_scale = (weights, weights) if scale is None else (rows.scale, scale)  # unused when G == 0
+        _scatter_rows_kernel[(r,)](copy_slot, rows.weights, src_scale, rows.hidden, weights, slab_scale, hidden,
+                                   words, rows.weights.stride(0), src_scale.stride(0), rows.hidden.stride(0),
+                                   TOP_K=k, GROUPS=groups, BLOCK_K=_block(k), BLOCK_G=_block(groups),
+                                   BLOCK_W=_block(words))
+    return hidden, weights, scale, counts, copy_slot
