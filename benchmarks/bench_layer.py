@@ -90,10 +90,10 @@ class Case:
         self.scheme = create_scheme(scheme)
         self.shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
         self.weights = random_weights(self.shape, "cuda", seed=1)
-        self.router = create_router(c)
+        self.env = Environment.detect(torch.device("cuda"))
+        self.router = create_router(c, make_plan(c, self.env).router)  # the layer's router (planner)
         self.bias = (torch.rand(c.num_experts, device="cuda") - 0.5) * 0.1 if c.use_correction_bias else None
         self.dispatcher = create_dispatcher("local", c, self.scheme)
-        self.env = Environment.detect(torch.device("cuda"))
         self._indexed = {}  # runner name -> Plan.indexed_rows of (local, that runner)
 
     def inputs(self, t: int, n: int = 4):

@@ -24,7 +24,7 @@ T = 64
 
 def route(logits, bias=None, **fields):
     cfg = MoEConfig(hidden_size=64, intermediate_size=32, **fields)
-    return create_router(cfg)(logits, bias)
+    return create_router(cfg, "torch")(logits, bias)
 
 
 def assert_same_routing(ids, weights, ref_ids, ref_weights):

@@ -226,7 +226,7 @@ def test_route_kernel_matches_the_torch_router(case, t):
     cfg = MoEConfig(num_experts=64, hidden_size=16, intermediate_size=16, top_k=6, **fields)
     logits = torch.randn(t, 64) * 3
     bias = (torch.rand(64) - 0.5) * 0.2 if cfg.use_correction_bias else None
-    want_ids, want_w = create_router(cfg)(logits, bias)
+    want_ids, want_w = create_router(cfg, "torch")(logits, bias)
     ids, w = route(logits, bias, 6, cfg.scoring, cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups,
                    cfg.routed_scaling_factor)
     assert ids.dtype == torch.int32 and torch.equal(ids, want_ids)

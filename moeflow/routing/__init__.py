@@ -10,7 +10,8 @@ ROUTERS.register(TorchTopK)
 ROUTERS.register(TritonTopK)
 
 
-def create_router(config, name: str = "torch") -> Router:
+def create_router(config, name: str) -> Router:
+    """The router ``name`` for ``config`` (a layer takes ``Plan.router``)."""
     return ROUTERS.get(name)(config)
 
 
