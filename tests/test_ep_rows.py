@@ -46,6 +46,11 @@ def random_copies(r, k, e_local):
     return torch.where(choice < e_local, choice, e_local).flatten()
 
 
+def local_ids(experts, e_local, k):
+    """[R * K] local experts (sentinel e_local) -> [R, K] int32 ids, -1 where not here."""
+    return torch.where(experts < e_local, experts, -1).to(torch.int32).view(-1, k)
+
+
 def received_rows(codec, x, k):
     """x [T, H] packed and unpacked as a rank receives it: K copies per token, ids 0, random weights."""
     t = x.shape[0]
@@ -58,7 +63,7 @@ def test_sorted_batch_invariants():
     rows = received_rows(codec, x, 4)
     experts = random_copies(20, 4, 5)
     n = int((experts < 5).sum())
-    batch, copy_pos = sorted_batch(codec, rows, experts, n, 5)
+    batch, copy_pos = sorted_batch(codec, rows, n, 5, ids=local_ids(experts, 5, 4))
     assert batch.hidden.shape == (n, 64) and int(batch.offsets[-1]) == n
     assert torch.equal(batch.counts.long(), torch.bincount(experts, minlength=6)[:5])
     flat = copy_pos.flatten()
@@ -78,8 +83,9 @@ def test_sorted_batch_by_index_equals_the_gathered_one(payload):
     rows = codec.unpack(codec.pack(20, tokens, scale, torch.zeros(20, 4, dtype=torch.int32), torch.rand(20, 4)))
     experts = random_copies(20, 4, 5)
     n = int((experts < 5).sum())
-    copied, pos = sorted_batch(codec, rows, experts, n, 5)
-    named, pos2 = sorted_batch(codec, rows, experts, n, 5, indexed=True)
+    copied, pos = sorted_batch(codec, rows, n, 5, ids=local_ids(experts, 5, 4))
+    rows.ids.copy_(local_ids(experts, 5, 4))  # as alltoall receives them: local ids in the rows
+    named, pos2 = sorted_batch(codec, rows, n, 5, indexed=True)
     assert named.source_rows is not None and named.num_rows == n and named.hidden.shape == (20, 256)
     assert named.hidden.data_ptr() == rows.hidden.data_ptr()  # a view of the receive buffer, no copy
     got = named.gathered()

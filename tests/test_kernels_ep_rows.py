@@ -10,9 +10,9 @@ from triton_interp import SKIP_REASON
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 if SKIP_REASON is None:
-    from moeflow.kernels.ep_rows import masked_scatter, pack_rows
+    from moeflow.kernels.ep_rows import masked_scatter, pack_rows, rank_rows
 
-from moeflow.dispatch._ep_rows import RowCodec, masked_batch_torch, pack_rows_torch
+from moeflow.dispatch._ep_rows import RowCodec, masked_batch_torch, pack_rows_torch, rank_rows_torch
 from moeflow.quant import create_scheme
 
 PAYLOADS = [  # (hidden, layer dtype, payload) -> word type, scale groups G
@@ -122,6 +122,25 @@ def test_pack_rows_as_alltoall(packer, t, world, hidden, dtype, payload):
     mine = codec.unpack(codec.pack(want["ids"].shape[0], tokens, scale, ids, w, dest_pos=home, expert_rank=rank,
                                    expert_local=local))
     assert same(mine.ids, want["ids"]) and same(mine.hidden, want["hidden"])
+
+
+@pytest.mark.parametrize("t,world,k", [(0, 2, 3), (1, 2, 3), (6, 1, 2), (6, 3, 3), (300, 3, 4), (40, 5, 1)])
+def test_rank_rows_matches_torch_and_the_definition(t, world, k, poison_empty):
+    """counts and home of alltoall's send buffer: kernel == torch == a loop over the definition.
+    T=300 with W=3 spans two token blocks of the kernel (the row numbering carries over)."""
+    ids, _ = routing(t, k, 7)
+    rank, _ = placement(world)
+    counts, home = rank_rows(ids, rank, world)
+    want_counts, want_home = rank_rows_torch(ids, rank, world)
+    assert same(counts, want_counts) and same(home, want_home.contiguous())
+    loop_home, row = torch.full((t, world), -1), 0
+    for r in range(world):
+        for i in range(t):
+            if (rank[ids[i].long()] == r).any():
+                loop_home[i, r], row = row, row + 1
+    assert same(home, loop_home)
+    assert counts[:, 0].tolist() == [(home[:, r] >= 0).sum().item() for r in range(world)]
+    assert counts[:, 1].tolist() == [(rank[ids.long()] == r).sum().item() for r in range(world)]
 
 
 @pytest.mark.parametrize("remap", [False, True])

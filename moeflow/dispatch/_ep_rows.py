@@ -16,6 +16,7 @@ Words are viewed back as the payload dtype at the end (``as_payload``).
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -49,15 +50,15 @@ def _quantize(scheme: QuantScheme, x: Tensor) -> tuple[Tensor, Tensor]:
     return scheme.quantize_activation(x)
 
 
-def _ep_kernels(t: Tensor):
-    """moeflow.kernels.ep_rows when ``t`` is on CUDA and triton imports, else None (torch code)."""
+def _ep_kernels(t: Tensor, module: str = "ep_rows"):
+    """moeflow.kernels.<module> (ep_rows, ep_sort) when ``t`` is on CUDA and triton imports, else
+    None (the torch code)."""
     if not t.is_cuda:
         return None
     try:
-        from ..kernels import ep_rows
+        return importlib.import_module(f"moeflow.kernels.{module}")
     except ImportError:
         return None
-    return ep_rows
 
 
 def pack_rows_torch(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor,
@@ -83,6 +84,29 @@ def pack_rows_torch(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor
     if pad_from is not None:
         out.ids[pad_from:] = -1
         out.weights[pad_from:] = 0
+
+
+def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor, Tensor]:
+    """Where each token goes: topk_ids [T, K] int, expert_rank [E] int64 ->
+    (counts [W, 2] int64: rows and copies for each rank, home [T, W] int64: row of token t in the
+    send buffer for rank r, grouped by destination with tokens ascending, -1 where not sent).
+    One Triton launch on CUDA (kernels/ep_rows.rank_rows), rank_rows_torch otherwise."""
+    kernels = _ep_kernels(topk_ids)
+    return (rank_rows_torch if kernels is None else kernels.rank_rows)(topk_ids, expert_rank, world)
+
+
+def rank_rows_torch(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor, Tensor]:
+    """rank_rows in torch ops (the reference of the kernel)."""
+    t, dev = topk_ids.shape[0], topk_ids.device
+    rank_of = expert_rank[topk_ids.long()]  # [T, K]
+    need = torch.zeros(world, t, dtype=torch.int64, device=dev)
+    need.scatter_(0, rank_of.t(), 1)  # [W, T]: token t goes to rank r
+    copies = torch.zeros(world, dtype=torch.int64, device=dev)
+    copies.scatter_add_(0, rank_of.flatten(), torch.ones_like(rank_of.flatten()))
+    rows = need.sum(1)
+    first = torch.cumsum(rows, 0) - rows  # [W] first row of each destination's block
+    home = torch.where(need > 0, first[:, None] + need.cumsum(1) - 1, -1).t()  # scan along T (the last dim)
+    return torch.stack([rows, copies], dim=1), home
 
 
 class RowCodec:
@@ -149,10 +173,12 @@ class RowCodec:
         return words.view(torch.uint8).view(self.dtype)
 
 
-def sorted_batch(codec: RowCodec, rows: Rows, experts: Tensor, n: int, e_local: int,
-                 indexed: bool = False) -> tuple[ExpertBatch, Tensor]:
-    """The copies marked in ``experts`` ([R * K] local expert of each copy, ``e_local`` where the
-    copy is not for this rank; ``n`` are real) as a sorted-layout batch.
+def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: bool = False,
+                 ids: Tensor | None = None) -> tuple[ExpertBatch, Tensor]:
+    """The copies of received ``rows`` for this rank (``ids`` [R, K] int32, default rows.ids: local
+    expert ids, -1 for copies not here; ``n`` of them are here) as a sorted-layout batch: grouped by
+    expert, in row order within one. Two Triton launches on CUDA (kernels/ep_sort.py), torch ops
+    otherwise.
 
     indexed: the batch names its rows (``source_rows`` [n] into the R received rows, which it
     holds as strided views of the receive buffer) instead of copying one row per copy
@@ -160,21 +186,34 @@ def sorted_batch(codec: RowCodec, rows: Rows, experts: Tensor, n: int, e_local: 
     Returns (batch, copy_pos [R, K] int64: the batch row of each copy, -1 for non-copies).
     """
     k = codec.top_k
-    order = torch.argsort(experts, stable=True)[:n]  # grouped by local expert, in row order
-    row = order // k
-    ones = torch.ones_like(experts, dtype=torch.int32)  # (bincount would read its max on the host)
-    counts = torch.zeros(e_local + 1, dtype=torch.int32, device=experts.device).scatter_add_(0, experts, ones)[:e_local]
-    copy_pos = torch.full_like(experts, -1)
-    copy_pos[order] = torch.arange(n, device=experts.device)
+    ids = rows.ids if ids is None else ids
+    kernels = _ep_kernels(ids, "ep_sort")
+    sort = sort_copies_by_expert_torch if kernels is None else kernels.sort_copies_by_expert
+    row, weights, counts, offsets, copy_pos = sort(ids, rows.weights, e_local, n)
     if indexed:
         hidden, scale, source = codec.as_payload(rows.hidden), rows.scale, row
     else:
         hidden = codec.as_payload(rows.hidden.index_select(0, row))
         scale = None if rows.scale is None else rows.scale.index_select(0, row)
         source = None
-    batch = ExpertBatch(layout=SORTED, hidden=hidden, weights=rows.weights.reshape(-1)[order], counts=counts,
-                        offsets=offsets_from_counts(counts), hidden_scale=scale, source_rows=source)
+    batch = ExpertBatch(layout=SORTED, hidden=hidden, weights=weights, counts=counts, offsets=offsets,
+                        hidden_scale=scale, source_rows=source)
     return batch, copy_pos.view(-1, k)
+
+
+def sort_copies_by_expert_torch(ids: Tensor, weights: Tensor, e_local: int,
+                                n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Torch reference of kernels/ep_sort.sort_copies_by_expert: ids [R, K] (local ids, -1: not
+    here), weights [R, K] float32 -> (source [n] int64 row of each sorted copy, sorted weights [n],
+    counts [E_local] int32, offsets [E_local + 1] int64, copy_pos [R * K] int64, -1 if not here)."""
+    k = ids.shape[1]
+    experts = torch.where(ids >= 0, ids, e_local).long().flatten()
+    order = torch.argsort(experts, stable=True)[:n]  # grouped by local expert, in row order
+    ones = torch.ones_like(experts, dtype=torch.int32)  # (bincount would read its max on the host)
+    counts = torch.zeros(e_local + 1, dtype=torch.int32, device=ids.device).scatter_add_(0, experts, ones)[:e_local]
+    copy_pos = torch.full_like(experts, -1)
+    copy_pos[order] = torch.arange(n, device=ids.device)
+    return order // k, weights.reshape(-1)[order], counts, offsets_from_counts(counts), copy_pos
 
 
 def masked_batch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int, capacity: int) -> tuple[ExpertBatch, Tensor]:

@@ -65,9 +65,10 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
         wait(pending.work, "allgather dispatch", self.process_group, pending.buf.device)
         rows = self.codec.unpack(pending.buf)
         e_local = len(self._local)
-        experts = self.local_copies(rows.ids)
+        experts = self.local_copies(rows.ids)  # [R * K] local expert, e_local where not here
         n = int((experts < e_local).sum())
-        batch, copy_pos = sorted_batch(self.codec, rows, experts, n, e_local)
+        local = torch.where(experts < e_local, experts, -1).to(torch.int32).view(rows.ids.shape)
+        batch, copy_pos = sorted_batch(self.codec, rows, n, e_local, ids=local)
         return batch, AllGatherHandle(copy_pos, pending.rows_per_rank, pending.num_tokens)
 
     def combine_start(self, expert_out: Tensor, handle: AllGatherHandle) -> _Pending:

@@ -28,7 +28,7 @@ from ..capabilities import DispatcherCaps
 from ..distributed import collective, wait
 from ..layouts import SORTED
 from ._ep_base import ExpertParallelDispatcher
-from ._ep_rows import sorted_batch
+from ._ep_rows import rank_rows, sorted_batch
 from .gather_sum import gather_sum
 
 
@@ -56,23 +56,16 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
     def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> _Pending:
         t, w, dev = topk_ids.shape[0], self.world, hidden.device
-        rank_of = self.expert_rank[topk_ids.long()]  # [T, K]
-        need = torch.zeros(w, t, dtype=torch.int32, device=dev)
-        need.scatter_(0, rank_of.t(), 1)  # [W, T]: token t goes to rank r
-        copies = torch.zeros(w, dtype=torch.int64, device=dev)
-        copies.scatter_add_(0, rank_of.flatten(), torch.ones_like(rank_of.flatten()))
-        rows_to = need.sum(1, dtype=torch.int64)  # [W]
-        counts = torch.stack([rows_to, copies], dim=1)  # [W, 2]: rows, copies per destination
+        # counts [W, 2]: rows and copies per destination; home [T, W]: row of token t in the send
+        # buffer for rank r (grouped by destination, tokens ascending), -1 if not sent; the
+        # combine's receive buffer has the same rows
+        counts, home = rank_rows(topk_ids, self.expert_rank, w)
         theirs = torch.empty_like(counts)
         with collective("alltoall counts exchange", self.process_group):
             work = dist.all_to_all_single(theirs, counts, group=self.process_group, async_op=True)
         # Everything below up to the host read runs on the device while the counts travel; after
         # it the host only launches the all-to-all (each op queued after a host synchronization
         # leaves the GPU idle for its launch time).
-        # home[t, r]: row of token t in the send buffer for rank r (grouped by destination, tokens
-        # ascending), -1 if not sent; the combine's receive buffer has the same rows.
-        first = torch.cumsum(rows_to, 0) - rows_to  # [W] first row of each destination's block
-        home = torch.where(need > 0, first[:, None] + need.cumsum(1) - 1, -1).t()  # [T, W] int64
         tokens, scale = self.codec.encode(hidden)
         most = t * min(w, self.config.top_k)  # a token goes to at most min(W, K) ranks
         send = self.codec.pack(most, tokens, scale, topk_ids, topk_weights, dest_pos=home,
@@ -90,9 +83,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
     def dispatch_wait(self, pending: _Pending):
         wait(pending.work, "alltoall dispatch", self.process_group, pending.buf.device)
         rows = self.codec.unpack(pending.buf)
-        e_local = len(self._local)
-        experts = torch.where(rows.ids >= 0, rows.ids, e_local).long().flatten()
-        batch, pending.handle.copy_pos = sorted_batch(self.codec, rows, experts, pending.copies, e_local,
+        batch, pending.handle.copy_pos = sorted_batch(self.codec, rows, pending.copies, len(self._local),
                                                       indexed=self.indexed_rows)
         return batch, pending.handle
 

@@ -13,6 +13,11 @@ pack_rows: tokens into the rows of a send buffer, one row per (token, destinatio
     and weights where kept, else 0.0. Rows pad_from .. M-1 get ids -1, weights 0 (padding).
     Its torch reference (the dispatchers' path off CUDA) is dispatch/_ep_rows.pack_rows_torch.
 
+rank_rows: where each token goes (alltoall), one program.
+    topk_ids [T, K] int32, expert_rank [E] int64 -> counts [W, 2] int64 (rows, copies sent to each
+    rank), home [T, W] int64 (row of token t in the send buffer for rank r: grouped by destination,
+    tokens ascending; -1 if not sent). Its torch reference is dispatch/_ep_rows.rank_rows_torch.
+
 masked_scatter: the copies of received rows into a masked batch's slab, as masked_batch does.
     experts [R*K] int64: local expert of copy j (of row j // K), E_local for copies not here
     -> hidden [E_local, C, Wd] words, weights [E_local, C] float32, scale [E_local, C, G] float32 | None,
@@ -127,6 +132,63 @@ def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weig
         out.ids.stride(0), out.weights.stride(0), out_scale.stride(0), out.hidden.stride(0),
         TOP_K=k, GROUPS=groups, REMAP=remap, BLOCK_K=_block(k), BLOCK_G=_block(groups), BLOCK_W=_block(words),
         BLOCK_P=_PAD_ROWS)
+
+
+# ---------------------------------------------------------------- rank_rows
+@triton.jit
+def _need_block(ids_ptr, rank_ptr, tt, ok, stride_ids, ww, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                W_POW2: tl.constexpr):
+    """-> (need [BLOCK_T, W_POW2] int32: token tt goes to rank w, copies [W_POW2] int32 of the block)."""
+    need = tl.zeros((BLOCK_T, W_POW2), tl.int32)
+    copies = tl.zeros((W_POW2,), tl.int32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + tt * stride_ids + k, mask=ok, other=0)
+        r = tl.load(rank_ptr + e, mask=ok, other=-1)
+        hit = (r[:, None] == ww[None, :]).to(tl.int32)
+        need = tl.maximum(need, hit)
+        copies += tl.sum(hit, axis=0)
+    return need, copies
+
+
+@triton.jit
+def _rank_rows_kernel(ids_ptr, rank_ptr, counts_ptr, home_ptr, T, W, stride_ids,
+                      TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, W_POW2: tl.constexpr):
+    """One program: pass 1 counts rows and copies per rank; pass 2 numbers each rank's rows."""
+    ww = tl.arange(0, W_POW2)
+    w_ok = ww < W
+    rows = tl.zeros((W_POW2,), tl.int64)
+    copies = tl.zeros((W_POW2,), tl.int64)
+    for t0 in range(0, T, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        need, c = _need_block(ids_ptr, rank_ptr, tt, tt < T, stride_ids, ww, TOP_K, BLOCK_T, W_POW2)
+        rows += tl.sum(need, axis=0)
+        copies += c
+    tl.store(counts_ptr + ww * 2, rows, mask=w_ok)
+    tl.store(counts_ptr + ww * 2 + 1, copies, mask=w_ok)
+    run = tl.cumsum(rows, axis=0) - rows  # first row of each destination's block
+    for t0 in range(0, T, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        ok = tt < T
+        need, _ = _need_block(ids_ptr, rank_ptr, tt, ok, stride_ids, ww, TOP_K, BLOCK_T, W_POW2)
+        pos = run[None, :] + tl.cumsum(need, axis=0).to(tl.int64) - 1
+        tl.store(home_ptr + tt[:, None] * W + ww[None, :], tl.where(need > 0, pos, -1),
+                 mask=ok[:, None] & w_ok[None, :])
+        run += tl.sum(need, axis=0).to(tl.int64)
+
+
+def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor, Tensor]:
+    """topk_ids [T, K] int32, expert_rank [E] int64 -> (counts [W, 2] int64, home [T, W] int64)
+    (module docstring). One launch, no host synchronization."""
+    t, k = topk_ids.shape
+    dev = topk_ids.device
+    counts = torch.empty((world, 2), dtype=torch.int64, device=dev)
+    home = torch.empty((t, world), dtype=torch.int64, device=dev)
+    ids = topk_ids if topk_ids.stride(-1) == 1 else topk_ids.contiguous()
+    w_pow2 = triton.next_power_of_2(world)
+    _rank_rows_kernel[(1,)](ids, expert_rank, counts, home, t, world, ids.stride(0),
+                            TOP_K=k, BLOCK_T=max(16, min(1024 // w_pow2, _block(t))), W_POW2=w_pow2,
+                            num_warps=8)
+    return counts, home
 
 
 # ---------------------------------------------------------------- masked_scatter

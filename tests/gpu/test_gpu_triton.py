@@ -203,3 +203,21 @@ def test_ep_row_kernels_on_gpu(payload):
     valid = torch.arange(t * world, device="cuda")[None, :] < counts[:, None]
     assert torch.equal(hidden[valid], batch.hidden.contiguous().view(torch.uint8).view(codec.word)[valid])
     assert sc is None or torch.equal(sc[valid], batch.hidden_scale[valid])
+
+
+@pytest.mark.parametrize("r,e_local", [(8192, 128), (300, 5)])
+def test_ep_sort_on_gpu(r, e_local):
+    """kernels/ep_sort.py at alltoall's size (8192 received rows, top-8, 128 local experts; ids in a
+    strided view as received) on CUDA: bit for bit the torch reference."""
+    from moeflow.dispatch._ep_rows import sort_copies_by_expert_torch
+    from moeflow.kernels.ep_sort import sort_copies_by_expert
+    buf = torch.zeros(r, 40, dtype=torch.int32, device="cuda")
+    choice = torch.rand(r, 2 * e_local, device="cuda").argsort(dim=1)[:, :8]
+    buf[:, :8] = torch.where(choice < e_local, choice, -1).to(torch.int32)
+    buf[:, 8:16] = torch.rand(r, 8, device="cuda").view(torch.int32)
+    ids, w = buf[:, :8], buf[:, 8:16].view(torch.float32)
+    n = int((ids >= 0).sum())
+    got = sort_copies_by_expert(ids, w, e_local, n)
+    want = sort_copies_by_expert_torch(ids, w, e_local, n)
+    for name, g, x in zip(("source", "weights", "counts", "offsets", "copy_pos"), got, want):
+        assert g.dtype == x.dtype and torch.equal(g, x), name

@@ -1,0 +1,101 @@
+"""Received token copies grouped by local expert: the sort of dispatch/_ep_rows.sorted_batch in Triton.
+
+sort_copies_by_expert(ids, weights, e_local, n)
+    ids [R, K] int32: local expert of copy j = r*K + k, -1 where the copy is not for this rank;
+    weights [R, K] float32. Both may be strided views of a packed receive buffer (RowCodec.unpack:
+    row stride != K, contiguous columns).
+    -> source [n] int64 (received row of each sorted copy), sorted_weights [n] float32,
+       counts [E_local] int32, offsets [E_local + 1] int64 (exclusive prefix of counts),
+       copy_pos [R*K] int64 (sorted position of copy j, -1 for copies not here).
+
+The same values, bit for bit, as sorted_batch's torch ops (a stable argsort of
+``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert, copies keep j order.
+Two launches, no host synchronization: one program per expert counts its copies; then one program
+per expert (and one for the copies not here) places its copies by a running count, from the sum of
+the counts before it. Each program scans all R*K ids, as _copy_slots_kernel (kernels/ep_rows.py) does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .ep_rows import _block
+
+
+@triton.jit
+def _count_copies_kernel(ids_ptr, counts_ptr, num_copies, stride_ids, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program e: counts[e] = #{j : ids of copy j == e}."""
+    e = tl.program_id(0)
+    total = 0
+    for j0 in range(0, num_copies, BLOCK):
+        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+        ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=j < num_copies, other=-1)
+        total += tl.sum((ids == e).to(tl.int32), axis=0)
+    tl.store(counts_ptr + e, total)
+
+
+@triton.jit
+def _place_copies_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr,
+                         num_copies, n, e_local, stride_ids, stride_w,
+                         TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Program e in 0 .. E_local: offsets[e] = sum(counts[:e]); copies of key e (key: the id, E_local
+    where it is < 0) take positions offsets[e] + their running count in j order. Positions >= n are
+    cut off (sorted_batch keeps the first n), so program E_local writes copy_pos -1 when n is right."""
+    e = tl.program_id(0)
+    ee = tl.arange(0, BLOCK_E)
+    start = tl.sum(tl.load(counts_ptr + ee, mask=ee < e, other=0).to(tl.int64), axis=0)
+    tl.store(offsets_ptr + e, start)
+    running = start
+    for j0 in range(0, num_copies, BLOCK):
+        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+        ok = j < num_copies
+        r = j // TOP_K
+        k = j % TOP_K
+        ids = tl.load(ids_ptr + r * stride_ids + k, mask=ok, other=-1)
+        hit = ok & (tl.where(ids >= 0, ids, e_local) == e)
+        pos = running + tl.cumsum(hit.to(tl.int32), axis=0).to(tl.int64) - 1
+        kept = hit & (pos < n)
+        tl.store(pos_ptr + j, tl.where(kept, pos, -1), mask=hit)
+        tl.store(source_ptr + pos, r, mask=kept)
+        tl.store(sorted_w_ptr + pos, tl.load(w_ptr + r * stride_w + k, mask=kept), mask=kept)
+        running += tl.sum(hit.to(tl.int32), axis=0)
+
+
+def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int,
+                          n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """ids [R, K] int32 (may be a strided view: row stride != K, columns contiguous): local expert of
+    each copy, or -1 where the copy is not for this rank; weights [R, K] float32 (same kind of view);
+    n: the number of copies with ids >= 0 (known on the host). ids must lie in -1 .. e_local-1.
+    -> (source [n] int64: received row of each sorted copy (= j // K for copy j),
+        sorted_weights [n] float32,
+        counts [E_local] int32,
+        offsets [E_local + 1] int64 (exclusive prefix of counts, offsets[E_local] == n),
+        copy_pos [R * K] int64: the sorted position of copy j, -1 for copies that are not here)
+    Two launches, no host synchronization (module docstring).
+    """
+    if ids.dim() != 2 or ids.shape != weights.shape or any(t.shape[1] > 1 and t.stride(1) != 1 for t in (ids, weights)):
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [R, K] views "
+                         "with contiguous columns")
+    if ids.dtype != torch.int32 or weights.dtype != torch.float32:
+        raise ValueError(f"ids must be int32 and weights float32, got {ids.dtype} and {weights.dtype}")
+    if e_local < 1:
+        raise ValueError(f"e_local must be >= 1, got {e_local}")
+    r, k = ids.shape
+    dev = ids.device
+    source = torch.empty(n, dtype=torch.int64, device=dev)
+    sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
+    counts = torch.empty(e_local, dtype=torch.int32, device=dev)
+    offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
+    copy_pos = torch.empty(r * k, dtype=torch.int64, device=dev)
+    # every program scans all R*K ids: wide blocks keep the serial loop short at prefill sizes
+    # (65k copies: 16 iterations of 4096, each a round trip to memory)
+    block = _block(r * k, most=4096)
+    warps = 8 if block >= 2048 else 4
+    _count_copies_kernel[(e_local,)](ids, counts, r * k, ids.stride(0), TOP_K=k, BLOCK=block, num_warps=warps)
+    _place_copies_kernel[(e_local + 1,)](ids, weights, counts, offsets, source, sorted_w, copy_pos,
+                                         r * k, n, e_local, ids.stride(0), weights.stride(0),
+                                         TOP_K=k, BLOCK=block, BLOCK_E=triton.next_power_of_2(e_local),
+                                         num_warps=warps)
+    return source, sorted_w, counts, offsets, copy_pos

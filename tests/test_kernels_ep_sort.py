@@ -1,0 +1,96 @@
+"""kernels/ep_sort.sort_copies_by_expert under TRITON_INTERPRET=1, bit for bit against the torch ops of
+dispatch/_ep_rows.sorted_batch (sort_copies_by_expert_torch; its invariants are checked in
+tests/test_ep_rows.py). Inputs are strided views of a packed buffer (ids columns, then weights
+columns, then more: row stride > K, as RowCodec.unpack gives); outputs start poisoned (0x7f bytes), so
+an element the kernels forget to write shows."""
+import pytest
+import torch
+
+from triton_interp import SKIP_REASON
+
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+
+if SKIP_REASON is None:
+    from moeflow.kernels.ep_sort import sort_copies_by_expert
+
+from moeflow.dispatch._ep_rows import sort_copies_by_expert_torch as sorted_batch_torch  # the torch reference
+
+
+def bits(t):
+    """Floats as their bit patterns (torch.equal would call NaN != NaN and -0.0 == 0.0)."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """torch.empty returns 0x7f bytes (floats 3.4e38, ints 0x7f7f...): unwritten outputs show."""
+    empty = torch.empty
+
+    def filled(*a, **kw):
+        t = empty(*a, **kw)
+        if t.numel():
+            t.view(-1).view(torch.uint8).fill_(0x7F)
+        return t
+
+    monkeypatch.setattr(torch, "empty", filled)
+
+
+def received(r, k, e_local, case):
+    """-> (ids, weights) [R, K] strided views of one packed int32 buffer [R, 2K + 3]: ids columns,
+    weights columns (float32 bits), 3 more; the first copy here weighs -0.0, the last a NaN.
+    case: "random" (distinct experts within a row, some copies not here, expert 1 gets none when
+    E_local > 2), "one expert" (every copy to expert E_local - 1), "none here" (n = 0)."""
+    buf = torch.full((r, 2 * k + 3), 0x7F7F7F7F, dtype=torch.int32)
+    ids, weights = buf[:, :k], buf[:, k:2 * k].view(torch.float32)
+    if case == "one expert":
+        ids[:] = e_local - 1
+    elif case == "none here":
+        ids[:] = -1
+    else:
+        choice = torch.rand(r, e_local + k).argsort(dim=1)[:, :k]  # distinct within a row
+        local = torch.where(choice < e_local, choice, -1)
+        ids[:] = torch.where((local == 1) & (e_local > 2), -1, local)
+    weights[:] = torch.where(ids >= 0, torch.rand(r, k), 0.0)
+    here = torch.nonzero(ids >= 0)
+    if len(here):  # bit patterns a float move could change: -0.0, a NaN with a payload
+        weights[tuple(here[0])] = -0.0
+        buf[here[-1][0], k + here[-1][1]] = 0x7FC01234
+    assert ids.stride(0) == 2 * k + 3 and weights.stride(0) == 2 * k + 3
+    return ids, weights
+
+
+CASES = [  # (R, K, E_local, case)
+    (0, 8, 5, "random"),
+    (1, 3, 5, "random"),
+    (7, 8, 6, "random"),
+    (7, 1, 5, "random"),
+    (7, 3, 1, "random"),
+    (7, 3, 6, "one expert"),
+    (7, 8, 5, "none here"),
+    (1100, 4, 6, "random"),  # 4400 copies: two blocks of 4096, running counts carry over
+    (1100, 4, 5, "one expert"),
+]
+
+
+@pytest.mark.parametrize("r,k,e_local,case", CASES, ids=str)
+def test_sort_copies_matches_sorted_batch(r, k, e_local, case, poison_empty):
+    ids, weights = received(r, k, e_local, case)
+    n = int((ids >= 0).sum())
+    want = sorted_batch_torch(ids, weights, e_local, n)
+    got = sort_copies_by_expert(ids, weights, e_local, n)
+    for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
+        assert same(g, w), name
+    if case == "random" and e_local > 2:
+        assert got[2][1] == 0  # an expert with no copies
+
+
+def test_sort_copies_rejects_bad_views():
+    ids, weights = received(4, 3, 5, "random")
+    with pytest.raises(ValueError):
+        sort_copies_by_expert(ids.long(), weights, 5, 4)
+    with pytest.raises(ValueError):
+        sort_copies_by_expert(ids.t(), weights.t(), 5, 4)
