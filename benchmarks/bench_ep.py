@@ -65,18 +65,23 @@ def routing(t, e, k, dev):
 
 
 def profile(name, fn, dev, rank, res):
-    """Device time per kernel of 5 eager calls (torch.profiler), kept under res["profile/<name>"]."""
+    """Device time per kernel of 5 eager calls (torch.profiler), kept under res["profile/<name>"],
+    and host time per op (self CPU time: where a host-bound call spends it) under res["host/<name>"]."""
     if dev.type != "cuda":
         return
     from torch.profiler import ProfilerActivity, profile as prof
 
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
-    dev_us = lambda e: getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)  # noqa: E731
-    rows = sorted(p.key_averages(), key=lambda e: -dev_us(e))[:15]
-    res[f"profile/{name}"] = {e.key[:90]: round(dev_us(e) / 5, 1) for e in rows}
+    dev_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    events = p.key_averages()
+    rows = sorted(events, key=lambda e: -dev_us(e))[:15]
+    res[f"profile/{name}"] = {e.key[:90]: round(dev_us(e) / 5, 1) for e in rows if dev_us(e) > 0}
+    host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:20]
+    res[f"host/{name}"] = {"_total_self_cpu_us": round(sum(e.self_cpu_time_total for e in events) / 5, 1),
+                           **{f"{e.key[:60]} x{e.count // 5}": round(e.self_cpu_time_total / 5, 1) for e in host}}
 
 
 def raw_a2a(send_rows, recv_rows, row_bytes, dev):
@@ -111,6 +116,7 @@ def bench_alltoall(a, dev, rank, res):
         c_bytes = sum(handle.received[r] for r in others) * h * dt.itemsize
         if a.profile:
             profile(f"alltoall-{quant}-dispatch", lambda: d.dispatch(x, ids, w), dev, rank, res)
+            profile(f"alltoall-{quant}-combine", lambda: d.combine(out, handle), dev, rank, res)
         r_d = timed(raw_a2a(handle.sent, handle.received, d.codec.row_bytes, dev), a.iters, dev)
         r_c = timed(raw_a2a(handle.received, handle.sent, h * dt.itemsize, dev), a.iters, dev)
         res[f"alltoall/{quant}"] = dict(
@@ -242,6 +248,8 @@ def print_table(res):
                   f" gathered dispatch {r['dispatch_gathered_us']:.1f} us]")
         elif key.startswith("lowlatency/"):
             print(f"{key:22s} " + "  ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us")) + "  (us)")
+        elif key.startswith("host/"):
+            print(f"{key}: " + ", ".join(f"{k[:50]} {v:.0f}" for k, v in list(r.items())[:10]) + " (us per call)")
         elif key.startswith("profile/"):
             print(f"{key}: " + ", ".join(f"{k[:40]} {v:.0f}" for k, v in list(r.items())[:8]) + " (us per call)")
         elif key.startswith("layer/"):
