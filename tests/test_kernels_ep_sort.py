@@ -94,3 +94,14 @@ def test_sort_copies_rejects_bad_views():
         sort_copies_by_expert(ids.long(), weights, 5, 4)
     with pytest.raises(ValueError):
         sort_copies_by_expert(ids.t(), weights.t(), 5, 4)
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 2, 8), (40, 8, 16), (600, 8, 128), (3000, 2, 8)])
+def test_local_sort_by_scan_equals_torch(t, k, e, poison_empty):
+    """The local dispatcher's mid-sized CUDA path (dispatch/expert_sort.sort_by_scan) equals its
+    torch sort exactly: offsets, row of each copy, source row and weight of each sorted row."""
+    from moeflow.dispatch.expert_sort import sort_by_expert_torch, sort_by_scan
+    ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(t, k)
+    for got, want in zip(sort_by_scan(ids, w, e), sort_by_expert_torch(ids, w, e)):
+        assert same(got, want)

@@ -13,19 +13,38 @@ import torch
 from torch import Tensor
 
 
+# Up to this many copies (T * K), CUDA batches above MAX_FUSED_COPIES are sorted by
+# kernels/ep_sort (two launches, one program per expert scanning every copy) rather than torch:
+# benchmarks/experiments/sort_variants.py measured where the scan stops paying.
+MAX_SCAN_COPIES = 32768
+
+
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
-    """Decode-sized batches on CUDA: one Triton launch (kernels/align.sort_copies) instead of a
-    sort, a searchsorted and four index kernels; torch otherwise (the same values).
-    bounds: 0 .. E in topk_ids' dtype and device, when the caller keeps one (torch path)."""
-    if topk_ids.is_cuda:
+    """On CUDA: decode-sized batches in one Triton launch (kernels/align.sort_copies), mid-sized ones
+    in two (kernels/ep_sort), instead of a sort, a searchsorted and four index kernels; torch
+    otherwise (the same values). bounds: 0 .. E in topk_ids' dtype and device, when the caller keeps
+    one (torch path)."""
+    n = topk_ids.numel()
+    if topk_ids.is_cuda and n <= MAX_SCAN_COPIES:
         try:
             from ..kernels.align import MAX_FUSED_COPIES, sort_copies
         except ImportError:  # triton missing: torch below
             pass
         else:
-            if topk_ids.numel() <= MAX_FUSED_COPIES:
+            if n <= MAX_FUSED_COPIES:
                 return sort_copies(topk_ids, topk_weights, num_experts)
+            if topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
+                return sort_by_scan(topk_ids, topk_weights, num_experts)
     return sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
+
+
+def sort_by_scan(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
+    """sort_by_expert through kernels/ep_sort.sort_copies_by_expert (topk_ids int32, topk_weights
+    float32; needs triton)."""
+    from ..kernels.ep_sort import sort_copies_by_expert
+    source, sorted_w, _, offsets, copy_pos = sort_copies_by_expert(topk_ids, topk_weights, num_experts,
+                                                                   topk_ids.numel())
+    return offsets, copy_pos.view(topk_ids.shape), source, sorted_w
 
 
 def sort_by_expert_torch(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):

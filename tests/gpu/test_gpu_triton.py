@@ -160,6 +160,17 @@ def test_sort_copies_on_gpu(t, k, e):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("t,k,e", [(1, 8, 128), (300, 8, 128), (4096, 8, 256), (16384, 2, 8), (16384, 8, 128)])
+def test_sort_by_expert_on_gpu(t, k, e):
+    """The local dispatcher's sort on CUDA (one launch, the per-expert scan, or torch, by size)
+    equals the torch sort exactly."""
+    from moeflow.dispatch.expert_sort import sort_by_expert, sort_by_expert_torch
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(t, k, device="cuda")
+    for got, want in zip(sort_by_expert(ids, w, e), sort_by_expert_torch(ids, w, e)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
 @pytest.mark.parametrize("t", [1, 37, 4096])
 def test_triton_router_on_gpu(preset, t):
