@@ -64,7 +64,7 @@ def routing(t, e, k, dev):
     return ids, torch.rand(t, k, device=dev)
 
 
-def profile(name, fn, dev, rank, res):
+def profile(name, fn, dev, rank, res, trace=""):
     """Device time per kernel of 5 eager calls (torch.profiler), kept under res["profile/<name>"],
     and host time per op (self CPU time: where a host-bound call spends it) under res["host/<name>"]."""
     if dev.type != "cuda":
@@ -75,6 +75,8 @@ def profile(name, fn, dev, rank, res):
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
+    if trace and rank == 0:
+        p.export_chrome_trace(f"{trace}/trace_{name}.json")
     dev_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
     events = p.key_averages()
     rows = sorted(events, key=lambda e: -dev_us(e))[:15]
@@ -115,7 +117,7 @@ def bench_alltoall(a, dev, rank, res):
         d_bytes = sum(handle.sent[r] for r in others) * d.codec.row_bytes
         c_bytes = sum(handle.received[r] for r in others) * h * dt.itemsize
         if a.profile:
-            profile(f"alltoall-{quant}-dispatch", lambda: d.dispatch(x, ids, w), dev, rank, res)
+            profile(f"alltoall-{quant}-dispatch", lambda: d.dispatch(x, ids, w), dev, rank, res, a.trace)
             profile(f"alltoall-{quant}-combine", lambda: d.combine(out, handle), dev, rank, res)
         r_d = timed(raw_a2a(handle.sent, handle.received, d.codec.row_bytes, dev), a.iters, dev)
         r_c = timed(raw_a2a(handle.received, handle.sent, h * dt.itemsize, dev), a.iters, dev)
@@ -204,6 +206,7 @@ def main():
     p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke run)")
     p.add_argument("--skip", default="", help="comma list of sections to skip: alltoall,lowlatency,layer")
     p.add_argument("--profile", action="store_true", help="also record device time per kernel of dispatch")
+    p.add_argument("--trace", default="", help="with --profile: a folder for rank 0's chrome traces of dispatch")
     p.add_argument("--out", default="")
     a = p.parse_args()
     if a.small:

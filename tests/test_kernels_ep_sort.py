@@ -105,3 +105,19 @@ def test_local_sort_by_scan_equals_torch(t, k, e, poison_empty):
     w = torch.rand(t, k)
     for got, want in zip(sort_by_scan(ids, w, e), sort_by_expert_torch(ids, w, e)):
         assert same(got, want)
+
+
+@pytest.mark.parametrize("segment,table", [(64, 1024), (16, 64)])
+def test_many_segments(monkeypatch, poison_empty, segment, table):
+    """Small segments (many (expert, segment) programs, several blocks per segment when the table
+    limit widens them): the same bits as the torch reference, running counts carried across segments."""
+    from moeflow.kernels import ep_sort
+    monkeypatch.setattr(ep_sort, "_SEGMENT", segment)
+    monkeypatch.setattr(ep_sort, "_TABLE", table)
+    for case in ("random", "one expert"):
+        ids, weights = received(300, 4, 6, case)
+        n = int((ids >= 0).sum())
+        got = sort_copies_by_expert(ids, weights, 6, n)
+        want = sorted_batch_torch(ids, weights, 6, n)
+        for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
+            assert same(g, w), f"{case}: {name}"

@@ -13,7 +13,7 @@ pack_rows: tokens into the rows of a send buffer, one row per (token, destinatio
     and weights where kept, else 0.0. Rows pad_from .. M-1 get ids -1, weights 0 (padding).
     Its torch reference (the dispatchers' path off CUDA) is dispatch/_ep_rows.pack_rows_torch.
 
-rank_rows: where each token goes (alltoall), one program.
+rank_rows: where each token goes (alltoall), two launches over token blocks.
     topk_ids [T, K] int32, expert_rank [E] int64 -> counts [W, 2] int64 (rows, copies sent to each
     rank), home [T, W] int64 (row of token t in the send buffer for rank r: grouped by destination,
     tokens ascending; -1 if not sent). Its torch reference is dispatch/_ep_rows.rank_rows_torch.
@@ -151,43 +151,62 @@ def _need_block(ids_ptr, rank_ptr, tt, ok, stride_ids, ww, TOP_K: tl.constexpr, 
 
 
 @triton.jit
-def _rank_rows_kernel(ids_ptr, rank_ptr, counts_ptr, home_ptr, T, W, stride_ids,
-                      TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, W_POW2: tl.constexpr):
-    """One program: pass 1 counts rows and copies per rank; pass 2 numbers each rank's rows."""
+def _rank_count_kernel(ids_ptr, rank_ptr, table_ptr, T, W, stride_ids,
+                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, W_POW2: tl.constexpr):
+    """Program b (tokens b*BLOCK_T ..): table[b, w] = (rows, copies) it sends to rank w."""
+    b = tl.program_id(0)
     ww = tl.arange(0, W_POW2)
-    w_ok = ww < W
-    rows = tl.zeros((W_POW2,), tl.int64)
-    copies = tl.zeros((W_POW2,), tl.int64)
-    for t0 in range(0, T, BLOCK_T):
-        tt = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        need, c = _need_block(ids_ptr, rank_ptr, tt, tt < T, stride_ids, ww, TOP_K, BLOCK_T, W_POW2)
-        rows += tl.sum(need, axis=0)
-        copies += c
-    tl.store(counts_ptr + ww * 2, rows, mask=w_ok)
-    tl.store(counts_ptr + ww * 2 + 1, copies, mask=w_ok)
-    run = tl.cumsum(rows, axis=0) - rows  # first row of each destination's block
-    for t0 in range(0, T, BLOCK_T):
-        tt = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        ok = tt < T
-        need, _ = _need_block(ids_ptr, rank_ptr, tt, ok, stride_ids, ww, TOP_K, BLOCK_T, W_POW2)
-        pos = run[None, :] + tl.cumsum(need, axis=0).to(tl.int64) - 1
-        tl.store(home_ptr + tt[:, None] * W + ww[None, :], tl.where(need > 0, pos, -1),
-                 mask=ok[:, None] & w_ok[None, :])
-        run += tl.sum(need, axis=0).to(tl.int64)
+    tt = b.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    need, copies = _need_block(ids_ptr, rank_ptr, tt, tt < T, stride_ids, ww, TOP_K, BLOCK_T, W_POW2)
+    tl.store(table_ptr + (b * W + ww) * 2, tl.sum(need, axis=0).to(tl.int64), mask=ww < W)
+    tl.store(table_ptr + (b * W + ww) * 2 + 1, copies.to(tl.int64), mask=ww < W)
+
+
+@triton.jit
+def _rank_rows_kernel(ids_ptr, rank_ptr, table_ptr, counts_ptr, home_ptr, T, W, num_blocks, stride_ids,
+                      TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, W_POW2: tl.constexpr, B_POW2: tl.constexpr):
+    """Program b: numbers its tokens' rows for each rank, after the rows of earlier ranks (all
+    tokens) and of earlier blocks (this rank); program 0 writes counts."""
+    b = tl.program_id(0)
+    ww = tl.arange(0, W_POW2)
+    bb = tl.arange(0, B_POW2)
+    cell = (bb[:, None] < num_blocks) & (ww < W)[None, :]
+    rows_bw = tl.load(table_ptr + (bb[:, None] * W + ww[None, :]) * 2, mask=cell, other=0)  # [B, W]
+    rows = tl.sum(rows_bw, axis=0)  # [W] rows sent to each rank
+    if b == 0:
+        tl.store(counts_ptr + ww * 2, rows, mask=ww < W)
+        copies = tl.sum(tl.load(table_ptr + (bb[:, None] * W + ww[None, :]) * 2 + 1, mask=cell, other=0), axis=0)
+        tl.store(counts_ptr + ww * 2 + 1, copies, mask=ww < W)
+    before = tl.sum(tl.where((bb < b)[:, None], rows_bw, 0), axis=0)  # this rank's rows of earlier blocks
+    start = tl.cumsum(rows, axis=0) - rows + before
+    tt = b.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = tt < T
+    need, _ = _need_block(ids_ptr, rank_ptr, tt, ok, stride_ids, ww, TOP_K, BLOCK_T, W_POW2)
+    pos = start[None, :] + tl.cumsum(need, axis=0).to(tl.int64) - 1
+    tl.store(home_ptr + tt[:, None] * W + ww[None, :], tl.where(need > 0, pos, -1), mask=ok[:, None] & (ww < W)[None, :])
+
+
+_RANK_TABLE = 4096  # most (block, rank) cells one program sums
 
 
 def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor, Tensor]:
     """topk_ids [T, K] int32, expert_rank [E] int64 -> (counts [W, 2] int64, home [T, W] int64)
-    (module docstring). One launch, no host synchronization."""
+    (module docstring). Two launches over token blocks (count, then number), no host sync."""
     t, k = topk_ids.shape
     dev = topk_ids.device
     counts = torch.empty((world, 2), dtype=torch.int64, device=dev)
     home = torch.empty((t, world), dtype=torch.int64, device=dev)
     ids = topk_ids if topk_ids.stride(-1) == 1 else topk_ids.contiguous()
     w_pow2 = triton.next_power_of_2(world)
-    _rank_rows_kernel[(1,)](ids, expert_rank, counts, home, t, world, ids.stride(0),
-                            TOP_K=k, BLOCK_T=max(16, min(1024 // w_pow2, _block(t))), W_POW2=w_pow2,
-                            num_warps=8)
+    block_t = max(16, min(1024 // w_pow2, _block(t)))
+    while triton.cdiv(t, block_t) * w_pow2 > _RANK_TABLE:  # keep the block table small
+        block_t *= 2
+    blocks = max(1, triton.cdiv(t, block_t))
+    table = torch.empty((blocks, world, 2), dtype=torch.int64, device=dev)
+    _rank_count_kernel[(blocks,)](ids, expert_rank, table, t, world, ids.stride(0),
+                                  TOP_K=k, BLOCK_T=block_t, W_POW2=w_pow2)
+    _rank_rows_kernel[(blocks,)](ids, expert_rank, table, counts, home, t, world, blocks, ids.stride(0),
+                                 TOP_K=k, BLOCK_T=block_t, W_POW2=w_pow2, B_POW2=triton.next_power_of_2(blocks))
     return counts, home
 
 

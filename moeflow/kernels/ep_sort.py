@@ -10,9 +10,11 @@ sort_copies_by_expert(ids, weights, e_local, n)
 
 The same values, bit for bit, as sorted_batch's torch ops (a stable argsort of
 ``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert, copies keep j order.
-Two launches, no host synchronization: one program per expert counts its copies; then one program
-per expert (and one for the copies not here) places its copies by a running count, from the sum of
-the counts before it. Each program scans all R*K ids, as _copy_slots_kernel (kernels/ep_rows.py) does.
+Two launches, no host synchronization, over (expert, segment) programs: the copies are cut into
+segments of 4096; each program counts its expert's copies in its segment; then each places them by
+a running count from the sum of the counts before it (earlier experts, and its expert's earlier
+segments). A program reads one segment, so the sort stays parallel at prefill sizes (65k copies:
+16 segments) instead of every program reading every copy.
 """
 from __future__ import annotations
 
@@ -25,32 +27,47 @@ from .ep_rows import _block
 
 
 @triton.jit
-def _count_copies_kernel(ids_ptr, counts_ptr, num_copies, stride_ids, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program e: counts[e] = #{j : ids of copy j == e}."""
+def _count_copies_kernel(ids_ptr, counts_es_ptr, num_copies, seg, num_segs, stride_ids,
+                         TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (e, s): counts_es[e, s] = #{j in segment s : ids of copy j == e}."""
     e = tl.program_id(0)
+    sg = tl.program_id(1)
+    lo = sg.to(tl.int64) * seg
+    hi = tl.minimum(lo + seg, num_copies)
     total = 0
-    for j0 in range(0, num_copies, BLOCK):
+    for j0 in range(lo, hi, BLOCK):
         j = j0 + tl.arange(0, BLOCK).to(tl.int64)
-        ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=j < num_copies, other=-1)
+        ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=j < hi, other=-1)
         total += tl.sum((ids == e).to(tl.int32), axis=0)
-    tl.store(counts_ptr + e, total)
+    tl.store(counts_es_ptr + e * num_segs + sg, total)
 
 
 @triton.jit
-def _place_copies_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr,
-                         num_copies, n, e_local, stride_ids, stride_w,
-                         TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Program e in 0 .. E_local: offsets[e] = sum(counts[:e]); copies of key e (key: the id, E_local
-    where it is < 0) take positions offsets[e] + their running count in j order. Positions >= n are
-    cut off (sorted_batch keeps the first n), so program E_local writes copy_pos -1 when n is right."""
+def _place_copies_kernel(ids_ptr, w_ptr, counts_es_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr,
+                         num_copies, n, e_local, seg, num_segs, stride_ids, stride_w,
+                         TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (e, s), e in 0 .. E_local: copies of key e (the id, E_local where it is < 0) in
+    segment s take positions offsets[e] + (copies of e in earlier segments) + their running count
+    in j order. Positions >= n are cut off (sorted_batch keeps the first n): the key E_local's
+    copies all land there and get copy_pos -1. Programs (e, 0) write offsets[e] and counts[e]."""
     e = tl.program_id(0)
+    sg = tl.program_id(1)
     ee = tl.arange(0, BLOCK_E)
-    start = tl.sum(tl.load(counts_ptr + ee, mask=ee < e, other=0).to(tl.int64), axis=0)
-    tl.store(offsets_ptr + e, start)
-    running = start
-    for j0 in range(0, num_copies, BLOCK):
+    ss = tl.arange(0, BLOCK_S)
+    table = tl.load(counts_es_ptr + ee[:, None] * num_segs + ss[None, :],
+                    mask=(ee < e_local)[:, None] & (ss < num_segs)[None, :], other=0).to(tl.int64)
+    first = tl.sum(tl.sum(tl.where((ee < e)[:, None], table, 0), axis=1), axis=0)  # offsets[e]
+    mine = tl.sum(tl.where(ee == e, tl.sum(tl.where((ss < sg)[None, :], table, 0), axis=1), 0), axis=0)
+    if sg == 0:
+        tl.store(offsets_ptr + e, first)
+        if e < e_local:
+            tl.store(counts_ptr + e, tl.sum(tl.where(ee == e, tl.sum(table, axis=1), 0), axis=0).to(tl.int32))
+    running = first + mine
+    lo = sg.to(tl.int64) * seg
+    hi = tl.minimum(lo + seg, num_copies)
+    for j0 in range(lo, hi, BLOCK):
         j = j0 + tl.arange(0, BLOCK).to(tl.int64)
-        ok = j < num_copies
+        ok = j < hi
         r = j // TOP_K
         k = j % TOP_K
         ids = tl.load(ids_ptr + r * stride_ids + k, mask=ok, other=-1)
@@ -61,6 +78,10 @@ def _place_copies_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, so
         tl.store(source_ptr + pos, r, mask=kept)
         tl.store(sorted_w_ptr + pos, tl.load(w_ptr + r * stride_w + k, mask=kept), mask=kept)
         running += tl.sum(hit.to(tl.int32), axis=0)
+
+
+_SEGMENT = 4096  # copies per program: each (expert, segment) program reads one segment
+_TABLE = 8192  # most (expert, segment) counts one program sums for its start (registers)
 
 
 def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int,
@@ -83,19 +104,26 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int,
     if e_local < 1:
         raise ValueError(f"e_local must be >= 1, got {e_local}")
     r, k = ids.shape
+    copies = r * k
     dev = ids.device
+    e_pow2 = triton.next_power_of_2(e_local)
+    # segments of the copies: (E_local + 1) x segments programs, each reads one segment; the
+    # segment grows past _SEGMENT when the (expert, segment) table would not fit one program
+    most_segs = max(1, _TABLE // e_pow2)
+    seg = max(_SEGMENT, triton.cdiv(triton.cdiv(copies, most_segs), _SEGMENT) * _SEGMENT)
+    segs = max(1, triton.cdiv(copies, seg))
+    block = _block(min(copies, seg), most=_SEGMENT)
+    warps = 8 if block >= 2048 else 4
     source = torch.empty(n, dtype=torch.int64, device=dev)
     sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
     counts = torch.empty(e_local, dtype=torch.int32, device=dev)
     offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
-    copy_pos = torch.empty(r * k, dtype=torch.int64, device=dev)
-    # every program scans all R*K ids: wide blocks keep the serial loop short at prefill sizes
-    # (65k copies: 16 iterations of 4096, each a round trip to memory)
-    block = _block(r * k, most=4096)
-    warps = 8 if block >= 2048 else 4
-    _count_copies_kernel[(e_local,)](ids, counts, r * k, ids.stride(0), TOP_K=k, BLOCK=block, num_warps=warps)
-    _place_copies_kernel[(e_local + 1,)](ids, weights, counts, offsets, source, sorted_w, copy_pos,
-                                         r * k, n, e_local, ids.stride(0), weights.stride(0),
-                                         TOP_K=k, BLOCK=block, BLOCK_E=triton.next_power_of_2(e_local),
-                                         num_warps=warps)
+    copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
+    counts_es = torch.empty((e_local, segs), dtype=torch.int32, device=dev)
+    _count_copies_kernel[(e_local, segs)](ids, counts_es, copies, seg, segs, ids.stride(0), TOP_K=k, BLOCK=block,
+                                          num_warps=warps)
+    _place_copies_kernel[(e_local + 1, segs)](ids, weights, counts_es, counts, offsets, source, sorted_w, copy_pos,
+                                              copies, n, e_local, seg, segs, ids.stride(0), weights.stride(0),
+                                              TOP_K=k, BLOCK=block, BLOCK_E=e_pow2,
+                                              BLOCK_S=triton.next_power_of_2(segs), num_warps=warps)
     return source, sorted_w, counts, offsets, copy_pos
