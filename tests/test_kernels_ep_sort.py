@@ -121,3 +121,28 @@ def test_many_segments(monkeypatch, poison_empty, segment, table):
         want = sorted_batch_torch(ids, weights, 6, n)
         for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
             assert same(g, w), f"{case}: {name}"
+
+
+@pytest.mark.parametrize("r,k,e_local,case", [c for c in CASES if c[0] < 1000], ids=str)  # segments: below
+def test_sort_by_segment_matches(r, k, e_local, case, poison_empty):
+    """The histogram + per-segment sort variant: the same bits as the torch reference."""
+    from moeflow.kernels.ep_sort import sort_copies_by_segment
+    ids, weights = received(r, k, e_local, case)
+    n = int((ids >= 0).sum())
+    got = sort_copies_by_segment(ids, weights, e_local, n)
+    want = sorted_batch_torch(ids, weights, e_local, n)
+    for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
+        assert same(g, w), name
+
+
+def test_sort_by_segment_many_segments(monkeypatch, poison_empty):
+    """A small histogram table forces many segments: prefix sums across segments carry the order."""
+    from moeflow.kernels import ep_sort
+    monkeypatch.setattr(ep_sort, "_SEGMENT_TABLE", 64)
+    for case in ("random", "one expert"):
+        ids, weights = received(300, 4, 6, case)  # 1200 copies, 8 bins -> segments of 256: 5 segments
+        n = int((ids >= 0).sum())
+        got = ep_sort.sort_copies_by_segment(ids, weights, 6, n)
+        want = sorted_batch_torch(ids, weights, 6, n)
+        for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
+            assert same(g, w), f"{case}: {name}"

@@ -127,3 +127,86 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int,
                                               TOP_K=k, BLOCK=block, BLOCK_E=e_pow2,
                                               BLOCK_S=triton.next_power_of_2(segs), num_warps=warps)
     return source, sorted_w, counts, offsets, copy_pos
+
+
+# ---------------------------------------------------------------- by segment: histogram + sort
+@triton.jit
+def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids,
+                         TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr):
+    """Program s: hist[s, key] over the copies of segment s (key: the id, E_local where it is < 0)."""
+    s = tl.program_id(0)
+    j = s.to(tl.int64) * SEG + tl.arange(0, SEG)
+    ok = j < num_copies
+    ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=ok, other=-1)
+    key = tl.where(ids >= 0, ids, e_local)
+    tl.store(hist_ptr + s * BINS + tl.arange(0, BINS), tl.histogram(key, BINS, mask=ok))
+
+
+@triton.jit
+def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr,
+                          num_copies, n, e_local, num_segs, stride_ids, stride_w,
+                          TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, S_POW2: tl.constexpr):
+    """Program s: its copies sorted by (key, j) in registers; copy i of the sorted segment goes to
+    offsets[key] + (copies of key in earlier segments) + (i - first index of key in the segment)."""
+    s = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    segs = tl.arange(0, S_POW2)
+    table = tl.load(hist_ptr + segs[:, None] * BINS + bins[None, :], mask=(segs < num_segs)[:, None], other=0)
+    total = tl.sum(table, axis=0).to(tl.int64)  # [BINS] copies of each key
+    offsets = tl.cumsum(total, axis=0) - total
+    before = tl.sum(tl.where((segs < s)[:, None], table, 0), axis=0).to(tl.int64)
+    mine = tl.sum(tl.where((segs == s)[:, None], table, 0), axis=0).to(tl.int64)
+    start = offsets + before - (tl.cumsum(mine, axis=0) - mine)  # + sorted index = position
+    if s == 0:
+        tl.store(offsets_ptr + bins, offsets, mask=bins <= e_local)
+        tl.store(counts_ptr + bins, total.to(tl.int32), mask=bins < e_local)
+    lane = tl.arange(0, SEG)
+    j = s.to(tl.int64) * SEG + lane
+    ok = j < num_copies
+    ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=ok, other=-1)
+    key = tl.where(ok, tl.where(ids >= 0, ids, e_local), BINS)  # lanes past the end sort last
+    order = tl.sort(key * SEG + lane, 0)  # by key, then copy order: stable
+    skey = order // SEG
+    real = skey < BINS
+    pos = tl.gather(start, tl.minimum(skey, BINS - 1), 0) + lane
+    sj = s.to(tl.int64) * SEG + order % SEG
+    kept = real & (skey < e_local) & (pos < n)
+    tl.store(pos_ptr + sj, tl.where(kept, pos, -1), mask=real)
+    r = sj // TOP_K
+    tl.store(source_ptr + pos, r, mask=kept)
+    tl.store(sorted_w_ptr + pos, tl.load(w_ptr + r * stride_w + sj % TOP_K, mask=kept), mask=kept)
+
+
+_SEGMENT_TABLE = 8192  # most (segment, key) histogram cells one program loads
+
+
+def sort_copies_by_segment(ids: Tensor, weights: Tensor, e_local: int,
+                           n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """sort_copies_by_expert (same arguments, same bits) with work that does not grow with E_local:
+    a histogram per segment of copies, then each segment sorted in registers and placed from the
+    histograms' prefix sums. Two launches, no host synchronization."""
+    if ids.dim() != 2 or ids.shape != weights.shape or any(t.shape[1] > 1 and t.stride(1) != 1 for t in (ids, weights)):
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [R, K] views "
+                         "with contiguous columns")
+    if ids.dtype != torch.int32 or weights.dtype != torch.float32:
+        raise ValueError(f"ids must be int32 and weights float32, got {ids.dtype} and {weights.dtype}")
+    r, k = ids.shape
+    copies = r * k
+    dev = ids.device
+    bins = triton.next_power_of_2(e_local + 1)
+    seg = max(256, triton.next_power_of_2(triton.cdiv(copies, max(1, _SEGMENT_TABLE // bins))))
+    seg = min(seg, max(256, triton.next_power_of_2(copies)))
+    segs = max(1, triton.cdiv(copies, seg))
+    warps = min(16, max(4, seg // 256))  # the in-register sort: 8192 copies spill at 8 warps (ptxas)
+    source = torch.empty(n, dtype=torch.int64, device=dev)
+    sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
+    counts = torch.empty(e_local, dtype=torch.int32, device=dev)
+    offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
+    copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
+    hist = torch.empty((segs, bins), dtype=torch.int32, device=dev)
+    _segment_hist_kernel[(segs,)](ids, hist, copies, e_local, ids.stride(0), TOP_K=k, SEG=seg, BINS=bins,
+                                  num_warps=warps)
+    _segment_place_kernel[(segs,)](ids, weights, hist, counts, offsets, source, sorted_w, copy_pos,
+                                   copies, n, e_local, segs, ids.stride(0), weights.stride(0),
+                                   TOP_K=k, SEG=seg, BINS=bins, S_POW2=triton.next_power_of_2(segs), num_warps=warps)
+    return source, sorted_w, counts, offsets, copy_pos

@@ -216,12 +216,14 @@ def test_ep_row_kernels_on_gpu(payload):
     assert sc is None or torch.equal(sc[valid], batch.hidden_scale[valid])
 
 
-@pytest.mark.parametrize("r,e_local", [(8192, 128), (300, 5)])
-def test_ep_sort_on_gpu(r, e_local):
+@pytest.mark.parametrize("variant", ["sort_copies_by_expert", "sort_copies_by_segment"])
+@pytest.mark.parametrize("r,e_local", [(8192, 128), (300, 5), (16384, 256), (2048, 8)])
+def test_ep_sort_on_gpu(r, e_local, variant):
     """kernels/ep_sort.py at alltoall's size (8192 received rows, top-8, 128 local experts; ids in a
     strided view as received) on CUDA: bit for bit the torch reference."""
     from moeflow.dispatch._ep_rows import sort_copies_by_expert_torch
-    from moeflow.kernels.ep_sort import sort_copies_by_expert
+    from moeflow.kernels import ep_sort
+    sort_copies_by_expert = getattr(ep_sort, variant)
     buf = torch.zeros(r, 40, dtype=torch.int32, device="cuda")
     choice = torch.rand(r, 2 * e_local, device="cuda").argsort(dim=1)[:, :8]
     buf[:, :8] = torch.where(choice < e_local, choice, -1).to(torch.int32)
