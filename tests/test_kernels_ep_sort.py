@@ -71,8 +71,8 @@ CASES = [  # (R, K, E_local, case)
     (7, 3, 1, "random"),
     (7, 3, 6, "one expert"),
     (7, 8, 5, "none here"),
-    (1100, 4, 6, "random"),  # 4400 copies: two blocks of 4096, running counts carry over
-    (1100, 4, 5, "one expert"),
+    (400, 4, 6, "random"),  # 1600 copies: 7 segments of 256, prefix sums carry over
+    (400, 4, 5, "one expert"),
 ]
 
 
@@ -96,53 +96,26 @@ def test_sort_copies_rejects_bad_views():
         sort_copies_by_expert(ids.t(), weights.t(), 5, 4)
 
 
-@pytest.mark.parametrize("t,k,e", [(1, 2, 8), (40, 8, 16), (600, 8, 128), (3000, 2, 8)])
-def test_local_sort_by_scan_equals_torch(t, k, e, poison_empty):
-    """The local dispatcher's mid-sized CUDA path (dispatch/expert_sort.sort_by_scan) equals its
+@pytest.mark.parametrize("t,k,e", [(1, 2, 8), (40, 8, 16), (100, 8, 128), (700, 2, 8)])
+def test_local_sort_by_segments_equals_torch(t, k, e, poison_empty):
+    """The local dispatcher's mid-sized CUDA path (dispatch/expert_sort.sort_by_segments) equals its
     torch sort exactly: offsets, row of each copy, source row and weight of each sorted row."""
-    from moeflow.dispatch.expert_sort import sort_by_expert_torch, sort_by_scan
+    from moeflow.dispatch.expert_sort import sort_by_expert_torch, sort_by_segments
     ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
     w = torch.rand(t, k)
-    for got, want in zip(sort_by_scan(ids, w, e), sort_by_expert_torch(ids, w, e)):
+    for got, want in zip(sort_by_segments(ids, w, e), sort_by_expert_torch(ids, w, e)):
         assert same(got, want)
 
 
-@pytest.mark.parametrize("segment,table", [(64, 1024), (16, 64)])
-def test_many_segments(monkeypatch, poison_empty, segment, table):
-    """Small segments (many (expert, segment) programs, several blocks per segment when the table
-    limit widens them): the same bits as the torch reference, running counts carried across segments."""
-    from moeflow.kernels import ep_sort
-    monkeypatch.setattr(ep_sort, "_SEGMENT", segment)
-    monkeypatch.setattr(ep_sort, "_TABLE", table)
-    for case in ("random", "one expert"):
-        ids, weights = received(300, 4, 6, case)
-        n = int((ids >= 0).sum())
-        got = sort_copies_by_expert(ids, weights, 6, n)
-        want = sorted_batch_torch(ids, weights, 6, n)
-        for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
-            assert same(g, w), f"{case}: {name}"
-
-
-@pytest.mark.parametrize("r,k,e_local,case", [c for c in CASES if c[0] < 1000], ids=str)  # segments: below
-def test_sort_by_segment_matches(r, k, e_local, case, poison_empty):
-    """The histogram + per-segment sort variant: the same bits as the torch reference."""
-    from moeflow.kernels.ep_sort import sort_copies_by_segment
-    ids, weights = received(r, k, e_local, case)
-    n = int((ids >= 0).sum())
-    got = sort_copies_by_segment(ids, weights, e_local, n)
-    want = sorted_batch_torch(ids, weights, e_local, n)
-    for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
-        assert same(g, w), name
-
-
 def test_sort_by_segment_many_segments(monkeypatch, poison_empty):
-    """A small histogram table forces many segments: prefix sums across segments carry the order."""
+    """A small histogram table forces many short segments (1200 copies, 8 bins: segments of 256):
+    the prefix sums across segments carry the order."""
     from moeflow.kernels import ep_sort
     monkeypatch.setattr(ep_sort, "_SEGMENT_TABLE", 64)
     for case in ("random", "one expert"):
-        ids, weights = received(300, 4, 6, case)  # 1200 copies, 8 bins -> segments of 256: 5 segments
+        ids, weights = received(300, 4, 6, case)
         n = int((ids >= 0).sum())
-        got = ep_sort.sort_copies_by_segment(ids, weights, 6, n)
+        got = ep_sort.sort_copies_by_expert(ids, weights, 6, n)
         want = sorted_batch_torch(ids, weights, 6, n)
         for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
             assert same(g, w), f"{case}: {name}"

@@ -5,11 +5,12 @@ from a CUDA graph (20 calls per graph, median of 5 replays), µs per call.
 
   torch     dispatch/expert_sort.sort_by_expert_torch (torch.sort + searchsorted + index kernels)
   one       kernels/align.sort_copies: one launch, O(copies^2) comparisons (copies <= 2048 only)
-  scan      kernels/ep_sort.sort_copies_by_expert: two launches, (expert, segment) programs, each
-            reading its segment for its expert (alltoall's receiver sort; the same stable order)
-  segment   kernels/ep_sort.sort_copies_by_segment: two launches, a histogram per segment, then each
-            segment sorted in registers (work independent of E)
-Chooses expert_sort.MAX_SCAN_COPIES: up to which size "scan" replaces "torch".
+  segment   kernels/ep_sort.sort_copies_by_expert: two launches, a histogram per segment of copies,
+            then each segment sorted in registers (alltoall's receiver sort; the same stable order)
+At 323572f a third way ran beside them ("scan": one program per (expert, segment) reading every
+copy of its segment, work growing with E; sort_variants_2026-11-30_h200_323572f.json): it lost to
+"segment" from 1024 copies up and was removed.
+Chooses expert_sort.ONE_LAUNCH_COPIES and ep_sort.sort_pays: which way each size takes.
 """
 import json
 import statistics
@@ -19,7 +20,7 @@ import torch
 
 from moeflow.dispatch.expert_sort import sort_by_expert_torch
 from moeflow.kernels.align import MAX_FUSED_COPIES, sort_copies
-from moeflow.kernels.ep_sort import sort_copies_by_expert, sort_copies_by_segment
+from moeflow.kernels.ep_sort import sort_copies_by_expert
 
 
 def graph_us(fn, calls=20, reps=5):
@@ -50,8 +51,7 @@ def main():
             n = t * k
             row = dict(E=e, K=k, T=t, copies=n,
                        torch=graph_us(lambda: sort_by_expert_torch(ids, w, e, bounds)),
-                       scan=graph_us(lambda: sort_copies_by_expert(ids, w, e, n)),
-                       segment=graph_us(lambda: sort_copies_by_segment(ids, w, e, n)))
+                       segment=graph_us(lambda: sort_copies_by_expert(ids, w, e, n)))
             if n <= MAX_FUSED_COPIES:
                 row["one"] = graph_us(lambda: sort_copies(ids, w, e))
             rows.append(row)

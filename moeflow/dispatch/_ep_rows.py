@@ -177,8 +177,8 @@ def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: boo
                  ids: Tensor | None = None) -> tuple[ExpertBatch, Tensor]:
     """The copies of received ``rows`` for this rank (``ids`` [R, K] int32, default rows.ids: local
     expert ids, -1 for copies not here; ``n`` of them are here) as a sorted-layout batch: grouped by
-    expert, in row order within one. Two Triton launches on CUDA (kernels/ep_sort.py), torch ops
-    otherwise.
+    expert, in row order within one. Two Triton launches on CUDA where they beat torch's sort
+    (kernels/ep_sort.sort_pays), torch ops otherwise.
 
     indexed: the batch names its rows (``source_rows`` [n] into the R received rows, which it
     holds as strided views of the receive buffer) instead of copying one row per copy
@@ -188,7 +188,8 @@ def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: boo
     k = codec.top_k
     ids = rows.ids if ids is None else ids
     kernels = _ep_kernels(ids, "ep_sort")
-    sort = sort_copies_by_expert_torch if kernels is None else kernels.sort_copies_by_expert
+    fast = kernels is not None and kernels.sort_pays(ids.numel(), e_local)
+    sort = kernels.sort_copies_by_expert if fast else sort_copies_by_expert_torch
     row, weights, counts, offsets, copy_pos = sort(ids, rows.weights, e_local, n)
     if indexed:
         hidden, scale, source = codec.as_payload(rows.hidden), rows.scale, row

@@ -13,44 +13,35 @@ import torch
 from torch import Tensor
 
 
-# Which sort a CUDA batch of T*K copies takes, from benchmarks/experiments/sort_variants.py on
-# one H200 (benchmarks/results/sort_variants_2026-11-30_h200_*.json, µs per call in a graph):
-# the one-launch comparison sort (kernels/align) up to ONE_LAUNCH_COPIES (1.9-2.9 vs 2.7-3.8 for the
-# scan at 32-128 copies, 12 vs 5 at 1024); then the per-expert scan (kernels/ep_sort: two
-# launches, each program reads every copy, so its time grows with copies x waves of E+1 programs)
-# while copies x waves <= SCAN_WORK (E=128: 47 vs torch 56 at 32768 copies, 91 vs 59 at 65536;
-# E=256, two waves: 40 vs 60 at 16384, 77 vs 57 at 32768); torch's radix sort beyond. Measured
-# before the scan was cut into segments of 4096 copies (each program now reads one segment), which
-# can only make it faster: where the rule picks the scan it still wins; re-measure to widen it.
+# Which sort a CUDA batch of T*K copies takes (benchmarks/experiments/sort_variants.py on one H200,
+# benchmarks/results/sort_variants_2026-11-30_h200_323572f.json, µs per call in a CUDA graph): the
+# one-launch comparison sort (kernels/align) up to ONE_LAUNCH_COPIES (2.1-2.8 at 32-128 copies, where
+# the segment sort takes 3.7-5.6; 12 vs 5.6 at 1024); then kernels/ep_sort's segment sort while
+# ep_sort.sort_pays (5-33 µs where torch takes 35-60); torch's radix sort beyond.
 ONE_LAUNCH_COPIES = 128
-SCAN_WORK = 32768
-_SMS = 132  # programs per wave on an H200 (one program per SM, these kernels are tiny)
-
-
-def _scan_pays(copies: int, num_experts: int) -> bool:
-    return copies * -(-(num_experts + 1) // _SMS) <= SCAN_WORK
 
 
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
     """On CUDA: the smallest batches in one Triton launch (kernels/align.sort_copies), mid-sized
-    ones in two (kernels/ep_sort), instead of a sort, a searchsorted and four index kernels; torch
+    ones in two (kernels/ep_sort's segment sort), instead of a sort, a searchsorted and four index kernels; torch
     otherwise (the same values; thresholds above). bounds: 0 .. E in topk_ids' dtype and device,
     when the caller keeps one (torch path)."""
     n = topk_ids.numel()
-    if topk_ids.is_cuda and (n <= ONE_LAUNCH_COPIES or _scan_pays(n, num_experts)):
+    if topk_ids.is_cuda:
         try:
             from ..kernels.align import sort_copies
+            from ..kernels.ep_sort import sort_pays
         except ImportError:  # triton missing: torch below
             pass
         else:
             if n <= ONE_LAUNCH_COPIES:
                 return sort_copies(topk_ids, topk_weights, num_experts)
-            if topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
-                return sort_by_scan(topk_ids, topk_weights, num_experts)
+            if sort_pays(n, num_experts) and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
+                return sort_by_segments(topk_ids, topk_weights, num_experts)
     return sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
 
 
-def sort_by_scan(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
+def sort_by_segments(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
     """sort_by_expert through kernels/ep_sort.sort_copies_by_expert (topk_ids int32, topk_weights
     float32; needs triton)."""
     from ..kernels.ep_sort import sort_copies_by_expert

@@ -1,4 +1,5 @@
-"""Received token copies grouped by local expert: the sort of dispatch/_ep_rows.sorted_batch in Triton.
+"""Received token copies grouped by local expert: the sort of dispatch/_ep_rows.sorted_batch (and of
+the local dispatcher's mid-sized batches) in Triton.
 
 sort_copies_by_expert(ids, weights, e_local, n)
     ids [R, K] int32: local expert of copy j = r*K + k, -1 where the copy is not for this rank;
@@ -8,13 +9,12 @@ sort_copies_by_expert(ids, weights, e_local, n)
        counts [E_local] int32, offsets [E_local + 1] int64 (exclusive prefix of counts),
        copy_pos [R*K] int64 (sorted position of copy j, -1 for copies not here).
 
-The same values, bit for bit, as sorted_batch's torch ops (a stable argsort of
-``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert, copies keep j order.
-Two launches, no host synchronization, over (expert, segment) programs: the copies are cut into
-segments of 4096; each program counts its expert's copies in its segment; then each places them by
-a running count from the sum of the counts before it (earlier experts, and its expert's earlier
-segments). A program reads one segment, so the sort stays parallel at prefill sizes (65k copies:
-16 segments) instead of every program reading every copy.
+The same values, bit for bit, as the torch reference (sort_copies_by_expert_torch: a stable argsort
+of ``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert, copies keep j order.
+Two launches, no host synchronization: a histogram of keys per segment of copies; then each segment
+sorts its (key, j) pairs in registers and places them from the histograms' prefix sums. The work
+does not grow with E_local (an earlier version scanned all copies once per expert: 95 µs at 65536
+copies over 128 experts where this takes 33, sort_variants_2026-11-30_h200_323572f.json).
 """
 from __future__ import annotations
 
@@ -23,113 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .ep_rows import _block
 
-
-@triton.jit
-def _count_copies_kernel(ids_ptr, counts_es_ptr, num_copies, seg, num_segs, stride_ids,
-                         TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (e, s): counts_es[e, s] = #{j in segment s : ids of copy j == e}."""
-    e = tl.program_id(0)
-    sg = tl.program_id(1)
-    lo = sg.to(tl.int64) * seg
-    hi = tl.minimum(lo + seg, num_copies)
-    total = 0
-    for j0 in range(lo, hi, BLOCK):
-        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
-        ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=j < hi, other=-1)
-        total += tl.sum((ids == e).to(tl.int32), axis=0)
-    tl.store(counts_es_ptr + e * num_segs + sg, total)
-
-
-@triton.jit
-def _place_copies_kernel(ids_ptr, w_ptr, counts_es_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr,
-                         num_copies, n, e_local, seg, num_segs, stride_ids, stride_w,
-                         TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Program (e, s), e in 0 .. E_local: copies of key e (the id, E_local where it is < 0) in
-    segment s take positions offsets[e] + (copies of e in earlier segments) + their running count
-    in j order. Positions >= n are cut off (sorted_batch keeps the first n): the key E_local's
-    copies all land there and get copy_pos -1. Programs (e, 0) write offsets[e] and counts[e]."""
-    e = tl.program_id(0)
-    sg = tl.program_id(1)
-    ee = tl.arange(0, BLOCK_E)
-    ss = tl.arange(0, BLOCK_S)
-    table = tl.load(counts_es_ptr + ee[:, None] * num_segs + ss[None, :],
-                    mask=(ee < e_local)[:, None] & (ss < num_segs)[None, :], other=0).to(tl.int64)
-    first = tl.sum(tl.sum(tl.where((ee < e)[:, None], table, 0), axis=1), axis=0)  # offsets[e]
-    mine = tl.sum(tl.where(ee == e, tl.sum(tl.where((ss < sg)[None, :], table, 0), axis=1), 0), axis=0)
-    if sg == 0:
-        tl.store(offsets_ptr + e, first)
-        if e < e_local:
-            tl.store(counts_ptr + e, tl.sum(tl.where(ee == e, tl.sum(table, axis=1), 0), axis=0).to(tl.int32))
-    running = first + mine
-    lo = sg.to(tl.int64) * seg
-    hi = tl.minimum(lo + seg, num_copies)
-    for j0 in range(lo, hi, BLOCK):
-        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
-        ok = j < hi
-        r = j // TOP_K
-        k = j % TOP_K
-        ids = tl.load(ids_ptr + r * stride_ids + k, mask=ok, other=-1)
-        hit = ok & (tl.where(ids >= 0, ids, e_local) == e)
-        pos = running + tl.cumsum(hit.to(tl.int32), axis=0).to(tl.int64) - 1
-        kept = hit & (pos < n)
-        tl.store(pos_ptr + j, tl.where(kept, pos, -1), mask=hit)
-        tl.store(source_ptr + pos, r, mask=kept)
-        tl.store(sorted_w_ptr + pos, tl.load(w_ptr + r * stride_w + k, mask=kept), mask=kept)
-        running += tl.sum(hit.to(tl.int32), axis=0)
-
-
-_SEGMENT = 4096  # copies per program: each (expert, segment) program reads one segment
-_TABLE = 8192  # most (expert, segment) counts one program sums for its start (registers)
-
-
-def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int,
-                          n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """ids [R, K] int32 (may be a strided view: row stride != K, columns contiguous): local expert of
-    each copy, or -1 where the copy is not for this rank; weights [R, K] float32 (same kind of view);
-    n: the number of copies with ids >= 0 (known on the host). ids must lie in -1 .. e_local-1.
-    -> (source [n] int64: received row of each sorted copy (= j // K for copy j),
-        sorted_weights [n] float32,
-        counts [E_local] int32,
-        offsets [E_local + 1] int64 (exclusive prefix of counts, offsets[E_local] == n),
-        copy_pos [R * K] int64: the sorted position of copy j, -1 for copies that are not here)
-    Two launches, no host synchronization (module docstring).
-    """
-    if ids.dim() != 2 or ids.shape != weights.shape or any(t.shape[1] > 1 and t.stride(1) != 1 for t in (ids, weights)):
-        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [R, K] views "
-                         "with contiguous columns")
-    if ids.dtype != torch.int32 or weights.dtype != torch.float32:
-        raise ValueError(f"ids must be int32 and weights float32, got {ids.dtype} and {weights.dtype}")
-    if e_local < 1:
-        raise ValueError(f"e_local must be >= 1, got {e_local}")
-    r, k = ids.shape
-    copies = r * k
-    dev = ids.device
-    e_pow2 = triton.next_power_of_2(e_local)
-    # segments of the copies: (E_local + 1) x segments programs, each reads one segment; the
-    # segment grows past _SEGMENT when the (expert, segment) table would not fit one program
-    most_segs = max(1, _TABLE // e_pow2)
-    seg = max(_SEGMENT, triton.cdiv(triton.cdiv(copies, most_segs), _SEGMENT) * _SEGMENT)
-    segs = max(1, triton.cdiv(copies, seg))
-    block = _block(min(copies, seg), most=_SEGMENT)
-    warps = 8 if block >= 2048 else 4
-    source = torch.empty(n, dtype=torch.int64, device=dev)
-    sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
-    counts = torch.empty(e_local, dtype=torch.int32, device=dev)
-    offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
-    copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
-    counts_es = torch.empty((e_local, segs), dtype=torch.int32, device=dev)
-    _count_copies_kernel[(e_local, segs)](ids, counts_es, copies, seg, segs, ids.stride(0), TOP_K=k, BLOCK=block,
-                                          num_warps=warps)
-    _place_copies_kernel[(e_local + 1, segs)](ids, weights, counts_es, counts, offsets, source, sorted_w, copy_pos,
-                                              copies, n, e_local, seg, segs, ids.stride(0), weights.stride(0),
-                                              TOP_K=k, BLOCK=block, BLOCK_E=e_pow2,
-                                              BLOCK_S=triton.next_power_of_2(segs), num_warps=warps)
-    return source, sorted_w, counts, offsets, copy_pos
-
-
-# ---------------------------------------------------------------- by segment: histogram + sort
 @triton.jit
 def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids,
                          TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr):
@@ -180,16 +74,37 @@ def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, sou
 _SEGMENT_TABLE = 8192  # most (segment, key) histogram cells one program loads
 
 
-def sort_copies_by_segment(ids: Tensor, weights: Tensor, e_local: int,
-                           n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """sort_copies_by_expert (same arguments, same bits) with work that does not grow with E_local:
-    a histogram per segment of copies, then each segment sorted in registers and placed from the
-    histograms' prefix sums. Two launches, no host synchronization."""
+def sort_pays(copies: int, e_local: int) -> bool:
+    """Whether sort_copies_by_expert beats torch's sort for this many copies over E_local experts
+    (benchmarks/results/sort_variants_2026-11-30_h200_323572f.json, µs in a CUDA graph on H200:
+    E=128: 33 vs 59 at 65536 copies, 78 vs 63 at 131072; E=256: 33 vs 57 at 32768, 77 vs 60 at
+    65536; E=8: ~5 vs 35-58 up to 32768). Past copies x bins = 2^24 the histogram table caps the
+    number of segments, so each program sorts more copies and the sort loses."""
+    return copies * triton.next_power_of_2(e_local + 1) <= _SORT_WORK
+
+
+_SORT_WORK = 1 << 24
+
+
+def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int,
+                          n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """ids [R, K] int32 (may be a strided view: row stride != K, columns contiguous): local expert of
+    each copy, or -1 where the copy is not for this rank; weights [R, K] float32 (same kind of view);
+    n: the number of copies with ids >= 0 (known on the host). ids must lie in -1 .. e_local-1.
+    -> (source [n] int64: received row of each sorted copy (= j // K for copy j),
+        sorted_weights [n] float32,
+        counts [E_local] int32,
+        offsets [E_local + 1] int64 (exclusive prefix of counts, offsets[E_local] == n),
+        copy_pos [R * K] int64: the sorted position of copy j, -1 for copies that are not here)
+    Two launches, no host synchronization (module docstring).
+    """
     if ids.dim() != 2 or ids.shape != weights.shape or any(t.shape[1] > 1 and t.stride(1) != 1 for t in (ids, weights)):
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [R, K] views "
                          "with contiguous columns")
     if ids.dtype != torch.int32 or weights.dtype != torch.float32:
         raise ValueError(f"ids must be int32 and weights float32, got {ids.dtype} and {weights.dtype}")
+    if e_local < 1:
+        raise ValueError(f"e_local must be >= 1, got {e_local}")
     r, k = ids.shape
     copies = r * k
     dev = ids.device

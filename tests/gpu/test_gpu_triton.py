@@ -162,7 +162,7 @@ def test_sort_copies_on_gpu(t, k, e):
 
 @pytest.mark.parametrize("t,k,e", [(1, 8, 128), (300, 8, 128), (4096, 8, 256), (16384, 2, 8), (16384, 8, 128)])
 def test_sort_by_expert_on_gpu(t, k, e):
-    """The local dispatcher's sort on CUDA (one launch, the per-expert scan, or torch, by size)
+    """The local dispatcher's sort on CUDA (one launch, the segment sort, or torch, by size)
     equals the torch sort exactly."""
     from moeflow.dispatch.expert_sort import sort_by_expert, sort_by_expert_torch
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
@@ -216,14 +216,12 @@ def test_ep_row_kernels_on_gpu(payload):
     assert sc is None or torch.equal(sc[valid], batch.hidden_scale[valid])
 
 
-@pytest.mark.parametrize("variant", ["sort_copies_by_expert", "sort_copies_by_segment"])
 @pytest.mark.parametrize("r,e_local", [(8192, 128), (300, 5), (16384, 256), (2048, 8)])
-def test_ep_sort_on_gpu(r, e_local, variant):
+def test_ep_sort_on_gpu(r, e_local):
     """kernels/ep_sort.py at alltoall's size (8192 received rows, top-8, 128 local experts; ids in a
     strided view as received) on CUDA: bit for bit the torch reference."""
     from moeflow.dispatch._ep_rows import sort_copies_by_expert_torch
-    from moeflow.kernels import ep_sort
-    sort_copies_by_expert = getattr(ep_sort, variant)
+    from moeflow.kernels.ep_sort import sort_copies_by_expert
     buf = torch.zeros(r, 40, dtype=torch.int32, device="cuda")
     choice = torch.rand(r, 2 * e_local, device="cuda").argsort(dim=1)[:, :8]
     buf[:, :8] = torch.where(choice < e_local, choice, -1).to(torch.int32)
