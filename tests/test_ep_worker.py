@@ -8,6 +8,7 @@ its name, so all ranks draw the same weights and the same tokens of all ranks; a
 slice to the expert-parallel layer and compares with a one-process layer (a group of size 1) run on
 all the tokens with the same weights.
 """
+import contextlib
 import datetime
 import json
 import os
@@ -88,6 +89,41 @@ class Ctx:
         raise AssertionError(f"no error; expected {code}")
 
 
+@contextlib.contextmanager
+def kernels_on_cpu():
+    """The dispatchers' Triton kernel paths (kernels/ep_rows.py, ep_sort.py), which run on CUDA
+    only, forced onto CPU tensors through Triton's interpreter: the kernels inside the real
+    multi-process dispatch, gloo standing in for NCCL."""
+    import importlib
+
+    import triton_interp  # noqa: F401  (TRITON_INTERPRET=1 and the interpreter's numpy fix)
+    from moeflow.dispatch import _ep_rows
+    original, used = _ep_rows._ep_kernels, []
+
+    def kernels(t, module="ep_rows"):
+        used.append(module)
+        return importlib.import_module(f"moeflow.kernels.{module}")
+
+    _ep_rows._ep_kernels = kernels
+    try:
+        yield used
+    finally:
+        _ep_rows._ep_kernels = original
+
+
+def compare_with_kernels(c, name, **fields):
+    if triton_missing():
+        return  # reported as ok: the kernels cannot run here (tests/test_kernels_ep_*.py skip likewise)
+    with kernels_on_cpu() as used:
+        c.compare(tokens_for(c, name), runner="reference", dtype=torch.float16, **fields)
+    assert "ep_rows" in used, "the kernel path was not taken"
+
+
+def triton_missing() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is None
+
+
 def tokens_for(ctx, name):
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     return [int(t) for t in torch.randint(1, 24, (ctx.world,), generator=g)]
@@ -120,6 +156,12 @@ def suite(world):
         checks.append((f"alltoall-rows-by-index-{s}", lambda c, s=s: c.compare(
             tokens_for(c, "ix" + s), indexed=True, dispatcher="alltoall", runner="reference", quant=s,
             dtype=torch.bfloat16)))
+    # the Triton kernel paths of the dispatchers (CUDA-only in the library) inside a real group:
+    # pack, where tokens go, the receiver's sort, the masked slab (fp16: the interpreter has no bf16)
+    for d, s, indexed in (("alltoall", "none", True), ("alltoall", "fp8-block", True), ("alltoall", "fp8-channel", False),
+                          ("lowlatency", "fp8-block", False), ("lowlatency", "none", False), ("allgather", "none", False)):
+        checks.append((f"triton-kernels-{d}-{s}", lambda c, d=d, s=s, ix=indexed: compare_with_kernels(
+            c, f"k{d}{s}", dispatcher=d, quant=s, indexed=ix)))
     checks.append(("deepseek-routing-shared-alltoall", lambda c: c.compare(
         tokens_for(c, "ds"), num_experts=16, top_k=4, scoring="sigmoid", num_expert_groups=4, topk_groups=2,
         use_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1, shared_intermediate_size=64,
