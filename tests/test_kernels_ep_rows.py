@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 if SKIP_REASON is None:
     from moeflow.kernels.ep_rows import masked_scatter, pack_rows, rank_rows
 
-from moeflow.dispatch._ep_rows import RowCodec, masked_batch_torch, pack_rows_torch, rank_rows_torch
+from moeflow.dispatch._ep_reference import masked_batch_torch, pack_rows_torch, rank_rows_torch
+from moeflow.dispatch._ep_rows import RowCodec
 from moeflow.quant import create_scheme
 
 PAYLOADS = [  # (hidden, layer dtype, payload) -> word type, scale groups G

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 if SKIP_REASON is None:
     from moeflow.kernels.ep_sort import sort_copies_by_expert
 
-from moeflow.dispatch._ep_rows import sort_copies_by_expert_torch as sorted_batch_torch  # the torch reference
+from moeflow.dispatch._ep_reference import sort_copies_by_expert_torch as sorted_batch_torch  # the torch reference
 
 
 def bits(t):

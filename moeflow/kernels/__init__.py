@@ -10,7 +10,7 @@ each JIT kernel above its launcher and a torch reference (``*_torch``) beside it
     down.py     inter @ W_down^T with the routing weight fused; zeros for empty masked slots
     route.py    routing in one launch: scores, grouped top-k, renormalize (routing/triton_topk.py)
     ep_rows.py  expert-parallel packed rows: where tokens go (alltoall), pack in one launch, the
-                low-latency masked slab (references: dispatch/_ep_rows.py)
+                low-latency masked slab (references: dispatch/_ep_reference.py)
     ep_sort.py  received copies grouped by local expert (alltoall's sorted batch)
     reduce.py   the top-k reduction: sum of each token's K weighted copies (for dispatchers)
     configs.py  tuned configs (JSON under configs/) and documented defaults

@@ -11,12 +11,12 @@ pack_rows: tokens into the rows of a send buffer, one row per (token, destinatio
     expert_rank / expert_local [E] int64 or None (then ids and weights are copied as they are).
     With them, destination d gets ids ``expert_local[id]`` where ``expert_rank[id] == d``, else -1,
     and weights where kept, else 0.0. Rows pad_from .. M-1 get ids -1, weights 0 (padding).
-    Its torch reference (the dispatchers' path off CUDA) is dispatch/_ep_rows.pack_rows_torch.
+    Its torch reference (the dispatchers' path off CUDA) is dispatch/_ep_reference.pack_rows_torch.
 
 rank_rows: where each token goes (alltoall), two launches over token blocks.
     topk_ids [T, K] int32, expert_rank [E] int64 -> counts [W, 2] int64 (rows, copies sent to each
     rank), home [T, W] int64 (row of token t in the send buffer for rank r: grouped by destination,
-    tokens ascending; -1 if not sent). Its torch reference is dispatch/_ep_rows.rank_rows_torch.
+    tokens ascending; -1 if not sent). Its torch reference is dispatch/_ep_reference.rank_rows_torch.
 
 masked_scatter: the copies of received rows into a masked batch's slab, as masked_batch does.
     experts [R*K] int64: local expert of copy j (of row j // K), E_local for copies not here
@@ -24,7 +24,7 @@ masked_scatter: the copies of received rows into a masked batch's slab, as maske
        counts [E_local] int32, copy_slot [R*K] int64 (e*C + position of the copy among its
        expert's copies in j order; -1 for copies not here).
     Empty slots: weights 0, hidden / scale unspecified. Two launches, no host synchronization
-    (CUDA-graph capturable). The reference is masked_batch itself.
+    (CUDA-graph capturable). The reference is dispatch/_ep_reference.masked_batch_torch.
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ sort_copies_by_expert(ids, weights, e_local, n)
        counts [E_local] int32, offsets [E_local + 1] int64 (exclusive prefix of counts),
        copy_pos [R*K] int64 (sorted position of copy j, -1 for copies not here).
 
-The same values, bit for bit, as the torch reference (sort_copies_by_expert_torch: a stable argsort
-of ``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert, copies keep j order.
+The same values, bit for bit, as the torch reference (dispatch/_ep_reference.sort_copies_by_expert_torch:
+a stable argsort of ``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert,
+copies keep j order.
 Two launches, no host synchronization: a histogram of keys per segment of copies; then each segment
 sorts its (key, j) pairs in registers and places them from the histograms' prefix sums. The work
 does not grow with E_local (an earlier version scanned all copies once per expert: 95 µs at 65536

@@ -191,7 +191,8 @@ def test_triton_router_on_gpu(preset, t):
 def test_ep_row_kernels_on_gpu(payload):
     """kernels/ep_rows.py at the benchmark's sizes (H=7168, top-8, 256 rows, 128 local experts) on
     CUDA: bit for bit the torch code of the dispatchers (pack_rows_torch, masked_batch_torch)."""
-    from moeflow.dispatch._ep_rows import RowCodec, masked_batch_torch, pack_rows_torch
+    from moeflow.dispatch._ep_reference import masked_batch_torch, pack_rows_torch
+    from moeflow.dispatch._ep_rows import RowCodec
     from moeflow.kernels.ep_rows import masked_scatter, pack_rows
     from moeflow.quant import create_scheme
     codec = RowCodec(7168, 8, torch.bfloat16, payload and create_scheme(payload))
@@ -220,7 +221,7 @@ def test_ep_row_kernels_on_gpu(payload):
 def test_ep_sort_on_gpu(r, e_local):
     """kernels/ep_sort.py at alltoall's size (8192 received rows, top-8, 128 local experts; ids in a
     strided view as received) on CUDA: bit for bit the torch reference."""
-    from moeflow.dispatch._ep_rows import sort_copies_by_expert_torch
+    from moeflow.dispatch._ep_reference import sort_copies_by_expert_torch
     from moeflow.kernels.ep_sort import sort_copies_by_expert
     buf = torch.zeros(r, 40, dtype=torch.int32, device="cuda")
     choice = torch.rand(r, 2 * e_local, device="cuda").argsort(dim=1)[:, :8]
