@@ -189,10 +189,12 @@ _spec("MF206", UnsupportedError, "shape constraint not met",
       """
 What: a scheme or backend needs sizes aligned to its tiles: fp8-block needs hidden_size and
 intermediate_size divisible by 128 (its 128x128 weight blocks and 1x128 activation groups);
-torch grouped GEMMs need row strides that are multiples of 16 bytes.
+torch grouped GEMMs need row strides that are multiples of 16 bytes. The triton router holds all
+experts of a token in registers (at most 1024; grouped selection needs a power-of-two count): the
+plan then routes with the torch router and lists this code among the skipped candidates.
 When: building the layer.
 Fix: choose a scheme or runner without the constraint (the reference runner has none), or pad
-the model's sizes.
+the model's sizes. A router refusal needs no fix: the torch router routes any expert count.
 Example: MoE(hidden_size=7168, intermediate_size=2048, quant="fp8-block", ...)
 """)
 _spec("MF207", UnsupportedError, "runner does not support the layer dtype",
