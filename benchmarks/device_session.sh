@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checks and benchmarks, highest priority first, each started only
+# while time is left (DEADLINE_S, default 540 s: under the device tool's 600 s per call).
+#
+#   MOEFLOW_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/device_session.sh   # on the GPU machine
+#
+#   1. pytest -m gpu: the single-GPU suites (triton, layer graph, runners, transformers), GPU 0
+#   2. with 2 GPUs: pytest -m gpu tests/gpu/test_gpu_ep.py, then benchmarks/bench_ep.py --profile
+#   3. benchmarks/bench_layer.py: PERF.md's 36 rows, triton runner, GPU 0
+#   4. benchmarks/experiments/sort_variants.py, GPU 0
+# Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
+# files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
+set -u
+OUT=${OUT:-./gpu-results}
+R=$(mktemp -d)
+DEADLINE_S=${DEADLINE_S:-540}
+export PYTHONPATH=${PYTHONPATH:-$PWD} MOEFLOW_DIST_TIMEOUT_S=${MOEFLOW_DIST_TIMEOUT_S:-60}
+export MOEFLOW_COMMIT=${MOEFLOW_COMMIT:-unknown}
+GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+mkdir -p "$OUT"
+S="$R/summary.txt"
+echo "commit $MOEFLOW_COMMIT, $(date -u +%FT%TZ), $GPUS GPU(s): $(nvidia-smi -L | head -1)" > "$S"
+
+step() {  # step NAME SECONDS COMMAND...: run if time is left, bounded by SECONDS; log to $R/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    if [ $((SECONDS + 20)) -ge "$DEADLINE_S" ]; then
+        echo "$name: skipped (no time left)" >> "$S"
+        return
+    fi
+    [ $((SECONDS + limit)) -gt "$DEADLINE_S" ] && limit=$((DEADLINE_S - SECONDS))
+    timeout "$limit" "$@" > "$R/$name.log" 2>&1
+    echo "$name: exit $? at ${SECONDS}s: $(tail -n 1 "$R/$name.log")" >> "$S"
+}
+
+step gpu_tests 150 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
+    tests/gpu/test_gpu_layer_graph.py tests/gpu/test_gpu_runners.py tests/gpu/test_gpu_hf.py
+if [ "$GPUS" -ge 2 ]; then
+    step ep_tests 120 python -m pytest -q -m gpu tests/gpu/test_gpu_ep.py
+    step ep_bench 120 torchrun --standalone --nproc-per-node 2 benchmarks/bench_ep.py --profile --skip layer \
+        --out "$R/ep_bench.json"
+    grep -E "^(alltoall|lowlatency)" "$R/ep_bench.log" | cut -c1-300 >> "$S"
+fi
+step layer_bench 150 env CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_layer.py \
+    --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --schemes none,fp8-block --runners triton --out "$R/layer"
+step sort_variants 60 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/sort_variants.py "$R/sort_variants.json"
+grep -hE "FAILED|Error" "$R"/*_tests.log 2>/dev/null | head -20 >> "$S"
+tar czf "$OUT/results.tgz" -C "$R" .
+cp "$S" "$OUT/summary.txt"
+cat "$S"
