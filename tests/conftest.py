@@ -39,6 +39,20 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_fill(empty_like(*a, **kw)))
 
 
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """torch.empty returns 0x7f bytes (floats 3.4e38, ints 0x7f7f...): unwritten outputs show."""
+    empty = torch.empty
+
+    def filled(*a, **kw):
+        t = empty(*a, **kw)
+        if t.numel():
+            t.view(-1).view(torch.uint8).fill_(0x7F)
+        return t
+
+    monkeypatch.setattr(torch, "empty", filled)
+
+
 def random_state(cfg, dtype=torch.float32):
     """Fresh random weights for ``cfg`` under Hugging Face names, scaled like nn.Linear (outputs O(1))."""
     e, h, i, s = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.shared_size

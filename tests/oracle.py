@@ -23,6 +23,15 @@ def oracle_moe(x, ids, w, w13, w2, activation, scheme, dtype):
     return torch.einsum("tkh,tk->th", y, w.double())
 
 
+def bits(t):
+    """Floats as their bit patterns (torch.equal would call NaN != NaN and -0.0 == 0.0)."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
 def rel_err(out, ref):
     """‖out − ref‖ / ‖ref‖ in float64 (NaN when out has NaN)."""
     out, ref = out.double(), ref.double()

@@ -5,6 +5,7 @@ forgets to write shows."""
 import pytest
 import torch
 
+from oracle import same
 from triton_interp import SKIP_REASON
 
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
@@ -38,15 +39,6 @@ def codec_for(hidden, dtype, payload, k=3):
 
 def poisoned(codec, m):
     return torch.full((m, codec.row_bytes), 0x7F, dtype=torch.uint8)
-
-
-def bits(t):
-    """Floats as their bit patterns (torch.equal would call NaN != NaN and -0.0 == 0.0)."""
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
-def same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def routing(t, k, num_experts):
@@ -161,20 +153,6 @@ def test_pack_rows_scattered_rows(remap):
     named = torch.zeros(m, dtype=torch.bool)
     named[dest_pos[dest_pos >= 0]] = True
     assert (bufs[0][:20][~named[:20]] == 0x7F).all()
-
-
-@pytest.fixture
-def poison_empty(monkeypatch):
-    """torch.empty returns 0x7f bytes (floats 3.4e38, ints 0x7f7f...): unwritten outputs show."""
-    empty = torch.empty
-
-    def filled(*a, **kw):
-        t = empty(*a, **kw)
-        if t.numel():
-            t.view(-1).view(torch.uint8).fill_(0x7F)
-        return t
-
-    monkeypatch.setattr(torch, "empty", filled)
 
 
 def received(codec, dtype, r, k):

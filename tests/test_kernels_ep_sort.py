@@ -6,6 +6,7 @@ an element the kernels forget to write shows."""
 import pytest
 import torch
 
+from oracle import same
 from triton_interp import SKIP_REASON
 
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
@@ -14,29 +15,6 @@ if SKIP_REASON is None:
     from moeflow.kernels.ep_sort import sort_copies_by_expert
 
 from moeflow.dispatch._ep_reference import sort_copies_by_expert_torch as sorted_batch_torch  # the torch reference
-
-
-def bits(t):
-    """Floats as their bit patterns (torch.equal would call NaN != NaN and -0.0 == 0.0)."""
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
-def same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-@pytest.fixture
-def poison_empty(monkeypatch):
-    """torch.empty returns 0x7f bytes (floats 3.4e38, ints 0x7f7f...): unwritten outputs show."""
-    empty = torch.empty
-
-    def filled(*a, **kw):
-        t = empty(*a, **kw)
-        if t.numel():
-            t.view(-1).view(torch.uint8).fill_(0x7F)
-        return t
-
-    monkeypatch.setattr(torch, "empty", filled)
 
 
 def received(r, k, e_local, case):
