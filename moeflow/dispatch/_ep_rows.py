@@ -102,7 +102,7 @@ class RowCodec:
              dest_pos: Tensor | None = None, expert_rank: Tensor | None = None,
              expert_local: Tensor | None = None) -> Tensor:
         """-> uint8 [rows, row_bytes]. tokens [T, Wd] words, scale [T, G] | None (``encode``),
-        ids [T, K] int32 global expert ids, weights [T, K] float32.
+        ids [T, K] int global expert ids, weights [T, K] float (converted to int32 / float32 here).
 
         dest_pos None: row t holds token t as it is; rows T.. are padding (ids -1, weights 0).
         dest_pos [T, D] int64: token t goes to row dest_pos[t, d] for each d where it is >= 0, with

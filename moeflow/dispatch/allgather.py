@@ -55,7 +55,7 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
                                 "allgather token counts")
         t_max = max(int(sizes.max()), 1)
         tokens, scale = self.codec.encode(hidden)
-        send = self.codec.pack(t_max, tokens, scale, topk_ids.to(torch.int32), topk_weights.float())
+        send = self.codec.pack(t_max, tokens, scale, topk_ids, topk_weights)
         buf = send.new_empty(self.world * t_max, self.codec.row_bytes)
         with collective("allgather dispatch", self.process_group):
             work = all_gather_start(buf, send, self.process_group)

@@ -23,9 +23,9 @@ ONE_LAUNCH_COPIES = 128
 
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
     """On CUDA: the smallest batches in one Triton launch (kernels/align.sort_copies), mid-sized
-    ones in two (kernels/ep_sort's segment sort), instead of a sort, a searchsorted and four index kernels; torch
-    otherwise (the same values; thresholds above). bounds: 0 .. E in topk_ids' dtype and device,
-    when the caller keeps one (torch path)."""
+    ones in two (kernels/ep_sort's segment sort), instead of a sort, a searchsorted and four index
+    kernels; torch otherwise (the same values; thresholds above). bounds: 0 .. E in topk_ids' dtype
+    and device, when the caller keeps one (torch path)."""
     n = topk_ids.numel()
     if topk_ids.is_cuda:
         try:

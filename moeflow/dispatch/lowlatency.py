@@ -73,7 +73,7 @@ class LowLatencyDispatcher(ExpertParallelDispatcher):
         overflow = t if t > cap else 0
         hidden, topk_ids, topk_weights = hidden[:cap], topk_ids[:cap], topk_weights[:cap]
         tokens, scale = self.codec.encode(hidden)
-        send = self.codec.pack(cap, tokens, scale, topk_ids.to(torch.int32), topk_weights.float())
+        send = self.codec.pack(cap, tokens, scale, topk_ids, topk_weights)
         buf = send.new_empty(self.world * cap, self.codec.row_bytes)
         with collective("lowlatency dispatch", self.process_group):
             work = all_gather_start(buf, send, self.process_group)

@@ -55,7 +55,7 @@ class TritonRunner(ExpertRunner):
         Weights are used through their strides (the last dimension contiguous, as the layer's
         parameters are; an expert dimension of stride 0 is fine).
         """
-        from ..kernels.common import RowLayout
+        from ..kernels.common import RowLayout, unit_stride_rows
         from ..kernels.down import down
         from ..kernels.gate_up import gate_up
         from ..kernels.quant import quantize_activation, quantize_rows, quantize_with_amax
@@ -72,7 +72,7 @@ class TritonRunner(ExpertRunner):
             xq, xs = quantize_activation(x, scheme.name) if src is not None else quantize_rows(x, scheme.name, layout)
         else:
             xq, xs = x, None
-        xq, xs = _rows(xq), None if xs is None else _rows(xs)  # strided rows (a receive buffer) as they are
+        xq, xs = unit_stride_rows(xq), None if xs is None else unit_stride_rows(xs)
         inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale,
                                layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison,
                                source_rows=None if src is None else src.contiguous())
@@ -109,7 +109,3 @@ class TritonRunner(ExpertRunner):
             kc.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
         return self._fitted[key]
 
-
-def _rows(t: Tensor) -> Tensor:
-    """t [R, C] with contiguous columns (the kernels take any row stride), else a contiguous copy."""
-    return t if t.stride(-1) == 1 else t.contiguous()

@@ -204,6 +204,12 @@ def _rows_descriptor(t: Tensor, rows: int, k: int, row_stride: int, block: list[
     return TensorDescriptor(t, [rows, k], [row_stride, 1], block)
 
 
+def unit_stride_rows(t: Tensor) -> Tensor:
+    """t [R, C] as the kernels take it: itself when its columns are contiguous (any row stride, e.g.
+    rows viewed inside an expert-parallel receive buffer), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (see to_fp8)."""
     return moeflow_env.TRITON_INTERPRET.get_bool()

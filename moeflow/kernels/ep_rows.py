@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .common import unit_stride_rows
+
 if TYPE_CHECKING:
     from ..dispatch._ep_rows import Rows
 
@@ -196,7 +198,7 @@ def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor
     dev = topk_ids.device
     counts = torch.empty((world, 2), dtype=torch.int64, device=dev)
     home = torch.empty((t, world), dtype=torch.int64, device=dev)
-    ids = topk_ids if topk_ids.stride(-1) == 1 else topk_ids.contiguous()
+    ids = unit_stride_rows(topk_ids)
     w_pow2 = triton.next_power_of_2(world)
     block_t = max(16, min(1024 // w_pow2, _block(t)))
     while triton.cdiv(t, block_t) * w_pow2 > _RANK_TABLE:  # keep the block table small

@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import FP8_DTYPE, create_scheme
-from .common import RowLayout, fp8_scale, interpreting, to_fp8
+from .common import RowLayout, fp8_scale, interpreting, to_fp8, unit_stride_rows
 
 GROUP = 128  # fp8-block activation group (quant/fp8_block.py)
 
@@ -98,8 +98,7 @@ def quantize_groups(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def quantize_rows(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tensor, Tensor]:
     """x [R, K] layer dtype, any row stride -> (q [R, K] float8_e4m3fn, scale [R, G] float32) by ``scheme``."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = unit_stride_rows(x)
     if scheme == "fp8-block":
         return quantize_groups(x)
     amax = row_amax(x, layout)
