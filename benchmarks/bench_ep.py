@@ -129,6 +129,48 @@ def bench_alltoall(a, dev, rank, res):
             dispatch_GBps=d_bytes / t_d / 1e3, combine_GBps=c_bytes / t_c / 1e3,
             raw_dispatch_GBps=d_bytes / r_d / 1e3, raw_combine_GBps=c_bytes / r_c / 1e3,
             ratio_dispatch=r_d / t_d, ratio_combine=r_c / t_c, ratio_total=(r_d + r_c) / (t_d + t_c))
+        del batch, out, handle, d, gathered
+        fixed = bench_fixed(a, cfg, quant, x, ids, w, dev, rank, res)
+        res[f"alltoall-fixed/{quant}"] = dict(fixed, raw_dispatch_us=r_d, raw_combine_us=r_c, **{
+            f"ratio_{k}": (r_d + r_c) / (fixed[f"{k}_dispatch_us"] + fixed[f"{k}_combine_us"])
+            for k in ("eager", "graph") if f"{k}_dispatch_us" in fixed})
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench_fixed(a, cfg, quant, x, ids, w, dev, rank, res):
+    """alltoall-fixed (blocks of max_tokens_per_rank = the batch's T rows): eager, and replayed from
+    CUDA graphs (dispatch and combine captured apart); raw NCCL of alltoall's exact bytes is the
+    baseline (the fixed blocks move W·T rows: a few more when a token skips a rank)."""
+    d = create_dispatcher("alltoall-fixed", cfg.replace(max_tokens_per_rank=a.tokens), create_scheme(quant),
+                          indexed_rows=True)
+    batch, handle = d.dispatch(x, ids, w)
+    out = torch.randn(batch.num_rows, cfg.hidden_size, device=dev).to(cfg.dtype)
+    fns = {"dispatch": lambda: d.dispatch(x, ids, w), "combine": lambda: d.combine(out, handle)}
+    r = dict(tokens=a.tokens, rows_per_block=a.tokens, batch_rows=batch.num_rows, copies=int(batch.offsets[-1]))
+    for name, fn in fns.items():
+        r[f"eager_{name}_us"] = timed(fn, a.iters, dev)
+    if a.profile:
+        profile(f"alltoall-fixed-{quant}-dispatch", fns["dispatch"], dev, rank, res)
+    if dev.type == "cuda":
+        for name, fn in fns.items():
+            r[f"graph_{name}_us"] = timed(capture(fn).replay, a.iters, dev)
+    return r
+
+
+def capture(fn):
+    """fn captured in a CUDA graph (warmed up on a side stream first, as graphs want)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):  # NCCL's watchdog thread keeps polling
+        fn()
+    torch.cuda.synchronize()
+    return g
 
 
 def bench_lowlatency(a, dev, rank, res):
@@ -159,12 +201,7 @@ def bench_lowlatency(a, dev, rank, res):
     res["lowlatency/fp8-dispatch"] = r
     if dev.type != "cuda":
         return
-    g = {}
-    for name, fn in fns.items():  # one graph per call, so dispatch and combine are timed apart
-        g[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g[name], capture_error_mode="thread_local"):
-            fn()
-        torch.cuda.synchronize()
+    g = {name: capture(fn) for name, fn in fns.items()}  # one graph per call: dispatch and combine apart
     for name, graph in g.items():
         r[f"graph_{name}_us"] = timed(graph.replay, a.iters, dev)
 
@@ -174,6 +211,9 @@ def bench_layer(a, dev, rank, res):
     for disp, runner, quant, t in (("alltoall", "grouped_mm", "none", a.tokens),
                                    ("alltoall", "grouped_mm", "fp8-channel", a.tokens),
                                    ("alltoall", "triton", "fp8-block", a.tokens),
+                                   ("alltoall-fixed", "triton", "fp8-block", a.tokens),
+                                   ("alltoall", "triton", "none", a.tokens),
+                                   ("alltoall-fixed", "triton", "none", a.tokens),
                                    ("lowlatency", "grouped_mm", "fp8-channel", a.ll_tokens),
                                    ("lowlatency", "triton", "fp8-block", a.ll_tokens)):
         res[f"layer/{disp}/{runner}/{quant}/T{t}"] = layer_time(a, dev, disp, runner, quant, t)
@@ -187,11 +227,18 @@ def layer_time(a, dev, disp, runner, quant, t):
     try:
         layer = MoE(num_experts=a.experts, hidden_size=a.hidden, intermediate_size=a.inter, top_k=a.topk,
                     quant=quant, runner=runner, dispatcher=disp, dtype=torch.bfloat16, device=dev,
-                    max_tokens_per_rank=max(a.ll_tokens, 1))
+                    max_tokens_per_rank=max(t, 1))
     except MoeflowError as exc:
         return dict(skipped=exc.code)
     x, logits = torch.randn(t, a.hidden, device=dev).to(torch.bfloat16), torch.randn(t, a.experts, device=dev)
-    return dict(tokens=t, layer_us=timed(lambda: layer(x, logits), max(a.iters // 4, 3), dev))
+    r = dict(tokens=t, layer_us=timed(lambda: layer(x, logits), max(a.iters // 4, 3), dev))
+    if dev.type == "cuda" and disp != "alltoall":  # the fixed-shape dispatchers: the layer as one CUDA graph
+        os.environ["MOEFLOW_VALIDATE_INPUTS"] = "0"  # (input checks read values on the host)
+        try:
+            r["graph_layer_us"] = timed(capture(lambda: layer(x, logits)).replay, max(a.iters // 4, 3), dev)
+        finally:
+            os.environ.pop("MOEFLOW_VALIDATE_INPUTS")
+    return r
 
 
 def main():
@@ -249,6 +296,9 @@ def print_table(res):
                   f" (raw {r['raw_combine_us']:7.1f} us, x{r['ratio_combine']:.2f})  total x{r['ratio_total']:.2f}"
                   f"  [transfer only: dispatch {r['dispatch_transfer_us']:.1f} us, combine {r['combine_transfer_us']:.1f} us;"
                   f" gathered dispatch {r['dispatch_gathered_us']:.1f} us]")
+        elif key.startswith("alltoall-fixed/"):
+            print(f"{key:22s} " + "  ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us"))
+                  + "  (us)  ratio " + "  ".join(f"{k[6:]} x{v:.2f}" for k, v in r.items() if k.startswith("ratio_")))
         elif key.startswith("lowlatency/"):
             print(f"{key:22s} " + "  ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us")) + "  (us)")
         elif key.startswith("host/"):
@@ -256,7 +306,8 @@ def print_table(res):
         elif key.startswith("profile/"):
             print(f"{key}: " + ", ".join(f"{k[:40]} {v:.0f}" for k, v in list(r.items())[:8]) + " (us per call)")
         elif key.startswith("layer/"):
-            print(f"{key:42s} " + (f"{r['layer_us']:9.1f} us" if "layer_us" in r else f"skipped ({r['skipped']})"))
+            print(f"{key:42s} " + (f"{r['layer_us']:9.1f} us" if "layer_us" in r else f"skipped ({r['skipped']})")
+                  + (f"  graph {r['graph_layer_us']:9.1f} us" if "graph_layer_us" in r else ""))
 
 
 if __name__ == "__main__":

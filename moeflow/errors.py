@@ -329,14 +329,16 @@ When: building the layer, or in dispatch/combine.
 Fix: look at the other ranks' logs; raise MOEFLOW_DIST_TIMEOUT_S if the job is just slow.
 Example: MOEFLOW_DIST_TIMEOUT_S=600 torchrun --nproc-per-node 8 app.py
 """)
-_spec("MF503", DistributedError, "low-latency capacity exceeded",
-      "{count} tokens on rank {rank} exceed the low-latency capacity of {capacity} tokens per rank",
+_spec("MF503", DistributedError, "fixed dispatch capacity exceeded",
+      "{count} tokens on rank {rank} exceed the capacity of {capacity} tokens per rank of dispatcher {name!r}",
       """
-What: the low-latency dispatcher uses fixed-capacity buffers sized for max_tokens_per_rank tokens
-on each rank; a rank was given more. No token is dropped silently: the overflowing rank still
-takes part in both collectives (so its peers finish correctly) and then raises this error.
+What: the fixed-size dispatchers (lowlatency, alltoall-fixed) use buffers sized for
+max_tokens_per_rank tokens on each rank; a rank was given more. No token is dropped silently: the
+overflowing rank still takes part in both collectives with its first max_tokens_per_rank tokens
+(so its peers finish correctly) and then raises this error.
 When: at the end of the forward (combine) on the rank that was given too many tokens.
-Fix: raise max_tokens_per_rank (the capacity), or use the alltoall dispatcher for large batches.
+Fix: raise max_tokens_per_rank (the capacity), or use the alltoall dispatcher, whose buffers follow
+the batch (one host synchronization per dispatch).
 Example: MoE(..., dispatcher="lowlatency", max_tokens_per_rank=256)
 """)
 _spec("MF504", DistributedError, "invalid expert placement",

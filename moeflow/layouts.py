@@ -36,7 +36,10 @@ class ExpertBatch:
         scheme's ``quantize_activation``).
     weights: routing weight of each copy, float32: sorted [N] / masked [E_local, C] (0 in empty slots).
     counts: [E_local] int32, copies per local expert (both layouts).
-    offsets: sorted only: [E_local + 1] int64, exclusive prefix sum of counts (offsets[-1] == N).
+    offsets: sorted only: [E_local + 1] int64, exclusive prefix sum of counts. offsets[-1] == N,
+        except for a dispatcher that sizes the batch by a bound (alltoall-fixed: no host
+        synchronization): rows offsets[-1] .. N-1 are then padding (weight 0, a valid source row)
+        that runners may skip; their output rows are unspecified and nothing reads them.
     hidden_scale: float32 activation scales, sorted [N, G] / masked [E_local, C, G], or None.
     source_rows: sorted only, or None: [N] int64. When set, the rows are given by index: row r is
         ``hidden[source_rows[r]]`` and ``hidden`` [S, H] (``hidden_scale`` [S, G]) holds the S source
@@ -100,14 +103,17 @@ def sorted_to_masked(batch: ExpertBatch, capacity: int | None = None) -> tuple[E
     elif n and int(counts.max()) > capacity:
         raise RuntimeError(f"sorted_to_masked: an expert has {int(counts.max())} rows > capacity {capacity}")
     dev = batch.hidden.device
-    expert_of_row = torch.repeat_interleave(torch.arange(e_local, device=dev), counts, output_size=n)
-    pos_in_expert = torch.arange(n, device=dev) - batch.offsets[:-1][expert_of_row]
-    slot = expert_of_row * capacity + pos_in_expert
+    row = torch.arange(n, device=dev)
+    # expert of each row; E_local for padding rows past offsets[-1], which go to a dropped slot
+    expert_of_row = torch.searchsorted(batch.offsets[1:], row, right=True)
+    start = torch.cat([batch.offsets[:-1], batch.offsets[-1:]])
+    trash = e_local * capacity
+    slot = torch.where(expert_of_row < e_local, expert_of_row * capacity + row - start[expert_of_row], trash)
 
     def scatter(rows: Tensor) -> Tensor:  # empty slots are zero (fp8 zero is 0x00)
-        out = torch.zeros((e_local * capacity, *rows.shape[1:]), dtype=rows.dtype, device=dev)
+        out = torch.zeros((trash + 1, *rows.shape[1:]), dtype=rows.dtype, device=dev)
         out[slot] = rows
-        return out.view(e_local, capacity, *rows.shape[1:])
+        return out[:trash].view(e_local, capacity, *rows.shape[1:])
 
     masked = ExpertBatch(
         layout=MASKED,
@@ -141,8 +147,10 @@ def masked_to_sorted(batch: ExpertBatch) -> tuple[ExpertBatch, Tensor]:
 
 
 def masked_output_to_sorted(out: Tensor, slot: Tensor) -> Tensor:
-    """out [E_local, C, H] -> [N, H], rows picked by ``slot`` (from sorted_to_masked)."""
-    return out.flatten(0, 1)[slot]
+    """out [E_local, C, H] -> [N, H], rows picked by ``slot`` (from sorted_to_masked; padding rows,
+    slot E_local * C, get some row: their output is unspecified)."""
+    flat = out.flatten(0, 1)
+    return flat[slot.clamp(max=flat.shape[0] - 1)]
 
 
 def sorted_output_to_masked(out: Tensor, slot: Tensor, e_local: int, capacity: int) -> Tensor:

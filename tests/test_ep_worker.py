@@ -30,7 +30,7 @@ from moeflow.capabilities import Environment  # noqa: E402
 from oracle import rel_err  # noqa: E402
 from tolerances import rel_tol  # noqa: E402
 
-DISPATCHERS = ("allgather", "alltoall", "lowlatency")
+DISPATCHERS = ("allgather", "alltoall", "alltoall-fixed", "lowlatency")
 SCHEMES = ("none", "fp8-tensor", "fp8-channel", "fp8-block")
 BASE = dict(num_experts=8, hidden_size=256, intermediate_size=128, top_k=2, max_tokens_per_rank=32)
 
@@ -47,9 +47,10 @@ class Ctx:
         self.rank, self.world = rank, world
         self.solo = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
 
-    def compare(self, tokens, payload=None, tol=None, logits_fn=None, indexed=False, **fields):
+    def compare(self, tokens, payload=None, tol=None, logits_fn=None, indexed=None, **fields):
         """EP layer on this rank's tokens vs the one-process layer on all tokens; tokens[r] per rank.
-        indexed: the dispatcher hands rows by index (as for the triton runner on CUDA)."""
+        indexed: the dispatcher hands rows by index (as for the triton runner on CUDA) or not;
+        None: as the plan says."""
         cfg = MoEConfig(**{**BASE, **fields, **({"dispatch_payload": payload} if payload else {})})
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
         state = {"gate_up_proj": torch.randn(e, 2 * i, h) / h ** 0.5, "down_proj": torch.randn(e, h, i) / i ** 0.5}
@@ -63,7 +64,8 @@ class Ctx:
         x = torch.randn(sum(tokens), h).to(cfg.dtype).to(cfg.device)
         logits = (logits_fn(sum(tokens), e) if logits_fn else torch.randn(sum(tokens), e) * 2).to(cfg.device)
         ep = MoE(cfg)
-        ep.dispatcher.indexed_rows = indexed and ep.dispatcher.caps.indexed_rows
+        if indexed is not None:
+            ep.dispatcher.indexed_rows = indexed and ep.dispatcher.caps.indexed_rows
         one = MoE(cfg.replace(dispatcher="auto"), process_group=self.solo[self.rank])
         for layer in (ep, one):
             layer.load_weights(state)
@@ -152,13 +154,15 @@ def suite(world):
             [7 + 3 * r for r in range(c.world)], dispatcher=d, runner="reference", quant="fp8-block", dtype=torch.float32,
             logits_fn=lambda t, e: torch.randn(t, e) + 20 * (torch.arange(e) >= e - e // c.world))))
         checks.append((f"halves-shared-experts-{d}", lambda c, d=d: check_halves(c, d)))
-    for s in ("none", "fp8-block"):  # received rows named in the receive buffer; the runner gathers
-        checks.append((f"alltoall-rows-by-index-{s}", lambda c, s=s: c.compare(
-            tokens_for(c, "ix" + s), indexed=True, dispatcher="alltoall", runner="reference", quant=s,
+    for d, s in (("alltoall", "none"), ("alltoall", "fp8-block"), ("alltoall-fixed", "fp8-block")):
+        # received rows named in the receive buffer; the runner gathers
+        checks.append((f"{d}-rows-by-index-{s}", lambda c, d=d, s=s: c.compare(
+            tokens_for(c, "ix" + s), indexed=True, dispatcher=d, runner="reference", quant=s,
             dtype=torch.bfloat16)))
     # the Triton kernel paths of the dispatchers (CUDA-only in the library) inside a real group:
     # pack, where tokens go, the receiver's sort, the masked slab (fp16: the interpreter has no bf16)
     for d, s, indexed in (("alltoall", "none", True), ("alltoall", "fp8-block", True), ("alltoall", "fp8-channel", False),
+                          ("alltoall-fixed", "none", True), ("alltoall-fixed", "fp8-channel", False),
                           ("lowlatency", "fp8-block", False), ("lowlatency", "none", False), ("allgather", "none", False)):
         checks.append((f"triton-kernels-{d}-{s}", lambda c, d=d, s=s, ix=indexed: compare_with_kernels(
             c, f"k{d}{s}", dispatcher=d, quant=s, indexed=ix)))
@@ -169,7 +173,8 @@ def suite(world):
     checks.append(("auto-picks-alltoall", check_auto))
     checks.append(("mismatch-MF501", check_mismatch))
     checks.append(("bad-placement-MF504", lambda c: c.expect("MF504", lambda: MoE(**BASE, placement=(0,) * 8))))
-    checks.append(("overflow-MF503", check_overflow))
+    for d in ("lowlatency", "alltoall-fixed"):
+        checks.append((f"overflow-MF503-{d}", lambda c, d=d: check_overflow(c, d)))
     checks.append(("fp8-payload-fp8-tensor-MF506", lambda c: c.expect(
         "MF506", lambda: MoE(**BASE, quant="fp8-tensor", runner="reference").dispatcher.with_payload("fp8"))))
     checks.append(("fp8-payload-config-fp8-tensor-MF506", lambda c: c.expect(
@@ -201,17 +206,17 @@ def check_mismatch(c):
     assert "top_k" in str(exc), str(exc)
 
 
-def check_overflow(c):
+def check_overflow(c, d):
+    """A rank given more than max_tokens_per_rank tokens raises MF503 (dispatchers with fixed buffers)."""
     cap = BASE["max_tokens_per_rank"]
     tokens = [cap + 5 if r == 0 else 6 for r in range(c.world)]
     if c.rank == 0:
-        exc = c.expect("MF503", lambda: c.compare(tokens, dispatcher="lowlatency", runner="reference",
-                                                  dtype=torch.float32))
-        assert f"{cap + 5} token" in str(exc), str(exc)
+        exc = c.expect("MF503", lambda: c.compare(tokens, dispatcher=d, runner="reference", dtype=torch.float32))
+        assert f"{cap + 5} token" in str(exc) and d in str(exc), str(exc)
     else:  # the other ranks finish, with correct outputs
-        c.compare(tokens, dispatcher="lowlatency", runner="reference", dtype=torch.float32)
+        c.compare(tokens, dispatcher=d, runner="reference", dtype=torch.float32)
     torch.manual_seed(1234)  # the group is still usable: one more forward on every rank
-    c.compare(tokens_for(c, "after"), dispatcher="lowlatency", runner="reference", dtype=torch.float32)
+    c.compare(tokens_for(c, "after" + d), dispatcher=d, runner="reference", dtype=torch.float32)
 
 
 def check_timeout(c):

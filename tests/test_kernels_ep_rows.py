@@ -11,9 +11,9 @@ from triton_interp import SKIP_REASON
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 if SKIP_REASON is None:
-    from moeflow.kernels.ep_rows import masked_scatter, pack_rows, rank_rows
+    from moeflow.kernels.ep_rows import blank_rows, masked_scatter, pack_rows, rank_rows
 
-from moeflow.dispatch._ep_reference import masked_batch_torch, pack_rows_torch, rank_rows_torch
+from moeflow.dispatch._ep_reference import blank_rows_torch, masked_batch_torch, pack_rows_torch, rank_rows_torch
 from moeflow.dispatch._ep_rows import RowCodec
 from moeflow.quant import create_scheme
 
@@ -211,3 +211,25 @@ def test_masked_scatter_no_rows(poison_empty):
     hidden, weights, scale, counts, copy_slot = masked_scatter(rows, torch.zeros(0, dtype=torch.int64), 4, 5)
     assert hidden.shape == (4, 5, 12) and scale.shape == (4, 5, 1) and copy_slot.shape == (0,)
     assert same(counts, torch.zeros(4, dtype=torch.int32)) and same(weights, torch.zeros(4, 5))
+
+
+@pytest.mark.parametrize("hidden,dtype,payload", PAYLOADS[:3] + PAYLOADS[-1:], ids=str)
+@pytest.mark.parametrize("used", [[0, 0], [3, 40], [40, 40], [17, 0, 33]], ids=str)
+def test_blank_rows_matches_torch(used, hidden, dtype, payload):
+    """alltoall-fixed's send buffer: rows past each block's count become the blank row (ids -1, the
+    rest 0); the used rows keep their bytes. Kernel == torch == the definition."""
+    codec, cap = codec_for(hidden, dtype, payload), 40
+    world = len(used)
+    counts = torch.tensor(used, dtype=torch.int64)
+    blank = codec.blank_row("cpu")
+    start = torch.randint(0, 256, (world * cap, codec.row_bytes), dtype=torch.uint8)
+    got, ref = start.clone(), start.clone()
+    blank_rows(got, counts, cap, blank)
+    blank_rows_torch(ref, counts, cap, blank)
+    assert same(got, ref)
+    for d, n in enumerate(used):
+        block, orig = got[d * cap:(d + 1) * cap], start[d * cap:(d + 1) * cap]
+        assert same(block[:n], orig[:n])
+        assert (block[n:] == blank).all()
+    rows = codec.unpack(got[:1].clone().copy_(blank[None]))
+    assert (rows.ids == -1).all() and (rows.weights == 0).all() and not rows.hidden.any()

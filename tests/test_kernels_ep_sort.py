@@ -97,3 +97,22 @@ def test_sort_by_segment_many_segments(monkeypatch, poison_empty):
         want = sorted_batch_torch(ids, weights, 6, n)
         for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
             assert same(g, w), f"{case}: {name}"
+
+
+@pytest.mark.parametrize("r,k,e_local,case", [(7, 3, 6, "random"), (7, 8, 5, "none here"), (400, 4, 6, "one expert")],
+                         ids=str)
+def test_sort_copies_padded_to_a_bound(r, k, e_local, case, poison_empty):
+    """n an upper bound of the copies here (alltoall-fixed: R * min(K, E_local)): the kernel equals
+    the torch reference, and positions past the copies hold source 0, weight 0; the reference's
+    first positions equal the exact sort's."""
+    ids, weights = received(r, k, e_local, case)
+    n = int((ids >= 0).sum())
+    bound = r * min(k, e_local)
+    want = sorted_batch_torch(ids, weights, e_local, bound)
+    got = sort_copies_by_expert(ids, weights, e_local, bound, padded=True)
+    for name, g, w in zip(("source", "sorted_weights", "counts", "offsets", "copy_pos"), got, want):
+        assert same(g, w), name
+    exact = sorted_batch_torch(ids, weights, e_local, n)
+    assert same(want[0][:n], exact[0]) and same(want[1][:n], exact[1]) and same(want[4], exact[4])
+    assert int(want[3][-1]) == n
+    assert not want[0][n:].any() and not want[1][n:].any()

@@ -148,6 +148,27 @@ def test_sorted_masked_round_trip(shape, capacity):
     assert torch.equal(back.offsets, batch.offsets) and torch.equal(back.counts, batch.counts)
 
 
+@pytest.mark.parametrize("shape", ["basic", "empty-experts", "no-tokens"])
+def test_padded_sorted_batch_to_masked(shape):
+    """A sorted batch sized by a bound (alltoall-fixed: rows past offsets[-1] are padding) converts
+    like the unpadded one: the padding goes to no slot, and comes back as some row (unspecified)."""
+    t, e, k, unused = SHAPES[shape]
+    batch = sorted_batch(t, e, k, unused, groups=2)
+    pad = 5
+    padded = ExpertBatch(SORTED, torch.cat([batch.hidden, torch.full((pad, H), float("nan"))]),
+                         torch.cat([batch.weights, torch.zeros(pad)]), batch.counts, batch.offsets,
+                         torch.cat([batch.hidden_scale, torch.full((pad, 2), float("nan"))]))
+    cap = max(batch.host_counts(), default=0) + 1
+    want, want_slot = sorted_to_masked(batch, cap)
+    got, slot = sorted_to_masked(padded, cap)
+    assert slot.tolist() == want_slot.tolist() + [e * cap] * pad  # indices exactly; padding: no slot
+    assert torch.equal(got.hidden, want.hidden) and torch.equal(got.weights, want.weights)
+    assert torch.equal(got.hidden_scale, want.hidden_scale) and torch.equal(got.counts, want.counts)
+    out = torch.randn(e, cap, H)
+    back = masked_output_to_sorted(out, slot)
+    assert back.shape == (t * k + pad, H) and torch.equal(back[:t * k], masked_output_to_sorted(out, want_slot))
+
+
 def test_sorted_to_masked_refuses_too_small_capacity():
     batch = sorted_batch(12, 6, 1, unused=(0, 1, 2, 4, 5))  # 12 copies to expert 3
     with pytest.raises(RuntimeError):

@@ -195,6 +195,27 @@ def test_rows_by_index_in_a_strided_buffer(make_layer, scheme, payload):
     assert_close(out, ref, rel_tol(scheme, torch.float16), f"strided rows, {payload} payload")
 
 
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-block"])
+def test_padded_batch_by_index(make_layer, scheme):
+    """A batch sized by a bound, as alltoall-fixed hands it: rows past offsets[-1] are padding
+    (source row 0, weight 0) and the source rows end with blank (zero) rows of the receive buffer.
+    The copies' outputs equal the reference on the unpadded batch (fp8-tensor: blank rows do not
+    move the tensor amax)."""
+    layer, runner = build(make_layer, ALIGNED, scheme, torch.float16)
+    x = torch.randn(9, 128).half()
+    ids, w = route(9, 4, 2)
+    layer.dispatcher.indexed_rows = True
+    batch, _ = layer.dispatcher.dispatch(x, ids, w)
+    n, pad = batch.num_rows, 13
+    ref = ReferenceRunner(layer.config, layer.scheme).run(batch.gathered(), layer.expert_weights())
+    batch.hidden = torch.cat([batch.hidden, torch.zeros(5, 128, dtype=batch.hidden.dtype)])
+    batch.source_rows = torch.cat([batch.source_rows, torch.zeros(pad, dtype=torch.int64)])
+    batch.weights = torch.cat([batch.weights, torch.zeros(pad)])
+    out = runner.run_with(batch, layer.expert_weights(), small_config(scheme), poison=True)
+    assert out.shape == (n + pad, 128)
+    assert_close(out[:n], ref, rel_tol(scheme, torch.float16), "padded batch")
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 def test_activations(make_layer, activation):
     layer, runner = build(make_layer, ALIGNED, "none", torch.float32, activation=activation)

@@ -1,19 +1,22 @@
 """Dispatch stage: ``DISPATCHERS`` registry and ``create_dispatcher``.
 
 Backends: "local" (one process); expert parallel on torch.distributed: "alltoall" (prefill,
-sorted), "allgather" (simple, sorted), "lowlatency" (decode, masked, CUDA-graph capturable).
-"auto" in a group of W > 1 ranks picks by priority: alltoall > allgather > lowlatency.
+sorted), "alltoall-fixed" (prefill in fixed blocks: no host sync, CUDA-graph capturable),
+"allgather" (simple, sorted), "lowlatency" (decode, masked, CUDA-graph capturable).
+"auto" in a group of W > 1 ranks picks by priority: alltoall > allgather > lowlatency >
+alltoall-fixed (the fixed ones need max_tokens_per_rank sized for the batches: asked for by name).
 """
 from ..registry import Registry
 from .base import Dispatcher
 from .allgather import AllGatherDispatcher
 from .alltoall import AllToAllDispatcher
+from .alltoall_fixed import AllToAllFixedDispatcher
 from .local import LocalDispatcher
 from .lowlatency import LowLatencyDispatcher
 
 DISPATCHERS: Registry[Dispatcher] = Registry("dispatcher")
 DISPATCHERS.register(LocalDispatcher)
-for _cls in (AllToAllDispatcher, AllGatherDispatcher, LowLatencyDispatcher):
+for _cls in (AllToAllDispatcher, AllGatherDispatcher, LowLatencyDispatcher, AllToAllFixedDispatcher):
     DISPATCHERS.register(_cls)
 
 

@@ -58,15 +58,29 @@ def sort_copies_by_expert_torch(ids: Tensor, weights: Tensor, e_local: int,
                                 n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Torch reference of kernels/ep_sort.sort_copies_by_expert: ids [R, K] (local ids, -1: not
     here), weights [R, K] float32 -> (source [n] int64 row of each sorted copy, sorted weights [n],
-    counts [E_local] int32, offsets [E_local + 1] int64, copy_pos [R * K] int64, -1 if not here)."""
+    counts [E_local] int32, offsets [E_local + 1] int64, copy_pos [R * K] int64, -1 if not here).
+    n may exceed the copies here (an upper bound, alltoall-fixed): positions past them get source 0
+    and weight 0 (``padded=True`` of the kernel). No host synchronization."""
     k = ids.shape[1]
     experts = torch.where(ids >= 0, ids, e_local).long().flatten()
     order = torch.argsort(experts, stable=True)[:n]  # grouped by local expert, in row order
+    here = experts[order] < e_local
     ones = torch.ones_like(experts, dtype=torch.int32)  # (bincount would read its max on the host)
     counts = torch.zeros(e_local + 1, dtype=torch.int32, device=ids.device).scatter_add_(0, experts, ones)[:e_local]
     copy_pos = torch.full_like(experts, -1)
-    copy_pos[order] = torch.arange(n, device=ids.device)
-    return order // k, weights.reshape(-1)[order], counts, offsets_from_counts(counts), copy_pos
+    copy_pos.scatter_(0, order, torch.where(here, torch.arange(n, device=ids.device), -1))
+    source = torch.where(here, order // k, 0)
+    sorted_w = torch.where(here, weights.reshape(-1)[order], 0.0)
+    return source, sorted_w, counts, offsets_from_counts(counts), copy_pos
+
+
+def blank_rows_torch(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor) -> None:
+    """Reference of kernels/ep_rows.blank_rows: rows d*C + counts[d] .. of each block d of
+    buf [W * C, row_bytes] become ``blank`` [row_bytes], in place (no host synchronization)."""
+    world = counts.shape[0]
+    blocks = buf.view(world, capacity, -1)
+    unused = torch.arange(capacity, device=buf.device)[None, :] >= counts[:, None]
+    blocks.copy_(torch.where(unused[..., None], blank, blocks))
 
 
 def masked_batch_torch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int,

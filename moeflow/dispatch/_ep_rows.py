@@ -16,6 +16,7 @@ Words are viewed back as the payload dtype at the end (``as_payload``).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -24,7 +25,8 @@ from torch import Tensor
 
 from ..layouts import MASKED, SORTED, ExpertBatch
 from ..quant import QuantScheme
-from ._ep_reference import masked_batch_torch, pack_rows_torch, rank_rows_torch, sort_copies_by_expert_torch
+from ._ep_reference import (blank_rows_torch, masked_batch_torch, pack_rows_torch, rank_rows_torch,
+                            sort_copies_by_expert_torch)
 
 _ALIGN = 16
 
@@ -121,6 +123,12 @@ class RowCodec:
              expert_local, pad_from)
         return buf
 
+    def blank_row(self, device) -> Tensor:
+        """uint8 [row_bytes]: a row that carries no token (ids -1; weights, scales, token 0)."""
+        row = torch.zeros(self.row_bytes, dtype=torch.uint8, device=device)
+        row[:4 * self.top_k] = 255  # int32 -1
+        return row
+
     def unpack(self, buf: Tensor) -> Rows:
         k, g, at = self.top_k, self.groups, self._hidden_at
         return Rows(
@@ -136,7 +144,7 @@ class RowCodec:
 
 
 def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: bool = False,
-                 ids: Tensor | None = None) -> tuple[ExpertBatch, Tensor]:
+                 ids: Tensor | None = None, padded: bool = False) -> tuple[ExpertBatch, Tensor]:
     """The copies of received ``rows`` for this rank (``ids`` [R, K] int32, default rows.ids: local
     expert ids, -1 for copies not here; ``n`` of them are here) as a sorted-layout batch: grouped by
     expert, in row order within one. Two Triton launches on CUDA where they beat torch's sort
@@ -145,13 +153,17 @@ def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: boo
     indexed: the batch names its rows (``source_rows`` [n] into the R received rows, which it
     holds as strided views of the receive buffer) instead of copying one row per copy
     (n x H bytes written and read again: 470 MB per dispatch at 4096 tokens/rank, H=7168, top-8).
+    padded: n is only an upper bound of the copies here (no host synchronization: alltoall-fixed);
+    the batch has n rows, those past offsets[-1] are padding (row 0 of ``rows``, weight 0).
     Returns (batch, copy_pos [R, K] int64: the batch row of each copy, -1 for non-copies).
     """
     k = codec.top_k
     ids = rows.ids if ids is None else ids
     kernels = _ep_kernels(ids, "ep_sort")
-    fast = kernels is not None and kernels.sort_pays(ids.numel(), e_local)
-    sort = kernels.sort_copies_by_expert if fast else sort_copies_by_expert_torch
+    if kernels is not None and kernels.sort_pays(ids.numel(), e_local):
+        sort = functools.partial(kernels.sort_copies_by_expert, padded=padded)
+    else:
+        sort = sort_copies_by_expert_torch  # fills the padding the same way
     row, weights, counts, offsets, copy_pos = sort(ids, rows.weights, e_local, n)
     if indexed:
         hidden, scale, source = codec.as_payload(rows.hidden), rows.scale, row
@@ -162,6 +174,14 @@ def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: boo
     batch = ExpertBatch(layout=SORTED, hidden=hidden, weights=weights, counts=counts, offsets=offsets,
                         hidden_scale=scale, source_rows=source)
     return batch, copy_pos.view(-1, k)
+
+
+def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor) -> None:
+    """Rows counts[d] .. C-1 of each block d of buf [W * C, row_bytes] become ``blank``
+    (RowCodec.blank_row), in place, without a host synchronization: one Triton launch on CUDA
+    (kernels/ep_rows.blank_rows), blank_rows_torch otherwise."""
+    kernels = _ep_kernels(buf)
+    (blank_rows_torch if kernels is None else kernels.blank_rows)(buf, counts, capacity, blank)
 
 
 def masked_batch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int, capacity: int) -> tuple[ExpertBatch, Tensor]:

@@ -38,6 +38,7 @@ class AllToAllHandle:
     home: Tensor  # [T, W] int64: row of the combine's receive buffer holding token t's sum from rank r, or -1
     sent: list[int]  # rows sent to each rank (grouped by destination, tokens ascending)
     received: list[int]  # rows received from each rank
+    overflow: int = 0  # alltoall-fixed: tokens this rank was given when beyond its capacity (MF503)
 
 
 @dataclass
@@ -45,7 +46,8 @@ class _Pending:
     work: Any
     buf: Tensor  # received rows, uint8 [R, row_bytes]
     handle: AllToAllHandle
-    copies: int  # copies received for this rank's experts
+    copies: int  # copies received for this rank's experts (padded: an upper bound of them)
+    padded: bool = False  # copies is a bound: the batch is padded past offsets[-1] (alltoall-fixed)
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher):
@@ -84,7 +86,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         wait(pending.work, "alltoall dispatch", self.process_group, pending.buf.device)
         rows = self.codec.unpack(pending.buf)
         batch, pending.handle.copy_pos = sorted_batch(self.codec, rows, pending.copies, len(self._local),
-                                                      indexed=self.indexed_rows)
+                                                      indexed=self.indexed_rows, padded=pending.padded)
         return batch, pending.handle
 
     def combine_start(self, expert_out: Tensor, handle: AllToAllHandle) -> _Pending:

@@ -99,5 +99,5 @@ class LowLatencyDispatcher(ExpertParallelDispatcher):
         parts = pending.buf.view(self.world, self.tokens_per_rank, -1)[:, :h.num_tokens]
         out = parts.sum(dim=0, dtype=torch.float32).to(self.config.dtype)
         if h.overflow:
-            raise error("MF503", count=h.overflow, rank=self.rank, capacity=self.tokens_per_rank)
+            raise error("MF503", count=h.overflow, rank=self.rank, capacity=self.tokens_per_rank, name=self.name)
         return out

@@ -164,7 +164,7 @@ class RowLayout:
         if self.masked:
             slot = torch.arange(self.capacity, device=dev)[None, :]
             return (slot < self.meta.to(torch.int64)[:, None]).reshape(-1)
-        return torch.ones(self.rows, dtype=torch.bool, device=dev)
+        return torch.arange(self.rows, device=dev) < self.meta[-1]  # rows past offsets[-1]: padding
 
 
 def weight_operand(w: Tensor, block_n: int, block_k: int):

@@ -18,6 +18,12 @@ rank_rows: where each token goes (alltoall), two launches over token blocks.
     rank), home [T, W] int64 (row of token t in the send buffer for rank r: grouped by destination,
     tokens ascending; -1 if not sent). Its torch reference is dispatch/_ep_reference.rank_rows_torch.
 
+blank_rows: the unused tail of each block of a send buffer in fixed blocks (alltoall-fixed).
+    buf uint8 [W * C, row_bytes], counts [W] int64 (rows used in block d), blank uint8 [row_bytes]
+    -> rows d*C + counts[d] .. (d+1)*C - 1 become ``blank`` (RowCodec.blank_row: ids -1, weights,
+    scales and token 0), in place; one launch, no host synchronization. Reference:
+    dispatch/_ep_reference.blank_rows_torch.
+
 masked_scatter: the copies of received rows into a masked batch's slab, as masked_batch does.
     experts [R*K] int64: local expert of copy j (of row j // K), E_local for copies not here
     -> hidden [E_local, C, Wd] words, weights [E_local, C] float32, scale [E_local, C, G] float32 | None,
@@ -210,6 +216,42 @@ def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor
     _rank_rows_kernel[(blocks,)](ids, expert_rank, table, counts, home, t, world, blocks, ids.stride(0),
                                  TOP_K=k, BLOCK_T=block_t, W_POW2=w_pow2, B_POW2=triton.next_power_of_2(blocks))
     return counts, home
+
+
+# ---------------------------------------------------------------- blank_rows
+@triton.jit
+def _blank_rows_kernel(buf_ptr, blank_ptr, counts_ptr, capacity, words,
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program (b, d): rows b*BLOCK_R .. of block d that lie at or past counts[d] get the blank row."""
+    b = tl.program_id(0)
+    d = tl.program_id(1).to(tl.int64)
+    used = tl.load(counts_ptr + d)
+    r = b * BLOCK_R + tl.arange(0, BLOCK_R)
+    if b * BLOCK_R + BLOCK_R > used:  # else every row of this tile holds a token
+        blank = (r >= used) & (r < capacity)
+        rows = d * capacity + r
+        for c0 in range(0, words, BLOCK_W):
+            cols = c0 + tl.arange(0, BLOCK_W)
+            v = tl.load(blank_ptr + cols, mask=cols < words)
+            tl.store(buf_ptr + rows[:, None] * words + cols[None, :], tl.broadcast_to(v[None, :], (BLOCK_R, BLOCK_W)),
+                     mask=blank[:, None] & (cols < words)[None, :])
+
+
+def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor) -> None:
+    """buf uint8 [W * C, row_bytes] (contiguous, row_bytes a multiple of 4), counts [W] int64,
+    blank uint8 [row_bytes]: module docstring. In place."""
+    m, row_bytes = buf.shape
+    world = counts.shape[0]
+    if m != world * capacity or row_bytes % 4 or not buf.is_contiguous():
+        raise ValueError(f"buf {tuple(buf.shape)} must be contiguous [W * C, row_bytes] with W={world}, "
+                         f"C={capacity}, row_bytes a multiple of 4")
+    if m == 0:
+        return
+    words = row_bytes // 4
+    block_r = 16
+    _blank_rows_kernel[(triton.cdiv(capacity, block_r), world)](
+        buf.view(torch.int32), blank.view(torch.int32), counts.contiguous(), capacity, words,
+        BLOCK_R=block_r, BLOCK_W=_block(words, 256))
 
 
 # ---------------------------------------------------------------- masked_scatter

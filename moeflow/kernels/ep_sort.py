@@ -87,11 +87,13 @@ def sort_pays(copies: int, e_local: int) -> bool:
 _SORT_WORK = 1 << 24
 
 
-def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int,
-                          n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int,
+                          padded: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """ids [R, K] int32 (may be a strided view: row stride != K, columns contiguous): local expert of
     each copy, or -1 where the copy is not for this rank; weights [R, K] float32 (same kind of view);
-    n: the number of copies with ids >= 0 (known on the host). ids must lie in -1 .. e_local-1.
+    n: the number of copies with ids >= 0 (known on the host), or with ``padded`` an upper bound of
+    it: positions past the copies then hold source 0 and weight 0 (two more fills).
+    ids must lie in -1 .. e_local-1.
     -> (source [n] int64: received row of each sorted copy (= j // K for copy j),
         sorted_weights [n] float32,
         counts [E_local] int32,
@@ -114,8 +116,9 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int,
     seg = min(seg, max(256, triton.next_power_of_2(copies)))
     segs = max(1, triton.cdiv(copies, seg))
     warps = min(16, max(4, seg // 256))  # the in-register sort: 8192 copies spill at 8 warps (ptxas)
-    source = torch.empty(n, dtype=torch.int64, device=dev)
-    sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
+    fresh = torch.zeros if padded else torch.empty
+    source = fresh(n, dtype=torch.int64, device=dev)
+    sorted_w = fresh(n, dtype=torch.float32, device=dev)
     counts = torch.empty(e_local, dtype=torch.int32, device=dev)
     offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
     copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)

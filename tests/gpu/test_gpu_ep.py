@@ -4,11 +4,12 @@
     torchrun --nproc-per-node 2 tests/gpu/test_gpu_ep.py OUT.json   # the workers themselves
 
 Checks, per rank: every dispatcher × every runner the planner accepts on this GPU × scheme (bf16)
-equals the one-process layer with the same weights (tests/tolerances.py); the FP8 payload on a bf16
-layer; the start/wait halves; low-latency dispatch → experts → combine captured in one CUDA graph
-and replayed on fresh inputs (with a capturable stand-in expert: the masked layout's own math);
-the whole layer captured for runners that consume the masked layout natively (not "reference",
-which reads counts on the host).
+equals the one-process layer with the same weights (tests/tolerances.py), rows handed as the plan
+says (by index for the triton runner); the FP8 payload on a bf16 layer; the start/wait halves;
+low-latency dispatch → experts → combine captured in one CUDA graph and replayed on fresh inputs
+(with a capturable stand-in expert: the masked layout's own math); the whole layer captured for
+runners that consume the masked layout natively (not "reference", which reads counts on the host);
+the whole layer with alltoall-fixed (no host synchronization) captured and replayed.
 """
 import json
 import os
@@ -50,13 +51,13 @@ def stand_in_expert(batch, dispatcher, dtype):
     return torch.where(valid[..., None], x * batch.weights[..., None], 0.0).to(dtype)
 
 
-def check_graph(ctx, payload, whole_layer_runner=None):
+def check_graph(ctx, payload, whole_layer_runner=None, dispatcher="lowlatency", quant="fp8-block"):
     from moeflow import MoE, MoEConfig
     from oracle import rel_err
 
-    cfg = MoEConfig(num_experts=16, hidden_size=512, intermediate_size=256, top_k=4, dispatcher="lowlatency",
+    cfg = MoEConfig(num_experts=16, hidden_size=512, intermediate_size=256, top_k=4, dispatcher=dispatcher,
                     max_tokens_per_rank=64, dtype=torch.bfloat16, device=ctx.device,
-                    runner=whole_layer_runner or "reference", quant="fp8-block" if whole_layer_runner else "none")
+                    runner=whole_layer_runner or "reference", quant=quant if whole_layer_runner else "none")
     layer = MoE(cfg)
     d = layer.dispatcher.with_payload(payload)
     t, h, e, k = 48, cfg.hidden_size, cfg.num_experts, cfg.top_k
@@ -127,6 +128,13 @@ def worker_checks(ctx):
               and graphs and cell_status(MoEConfig(**{**shape, "quant": "fp8-block"}, dispatcher="lowlatency", runner=r), env) == "ok"]
     for r in masked:
         checks.append((f"lowlatency-whole-layer-graph-{r}", lambda c, r=r: check_graph(c, "auto", r)))
+    # alltoall-fixed: the prefill path with no host synchronization, the whole layer in one graph
+    for q in ("none", "fp8-block") if graphs else ():
+        for r in RUNNERS.names():
+            if r != "reference" and cell_status(MoEConfig(**{**shape, "quant": q}, dispatcher="alltoall-fixed",
+                                                          runner=r), env) == "ok":
+                checks.append((f"alltoall-fixed-whole-layer-graph-{r}-{q}", lambda c, r=r, q=q: check_graph(
+                    c, "auto", r, "alltoall-fixed", q)))
     return checks, masked
 
 
