@@ -147,7 +147,8 @@ def bench_fixed(a, cfg, quant, x, ids, w, dev, rank, res):
     batch, handle = d.dispatch(x, ids, w)
     out = torch.randn(batch.num_rows, cfg.hidden_size, device=dev).to(cfg.dtype)
     fns = {"dispatch": lambda: d.dispatch(x, ids, w), "combine": lambda: d.combine(out, handle)}
-    r = dict(tokens=a.tokens, rows_per_block=a.tokens, batch_rows=batch.num_rows, copies=int(batch.offsets[-1]))
+    r = dict(tokens=a.tokens, rows_per_block=a.tokens, batch_rows=batch.num_rows, copies=int(batch.offsets[-1]),
+             combine_pieces=handle.pieces)
     for name, fn in fns.items():
         r[f"eager_{name}_us"] = timed(fn, a.iters, dev)
     if a.profile:
@@ -155,6 +156,12 @@ def bench_fixed(a, cfg, quant, x, ids, w, dev, rank, res):
     if dev.type == "cuda":
         for name, fn in fns.items():
             r[f"graph_{name}_us"] = timed(capture(fn).replay, a.iters, dev)
+        default = d.combine_chunks
+        for pieces in (1, 2, 8):  # the combine in other numbers of pieces (the default is timed above)
+            d.combine_chunks = pieces
+            batch, handle = d.dispatch(x, ids, w)
+            r[f"graph_combine_{pieces}_pieces_us"] = timed(capture(lambda: d.combine(out, handle)).replay, a.iters, dev)
+        d.combine_chunks = default
     return r
 
 
@@ -232,7 +239,9 @@ def layer_time(a, dev, disp, runner, quant, t):
         return dict(skipped=exc.code)
     x, logits = torch.randn(t, a.hidden, device=dev).to(torch.bfloat16), torch.randn(t, a.experts, device=dev)
     r = dict(tokens=t, layer_us=timed(lambda: layer(x, logits), max(a.iters // 4, 3), dev))
-    if dev.type == "cuda" and disp != "alltoall":  # the fixed-shape dispatchers: the layer as one CUDA graph
+    p = layer.plan
+    if dev.type == "cuda" and disp != "alltoall" and p.layout == p.runner_layout and p.runner != "reference":
+        # the fixed-shape dispatchers with a runner of their layout: the layer as one CUDA graph
         os.environ["MOEFLOW_VALIDATE_INPUTS"] = "0"  # (input checks read values on the host)
         try:
             r["graph_layer_us"] = timed(capture(lambda: layer(x, logits)).replay, max(a.iters // 4, 3), dev)
@@ -298,7 +307,7 @@ def print_table(res):
                   f" gathered dispatch {r['dispatch_gathered_us']:.1f} us]")
         elif key.startswith("alltoall-fixed/"):
             print(f"{key:22s} " + "  ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us"))
-                  + "  (us)  ratio " + "  ".join(f"{k[6:]} x{v:.2f}" for k, v in r.items() if k.startswith("ratio_")))
+                  + f"  (us; combine pieces {r.get('combine_pieces')})  ratio " + "  ".join(f"{k[6:]} x{v:.2f}" for k, v in r.items() if k.startswith("ratio_")))
         elif key.startswith("lowlatency/"):
             print(f"{key:22s} " + "  ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us")) + "  (us)")
         elif key.startswith("host/"):

@@ -123,3 +123,31 @@ def test_gather_sum_matches_a_loop():
                 want[r] += src[index[r, j]].float()
     assert torch.equal(gather_sum(src, index), want.to(torch.bfloat16))
     assert gather_sum(src[:0], torch.full((3, 2), -1)).abs().sum() == 0  # nothing to gather
+
+
+@pytest.mark.parametrize("world,cap,pieces", [(2, 8, 4), (3, 6, 2), (4, 5, 1), (2, 12, 3)])
+def test_fixed_blocks_and_combine_pieces(world, cap, pieces):
+    """alltoall-fixed's bookkeeping: block_slots puts the tokens sent to rank r at rows r*C .. in
+    token order (from rank_rows' grouping); chunk_major maps every (rank, position) of the blocks
+    one to one onto the piece-major buffer, as its definition says; combine_pieces divides C."""
+    from moeflow.dispatch._ep_reference import rank_rows_torch
+    from moeflow.dispatch.alltoall_fixed import block_slots, chunk_major, combine_pieces
+    t, e, k = cap, 2 * world, 2
+    ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
+    ids[0] = torch.tensor([0, 1])  # token 0 goes to rank 0 only (experts 0, 1 live there)
+    expert_rank = torch.arange(e) // 2
+    counts, home = rank_rows_torch(ids, expert_rank, world)
+    slot = block_slots(counts, home, cap)
+    for r in range(world):
+        sent = [tt for tt in range(t) if (expert_rank[ids[tt].long()] == r).any()]
+        assert slot[:, r].tolist() == [r * cap + sent.index(tt) if tt in sent else -1 for tt in range(t)]
+    length = cap // pieces
+    got = chunk_major(slot, cap, length)
+    for tt in range(t):
+        for r in range(world):
+            p = int(slot[tt, r]) - r * cap
+            want = -1 if p < 0 else (p // length) * world * length + r * length + p % length
+            assert int(got[tt, r]) == want
+    every = chunk_major(torch.arange(world * cap).view(world, cap).t(), cap, length)
+    assert sorted(every.flatten().tolist()) == list(range(world * cap))  # one to one
+    assert combine_pieces(cap, 4) == next(c for c in (4, 3, 2, 1) if cap % c == 0)

@@ -175,6 +175,11 @@ def suite(world):
     checks.append(("bad-placement-MF504", lambda c: c.expect("MF504", lambda: MoE(**BASE, placement=(0,) * 8))))
     for d in ("lowlatency", "alltoall-fixed"):
         checks.append((f"overflow-MF503-{d}", lambda c, d=d: check_overflow(c, d)))
+    # alltoall-fixed's combine in 3 pieces (C_rank = 27), and in one
+    checks.append(("alltoall-fixed-combine-3-pieces", lambda c: c.compare(
+        tokens_for(c, "p3"), dispatcher="alltoall-fixed", runner="reference", max_tokens_per_rank=27,
+        dtype=torch.float32)))
+    checks.append(("alltoall-fixed-combine-1-piece", lambda c: check_pieces(c, 1)))
     checks.append(("fp8-payload-fp8-tensor-MF506", lambda c: c.expect(
         "MF506", lambda: MoE(**BASE, quant="fp8-tensor", runner="reference").dispatcher.with_payload("fp8"))))
     checks.append(("fp8-payload-config-fp8-tensor-MF506", lambda c: c.expect(
@@ -194,6 +199,17 @@ def check_halves(c, d, **fields):
     pending = disp.combine_start(run_in_layout(ep.runner, batch, ep.expert_weights()), handle)
     got = (disp.combine_wait(pending).float() + shared).to(ep.config.dtype)
     assert rel_err(got, want) <= 1e-6, rel_err(got, want)  # == on CPU; GPU index_add_ order varies
+
+
+def check_pieces(c, most):
+    from moeflow.dispatch import alltoall_fixed
+    saved, alltoall_fixed.COMBINE_CHUNKS = alltoall_fixed.COMBINE_CHUNKS, most
+    try:
+        ep = c.compare(tokens_for(c, f"pieces{most}"), dispatcher="alltoall-fixed", runner="reference",
+                       dtype=torch.float32)[0]
+        assert ep.dispatcher.combine_chunks == most
+    finally:
+        alltoall_fixed.COMBINE_CHUNKS = saved
 
 
 def check_auto(c):

@@ -29,7 +29,7 @@ from ..config import PAYLOADS, MoEConfig
 from ..distributed import check_agreement, comm_device, resolve_group
 from ..errors import MoeflowError, error
 from ..layouts import ExpertBatch
-from ..quant import QuantScheme, payload_scheme
+from ..quant import QuantScheme, payload_scheme, row_local
 from ._ep_rows import RowCodec
 from .base import Dispatcher
 
@@ -40,15 +40,6 @@ from .base import Dispatcher
 # "fp8": always (lossy for quant="none": per-token FP8, dequantized to the layer dtype by the
 #   runner); refused with MF506 for schemes whose rows are not quantized on their own;
 # "dtype": never (the layer dtype travels; the runner quantizes).
-
-
-def row_local(scheme: QuantScheme) -> bool:
-    """Whether ``scheme`` quantizes each activation row independently of the others (probed, not
-    looked up by name: a row quantized alone gets the scale it gets inside a larger batch)."""
-    x = torch.tensor([[1.0, -2.0], [30.0, 4.0]])
-    _, alone = scheme.quantize_activation(x[:1])
-    _, together = scheme.quantize_activation(x)
-    return alone is None or torch.equal(alone[0], together[0])
 
 
 def expert_placement(config: MoEConfig, world: int) -> tuple[int, ...]:

@@ -39,6 +39,7 @@ class AllToAllHandle:
     sent: list[int]  # rows sent to each rank (grouped by destination, tokens ascending)
     received: list[int]  # rows received from each rank
     overflow: int = 0  # alltoall-fixed: tokens this rank was given when beyond its capacity (MF503)
+    pieces: int = 1  # alltoall-fixed: the combine goes out in this many all-to-alls
 
 
 @dataclass

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..capabilities import ALL_FLOAT, RunnerCaps, Support
 from ..layouts import SORTED, ExpertBatch
+from ..quant import row_local
 from .base import ExpertRunner, ExpertWeights, empty_output, gated_activation
 
 _FP8_ROWWISE = frozenset({"fp8-tensor", "fp8-channel"})
@@ -31,6 +32,10 @@ class GroupedMMRunner(ExpertRunner):
         note="torch._grouped_mm / torch._scaled_grouped_mm (row-wise FP8)",
     )
 
+    def __init__(self, config, scheme):
+        super().__init__(config, scheme)
+        self._row_local = row_local(scheme)
+
     def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
         batch = batch.gathered()  # rows given by index (not declared, but never misread)
         cfg = self.config
@@ -40,6 +45,8 @@ class GroupedMMRunner(ExpertRunner):
         xq, xs = self.input_activations(batch.hidden, batch.hidden_scale)
         h = self._gemm(xq, xs, weights.w13, weights.w13_scale, offs)  # [N, 2I]
         a = gated_activation(h, cfg.activation).to(cfg.dtype)
+        if not self._row_local:  # one scale over the batch: padding rows (unspecified GEMM output) must not count
+            a = a.masked_fill((torch.arange(a.shape[0], device=a.device) >= batch.offsets[-1])[:, None], 0)
         aq, as_ = self.scheme.quantize_activation(a)
         y = self._gemm(aq, as_, weights.w2, weights.w2_scale, offs)  # [N, H]
         return (y.float() * batch.weights[:, None]).to(cfg.dtype)

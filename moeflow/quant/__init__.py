@@ -26,4 +26,15 @@ def payload_scheme(scheme: QuantScheme) -> QuantScheme:
     return scheme if scheme.quantized else FP8Channel()
 
 
-__all__ = ["SCHEMES", "create_scheme", "payload_scheme", "QuantScheme", "FP8_DTYPE", "FP8_MAX"]
+def row_local(scheme: QuantScheme) -> bool:
+    """Whether ``scheme`` quantizes each activation row independently of the others (probed, not
+    looked up by name: a row quantized alone gets the scale it gets inside a larger batch)."""
+    import torch
+
+    x = torch.tensor([[1.0, -2.0], [30.0, 4.0]])
+    _, alone = scheme.quantize_activation(x[:1])
+    _, together = scheme.quantize_activation(x)
+    return alone is None or torch.equal(alone[0], together[0])
+
+
+__all__ = ["SCHEMES", "create_scheme", "payload_scheme", "row_local", "QuantScheme", "FP8_DTYPE", "FP8_MAX"]
