@@ -127,17 +127,18 @@ def test_gather_sum_matches_a_loop():
 
 @pytest.mark.parametrize("world,cap,pieces", [(2, 8, 4), (3, 6, 2), (4, 5, 1), (2, 12, 3)])
 def test_fixed_blocks_and_combine_pieces(world, cap, pieces):
-    """alltoall-fixed's bookkeeping: block_slots puts the tokens sent to rank r at rows r*C .. in
-    token order (from rank_rows' grouping); chunk_major maps every (rank, position) of the blocks
+    """alltoall-fixed's bookkeeping: rank_rows with block=C puts the tokens sent to rank r at rows
+    r*C .. in token order, with the counts of the plain grouping; chunk_major maps every (rank, position) of the blocks
     one to one onto the piece-major buffer, as its definition says; combine_pieces divides C."""
     from moeflow.dispatch._ep_reference import rank_rows_torch
-    from moeflow.dispatch.alltoall_fixed import block_slots, chunk_major, combine_pieces
+    from moeflow.dispatch.alltoall_fixed import chunk_major, combine_pieces
     t, e, k = cap, 2 * world, 2
     ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
     ids[0] = torch.tensor([0, 1])  # token 0 goes to rank 0 only (experts 0, 1 live there)
     expert_rank = torch.arange(e) // 2
-    counts, home = rank_rows_torch(ids, expert_rank, world)
-    slot = block_slots(counts, home, cap)
+    counts, _ = rank_rows_torch(ids, expert_rank, world)
+    block_counts, slot = rank_rows_torch(ids, expert_rank, world, block=cap)
+    assert torch.equal(block_counts, counts)
     for r in range(world):
         sent = [tt for tt in range(t) if (expert_rank[ids[tt].long()] == r).any()]
         assert slot[:, r].tolist() == [r * cap + sent.index(tt) if tt in sent else -1 for tt in range(t)]

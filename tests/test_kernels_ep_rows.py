@@ -117,17 +117,20 @@ def test_pack_rows_as_alltoall(packer, t, world, hidden, dtype, payload):
     assert same(mine.ids, want["ids"]) and same(mine.hidden, want["hidden"])
 
 
+@pytest.mark.parametrize("block", [0, 301])
 @pytest.mark.parametrize("t,world,k", [(0, 2, 3), (1, 2, 3), (6, 1, 2), (6, 3, 3), (300, 3, 4), (40, 5, 1)])
-def test_rank_rows_matches_torch_and_the_definition(t, world, k, poison_empty):
+def test_rank_rows_matches_torch_and_the_definition(t, world, k, block, poison_empty):
     """counts and home of alltoall's send buffer: kernel == torch == a loop over the definition.
-    T=300 with W=3 spans two token blocks of the kernel (the row numbering carries over)."""
+    T=300 with W=3 spans two token blocks of the kernel (the row numbering carries over).
+    block > 0: alltoall-fixed's blocks, rank r's rows from r * block."""
     ids, _ = routing(t, k, 7)
     rank, _ = placement(world)
-    counts, home = rank_rows(ids, rank, world)
-    want_counts, want_home = rank_rows_torch(ids, rank, world)
+    counts, home = rank_rows(ids, rank, world, block)
+    want_counts, want_home = rank_rows_torch(ids, rank, world, block)
     assert same(counts, want_counts) and same(home, want_home.contiguous())
     loop_home, row = torch.full((t, world), -1), 0
     for r in range(world):
+        row = r * block if block else row
         for i in range(t):
             if (rank[ids[i].long()] == r).any():
                 loop_home[i, r], row = row, row + 1

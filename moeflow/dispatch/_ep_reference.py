@@ -40,8 +40,8 @@ def pack_rows_torch(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor
         out.weights[pad_from:] = 0
 
 
-def rank_rows_torch(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor, Tensor]:
-    """rank_rows in torch ops (the reference of the kernel)."""
+def rank_rows_torch(topk_ids: Tensor, expert_rank: Tensor, world: int, block: int = 0) -> tuple[Tensor, Tensor]:
+    """rank_rows in torch ops (the reference of the kernel; block > 0: rank r's rows start at r * block)."""
     t, dev = topk_ids.shape[0], topk_ids.device
     rank_of = expert_rank[topk_ids.long()]  # [T, K]
     need = torch.zeros(world, t, dtype=torch.int64, device=dev)
@@ -49,7 +49,7 @@ def rank_rows_torch(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[
     copies = torch.zeros(world, dtype=torch.int64, device=dev)
     copies.scatter_add_(0, rank_of.flatten(), torch.ones_like(rank_of.flatten()))
     rows = need.sum(1)
-    first = torch.cumsum(rows, 0) - rows  # [W] first row of each destination's block
+    first = torch.arange(world, device=dev) * block if block else torch.cumsum(rows, 0) - rows  # [W] first row of each destination's block
     home = torch.where(need > 0, first[:, None] + need.cumsum(1) - 1, -1).t()  # scan along T (the last dim)
     return torch.stack([rows, copies], dim=1), home
 

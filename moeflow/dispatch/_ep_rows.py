@@ -64,13 +64,14 @@ def _ep_kernels(t: Tensor, module: str = "ep_rows"):
         return None
 
 
-def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor, Tensor]:
+def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int, block: int = 0) -> tuple[Tensor, Tensor]:
     """Where each token goes: topk_ids [T, K] int, expert_rank [E] int64 ->
     (counts [W, 2] int64: rows and copies for each rank, home [T, W] int64: row of token t in the
     send buffer for rank r, grouped by destination with tokens ascending, -1 where not sent).
+    block > 0: the rows for rank r start at r * block (fixed blocks), else after those of ranks < r.
     Two Triton launches on CUDA (kernels/ep_rows.rank_rows), rank_rows_torch otherwise."""
     kernels = _ep_kernels(topk_ids)
-    return (rank_rows_torch if kernels is None else kernels.rank_rows)(topk_ids, expert_rank, world)
+    return (rank_rows_torch if kernels is None else kernels.rank_rows)(topk_ids, expert_rank, world, block)
 
 
 class RowCodec:

@@ -11,11 +11,11 @@ Every rank pair exchanges one block of C_rank = ``max_tokens_per_rank`` rows, wh
     W·C_rank·min(K, E_local) rows, an upper bound of the copies it can get: rows past offsets[-1]
     are padding (weight 0) that the runners skip.
   combine: as alltoall (partial sums per received row, sent back, the home rank adds its ranks'
-    sums), in ``combine_chunks`` pieces: the partial sums of rows c·L .. (c+1)·L - 1 of every block
-    (L = C_rank / chunks) go out in their own all_to_all_single while the next piece is summed, so
-    the sum (a read of every copy's output: ~140 µs at 4096 tokens/rank, H=7168, top-8) overlaps
-    the transfer instead of preceding it. The home rank's receive buffer is chunk-major; the slot
-    of each (token, rank) is remapped to it once per dispatch.
+    sums), optionally in ``combine_chunks`` pieces: the partial sums of rows c·L .. (c+1)·L - 1 of
+    every block (L = C_rank / pieces) in their own all_to_all_single, meant to overlap the sum of
+    piece c with the transfer of piece c - 1 (the home rank's receive buffer is then piece-major;
+    the slot of each (token, rank) is remapped once per dispatch). Measured slower on 2×H200, so
+    one piece by default (COMBINE_CHUNKS).
 
 What it costs against alltoall: the all-to-all moves W·C_rank rows per rank whatever T and the
 routing are. With few ranks and top-k routing almost every token goes to every rank (2 ranks, top-8
@@ -42,15 +42,6 @@ from .alltoall import AllToAllDispatcher, AllToAllHandle, _Pending
 from .gather_sum import gather_sum
 
 
-def block_slots(counts: Tensor, home: Tensor, capacity: int) -> Tensor:
-    """counts [W, 2], home [T, W] from rank_rows (rows grouped by destination) -> [T, W] int64: the
-    row of token t in block r of a buffer of W blocks of ``capacity`` rows (r * C + its rank among
-    the tokens sent to r), -1 where not sent. Device ops, no host synchronization."""
-    rows = counts[:, 0]
-    shift = torch.arange(counts.shape[0], device=counts.device) * capacity - (torch.cumsum(rows, 0) - rows)
-    return torch.where(home >= 0, home + shift, -1)
-
-
 def chunk_major(slot: Tensor, capacity: int, chunk: int) -> Tensor:
     """slot [T, W] (row r * C + p of block r, -1) -> the row of the same (rank, position) in a buffer
     of C / L pieces of L = ``chunk`` rows per block, piece-major: piece c = rows p in c·L .. (c+1)·L - 1
@@ -66,8 +57,10 @@ def combine_pieces(capacity: int, most: int) -> int:
     return next(c for c in range(max(1, min(most, capacity)), 0, -1) if capacity % c == 0)
 
 
-# Pieces of the combine (benchmarks/bench_ep.py --combine-chunks sweeps them on 2×H200).
-COMBINE_CHUNKS = 4
+# Pieces of the combine. One: on 2×H200 more pieces made it slower, not faster (bench_ep's sweep,
+# graph replay at 4096 tokens/rank, H=7168, top-8: 421 / 443 / 463 / 559 µs for 1 / 2 / 4 / 8; the
+# sums did not overlap the transfers: benchmarks/results/ep_2026-11-30_2xh200.md, run 10).
+COMBINE_CHUNKS = 1
 
 
 class AllToAllFixedDispatcher(AllToAllDispatcher):
@@ -91,8 +84,7 @@ class AllToAllFixedDispatcher(AllToAllDispatcher):
         cap, w = self.tokens_per_rank, self.world
         t = topk_ids.shape[0]
         hidden, topk_ids, topk_weights = hidden[:cap], topk_ids[:cap], topk_weights[:cap]
-        counts, home = rank_rows(topk_ids, self.expert_rank, w)
-        slot = block_slots(counts, home, cap)  # [T, W]: row of token t in block r; the combine's too
+        counts, slot = rank_rows(topk_ids, self.expert_rank, w, block=cap)  # slot [T, W]: row of token t in block r
         tokens, scale = self.codec.encode(hidden)
         send = self.codec.pack(w * cap, tokens, scale, topk_ids, topk_weights, dest_pos=slot,
                                expert_rank=self.expert_rank, expert_local=self.expert_local)
@@ -101,7 +93,8 @@ class AllToAllFixedDispatcher(AllToAllDispatcher):
         with collective("alltoall-fixed dispatch", self.process_group):
             work = dist.all_to_all_single(buf, send, group=self.process_group, async_op=True)
         pieces = combine_pieces(cap, self.combine_chunks)
-        home = chunk_major(slot, cap, cap // pieces)  # row of (token, rank) in the combine's receive buffer
+        # row of (token, rank) in the combine's receive buffer (piece-major; the blocks' own rows in one piece)
+        home = slot if pieces == 1 else chunk_major(slot, cap, cap // pieces)
         handle = AllToAllHandle(None, home, [cap] * w, [cap] * w, overflow=t if t > cap else 0, pieces=pieces)
         # copies here: at most min(K, E_local) per received row
         bound = w * cap * min(self.config.top_k, len(self._local))

@@ -16,7 +16,9 @@ pack_rows: tokens into the rows of a send buffer, one row per (token, destinatio
 rank_rows: where each token goes (alltoall), two launches over token blocks.
     topk_ids [T, K] int32, expert_rank [E] int64 -> counts [W, 2] int64 (rows, copies sent to each
     rank), home [T, W] int64 (row of token t in the send buffer for rank r: grouped by destination,
-    tokens ascending; -1 if not sent). Its torch reference is dispatch/_ep_reference.rank_rows_torch.
+    tokens ascending; -1 if not sent). With ``block`` > 0, rank r's rows start at r * block
+    (alltoall-fixed's blocks) instead of after the rows of ranks < r. Its torch reference is
+    dispatch/_ep_reference.rank_rows_torch.
 
 blank_rows: the unused tail of each block of a send buffer in fixed blocks (alltoall-fixed).
     buf uint8 [W * C, row_bytes], counts [W] int64 (rows used in block d), blank uint8 [row_bytes]
@@ -171,10 +173,11 @@ def _rank_count_kernel(ids_ptr, rank_ptr, table_ptr, T, W, stride_ids,
 
 
 @triton.jit
-def _rank_rows_kernel(ids_ptr, rank_ptr, table_ptr, counts_ptr, home_ptr, T, W, num_blocks, stride_ids,
+def _rank_rows_kernel(ids_ptr, rank_ptr, table_ptr, counts_ptr, home_ptr, T, W, num_blocks, stride_ids, block_rows,
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, W_POW2: tl.constexpr, B_POW2: tl.constexpr):
     """Program b: numbers its tokens' rows for each rank, after the rows of earlier ranks (all
-    tokens) and of earlier blocks (this rank); program 0 writes counts."""
+    tokens; or rank * block_rows when block_rows > 0) and of earlier blocks (this rank); program 0
+    writes counts."""
     b = tl.program_id(0)
     ww = tl.arange(0, W_POW2)
     bb = tl.arange(0, B_POW2)
@@ -186,7 +189,7 @@ def _rank_rows_kernel(ids_ptr, rank_ptr, table_ptr, counts_ptr, home_ptr, T, W, 
         copies = tl.sum(tl.load(table_ptr + (bb[:, None] * W + ww[None, :]) * 2 + 1, mask=cell, other=0), axis=0)
         tl.store(counts_ptr + ww * 2 + 1, copies, mask=ww < W)
     before = tl.sum(tl.where((bb < b)[:, None], rows_bw, 0), axis=0)  # this rank's rows of earlier blocks
-    start = tl.cumsum(rows, axis=0) - rows + before
+    start = tl.where(block_rows > 0, ww.to(tl.int64) * block_rows, tl.cumsum(rows, axis=0) - rows) + before
     tt = b.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = tt < T
     need, _ = _need_block(ids_ptr, rank_ptr, tt, ok, stride_ids, ww, TOP_K, BLOCK_T, W_POW2)
@@ -197,9 +200,10 @@ def _rank_rows_kernel(ids_ptr, rank_ptr, table_ptr, counts_ptr, home_ptr, T, W, 
 _RANK_TABLE = 4096  # most (block, rank) cells one program sums
 
 
-def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor, Tensor]:
+def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int, block: int = 0) -> tuple[Tensor, Tensor]:
     """topk_ids [T, K] int32, expert_rank [E] int64 -> (counts [W, 2] int64, home [T, W] int64)
-    (module docstring). Two launches over token blocks (count, then number), no host sync."""
+    (module docstring; block > 0: rank r's rows start at r * block). Two launches over token
+    blocks (count, then number), no host sync."""
     t, k = topk_ids.shape
     dev = topk_ids.device
     counts = torch.empty((world, 2), dtype=torch.int64, device=dev)
@@ -213,7 +217,7 @@ def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int) -> tuple[Tensor
     table = torch.empty((blocks, world, 2), dtype=torch.int64, device=dev)
     _rank_count_kernel[(blocks,)](ids, expert_rank, table, t, world, ids.stride(0),
                                   TOP_K=k, BLOCK_T=block_t, W_POW2=w_pow2)
-    _rank_rows_kernel[(blocks,)](ids, expert_rank, table, counts, home, t, world, blocks, ids.stride(0),
+    _rank_rows_kernel[(blocks,)](ids, expert_rank, table, counts, home, t, world, blocks, ids.stride(0), block,
                                  TOP_K=k, BLOCK_T=block_t, W_POW2=w_pow2, B_POW2=triton.next_power_of_2(blocks))
     return counts, home
 
