@@ -213,5 +213,6 @@ def _expert_of_row(layout: RowLayout) -> Tensor:
     if layout.masked:
         e = torch.arange(layout.num_experts, device=dev).repeat_interleave(layout.capacity)
         return torch.where(layout.valid_rows(), e, -1)
-    counts = (layout.meta[1:] - layout.meta[:-1]).to(torch.int64)
-    return torch.repeat_interleave(torch.arange(layout.num_experts, device=dev), counts, output_size=layout.rows)
+    # sorted: the expert whose offsets span the row; rows past offsets[-1] (padding) get -1
+    e = torch.searchsorted(layout.meta[1:], torch.arange(layout.rows, device=dev), right=True)
+    return torch.where(e < layout.num_experts, e, -1)
