@@ -184,6 +184,24 @@ def test_config_file_lookup(monkeypatch, tmp_path):
     assert json.loads((tmp_path / name).read_text())["triton_version"] == "x"
 
 
+def test_config_borrowed_from_another_expert_count(monkeypatch, tmp_path):
+    """No file for E=4 (say 2 ranks of an 8-expert model): the E=8 table of the same device, N, K
+    and scheme is borrowed, with a warning, its token counts rescaled to the same rows per expert
+    (tuned at T over 8 experts = T/2 here); the nearer E wins over a farther one; another N or
+    scheme is never borrowed."""
+    monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
+    a, b = kc.MoEKernelConfig(kc.GemmConfig(16, 64, 128), kc.GemmConfig(16, 64, 128)), \
+        kc.MoEKernelConfig(kc.GemmConfig(64, 128, 64, 8, 8, 3), kc.GemmConfig(64, 256, 64, 8, 8, 3))
+    kc.write_table(tmp_path / kc.file_name("GPU X", 8, 128, 256, "none"), {}, {1: a, 4096: b})
+    kc.write_table(tmp_path / kc.file_name("GPU X", 64, 128, 256, "none"), {}, {1: b})
+    kc.write_table(tmp_path / kc.file_name("GPU X", 4, 128, 512, "none"), {}, {1: b})  # another K
+    with pytest.warns(UserWarning, match=r"borrowing 'E=8,N=128.*moeflow tune --local-experts 4"):
+        table = kc.find_table("GPU X", 4, 128, 256, "none")
+    assert table == {1: a, 2048: b}
+    with pytest.warns(UserWarning, match="using defaults"):
+        assert kc.find_table("GPU X", 4, 128, 256, "fp8-block") is None
+
+
 def test_config_file_missing_and_malformed(monkeypatch, tmp_path):
     monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
     with pytest.warns(UserWarning, match="moeflow tune"):

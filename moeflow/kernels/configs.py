@@ -8,7 +8,10 @@ Content: {"device", "E", "N", "K", "scheme", "dtype", "top_k", "triton_version",
     where <T> is a token count (tokens per rank, before top-k). A lookup takes the entry whose T
     is nearest to the batch's in log scale. Directories searched, first hit wins:
     $MOEFLOW_KERNEL_CONFIG_DIR, then moeflow/kernels/configs/ (shipped).
-Defaults (no matching file; a warning names the missing file): see ``default_config``.
+No file for this E: a file of the same device, N, K and scheme with the nearest expert count is
+borrowed, its token counts rescaled to the same rows per expert (expert parallelism runs a tuned
+model's shape with E / W local experts); a warning names the missing file.
+Defaults (no file of this N, K and scheme at all; a warning names the missing file): see ``default_config``.
 """
 from __future__ import annotations
 
@@ -108,15 +111,45 @@ def _load(path: str, mtime: float) -> dict[int, MoEKernelConfig]:
 
 
 def find_table(device: str, e: int, n: int, k: int, scheme: str) -> dict[int, MoEKernelConfig] | None:
-    """The tuned table for this shape, or None (with a warning) when no file matches."""
+    """The tuned table for this shape; else one borrowed from the same device, N, K and scheme with
+    another expert count (expert parallelism: E local experts of a tuned model), its token counts
+    rescaled to the same rows per expert (T * E_tuned / E); else None (defaults). A warning names
+    the missing file in the last two cases."""
     name = file_name(device, e, n, k, scheme)
     for d in search_dirs():
         p = d / name
         if p.is_file():
             return _load(str(p), p.stat().st_mtime)
-    warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {[str(d) for d in search_dirs()]}; "
+    where = [str(d) for d in search_dirs()]
+    kin = _same_shape_other_e(device, e, n, k, scheme)
+    if kin is not None:
+        e_tuned, path = kin
+        table = _load(str(path), path.stat().st_mtime)
+        warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {where}; borrowing {path.name!r} "
+                      f"(E={e_tuned}) at the same rows per expert (run `moeflow tune --local-experts {e}` to make one)",
+                      stacklevel=3)
+        # entry tuned at T tokens over E_tuned experts has the rows per expert of T * E / E_tuned tokens here
+        return {max(1, round(t * e / e_tuned)): c for t, c in sorted(table.items())}
+    warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {where}; "
                   f"using defaults (run `moeflow tune` to make one)", stacklevel=3)
     return None
+
+
+def _same_shape_other_e(device: str, e: int, n: int, k: int, scheme: str) -> tuple[int, Path] | None:
+    """(E, path) of a tuned file for (device, N, K, scheme) with the expert count nearest ``e`` (log
+    scale; ties: the earlier search directory, then the smaller E), or None."""
+    found = []
+    for rank, d in enumerate(search_dirs()):
+        for p in sorted(d.glob(file_name(device, 0, n, k, scheme).replace("E=0,", "E=*,", 1))):
+            try:
+                e_tuned = int(p.name.split(",", 1)[0].removeprefix("E="))
+            except ValueError:
+                continue
+            found.append((rank, abs(math.log(e_tuned / max(e, 1))), e_tuned, p))
+    if not found:
+        return None
+    _, _, e_tuned, path = min(found, key=lambda f: (f[1], f[0], f[2]))
+    return e_tuned, path
 
 
 def nearest(table: dict[int, MoEKernelConfig], tokens: int) -> MoEKernelConfig:
