@@ -100,6 +100,27 @@ def test_quantize_activation_matches_the_scheme(scheme, rows, k):
     assert torch.equal(s, s_ref.float()) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def test_fp8_block_gate_up_narrow_tiles(poison_empty):
+    """fp8-block gate_up with BLOCK_N < 128 (decode: more programs): the layer dtype out, no
+    scales, equal to the reference within the dtype's rounding; quantized by quantize_groups it
+    matches the fused epilogue's bits (the same rounding of the same values)."""
+    from moeflow.kernels.quant import quantize_groups
+    sch = create_scheme("fp8-block")
+    layout = sorted_layout([4, 0, 19])
+    e, h, i = 3, 128, 256
+    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).half())
+    xq, xs = sch.quantize_activation(torch.randn(layout.rows, h).half())
+    ref = gate_up_torch(xq, xs, q13, s13, layout, "fp8-block", "silu", torch.float16)
+    narrow, none = gate_up(xq, xs, q13, s13, layout, "fp8-block", "silu", torch.float16, kc.GemmConfig(16, 32, 64),
+                           poison=True)
+    assert none is None and narrow.dtype == torch.float16
+    assert_close(narrow, ref, 2e-3, "gate_up fp8-block, BLOCK_N 32")
+    fused, scale = gate_up(xq, xs, q13, s13, layout, "fp8-block", "silu", torch.float16, kc.GemmConfig(16, 128, 64),
+                           poison=True)
+    q, s = quantize_groups(narrow)
+    assert torch.equal(s, scale) and torch.equal(q.view(torch.uint8), fused.view(torch.uint8))
+
+
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-channel", torch.float32),
                                           ("fp8-block", torch.float16)])
@@ -213,10 +234,15 @@ def test_config_file_missing_and_malformed(monkeypatch, tmp_path):
 
 
 def test_fit_rules():
-    """fp8-block: BLOCK_K divides 128, gate_up BLOCK_N is 128 (or 256 when I allows); shared memory
-    bounded by lowering stages; minimum dot tiles."""
+    """fp8-block: BLOCK_K divides 128; gate_up BLOCK_N of 128 or more is 128 (or 256 when I allows),
+    narrower ones stay (the groups are then quantized by a separate kernel); shared memory bounded
+    by lowering stages; minimum dot tiles."""
     g = kc.fit(kc.GemmConfig(8, 64, 256, 1, 4, 6), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=384)
+    assert (g.block_m, g.block_n, g.block_k) == (16, 64, 128)
+    g = kc.fit(kc.GemmConfig(8, 192, 256, 1, 4, 6), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=384)
     assert (g.block_m, g.block_n, g.block_k) == (16, 128, 128)
+    for t in (1, 64, 4096):  # the defaults keep the fused epilogue (what they were measured with)
+        assert kc.default_config(t, 8, 8, "fp8-block").gate_up.block_n >= 128
     assert kc.fit(kc.GemmConfig(64, 256, 128), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=512).block_n == 256
     big = kc.fit(kc.GemmConfig(128, 256, 128, 8, 8, 5), fused_pair=True, scheme="none", elem_bytes=4, n_size=512)
     assert big.num_stages * (128 * 128 + 2 * 128 * 256) * 4 <= 200 * 1024 or big.num_stages == 1

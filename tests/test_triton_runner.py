@@ -49,13 +49,13 @@ def route(t, e, k, skew=None):
     return ids.to(torch.int32), torch.rand(t, k) + 0.1
 
 
-def layer_through_triton(layer, runner, x, ids, w, masked=False, capacity=None, indexed=True):
+def layer_through_triton(layer, runner, x, ids, w, masked=False, capacity=None, indexed=True, kcfg=None):
     """dispatch -> triton -> combine. indexed: the sorted rows by index (ExpertBatch.source_rows),
-    as a layer whose plan has indexed_rows dispatches for this runner."""
+    as a layer whose plan has indexed_rows dispatches for this runner. kcfg: default small_config."""
     layer.dispatcher.indexed_rows = indexed and not masked
     batch, handle = layer.dispatcher.dispatch(x, ids, w)
     assert (batch.source_rows is not None) == (indexed and not masked)
-    kcfg = small_config(layer.scheme.name)
+    kcfg = kcfg or small_config(layer.scheme.name)
     if masked:
         mbatch, slot = sorted_to_masked(batch, capacity)
         out = masked_output_to_sorted(runner.run_with(mbatch, layer.expert_weights(), kcfg, poison=True), slot)
@@ -89,6 +89,19 @@ def test_odd_sizes_vs_reference_runner(make_layer, scheme, indexed):
     out = runner.run_with(batch, layer.expert_weights(), small_config(scheme), poison=True)
     ref = ReferenceRunner(layer.config, layer.scheme).run(batch.gathered(), layer.expert_weights())
     assert_close(out, ref, rel_tol(scheme, torch.float16), "odd sizes")
+
+
+@pytest.mark.parametrize("layout", ["indexed", "masked"])
+def test_fp8_block_narrow_gate_up_tiles(make_layer, layout):
+    """fp8-block with a gate_up BLOCK_N below 128 (decode configs: more programs): the runner
+    quantizes the intermediate itself; the layer equals the oracle."""
+    layer, runner = build(make_layer, ALIGNED, "fp8-block", torch.float16)
+    x = torch.randn(9, 128).half()
+    ids, w = route(9, 4, 2)
+    masked = layout == "masked"
+    narrow = MoEKernelConfig(GemmConfig(16, 32, 64), GemmConfig(16, 32, 64))
+    out = layer_through_triton(layer, runner, x, ids, w, masked=masked, capacity=12 if masked else None, kcfg=narrow)
+    assert_close(out, layer_oracle(layer, x, ids, w), rel_tol("fp8-block", torch.float16), "narrow gate_up tiles")
 
 
 @pytest.mark.parametrize("case", ["T=1", "one-expert", "idle-experts", "K=E"])

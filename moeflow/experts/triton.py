@@ -58,7 +58,7 @@ class TritonRunner(ExpertRunner):
         from ..kernels.common import RowLayout, unit_stride_rows
         from ..kernels.down import down
         from ..kernels.gate_up import gate_up
-        from ..kernels.quant import quantize_activation, quantize_rows, quantize_with_amax
+        from ..kernels.quant import quantize_activation, quantize_groups, quantize_rows, quantize_with_amax
         config, scheme = self.config, self.scheme
         h = config.hidden_size
         layout = RowLayout.of(batch)
@@ -76,8 +76,8 @@ class TritonRunner(ExpertRunner):
         inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale,
                                layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison,
                                source_rows=None if src is None else src.contiguous())
-        if scheme.name == "fp8-block":
-            a, a_scale = inter, extra
+        if scheme.name == "fp8-block":  # quantized in gate_up's epilogue, or (narrow tiles) here
+            a, a_scale = (inter, extra) if extra is not None else quantize_groups(inter)
         elif scheme.quantized:
             a, a_scale = quantize_with_amax(inter, extra)
         else:

@@ -37,8 +37,11 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
     m = tokens * shape.top_k / shape.num_experts
     bk = 128 if shape.scheme != "none" else 64
     if m <= 16:
-        gu = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3), (32, 256, 4))]
-        dn = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3), (32, 256, 4))]
+        # narrow N tiles: more programs streaming weights (fp8-block gate_up below 128: unfused quantization)
+        gu = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3),
+                                                             (32, 256, 4), (16, 128, 4), (16, 256, 4))]
+        dn = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3),
+                                                             (32, 256, 4), (16, 128, 4), (16, 256, 4))]
     elif m <= 96:
         gu = [GemmConfig(bm, bn, k, 4, w, s) for bm, bn, k, w, s in
               ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 8, 3), (16, 64, 128, 4, 4),
@@ -149,7 +152,7 @@ def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: fl
 
     from .common import RowLayout
     from .gate_up import gate_up
-    from .quant import quantize_rows, quantize_with_amax
+    from .quant import quantize_groups, quantize_rows, quantize_with_amax
     from .down import down
     dev = torch.device("cuda")
     weights = random_weights(shape, dev)
@@ -167,8 +170,9 @@ def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: fl
         xq, xs = quantize_rows(x, shape.scheme, layout) if shape.scheme != "none" else (x, None)
         gu_c, dn_c = plans[t]
 
-        def run_gu(c):
-            return gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c)
+        def run_gu(c):  # what the runner runs: narrow fp8-block tiles add the separate group quantization
+            inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c)
+            return quantize_groups(inter) if shape.scheme == "fp8-block" and extra is None else (inter, extra)
 
         gu_t = [do_bench(lambda c=c: run_gu(c), warmup=warmup_ms, rep=rep_ms, return_mode="median") for c in gu_c]
         best_gu = gu_c[min(range(len(gu_c)), key=gu_t.__getitem__)]

@@ -70,24 +70,27 @@ def default_config(tokens: int, top_k: int, num_experts: int, scheme: str) -> Mo
     fp8 = scheme != "none"
     bk = 128 if fp8 else 64
     m = tokens * top_k / max(num_experts, 1)
-    if m <= 16:
-        return MoEKernelConfig(GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4))
+    if m <= 16:  # (fp8-block: gate_up 128 wide, its groups quantized in the epilogue)
+        return MoEKernelConfig(GemmConfig(16, 128 if scheme == "fp8-block" else 64, 128, 1, 4, 4),
+                               GemmConfig(16, 64, 128, 1, 4, 4))
     if m <= 128:
-        return MoEKernelConfig(GemmConfig(64, 64, bk, 4, 4, 3), GemmConfig(64, 128, bk, 4, 4, 3))
+        return MoEKernelConfig(GemmConfig(64, 128 if scheme == "fp8-block" else 64, bk, 4, 4, 3),
+                               GemmConfig(64, 128, bk, 4, 4, 3))
     return MoEKernelConfig(GemmConfig(64, 128, bk, 8, 8, 3), GemmConfig(64, 256, bk, 8, 8, 3))
 
 
 def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_size: int) -> GemmConfig:
     """Make ``cfg`` valid for the scheme and within shared memory.
 
-    fp8-block: BLOCK_K must divide 128 (one activation group per step); the gate_up epilogue
-    quantizes 1x128 groups, so its BLOCK_N is 128, or 256 where n_size (I) allows.
+    fp8-block: BLOCK_K must divide 128 (one activation group per step). gate_up: BLOCK_N of 128
+    or more quantizes the 1x128 groups in the epilogue (128, or 256 where n_size (I) allows);
+    BLOCK_N of 16-64 (more programs for small batches) leaves that to a separate kernel.
     fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least.
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
         bk = min(bk, 128)
-        if fused_pair:
+        if fused_pair and bn >= 128:
             bn = 256 if bn >= 256 and n_size % 256 == 0 else 128
     stages = max(cfg.num_stages, 1)
     b_tiles = 2 if fused_pair else 1

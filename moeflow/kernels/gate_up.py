@@ -113,7 +113,7 @@ def _gate_up_kernel(
     h = gated_act(acc_g, acc_u, ACT).to(INTER_DTYPE)
     ok = row_ok[:, None] & (cols < I)[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    if QUANT == 3:
+    if QUANT == 3 and BLOCK_N % 128 == 0:  # fp8-block: the 1x128 groups of the tile quantized here
         hf = tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_N // 128, 128))
         scale = fp8_scale(tl.max(tl.abs(hf), axis=2))  # [BLOCK_M, BLOCK_N // 128]
         q = tl.reshape(to_fp8(hf, scale[:, :, None], ROUND_IN_FP32), (BLOCK_M, BLOCK_N))
@@ -136,7 +136,10 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
             source_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """x [R, H] (layer dtype, or fp8 with x_scale [R, G]), w13 [E, 2I, H] (+ scheme scale)
     -> (inter [R, I], extra): extra is None (none), amax [R] / [1] float32 (fp8-channel /
-    fp8-tensor; inter in layer dtype) or scale [R, I/128] (fp8-block; inter float8_e4m3fn).
+    fp8-tensor; inter in layer dtype) or scale [R, I/128] (fp8-block with BLOCK_N a multiple of
+    128: inter float8_e4m3fn, its 1x128 groups quantized in the epilogue). fp8-block with a
+    narrower BLOCK_N (more programs for small batches) returns inter in the layer dtype and None:
+    the caller quantizes it (kernels/quant.quantize_groups).
     source_rows: [R] int64 or None: row r is x[source_rows[r]] (x [S, H], x_scale [S, G]).
     cfg: a GemmConfig (configs.py). poison: fill outputs with NaN first (tests)."""
     r, h = layout.rows, x.shape[1]
@@ -146,9 +149,10 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     q = QUANT_CODES[scheme]
     fill = torch.full if poison else (lambda shape, _v, **kw: torch.empty(shape, **kw))
     nan = float("nan")
-    inter = fill((r, i), nan, dtype=FP8_DTYPE if q == 3 else dtype, device=dev)
+    fused_groups = q == 3 and cfg.block_n % 128 == 0
+    inter = fill((r, i), nan, dtype=FP8_DTYPE if fused_groups else dtype, device=dev)
     extra = None
-    if q == 3:
+    if fused_groups:
         extra = fill((r, triton.cdiv(i, 128)), nan, dtype=torch.float32, device=dev)
     elif q in (1, 2):
         extra = torch.zeros(r if q == 2 else 1, dtype=torch.float32, device=dev)
@@ -159,10 +163,11 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     grid = (blocks_m * triton.cdiv(i, cfg.block_n),)
     w_arg, w_rows = weight_operand(w13, cfg.block_n, cfg.block_k)
     _gate_up_kernel[grid](
-        x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, inter, extra if q == 3 else inter, extra if q in (1, 2) else inter, layout.meta,
+        x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, inter, extra if fused_groups else inter,
+        extra if q in (1, 2) else inter, layout.meta,
         layout.num_experts, max(layout.capacity, 1), blocks_m, i, h, w_rows,
         x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), stride_wse, stride_wsn, inter.stride(0),
-        extra.stride(0) if q == 3 else 0,
+        extra.stride(0) if fused_groups else 0,
         QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
         E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
