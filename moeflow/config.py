@@ -78,7 +78,7 @@ class MoEConfig:
     dtype: torch.dtype = torch.bfloat16
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     placement: tuple[int, ...] | None = None  # expert e lives on rank placement[e]; None = contiguous blocks
-    max_tokens_per_rank: int = 256  # capacity of fixed-size (low-latency) dispatch buffers
+    max_tokens_per_rank: int = 256  # tokens per rank of fixed-size dispatch buffers (lowlatency, alltoall-fixed)
     dispatch_payload: str = "auto"  # expert parallelism: how tokens travel (PAYLOADS)
 
     def __post_init__(self):
