@@ -2,7 +2,9 @@
 # One device call's worth of GPU checks and benchmarks, highest priority first, each started only
 # while time is left (DEADLINE_S, default 540 s: under the device tool's 600 s per call).
 #
-#   MOEFLOW_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/device_session.sh   # on the GPU machine
+#   MOEFLOW_COMMIT=<commit> bash benchmarks/device_session.sh   # on the GPU machine
+# Give the commit as a literal from your checkout: the device tool copies the working tree, and a
+# `git rev-parse` evaluated on the GPU machine read stale metadata there (bcedbe1 all of one session).
 #
 #   1. pytest -m gpu: the single-GPU suites (triton, layer graph, runners, transformers), GPU 0
 #   2. with 2 GPUs: pytest -m gpu tests/gpu/test_gpu_ep.py, then benchmarks/bench_ep.py --profile
