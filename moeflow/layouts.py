@@ -36,15 +36,16 @@ class ExpertBatch:
         scheme's ``quantize_activation``).
     weights: routing weight of each copy, float32: sorted [N] / masked [E_local, C] (0 in empty slots).
     counts: [E_local] int32, copies per local expert (both layouts).
-    offsets: sorted only: [E_local + 1] int64, exclusive prefix sum of counts. offsets[-1] == N,
-        except for a dispatcher that sizes the batch by a bound (alltoall-fixed: no host
-        synchronization): rows offsets[-1] .. N-1 are then padding (weight 0, a valid source row)
-        that runners may skip; their output rows are unspecified and nothing reads them.
+    offsets: sorted only: [E_local + 1] int64, exclusive prefix sum of counts. offsets[-1] == N
+        unless ``padded``.
     hidden_scale: float32 activation scales, sorted [N, G] / masked [E_local, C, G], or None.
     source_rows: sorted only, or None: [N] int64. When set, the rows are given by index: row r is
         ``hidden[source_rows[r]]`` and ``hidden`` [S, H] (``hidden_scale`` [S, G]) holds the S source
         rows un-permuted. A dispatcher hands this only when the plan says the runner reads rows by
         index (``Plan.indexed_rows``); ``gathered()`` makes the ordinary batch.
+    padded: sorted only. The batch is sized by a bound (alltoall-fixed: no host synchronization):
+        rows offsets[-1] .. N-1 are padding (weight 0, a valid source row) that runners skip; their
+        output rows are unspecified and nothing reads them. False: offsets[-1] == N.
     """
 
     layout: str
@@ -54,6 +55,7 @@ class ExpertBatch:
     offsets: Tensor | None = None
     hidden_scale: Tensor | None = None
     source_rows: Tensor | None = None
+    padded: bool = False
 
     @property
     def num_local_experts(self) -> int:
@@ -72,7 +74,8 @@ class ExpertBatch:
             return self
         pick = self.source_rows
         return ExpertBatch(self.layout, self.hidden.index_select(0, pick), self.weights, self.counts, self.offsets,
-                           None if self.hidden_scale is None else self.hidden_scale.index_select(0, pick))
+                           None if self.hidden_scale is None else self.hidden_scale.index_select(0, pick),
+                           padded=self.padded)
 
     @property
     def quantized(self) -> bool:

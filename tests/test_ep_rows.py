@@ -94,6 +94,26 @@ def test_sorted_batch_by_index_equals_the_gathered_one(payload):
     assert payload is None or torch.equal(got.hidden_scale, copied.hidden_scale)
 
 
+@pytest.mark.parametrize("indexed", [False, True])
+def test_sorted_batch_padded_to_a_bound(indexed):
+    """padded=True (alltoall-fixed): n is a bound; the first offsets[-1] rows are the exact batch's,
+    the rest padding (weight 0, source row 0), and the batch says so."""
+    codec = RowCodec(64, 4, torch.float32, None)
+    x = torch.randn(20, 64)
+    rows = received_rows(codec, x, 4)
+    experts = random_copies(20, 4, 5)
+    n = int((experts < 5).sum())
+    ids = local_ids(experts, 5, 4)
+    exact, pos = sorted_batch(codec, rows, n, 5, ids=ids, indexed=indexed)
+    bound = 20 * 4
+    padded, pos2 = sorted_batch(codec, rows, bound, 5, ids=ids, indexed=indexed, padded=True)
+    assert padded.padded and not exact.padded and padded.num_rows == bound and torch.equal(pos, pos2)
+    assert torch.equal(padded.offsets, exact.offsets) and int(padded.offsets[-1]) == n
+    got, want = padded.gathered(), exact.gathered()
+    assert got.padded and torch.equal(got.hidden[:n], want.hidden) and torch.equal(got.weights[:n], want.weights)
+    assert not got.weights[n:].any() and torch.equal(got.hidden[n:], x[:1].expand(bound - n, -1))
+
+
 def test_masked_batch_invariants():
     codec = RowCodec(64, 4, torch.float32, None)
     x = torch.randn(24, 64)

@@ -157,7 +157,7 @@ def test_padded_sorted_batch_to_masked(shape):
     pad = 5
     padded = ExpertBatch(SORTED, torch.cat([batch.hidden, torch.full((pad, H), float("nan"))]),
                          torch.cat([batch.weights, torch.zeros(pad)]), batch.counts, batch.offsets,
-                         torch.cat([batch.hidden_scale, torch.full((pad, 2), float("nan"))]))
+                         torch.cat([batch.hidden_scale, torch.full((pad, 2), float("nan"))]), padded=True)
     cap = max(batch.host_counts(), default=0) + 1
     want, want_slot = sorted_to_masked(batch, cap)
     got, slot = sorted_to_masked(padded, cap)

@@ -224,6 +224,7 @@ def test_padded_batch_by_index(make_layer, scheme):
     batch.hidden = torch.cat([batch.hidden, torch.zeros(5, 128, dtype=batch.hidden.dtype)])
     batch.source_rows = torch.cat([batch.source_rows, torch.zeros(pad, dtype=torch.int64)])
     batch.weights = torch.cat([batch.weights, torch.zeros(pad)])
+    batch.padded = True
     out = runner.run_with(batch, layer.expert_weights(), small_config(scheme), poison=True)
     assert out.shape == (n + pad, 128)
     assert_close(out[:n], ref, rel_tol(scheme, torch.float16), "padded batch")

@@ -173,7 +173,7 @@ def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: boo
         scale = None if rows.scale is None else rows.scale.index_select(0, row)
         source = None
     batch = ExpertBatch(layout=SORTED, hidden=hidden, weights=weights, counts=counts, offsets=offsets,
-                        hidden_scale=scale, source_rows=source)
+                        hidden_scale=scale, source_rows=source, padded=padded)
     return batch, copy_pos.view(-1, k)
 
 

@@ -106,7 +106,7 @@ class AllToAllFixedDispatcher(AllToAllDispatcher):
         pos = handle.copy_pos.view(w, cap, k)
         back = expert_out.new_empty(w * cap, expert_out.shape[1])  # piece-major (chunk_major)
         works = []
-        for c in range(handle.pieces):  # piece c is summed while piece c - 1 travels
+        for c in range(handle.pieces):  # meant to sum piece c while piece c - 1 travels (module docstring)
             partial = gather_sum(expert_out, pos[:, c * length:(c + 1) * length].reshape(-1, k))
             with collective("alltoall-fixed combine", self.process_group):
                 works.append(dist.all_to_all_single(back[c * w * length:(c + 1) * w * length], partial,

@@ -45,7 +45,7 @@ class GroupedMMRunner(ExpertRunner):
         xq, xs = self.input_activations(batch.hidden, batch.hidden_scale)
         h = self._gemm(xq, xs, weights.w13, weights.w13_scale, offs)  # [N, 2I]
         a = gated_activation(h, cfg.activation).to(cfg.dtype)
-        if not self._row_local:  # one scale over the batch: padding rows (unspecified GEMM output) must not count
+        if batch.padded and not self._row_local:  # one scale over the batch: padding rows' (unspecified) outputs must not count
             a = a.masked_fill((torch.arange(a.shape[0], device=a.device) >= batch.offsets[-1])[:, None], 0)
         aq, as_ = self.scheme.quantize_activation(a)
         y = self._gemm(aq, as_, weights.w2, weights.w2_scale, offs)  # [N, H]
