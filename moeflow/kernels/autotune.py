@@ -14,7 +14,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from ..layouts import SORTED, ExpertBatch, offsets_from_counts
 from ..quant import FP8_DTYPE, create_scheme
