@@ -91,6 +91,13 @@ def offsets_from_counts(counts: Tensor) -> Tensor:
     return torch.cat([counts.new_zeros(1, dtype=torch.int64), counts.to(torch.int64).cumsum(0)])
 
 
+def expert_of_sorted_row(offsets: Tensor, rows: int) -> Tensor:
+    """offsets [E + 1] int64 of a sorted batch of ``rows`` rows -> [rows] int64: the expert whose
+    span offsets[e] .. offsets[e+1]-1 holds each row; E for padding rows past offsets[-1]
+    (ExpertBatch.padded). No host synchronization."""
+    return torch.searchsorted(offsets[1:], torch.arange(rows, device=offsets.device), right=True)
+
+
 def sorted_to_masked(batch: ExpertBatch, capacity: int | None = None) -> tuple[ExpertBatch, Tensor]:
     """-> (masked batch with ``capacity`` slots per expert, slot_of_row [N] int64 = e * C + c).
 
@@ -107,8 +114,7 @@ def sorted_to_masked(batch: ExpertBatch, capacity: int | None = None) -> tuple[E
         raise RuntimeError(f"sorted_to_masked: an expert has {int(counts.max())} rows > capacity {capacity}")
     dev = batch.hidden.device
     row = torch.arange(n, device=dev)
-    # expert of each row; E_local for padding rows past offsets[-1], which go to a dropped slot
-    expert_of_row = torch.searchsorted(batch.offsets[1:], row, right=True)
+    expert_of_row = expert_of_sorted_row(batch.offsets, n)  # E_local for padding rows: a dropped slot
     start = torch.cat([batch.offsets[:-1], batch.offsets[-1:]])
     trash = e_local * capacity
     slot = torch.where(expert_of_row < e_local, expert_of_row * capacity + row - start[expert_of_row], trash)

@@ -218,6 +218,6 @@ def _expert_of_row(layout: RowLayout) -> Tensor:
     if layout.masked:
         e = torch.arange(layout.num_experts, device=dev).repeat_interleave(layout.capacity)
         return torch.where(layout.valid_rows(), e, -1)
-    # sorted: the expert whose offsets span the row; rows past offsets[-1] (padding) get -1
-    e = torch.searchsorted(layout.meta[1:], torch.arange(layout.rows, device=dev), right=True)
+    from ..layouts import expert_of_sorted_row
+    e = expert_of_sorted_row(layout.meta, layout.rows)  # num_experts for padding rows past offsets[-1]
     return torch.where(e < layout.num_experts, e, -1)
