@@ -1,10 +1,12 @@
 """Does a bandwidth-bound kernel on the compute stream overlap an NCCL all_to_all_single (c10d,
 async_op=True) on 2 GPUs? Eager and in a CUDA graph. torchrun --nproc-per-node 2 benchmarks/experiments/ep_overlap.py"""
-import os, sys, statistics, json
+import os, sys, json
 import torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moeflow.distributed import init_distributed
 from moeflow.dispatch.gather_sum import gather_sum
+from _ep_timing import capture as cap, t_us
 
 dev = init_distributed()
 rank = dist.get_rank()
@@ -14,32 +16,6 @@ idx = torch.randint(0, R * 4, (R, K), device=dev)
 half = idx[: R // 2].contiguous()
 send = torch.randn(R, H, device=dev, dtype=torch.bfloat16)
 recv = torch.empty_like(send)
-
-def t_us(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize(); dist.barrier()
-    out = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        torch.cuda.synchronize(); dist.barrier()
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record(); b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(out)
-
-def cap(fn):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 def a2a():
     dist.all_to_all_single(recv, send)

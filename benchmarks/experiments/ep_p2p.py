@@ -1,11 +1,13 @@
 """alltoall-fixed's transfers as one all_to_all_single vs P2P to the peer only (the self block
 handled on the compute stream meanwhile), 2 GPUs, eager and CUDA graph.
     torchrun --nproc-per-node 2 benchmarks/experiments/ep_p2p.py"""
-import os, sys, statistics, json
+import os, sys, json
 import torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moeflow.distributed import init_distributed
 from moeflow.dispatch.gather_sum import gather_sum
+from _ep_timing import capture as cap, t_us
 
 dev = init_distributed()
 rank, W = dist.get_rank(), dist.get_world_size()
@@ -18,31 +20,6 @@ pos = torch.randint(0, W * C * 4, (W, C, K), device=dev)
 pos[:, :, 4:] = -1  # ~4 copies per row here
 back = torch.empty(W * C, H, device=dev, dtype=torch.bfloat16)
 home = torch.stack([torch.arange(C, device=dev) + r * C for r in range(W)], 1)
-
-def t_us(fn, n=20):
-    for _ in range(3):
-        fn()
-    out_ = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        torch.cuda.synchronize(); dist.barrier()
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record(); b.synchronize()
-        out_.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(out_)
-
-def cap(fn):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 def d_a2a():
     dist.all_to_all_single(recv, send)
