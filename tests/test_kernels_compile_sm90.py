@@ -118,11 +118,15 @@ def test_every_kernel_compiles_for_sm90():
     assert usage["segment_place"][1] == 0, "the in-register sort of 8192 copies spills at 16 warps"
 
 
-CASES = [  # (kernel, scheme, (block_m, block_n, block_k, group_m, warps, stages), most registers allowed)
-    ("gate_up", "fp8-block", (64, 128, 128, 8, 8, 4), 200),
-    ("gate_up", "none", (128, 128, 64, 8, 8, 3), 255),
-    ("down", "fp8-block", (128, 128, 128, 8, 8, 3), 240),
-    ("down", "none", (128, 256, 64, 8, 8, 3), 255),
+CASES = [  # (kernel, scheme, (block_m, block_n, block_k, group_m, warps, stages), most registers, most spill bytes)
+    ("gate_up", "fp8-block", (64, 128, 128, 8, 8, 4), 200, 0),
+    # the tile the H200 tables pick at large T: one 4-byte spill store before the K loop (and its
+    # reload after it) is left; when each step's weight scale was a per-column vector, 284 bytes
+    ("gate_up", "fp8-block", (128, 128, 128, 8, 8, 3), 255, 8),
+    ("gate_up", "none", (128, 128, 64, 8, 8, 3), 255, 0),
+    ("down", "fp8-block", (128, 128, 128, 8, 8, 3), 240, 0),
+    ("down", "fp8-block", (64, 128, 128, 8, 4, 4), 208, 0),
+    ("down", "none", (128, 256, 64, 8, 8, 3), 255, 0),
 ]
 
 LARGE_TILES = """
@@ -132,13 +136,13 @@ from moeflow.kernels.registers import ptxas_path, register_usage
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
 cases = json.loads(sys.argv[1])
-print(json.dumps([register_usage(k, s, torch.bfloat16, GemmConfig(*c)) for k, s, c, _ in cases]))
+print(json.dumps([register_usage(k, s, torch.bfloat16, GemmConfig(*c)) for k, s, c, _, _ in cases]))
 """
 
 
 def test_large_tiles_fit_in_registers():
     usage = compile_without_interpreter(LARGE_TILES, json.dumps(CASES))
-    for (kernel, scheme, cfg, most), (regs, spill) in zip(CASES, usage):
+    for (kernel, scheme, cfg, most, most_spill), (regs, spill) in zip(CASES, usage):
         tile = "x".join(map(str, cfg[:3]))
-        assert spill == 0, f"{kernel} {scheme} {tile}: {spill} bytes of register spills"
+        assert spill <= most_spill, f"{kernel} {scheme} {tile}: {spill} bytes of register spills"
         assert regs <= most, f"{kernel} {scheme} {tile}: {regs} registers > {most}"

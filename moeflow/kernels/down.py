@@ -70,8 +70,12 @@ def _down_kernel(
         if QUANT == 3:
             kg = (kb * BLOCK_K) // 128
             a_s = tl.load(as_ptr + rows_ld * stride_as + kg)
-            b_s = tl.load(ws_e + scale_block(cols, H) * stride_wsn + kg)
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            if 128 % BLOCK_N == 0:  # the tile's columns share one weight scale: one FMA per element
+                s = a_s * tl.load(ws_e + scale_block(pid_n * BLOCK_N, H) * stride_wsn + kg)
+                acc += tl.dot(a, b) * s[:, None]
+            else:
+                b_s = tl.load(ws_e + scale_block(cols, H) * stride_wsn + kg)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         elif DOT_IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         elif PROMOTE:  # fp32 layers: fp8 partial sums added in full fp32 every K step

@@ -10,8 +10,10 @@ reaches memory. Epilogue by scheme:
                              quantization of the down GEMM's input, fused here (BLOCK_N % 128 == 0)
 In every case the value is act(gate)*up in float32, rounded to the layer dtype first (experts/base.py).
 Registers bound the tile: two accumulators (plus two per-step partial sums for fp8-block) of
-BLOCK_M x BLOCK_N float32 each; 64 x 128 with 8 warps fits without spills (ptxas, sm_90a),
-128 x 128 does not for fp8-block (1.7 KB of spills).
+BLOCK_M x BLOCK_N float32 each; 64 x 128 with 8 warps fits without spills (ptxas, sm_90a), and
+fp8-block 128 x 128 with 8 warps spills one 4-byte value outside the K loop since a tile whose
+columns share one weight scale block multiplies each step by a per-row scale (it spilled 284 bytes
+with the per-column vector, and lost to 64 x 128 on H200; it now wins at large T).
 Weight tiles come through a TMA tensor descriptor where the weight allows it (common.weight_operand:
 16-byte aligned rows) and through pointer loads otherwise; TMA frees the address registers and
 measured 1.06-1.3x faster on H200 (benchmarks/results/gemm_variants_*.md).
@@ -84,11 +86,18 @@ def _gate_up_kernel(
         if QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
             kg = (kb * BLOCK_K) // 128
             a_s = tl.load(xs_ptr + x_rows * stride_xs + kg)
-            g_b = scale_block(cols, I)
-            g_s = tl.load(ws_e + g_b * stride_wsn + kg)
-            u_s = tl.load(ws_e + (g_b + I // 128) * stride_wsn + kg)
-            acc_g += tl.dot(a, bg) * (a_s[:, None] * g_s[None, :])
-            acc_u += tl.dot(a, bu) * (a_s[:, None] * u_s[None, :])
+            if 128 % BLOCK_N == 0:  # the tile's columns share one weight scale: one FMA per element
+                g_b = scale_block(pid_n * BLOCK_N, I)
+                s_g = a_s * tl.load(ws_e + g_b * stride_wsn + kg)
+                s_u = a_s * tl.load(ws_e + (g_b + I // 128) * stride_wsn + kg)
+                acc_g += tl.dot(a, bg) * s_g[:, None]
+                acc_u += tl.dot(a, bu) * s_u[:, None]
+            else:
+                g_b = scale_block(cols, I)
+                g_s = tl.load(ws_e + g_b * stride_wsn + kg)
+                u_s = tl.load(ws_e + (g_b + I // 128) * stride_wsn + kg)
+                acc_g += tl.dot(a, bg) * (a_s[:, None] * g_s[None, :])
+                acc_u += tl.dot(a, bu) * (a_s[:, None] * u_s[None, :])
         elif DOT_IEEE:
             acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
