@@ -275,3 +275,30 @@ def test_route_kernel_matches_the_torch_router(case, t):
                    cfg.routed_scaling_factor)
     assert ids.dtype == torch.int32 and torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
+
+
+def test_tune_merge_keeps_other_token_counts(monkeypatch, tmp_path):
+    """`moeflow tune --merge` rewrites the token counts it tunes and keeps the file's others
+    (the search itself is replaced: it needs a GPU)."""
+    import argparse
+
+    from moeflow.cli import tune as tune_cli
+    from moeflow.kernels import autotune
+    a, b, c = (kc.MoEKernelConfig(kc.GemmConfig(bm, 64, 128), kc.GemmConfig(bm, 64, 128)) for bm in (16, 32, 64))
+    name = kc.file_name("GPU X", 8, 32, 64, "none")
+    kc.write_table(tmp_path / name, {}, {1: a, 4096: b}, {"1": {"gate_up": 1.0, "down": 2.0}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(autotune, "tune", lambda shape, tokens, on_result, **kw:
+                        on_result({4096: c}, {"4096": {"gate_up": 3.0, "down": 4.0}}))
+    parser = argparse.ArgumentParser()
+    tune_cli.add_parser(parser.add_subparsers())
+    for merge, want in ((True, {1: a, 4096: c}), (False, {4096: c})):
+        args = parser.parse_args(["tune", "--experts", "8", "--inter", "32", "--hidden", "64", "--tokens", "4096",
+                                  "--device", "cpu", "--out", str(tmp_path)] + (["--merge"] if merge else []))
+        if not merge:
+            kc.write_table(tmp_path / name, {}, {1: a, 4096: b}, {"1": {"gate_up": 1.0, "down": 2.0}})
+        assert args.func(args) == 0
+        table, measured = kc.read_table(tmp_path / name)
+        assert table == want
+        assert measured["4096"] == {"gate_up": 3.0, "down": 4.0} and (("1" in measured) == merge)

@@ -2,6 +2,8 @@
 file the "triton" runner looks up (moeflow/kernels/configs.py names and reads it).
 
     moeflow tune --preset deepseek-v3 --quant fp8-block --out ./configs
+    moeflow tune --preset deepseek-v3 --quant fp8-block --tokens 4096,16384 --merge --out ./configs
+                                          # re-tune two token counts of an existing file, keep the rest
     MOEFLOW_KERNEL_CONFIG_DIR=./configs python app.py      # the runner finds the file there
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ def add_parser(sub) -> None:
                    help="experts per rank under expert parallelism (default: all num_experts)")
     p.add_argument("--out", default=None, help="directory to write into (default: $MOEFLOW_KERNEL_CONFIG_DIR, else .)")
     p.add_argument("--rep-ms", type=float, default=15.0, help="timing budget per candidate, ms (do_bench rep)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the entries an existing file in --out has for the token counts not tuned now")
     p.set_defaults(func=run)
 
 
@@ -53,7 +57,11 @@ def run(args) -> int:
     meta = dict(device=device, E=e, N=cfg.intermediate_size, K=cfg.hidden_size, scheme=cfg.quant,
                 dtype=str(cfg.dtype).removeprefix("torch."), top_k=cfg.top_k, triton_version=triton.__version__,
                 torch_version=torch.__version__)
-    tune(shape, tokens, rep_ms=args.rep_ms, log=lambda s: print(s, file=sys.stderr),
-         on_result=lambda table, measured: kc.write_table(path, meta, table, measured))  # after every T
+    kept, kept_us = kc.read_table(path) if args.merge and path.is_file() else ({}, {})
+
+    def save(table, measured):  # after every T, so a stopped search keeps what it found
+        kc.write_table(path, meta, {**kept, **table}, {**kept_us, **measured})
+
+    tune(shape, tokens, rep_ms=args.rep_ms, log=lambda s: print(s, file=sys.stderr), on_result=save)
     print(path)
     return 0

@@ -48,7 +48,7 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
     else:  # registers: gate_up holds two accumulators, so its big tiles need 8 warps (ptxas: no spills)
         gu = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
               ((64, 128, bk, 8, 4), (64, 128, bk, 8, 3), (128, 64, bk, 8, 4), (128, 128, 64, 8, 3), (64, 64, bk, 4, 4),
-               (32, 128, 128, 4, 3), (128, 128, bk, 8, 3), (128, 128, 64, 8, 4))]
+               (32, 128, 128, 4, 3), (128, 128, bk, 8, 3), (128, 128, 64, 8, 4), (128, 128, bk, 8, 4))]
         dn = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
               ((128, 128, bk, 8, 3), (64, 256, bk, 8, 3), (128, 256, 64, 8, 3), (64, 128, bk, 4, 4), (128, 64, bk, 4, 4))]
     nbytes = 1 if shape.scheme != "none" else shape.dtype.itemsize

@@ -161,6 +161,12 @@ def nearest(table: dict[int, MoEKernelConfig], tokens: int) -> MoEKernelConfig:
     return table[min(table, key=lambda key: (abs(math.log(max(key, 1)) - t), key))]
 
 
+def read_table(path: Path) -> tuple[dict[int, MoEKernelConfig], dict[str, dict]]:
+    """A tuned file -> (its configs by token count, its measured_us by token count as a string)."""
+    table = _load(str(path), path.stat().st_mtime)
+    return dict(table), dict(json.loads(path.read_text()).get("measured_us", {}))
+
+
 def write_table(path: Path, meta: dict, table: dict[int, MoEKernelConfig], measured: dict | None = None) -> None:
     body = dict(meta, configs={str(t): c.to_dict() for t, c in sorted(table.items())})
     if measured:
