@@ -71,7 +71,7 @@ for masked in (False, True):
     out[f"align masked={masked}"] = compile_for_hopper(_align_kernel, ints(_align_kernel, dict(
         meta_ptr="*i32" if masked else "*i64", table_ptr="*i64")), dict(BLOCK_M=64, E_POW2=256, MASKED=masked))
 out["sort_copies"] = compile_for_hopper(_sort_copies_kernel, ints(_sort_copies_kernel, dict(
-    ids_ptr="*i32", w_ptr="*fp32", offsets_ptr="*i64", row_ptr="*i64", source_ptr="*i64", sorted_w_ptr="*fp32")),
+    ids_ptr="*i32", w_ptr="*fp32", offsets_ptr="*i64", counts_ptr="*i32", row_ptr="*i64", source_ptr="*i64", sorted_w_ptr="*fp32")),
     dict(TOP_K=8, BLOCK_I=64, BLOCK_J=64, BLOCK_E=64))
 from moeflow.kernels.route import _route_kernel
 for grouped in (1, 8):

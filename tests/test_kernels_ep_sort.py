@@ -77,11 +77,11 @@ def test_sort_copies_rejects_bad_views():
 @pytest.mark.parametrize("t,k,e", [(1, 2, 8), (40, 8, 16), (100, 8, 128), (700, 2, 8)])
 def test_local_sort_by_segments_equals_torch(t, k, e, poison_empty):
     """The local dispatcher's mid-sized CUDA path (dispatch/expert_sort.sort_by_segments) equals its
-    torch sort exactly: offsets, row of each copy, source row and weight of each sorted row."""
+    torch sort exactly: offsets, counts, row of each copy, source row and weight of each sorted row."""
     from moeflow.dispatch.expert_sort import sort_by_expert_torch, sort_by_segments
     ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
     w = torch.rand(t, k)
-    for got, want in zip(sort_by_segments(ids, w, e), sort_by_expert_torch(ids, w, e)):
+    for got, want in zip(sort_by_segments(ids, w, e), sort_by_expert_torch(ids, w, e), strict=True):
         assert same(got, want)
 
 

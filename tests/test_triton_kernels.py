@@ -66,7 +66,7 @@ def test_sort_copies_matches_the_torch_sort(t, k, e, skew):
     w = torch.rand(t, k)
     got = sort_copies(ids, w, e)
     want = sort_by_expert_torch(ids, w, e)
-    for g, r, name in zip(got, want, ("offsets", "row_of_copy", "source", "weights")):
+    for g, r, name in zip(got, want, ("offsets", "counts", "row_of_copy", "source", "weights"), strict=True):
         assert g.shape == r.shape and g.dtype == r.dtype and torch.equal(g, r), name
 
 
@@ -91,7 +91,7 @@ def test_quantize_rows(scheme, masked):
 
 
 @pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel", "fp8-block"])
-@pytest.mark.parametrize("rows,k", [(1, 256), (7, 200)])  # one token; partial last 1x128 group
+@pytest.mark.parametrize("rows,k", [(0, 256), (1, 256), (7, 200)])  # no token; one; partial last 1x128 group
 def test_quantize_activation_matches_the_scheme(scheme, rows, k):
     """The dispatchers' FP8 payload path: identical bytes and scales to quant/*.py's torch code."""
     x = (torch.randn(rows, k) * torch.rand(rows, 1) * 8).half()

@@ -2,6 +2,7 @@
 
     topk_ids [T, K] int (ids in 0 .. E-1), topk_weights [T, K] float
     -> offsets [E + 1] int64      copies of expert e are sorted rows offsets[e] .. offsets[e+1]-1
+       counts [E] int32           copies of expert e (offsets' differences, made by the sort itself)
        row_of_copy [T, K] int64   the sorted row of copy k of token t
        source [T*K] int64         the token of each sorted row
        sorted_weights [T*K] f32   the routing weight of each sorted row
@@ -45,9 +46,9 @@ def sort_by_segments(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
     """sort_by_expert through kernels/ep_sort.sort_copies_by_expert (topk_ids int32, topk_weights
     float32; needs triton)."""
     from ..kernels.ep_sort import sort_copies_by_expert
-    source, sorted_w, _, offsets, copy_pos = sort_copies_by_expert(topk_ids, topk_weights, num_experts,
-                                                                   topk_ids.numel())
-    return offsets, copy_pos.view(topk_ids.shape), source, sorted_w
+    source, sorted_w, counts, offsets, copy_pos = sort_copies_by_expert(topk_ids, topk_weights, num_experts,
+                                                                        topk_ids.numel())
+    return offsets, counts, copy_pos.view(topk_ids.shape), source, sorted_w
 
 
 def sort_by_expert_torch(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
@@ -60,4 +61,4 @@ def sort_by_expert_torch(topk_ids: Tensor, topk_weights: Tensor, num_experts: in
     offsets = torch.searchsorted(sorted_ids, bounds)
     row = torch.empty_like(order)
     row[order] = torch.arange(order.numel(), device=order.device)
-    return offsets, row.view(t, k), order // k, topk_weights.reshape(-1).float()[order]
+    return offsets, offsets.diff().to(torch.int32), row.view(t, k), order // k, topk_weights.reshape(-1).float()[order]

@@ -33,13 +33,13 @@ class LocalDispatcher(Dispatcher):
         self._bounds: dict = {}
 
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
-        offsets, row_of_copy, source, sorted_w = sort_by_expert(topk_ids, topk_weights, self.config.num_experts,
-                                                                self._expert_bounds(topk_ids))
+        offsets, counts, row_of_copy, source, sorted_w = sort_by_expert(
+            topk_ids, topk_weights, self.config.num_experts, self._expert_bounds(topk_ids))
         batch = ExpertBatch(
             layout=SORTED,
             hidden=hidden if self.indexed_rows else hidden[source],
             weights=sorted_w,
-            counts=offsets.diff().to(torch.int32),
+            counts=counts,
             offsets=offsets,
             source_rows=source if self.indexed_rows else None,
         )

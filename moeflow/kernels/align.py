@@ -63,13 +63,14 @@ MAX_FUSED_COPIES = 2048  # sort_copies' comparison sort is O(copies^2) work: mea
 
 
 @triton.jit
-def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, row_ptr, source_ptr, sorted_w_ptr, num_copies, num_experts,
+def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source_ptr, sorted_w_ptr, num_copies, num_experts,
                         TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Programs 0 .. cdiv(copies, BLOCK_I)-1 place copies; the rest write offsets for BLOCK_E experts each.
+    """Programs 0 .. cdiv(copies, BLOCK_I)-1 place copies; the rest write offsets (and counts) for
+    BLOCK_E experts each.
 
     The sorted row of copy i is the number of copies before it in (expert, copy index) order, the
     stable sort's order: #{j : ids[j] < ids[i]} + #{j < i : ids[j] == ids[i]}.
-    offsets[e] = #{j : ids[j] < e} for e in 0 .. E.
+    offsets[e] = #{j : ids[j] < e} for e in 0 .. E; counts[e] = #{j : ids[j] == e} for e in 0 .. E-1.
     """
     pid = tl.program_id(0)
     copy_blocks = tl.cdiv(num_copies, BLOCK_I)
@@ -90,18 +91,22 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, row_ptr, source_ptr, sorted
     else:
         e = (pid - copy_blocks) * BLOCK_E + tl.arange(0, BLOCK_E)
         below = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        equal = tl.zeros((BLOCK_E,), dtype=tl.int32)
         for j0 in range(0, num_copies, BLOCK_J):
             j = j0 + tl.arange(0, BLOCK_J)
             ids_j = tl.load(ids_ptr + j, mask=j < num_copies, other=2147483647)
             below += tl.sum((ids_j[None, :] < e[:, None]).to(tl.int32), axis=1)
+            equal += tl.sum((ids_j[None, :] == e[:, None]).to(tl.int32), axis=1)
         tl.store(offsets_ptr + e, below.to(tl.int64), mask=e <= num_experts)
+        tl.store(counts_ptr + e, equal, mask=e < num_experts)
 
 
 def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
     """Token copies grouped by expert in one launch (decode-sized batches: copies <= MAX_FUSED_COPIES).
 
     topk_ids [T, K] int (ids in 0 .. E-1), topk_weights [T, K] float32
-    -> (offsets [E + 1] int64, row_of_copy [T, K] int64, source [T*K] int64, sorted_weights [T*K] float32):
+    -> (offsets [E + 1] int64, counts [E] int32, row_of_copy [T, K] int64, source [T*K] int64,
+        sorted_weights [T*K] float32):
     sorted row r holds copy order[r] (stable sort by expert), source[r] = order[r] // K its token,
     row_of_copy the inverse; the same values as its torch reference,
     moeflow.dispatch.expert_sort.sort_by_expert_torch (torch-only: the dispatcher's path without
@@ -111,12 +116,13 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
     n = t * k
     dev = topk_ids.device
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=dev)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     row = torch.empty(n, dtype=torch.int64, device=dev)
     source = torch.empty(n, dtype=torch.int64, device=dev)
     sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
     block_i, block_j, block_e = 64, 64, 64
     grid = (triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_e),)
     _sort_copies_kernel[grid](topk_ids.reshape(-1).to(torch.int32).contiguous(),
-                              topk_weights.reshape(-1).float().contiguous(), offsets, row, source, sorted_w,
+                              topk_weights.reshape(-1).float().contiguous(), offsets, counts, row, source, sorted_w,
                               n, num_experts, TOP_K=k, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e)
-    return offsets, row.view(t, k), source, sorted_w
+    return offsets, counts, row.view(t, k), source, sorted_w

@@ -111,10 +111,13 @@ def quantize_activation(x: Tensor, scheme: str) -> tuple[Tensor, Tensor]:
     """x [R, K] layer dtype (every row valid) -> (q [R, K] fp8, scale [R, G] float32): the same
     result as ``create_scheme(scheme).quantize_activation(x)``, in one or two kernels instead of
     torch's chain of elementwise and reduction kernels (dispatchers' FP8 payloads use it on CUDA)."""
+    if scheme == "fp8-block":  # no row layout needed (one launch)
+        return quantize_groups(unit_stride_rows(x))
     rows = x.shape[0]
-    # [0, rows] made by kernels on the device: a host tensor, or an item assignment, would copy from
+    # [0, rows] made by a kernel on the device: a host tensor, or an item assignment, would copy from
     # the host, which CUDA-graph capture (the low-latency decode path) forbids
-    offsets = torch.arange(2, dtype=torch.int64, device=x.device) * rows
+    offsets = (torch.arange(0, rows + 1, rows, dtype=torch.int64, device=x.device) if rows
+               else torch.zeros(2, dtype=torch.int64, device=x.device))
     return quantize_rows(x, scheme, RowLayout(False, offsets, 1, 0, rows))
 
 

@@ -156,7 +156,7 @@ def test_sort_copies_on_gpu(t, k, e):
     from moeflow.kernels.align import sort_copies
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
     w = torch.rand(t, k, device="cuda")
-    for got, want in zip(sort_copies(ids, w, e), sort_by_expert_torch(ids, w, e)):
+    for got, want in zip(sort_copies(ids, w, e), sort_by_expert_torch(ids, w, e), strict=True):
         assert torch.equal(got, want)
 
 
@@ -167,7 +167,7 @@ def test_sort_by_expert_on_gpu(t, k, e):
     from moeflow.dispatch.expert_sort import sort_by_expert, sort_by_expert_torch
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
     w = torch.rand(t, k, device="cuda")
-    for got, want in zip(sort_by_expert(ids, w, e), sort_by_expert_torch(ids, w, e)):
+    for got, want in zip(sort_by_expert(ids, w, e), sort_by_expert_torch(ids, w, e), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
