@@ -121,33 +121,6 @@ def test_fp8_block_gate_up_narrow_tiles(poison_empty):
     assert torch.equal(s, scale) and torch.equal(q.view(torch.uint8), fused.view(torch.uint8))
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["sorted-by-index", "masked"])
-@pytest.mark.parametrize("block_n", [32, 128])
-def test_fp8_block_gate_up_quantizes_x_itself(masked, block_n, poison_empty):
-    """fp8-block gate_up given layer-dtype x and no scales (the decode path) quantizes each 1x128
-    group in its K loop: the same bits as quantize_groups followed by gate_up, with rows given by
-    index (sorted) and in the masked layout; H = 200 leaves a partial last group. block_k must be 128."""
-    from moeflow.kernels.quant import quantize_groups
-    sch = create_scheme("fp8-block")
-    e, h, i = 3, 200, 256
-    layout = masked_layout([2, 0, 5], capacity=6) if masked else sorted_layout([4, 0, 19])
-    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).half())
-    src = None if masked else torch.randint(0, 9, (layout.rows,))
-    x = (torch.randn(layout.rows if masked else 9, h) * torch.rand(layout.rows if masked else 9, 1) * 4).half()
-    cfg = kc.GemmConfig(16, block_n, 128)
-    xq, xs = quantize_groups(x)
-    want = gate_up(xq, xs, q13, s13, layout, "fp8-block", "silu", torch.float16, cfg, poison=True, source_rows=src)
-    got = gate_up(x, None, q13, s13, layout, "fp8-block", "silu", torch.float16, cfg, poison=True, source_rows=src)
-    valid = layout.valid_rows()
-    for g, w in zip(got, want, strict=True):
-        if w is None:
-            assert g is None
-            continue
-        assert g.dtype == w.dtype and torch.equal(g[valid].view(torch.uint8), w[valid].view(torch.uint8))
-    with pytest.raises(ValueError, match="block_k 128"):
-        gate_up(x, None, q13, s13, layout, "fp8-block", "silu", torch.float16, kc.GemmConfig(16, 128, 64), source_rows=src)
-
-
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-channel", torch.float32),
                                           ("fp8-block", torch.float16)])

@@ -104,28 +104,6 @@ def test_fp8_block_narrow_gate_up_tiles(make_layer, layout):
     assert_close(out, layer_oracle(layer, x, ids, w), rel_tol("fp8-block", torch.float16), "narrow gate_up tiles")
 
 
-@pytest.mark.parametrize("layout", ["sorted", "indexed", "masked"])
-@pytest.mark.parametrize("tokens", [1, 9, 17])
-def test_fp8_block_decode_quantizes_x_in_gate_up(make_layer, monkeypatch, layout, tokens):
-    """fp8-block with at most FUSED_X_QUANT_TOKENS tokens and block_k 128: no separate quantization
-    of x (gate_up does it in its K loop); above that, the separate kernel. The layer equals the oracle."""
-    from moeflow.experts import triton as triton_runner
-    from moeflow.kernels import quant
-    layer, runner = build(make_layer, ALIGNED, "fp8-block", torch.float16)
-    x = torch.randn(tokens, 128).half()
-    ids, w = route(tokens, 4, 2)
-    calls = []
-    for name in ("quantize_activation", "quantize_rows"):
-        real = getattr(quant, name)
-        monkeypatch.setattr(quant, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    masked = layout == "masked"
-    kcfg = MoEKernelConfig(GemmConfig(16, 32, 128), GemmConfig(16, 32, 64))
-    out = layer_through_triton(layer, runner, x, ids, w, masked=masked, capacity=tokens if masked else None,
-                               indexed=layout == "indexed", kcfg=kcfg)
-    assert (calls == []) == (tokens <= triton_runner.FUSED_X_QUANT_TOKENS)
-    assert_close(out, layer_oracle(layer, x, ids, w), rel_tol("fp8-block", torch.float16), "x quantized in gate_up")
-
-
 @pytest.mark.parametrize("case", ["T=1", "one-expert", "idle-experts", "K=E"])
 @pytest.mark.parametrize("scheme", ["none", "fp8-block"])
 def test_edge_routing(make_layer, scheme, case):

@@ -1,8 +1,7 @@
 """runner="triton": fused Triton MoE kernels on CUDA, sorted and masked layouts natively.
 
     batch (sorted [N, H] + offsets, or masked [E, C, H] + counts), layer dtype or FP8 payload
-      -> [quantize x]      kernels/quant.py   (FP8 schemes, unless the dispatcher sent FP8; fp8-block
-                                              decode batches: inside gate_up's K loop instead)
+      -> [quantize x]      kernels/quant.py   (FP8 schemes, unless the dispatcher sent FP8)
       -> gate_up + act     kernels/gate_up.py (block alignment in-kernel; FP8-block output quant fused)
       -> [quantize inter]  kernels/quant.py   (fp8-tensor / fp8-channel, from the amax gate_up wrote)
       -> down + route w    kernels/down.py    -> [N, H] / [E, C, H] layer dtype
@@ -21,10 +20,6 @@ from ..layouts import MASKED, SORTED, ExpertBatch
 from .base import ExpertRunner, ExpertWeights, empty_output
 
 _FP8 = frozenset({"fp8-tensor", "fp8-channel", "fp8-block"})
-# fp8-block batches of at most this many tokens per rank have gate_up quantize x's 1x128 groups in
-# its K loop (every N tile of a row repeats the work, which is nothing at decode sizes) instead of a
-# launch of quantize_groups before it: at T=1 the layer is a chain of ~2 us launches in a graph.
-FUSED_X_QUANT_TOKENS = 16
 
 
 class TritonRunner(ExpertRunner):
@@ -73,8 +68,6 @@ class TritonRunner(ExpertRunner):
         x = batch.hidden.reshape(-1 if src is not None else layout.rows, h)
         if batch.hidden_scale is not None:
             xq, xs = self.input_activations(x, batch.hidden_scale.reshape(x.shape[0], -1))
-        elif scheme.name == "fp8-block" and kcfg.gate_up.block_k == 128 and self._tokens(batch) <= FUSED_X_QUANT_TOKENS:
-            xq, xs = x, None  # gate_up quantizes it (kernels/gate_up.py, QUANT_X)
         elif scheme.quantized:
             xq, xs = quantize_activation(x, scheme.name) if src is not None else quantize_rows(x, scheme.name, layout)
         else:
@@ -93,20 +86,16 @@ class TritonRunner(ExpertRunner):
                    layout, scheme.name, config.dtype, kcfg.down, poison)
         return out.view(*batch.hidden.shape[:-1], h) if batch.layout == MASKED else out
 
-    def _tokens(self, batch: ExpertBatch) -> int:
-        """Tokens per rank, from the batch's shape alone (no sync): N / top_k for sorted batches, the
-        capacity C for masked ones (tokens a rank may send)."""
-        return batch.hidden.shape[1] if batch.layout == MASKED else max(batch.num_rows // self.config.top_k, 1)
-
     def kernel_config(self, batch: ExpertBatch, weights: ExpertWeights):
         """Tuned (or default) configs for this batch, fitted to the scheme and dtype.
 
-        Lookup key: tokens per rank (_tokens).
+        Lookup key: tokens per rank, estimated from the batch's shape alone (no sync): N / top_k
+        for sorted batches, the capacity C for masked ones (tokens a rank may send).
         """
         from ..kernels import configs as kc
         cfg = self.config
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
-        tokens = self._tokens(batch)
+        tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.num_rows // cfg.top_k, 1)
         key = (batch.layout, tokens, e)
         if key in self._fitted:
             return self._fitted[key]

@@ -40,12 +40,10 @@ def _gate_up_kernel(
         QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr, MASKED: tl.constexpr,
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
-        ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, QUANT_X: tl.constexpr):
+        ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr):
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
-    INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r].
-    QUANT_X (fp8-block, BLOCK_K == 128): x holds layer-dtype rows, quantized here one 1x128 group
-    per K step exactly as kernels/quant.quantize_groups does (no separate launch; decode)."""
+    INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r]."""
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
     expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
@@ -87,12 +85,7 @@ def _gate_up_kernel(
             bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
             kg = (kb * BLOCK_K) // 128
-            if QUANT_X:  # this step's group of each row, quantized as quantize_groups does
-                af = a.to(tl.float32)
-                a_s = fp8_scale(tl.max(tl.abs(af), axis=1))
-                a = to_fp8(af, a_s[:, None], ROUND_IN_FP32)
-            else:
-                a_s = tl.load(xs_ptr + x_rows * stride_xs + kg)
+            a_s = tl.load(xs_ptr + x_rows * stride_xs + kg)
             if 128 % BLOCK_N == 0:  # the tile's columns share one weight scale: one FMA per element
                 g_b = scale_block(pid_n * BLOCK_N, I)
                 s_g = a_s * tl.load(ws_e + g_b * stride_wsn + kg)
@@ -150,8 +143,7 @@ def _gate_up_kernel(
 def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
             scheme: str, activation: str, dtype: torch.dtype, cfg, poison: bool = False,
             source_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """x [R, H] (layer dtype, or fp8 with x_scale [R, G]; fp8-block with x_scale None: layer-dtype
-    x quantized inside the kernel, cfg.block_k must be 128), w13 [E, 2I, H] (+ scheme scale)
+    """x [R, H] (layer dtype, or fp8 with x_scale [R, G]), w13 [E, 2I, H] (+ scheme scale)
     -> (inter [R, I], extra): extra is None (none), amax [R] / [1] float32 (fp8-channel /
     fp8-tensor; inter in layer dtype) or scale [R, I/128] (fp8-block with BLOCK_N a multiple of
     128: inter float8_e4m3fn, its 1x128 groups quantized in the epilogue). fp8-block with a
@@ -164,9 +156,6 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     i = two_i // 2
     dev = x.device
     q = QUANT_CODES[scheme]
-    quant_x = q == 3 and x_scale is None
-    if quant_x and cfg.block_k != 128:
-        raise ValueError(f"fp8-block gate_up quantizes x in the kernel only with block_k 128, got {cfg.block_k}")
     fill = torch.full if poison else (lambda shape, _v, **kw: torch.empty(shape, **kw))
     nan = float("nan")
     fused_groups = q == 3 and cfg.block_n % 128 == 0
@@ -192,7 +181,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
-        INDEXED=source_rows is not None, QUANT_X=quant_x,
+        INDEXED=source_rows is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return inter, extra
 

@@ -41,11 +41,10 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
     aligned = {"I", "H", "stride_x", "stride_a", "stride_out", "stride_wn"}  # specialized as multiples of 16
     if kernel == "gate_up":
         from .gate_up import _gate_up_kernel as fn
-        quant_x = bool((extra or {}).get("QUANT_X"))  # fp8-block: layer-dtype x quantized in the kernel
-        ptrs = dict(x_ptr=_ELEM[dtype] if quant_x else act, xs_ptr="fp32", src_ptr="i64", w=act, ws_ptr="fp32",
-                    out_ptr=out, outs_ptr="fp32", amax_ptr="fp32", meta_ptr="i64")
+        ptrs = dict(x_ptr=act, xs_ptr="fp32", src_ptr="i64", w=act, ws_ptr="fp32", out_ptr=out, outs_ptr="fp32",
+                    amax_ptr="fp32", meta_ptr="i64")
         const = dict(QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype], MASKED=False, E_POW2=256, EVEN_K=True, INDEXED=True,
-                     DOT_IEEE=False, PROMOTE=False, ROUND_IN_FP32=False, W_TMA=tma, QUANT_X=False)
+                     DOT_IEEE=False, PROMOTE=False, ROUND_IN_FP32=False, W_TMA=tma)
     else:
         from .down import _down_kernel as fn
         ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64")
