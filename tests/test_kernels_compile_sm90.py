@@ -78,7 +78,7 @@ for grouped in (1, 8):
     out[f"route groups={grouped}"] = compile_for_hopper(_route_kernel, ints(_route_kernel, dict(
         logits_ptr="*bf16", bias_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32", scale="fp32")),
         dict(K=8, K_POW2=8, E_POW2=256, SIGMOID=grouped > 1, RENORM=True, HAS_BIAS=grouped > 1, GROUPS=grouped,
-             TOPK_GROUPS=min(grouped, 4)))
+             TOPK_GROUPS=min(grouped, 4), BLOCK_T=8))
 from moeflow.kernels.ep_rows import _copy_slots_kernel, _pack_rows_kernel, _scatter_rows_kernel
 for groups in (56, 0):  # fp8-block payload (scales), layer-dtype payload
     out[f"pack_rows groups={groups}"] = compile_for_hopper(_pack_rows_kernel, ints(_pack_rows_kernel, dict(

@@ -1,5 +1,6 @@
 """Routing in one launch: scores, optional grouped selection with a correction bias, top-k,
-renormalization and scaling, one program per token (E <= 1024 experts held in registers).
+renormalization and scaling, a block of tokens per program (2048 // E tokens, at most 32; E <= 1024
+experts held in registers), every reduction along one token's row.
 
     logits [T, E] float (any), bias [E] float32 or None
     -> ids [T, K] int32 (descending choice order), weights [T, K] float32
@@ -22,59 +23,65 @@ NEG = tl.constexpr(float("-inf"))
 
 @triton.jit
 def _argmax_first(x, idx, N: tl.constexpr):
-    """(max value, lowest index holding it) of a 1-D block."""
-    m = tl.max(x, axis=0)
-    i = tl.min(tl.where(x == m, idx, N), axis=0)
+    """(max value, lowest index holding it) along the last axis of a [BLOCK_T, N] block."""
+    m = tl.max(x, axis=1)
+    i = tl.min(tl.where(x == m[:, None], idx[None, :], N), axis=1)
     return m, i
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, scale,
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
                   K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+                  HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """BLOCK_T tokens per program, one row of E_POW2 experts each: every reduction runs along a row."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t_ld = tl.minimum(t, T - 1)  # rows past T repeat the last token; never stored
     e = tl.arange(0, E_POW2)
     ok = e < E
-    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=NEG).to(tl.float32)
+    x = tl.load(logits_ptr + t_ld[:, None] * stride_l + e[None, :], mask=ok[None, :], other=NEG).to(tl.float32)
     if SIGMOID:
-        score = tl.where(ok, tl.sigmoid(x), NEG)
+        score = tl.where(ok[None, :], tl.sigmoid(x), NEG)
     else:
-        mx = tl.max(x, axis=0)
-        ex = tl.where(ok, tl.exp(x - mx), 0.0)
-        score = tl.where(ok, ex / tl.sum(ex, axis=0), NEG)
+        mx = tl.max(x, axis=1)
+        ex = tl.where(ok[None, :], tl.exp(x - mx[:, None]), 0.0)
+        score = tl.where(ok[None, :], ex / tl.sum(ex, axis=1)[:, None], NEG)
     choice = score
     if HAS_BIAS:
-        choice = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), NEG)
+        choice = tl.where(ok[None, :], score + tl.load(bias_ptr + e, mask=ok, other=0.0)[None, :], NEG)
     if GROUPS > 1:  # keep the TOPK_GROUPS best groups (E % GROUPS == 0, E_POW2 == E here)
         PER: tl.constexpr = E_POW2 // GROUPS
-        c2 = tl.reshape(choice, (GROUPS, PER))
+        c3 = tl.reshape(choice, (BLOCK_T, GROUPS, PER))
         j = tl.arange(0, PER)
-        best = tl.max(c2, axis=1)
+        best = tl.max(c3, axis=2)
         if HAS_BIAS:  # sum of the two best (the first max removed once)
-            first = tl.min(tl.where(c2 == best[:, None], j[None, :], PER), axis=1)
-            second = tl.max(tl.where(j[None, :] == first[:, None], NEG, c2), axis=1)
+            first = tl.min(tl.where(c3 == best[:, :, None], j[None, None, :], PER), axis=2)
+            second = tl.max(tl.where(j[None, None, :] == first[:, :, None], NEG, c3), axis=2)
             gscore = best + second
         else:
             gscore = best
         g = tl.arange(0, GROUPS)
-        keep = g < 0  # all False
+        keep = tl.zeros((BLOCK_T, GROUPS), dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUPS):
             _, gi = _argmax_first(tl.where(keep, NEG, gscore), g, GROUPS)
-            keep = keep | (g == gi)
-        choice = tl.reshape(tl.where(keep[:, None], c2, NEG), (E_POW2,))
+            keep = keep | (g[None, :] == gi[:, None])
+        choice = tl.reshape(tl.where(keep[:, :, None], c3, NEG), (BLOCK_T, E_POW2))
     kk = tl.arange(0, K_POW2)
-    ids = tl.zeros((K_POW2,), dtype=tl.int32)
-    wts = tl.zeros((K_POW2,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_T, K_POW2), dtype=tl.int32)
+    wts = tl.zeros((BLOCK_T, K_POW2), dtype=tl.float32)
     taken = choice
     for k in tl.static_range(K):
         _, i = _argmax_first(taken, e, E_POW2)
-        ids = tl.where(kk == k, i, ids)
-        wts = tl.where(kk == k, tl.sum(tl.where(e == i, score, 0.0), axis=0), wts)
-        taken = tl.where(e == i, NEG, taken)
+        hit = e[None, :] == i[:, None]
+        ids = tl.where(kk[None, :] == k, i[:, None], ids)
+        wts = tl.where(kk[None, :] == k, tl.sum(tl.where(hit, score, 0.0), axis=1)[:, None], wts)
+        taken = tl.where(hit, NEG, taken)
     if RENORM:
-        wts = wts / (tl.sum(wts, axis=0) + 1e-20)
-    tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
-    tl.store(w_ptr + t * K + kk, wts * scale, mask=kk < K)
+        wts = wts / (tl.sum(wts, axis=1)[:, None] + 1e-20)
+    out = t[:, None] * K + kk[None, :]
+    store_ok = t_ok[:, None] & (kk < K)[None, :]
+    tl.store(ids_ptr + out, ids, mask=store_ok)
+    tl.store(w_ptr + out, wts * scale, mask=store_ok)
 
 
 def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renormalize: bool,
@@ -87,8 +94,10 @@ def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renorma
         return ids, w
     e_pow2 = triton.next_power_of_2(e)  # grouped: E a power of two (routing/triton_topk.py's caps)
     b = bias.float().contiguous() if bias is not None else w
-    _route_kernel[(t,)](logits, b, ids, w, e, logits.stride(0), float(scaling),
-                        K=top_k, K_POW2=triton.next_power_of_2(top_k), E_POW2=e_pow2, SIGMOID=scoring == "sigmoid", RENORM=renormalize,
-                        HAS_BIAS=bias is not None, GROUPS=num_groups, TOPK_GROUPS=topk_groups,
-                        num_warps=4 if e_pow2 <= 256 else 8)
+    block_t = max(1, min(32, 2048 // e_pow2))  # rows of at most 2048 scores per program
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        logits, b, ids, w, t, e, logits.stride(0), float(scaling),
+        K=top_k, K_POW2=triton.next_power_of_2(top_k), E_POW2=e_pow2, SIGMOID=scoring == "sigmoid", RENORM=renormalize,
+        HAS_BIAS=bias is not None, GROUPS=num_groups, TOPK_GROUPS=topk_groups, BLOCK_T=block_t,
+        num_warps=4 if e_pow2 <= 256 else 8)
     return ids, w
