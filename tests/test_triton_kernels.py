@@ -121,6 +121,34 @@ def test_fp8_block_gate_up_narrow_tiles(poison_empty):
     assert torch.equal(s, scale) and torch.equal(q.view(torch.uint8), fused.view(torch.uint8))
 
 
+@pytest.mark.parametrize("programs_per_sm", [1, 3])
+@pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-tensor", torch.float16),
+                                          ("fp8-channel", torch.float16), ("fp8-block", torch.float16),
+                                          ("fp8-block", torch.float32)])
+def test_down_persistent_equals_per_tile(scheme, dtype, programs_per_sm, poison_empty, monkeypatch):
+    """The persistent down (programs loop over the tiles of the real row blocks) writes the same
+    bits as one program per tile: empty experts, a block split over 3 experts' rows, tiles that
+    outnumber the programs (1 SM here: 1 or 3 programs), partial N tiles (H = 200)."""
+    from moeflow.kernels import down as down_mod
+    grids = []
+    kernel = down_mod._down_persistent_kernel
+    monkeypatch.setattr(down_mod, "_down_persistent_kernel",
+                        type("Spy", (), {"__getitem__": lambda _, grid: grids.append(grid) or kernel[grid]})())
+    sch = create_scheme(scheme)
+    layout = sorted_layout([5, 0, 33, 16, 0, 1])
+    e, h, i = 6, 200, 128
+    q2, s2 = sch.quantize_weight((torch.randn(e, h, i) / i ** 0.5).to(dtype))
+    a, a_s = sch.quantize_activation(torch.randn(layout.rows, i).to(dtype))
+    rw = torch.rand(layout.rows)
+    bk = 128 if scheme == "fp8-block" else 64
+    per_tile = down(a, a_s, q2, s2, rw, layout, scheme, dtype, kc.GemmConfig(16, 64, bk, 2), poison=True)
+    persistent = down(a, a_s, q2, s2, rw, layout, scheme, dtype,
+                      kc.GemmConfig(16, 64, bk, 2, programs_per_sm=programs_per_sm), poison=True)
+    assert grids == [(programs_per_sm,)]  # the per-tile call above did not take it; this one did
+    assert not per_tile.isnan().any()
+    assert torch.equal(persistent, per_tile)
+
+
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-channel", torch.float32),
                                           ("fp8-block", torch.float16)])

@@ -32,7 +32,8 @@ class Shape:
 
 def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmConfig]]:
     """(gate_up candidates, down candidates) for T = tokens, fitted and deduplicated.
-    Rows per expert m = T * top_k / E picks the family: weight streaming (m <= 16), middle, large tiles."""
+    Rows per expert m = T * top_k / E picks the family: weight streaming (m <= 16), middle, large tiles.
+    Down candidates with programs_per_sm > 0 time the persistent down kernel."""
     m = tokens * shape.top_k / shape.num_experts
     bk = 128 if shape.scheme != "none" else 64
     if m <= 16:
@@ -43,14 +44,16 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
         gu = [GemmConfig(bm, bn, k, 4, w, s) for bm, bn, k, w, s in
               ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 8, 3), (16, 64, 128, 4, 4),
                (16, 128, 128, 4, 4))]
-        dn = [GemmConfig(bm, bn, k, 4, w, s) for bm, bn, k, w, s in
-              ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 4, 4), (16, 128, 128, 4, 4))]
+        dn = [GemmConfig(bm, bn, k, 4, w, s, p) for bm, bn, k, w, s, p in
+              ((32, 64, 128, 4, 4, 0), (32, 128, 128, 4, 3, 0), (64, 64, bk, 4, 4, 0), (64, 128, bk, 4, 4, 0),
+               (16, 128, 128, 4, 4, 0), (64, 128, bk, 4, 4, 2))]
     else:  # registers: gate_up holds two accumulators, so its big tiles need 8 warps (ptxas: no spills)
         gu = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
               ((64, 128, bk, 8, 4), (64, 128, bk, 8, 3), (128, 64, bk, 8, 4), (128, 128, 64, 8, 3), (64, 64, bk, 4, 4),
                (32, 128, 128, 4, 3), (128, 128, bk, 8, 3), (128, 128, 64, 8, 4), (128, 128, bk, 8, 4))]
-        dn = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
-              ((128, 128, bk, 8, 3), (64, 256, bk, 8, 3), (128, 256, 64, 8, 3), (64, 128, bk, 4, 4), (128, 64, bk, 4, 4))]
+        dn = [GemmConfig(bm, bn, k, 8, w, s, p) for bm, bn, k, w, s, p in
+              ((128, 128, bk, 8, 3, 0), (64, 256, bk, 8, 3, 0), (128, 256, 64, 8, 3, 0), (64, 128, bk, 4, 4, 0),
+               (128, 64, bk, 4, 4, 0), (64, 128, bk, 4, 4, 2), (128, 128, bk, 8, 4 if bk == 64 else 3, 1))]
     nbytes = 1 if shape.scheme != "none" else shape.dtype.itemsize
 
     def fitted(cfgs, pair, n):

@@ -8,6 +8,7 @@ Layouts (moeflow/layouts.py), as the kernels see them, with R the number of flat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -55,27 +56,47 @@ def block_rows(pid_m, meta_ptr, num_experts, capacity,
         row_end = slab + count
         slab_end = slab + capacity
     else:
-        idx = tl.arange(0, E_POW2)
-        lo = tl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
-        hi = tl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0)
-        nb = (hi - lo + BLOCK_M - 1) // BLOCK_M
-        cum = tl.cumsum(nb, 0)
-        expert = tl.sum((cum <= pid_m).to(tl.int32), 0)
-        mine = idx == expert  # all False past the last block: every sum below is then 0
-        first_block = tl.sum(tl.where(mine, cum - nb, 0), 0)
-        row_start = tl.sum(tl.where(mine, lo, 0), 0) + (pid_m - first_block) * BLOCK_M
-        row_end = tl.sum(tl.where(mine, hi, 0), 0)
-        row_start = tl.where(expert < num_experts, row_start, row_end)
+        idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2)
+        expert, row_start, row_end = sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M)
         slab_end = row_end
     return expert, row_start, row_end, slab_end
+
+
+@triton.jit
+def expert_blocks(meta_ptr, num_experts, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """Sorted layout: the block alignment of every expert from the offsets [E + 1] ->
+    (idx [E_POW2], lo, hi: first and end row, nb: row blocks, cum: inclusive prefix sum of nb);
+    experts past num_experts own nothing. cum[E_POW2 - 1] is the number of real row blocks."""
+    idx = tl.arange(0, E_POW2)
+    lo = tl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
+    hi = tl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0)
+    nb = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    return idx, lo, hi, nb, tl.cumsum(nb, 0)
+
+
+@triton.jit
+def sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M: tl.constexpr):
+    """Row block pid_m of the alignment expert_blocks gave -> (expert, row_start, row_end); past
+    the last real block: expert num_experts and an empty range."""
+    expert = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    mine = idx == expert  # all False past the last block: every sum below is then 0
+    first_block = tl.sum(tl.where(mine, cum - nb, 0), 0)
+    row_start = tl.sum(tl.where(mine, lo, 0), 0) + (pid_m - first_block) * BLOCK_M
+    row_end = tl.sum(tl.where(mine, hi, 0), 0)
+    row_start = tl.where(expert < num_experts, row_start, row_end)
+    return expert, row_start, row_end
 
 
 @triton.jit
 def tile_ids(num_blocks_m, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """1-D program id -> (pid_m, pid_n), GROUP_M row blocks side by side so their weight tiles
     are read while still in L2."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(n_size, BLOCK_N)
+    return grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(n_size, BLOCK_N), GROUP_M)
+
+
+@triton.jit
+def grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile number pid -> (pid_m, pid_n) in the grouped order of tile_ids."""
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
     group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
@@ -208,6 +229,19 @@ def unit_stride_rows(t: Tensor) -> Tensor:
     """t [R, C] as the kernels take it: itself when its columns are contiguous (any row stride, e.g.
     rows viewed inside an expert-parallel receive buffer), else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent grids size by it); 1 elsewhere (the
+    CPU interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def interpreting() -> bool:

@@ -39,6 +39,9 @@ class GemmConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # down GEMM, sorted batches with TMA operands: > 0 runs a persistent grid of this many programs
+    # per SM looping over the tiles (kernels/down.py); 0: one program per tile. gate_up ignores it.
+    programs_per_sm: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

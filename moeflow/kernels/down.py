@@ -5,6 +5,10 @@
     -> out [R, H] layer dtype. The routing weight multiplies the float32 result before the cast.
 Masked layout: the output's empty slots are written as zeros (the layout contract), by the
 programs of empty blocks without any GEMM work.
+Two launch forms: one program per output tile (_down_kernel, every layout), or, where the config
+asks for it (GemmConfig.programs_per_sm) on a sorted batch with both operands through TMA, a
+persistent grid of programs looping over the tiles (_down_persistent_kernel). Same tile code,
+same results bit for bit.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import QUANT_CODES, RowLayout, block_rows, rows_operand, scale_block, tile_ids, weight_operand
+from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, grouped_tile, num_sms, rows_operand, scale_block,
+                     sorted_block, tile_ids, weight_operand)
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -26,20 +31,60 @@ def _down_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
         A_TMA: tl.constexpr):
-    """w: a TMA descriptor over the weight rows [E * H, I] (W_TMA; expert e's rows start at
+    """One program per output tile of the grid's row blocks (an upper bound of them: programs
+    past the real blocks return at once). Operands as in _down_tile."""
+    pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
+    expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
+    if row_start >= row_end:
+        if MASKED:  # an empty block of a slab: its output slots must read as zeros
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows = row_start + tl.arange(0, BLOCK_M)
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], zero,
+                     mask=(rows < slab_end)[:, None] & (cols < H)[None, :])
+        return
+    _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, slab_end, pid_n, H, I,
+               w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+               QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_IEEE, PROMOTE, W_TMA, A_TMA)
+
+
+@triton.jit(do_not_specialize=["w_rows_per_expert"])
+def _down_persistent_kernel(
+        a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, meta_ptr,
+        num_experts, H, I, w_rows_per_expert,
+        stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+        QUANT: tl.constexpr, E_POW2: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        EVEN_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """Sorted layout, both operands through TMA: NUM_PROGRAMS programs loop over the output tiles of
+    the real row blocks (counted here from the offsets), in tile_ids' grouped order. The flattened
+    loop lets Triton's pipeline run from one tile into the next: short K loops (Qwen3's I = 768)
+    otherwise spend much of each tile filling the pipeline and in the epilogue."""
+    idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2)
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    blocks_m = tl.sum(nb, 0).to(tl.int32)
+    for tile in tl.range(tl.program_id(0), blocks_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = grouped_tile(tile, blocks_m, num_pid_n, GROUP_M)
+        expert, row_start, row_end = sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M)
+        _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, row_end, pid_n, H, I,
+                   w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+                   QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, False, True, True)
+
+
+@triton.jit
+def _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, slab_end, pid_n, H, I,
+               w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+               QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
+               A_TMA: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] output tile of rows row_start .. row_end-1 (at least one; all of
+    ``expert``) and columns from pid_n * BLOCK_N; stores up to slab_end (rows past row_end as 0).
+    w: a TMA descriptor over the weight rows [E * H, I] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to down_proj [E, H, I] (strides stride_we, stride_wn).
     a_src: a TMA descriptor over a [R, I] (A_TMA: the box at the block's first row; rows past the
     block's end are read but never stored: the row_ok select below drops them, NaN included) or a pointer."""
-    pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
-    expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row_start + tl.arange(0, BLOCK_M)
-    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    if row_start >= row_end:
-        if MASKED:  # an empty block of a slab: its output slots must read as zeros
-            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-            tl.store(out_ptrs, zero, mask=(rows < slab_end)[:, None] & (cols < H)[None, :])
-        return
     row_ok = rows < row_end
     rows_ld = tl.minimum(rows, row_end - 1)
     cols_ld = cols % H
@@ -50,7 +95,7 @@ def _down_kernel(
     else:
         a_ptrs = a_src + rows_ld[:, None] * stride_a + rk[None, :]
     if W_TMA:
-        w_row = expert * w_rows_per_expert + pid_n * BLOCK_N  # rows past H are never stored
+        w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(tl.int32)  # rows past H are never stored
     else:
         b_ptrs = w + expert.to(tl.int64) * stride_we + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -92,7 +137,8 @@ def _down_kernel(
         acc = acc * tl.load(as_ptr + rows_ld * stride_as)[:, None] * tl.load(ws_e + cols_ld * stride_wsn)[None, :]
     route_w = tl.load(rw_ptr + rows_ld)
     y = tl.where(row_ok[:, None], acc * route_w[:, None], 0.0).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptrs, y, mask=(rows < slab_end)[:, None] & (cols < H)[None, :])
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
+             mask=(rows < slab_end)[:, None] & (cols < H)[None, :])
 
 
 def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,
@@ -108,18 +154,24 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     stride_wse, stride_wsn = _scale_strides(ws, q)
     a_s = a_scale if a_scale is not None else a
     blocks_m = layout.num_row_blocks(cfg.block_m)
-    grid = (blocks_m * triton.cdiv(h, cfg.block_n),)
+    tiles = blocks_m * triton.cdiv(h, cfg.block_n)
     w_arg, w_rows = weight_operand(w2, cfg.block_n, cfg.block_k)
     a_arg = rows_operand(a, cfg.block_m, cfg.block_k)
-    _down_kernel[grid](
-        a_arg, a_s, w_arg, ws, route_w, out, layout.meta,
-        layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows,
-        a.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), stride_wse, stride_wsn, out.stride(0),
-        QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=i % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
-        PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2, A_TMA=a_arg is not a,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (a_arg, a_s, w_arg, ws, route_w, out, layout.meta)
+    strides = (a.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), stride_wse, stride_wsn, out.stride(0))
+    tiling = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  EVEN_K=i % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    fp32_dots = dtype == torch.float32 and q in (0, 1, 2)
+    if cfg.programs_per_sm and not layout.masked and w_arg is not w2 and a_arg is not a and not fp32_dots:
+        programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
+        if programs:
+            _down_persistent_kernel[(programs,)](*args, layout.num_experts, h, i, w_rows, *strides, QUANT=q,
+                                                 E_POW2=layout.e_pow2, NUM_PROGRAMS=programs, **tiling)
+        return out
+    _down_kernel[(tiles,)](
+        *args, layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows, *strides,
+        QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2, DOT_IEEE=dtype == torch.float32 and q == 0,
+        PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2, A_TMA=a_arg is not a, **tiling)
     return out
 
 

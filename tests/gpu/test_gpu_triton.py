@@ -116,6 +116,35 @@ def test_qwen3_shape(scheme, t):
     assert_close(out, ref, rel_tol(scheme, torch.bfloat16), f"qwen3 {scheme} T={t}")
 
 
+@pytest.mark.parametrize("preset,t", [("qwen3-30b-a3b", 4096), ("deepseek-v3", 1024), ("mixtral-8x7b", 300)])
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-block"])
+def test_down_persistent_on_gpu(preset, t, scheme):
+    """The persistent down kernel at the presets' shapes, 1 and 2 programs per SM: bit for bit the
+    one-program-per-tile kernel (the same tile code); that one is checked against the reference
+    by the tests above."""
+    from dataclasses import replace
+
+    from moeflow.kernels.autotune import random_batch
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.configs import GemmConfig
+    from moeflow.kernels.down import down
+    from moeflow.presets import preset_config
+    from moeflow.quant import create_scheme
+    c = preset_config(preset)
+    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
+    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
+    layout = RowLayout.of(batch)
+    sch = create_scheme(scheme)
+    a, a_s = sch.quantize_activation(torch.randn(layout.rows, c.intermediate_size, device="cuda").to(torch.bfloat16))
+    bk = 64 if scheme == "none" else 128
+    for cfg in (GemmConfig(128, 128, bk, 8, 8, 3), GemmConfig(64, 128, bk, 8, 4, 4)):
+        want = down(a, a_s, w.w2, w.w2_scale, batch.weights, layout, scheme, torch.bfloat16, cfg, poison=True)
+        for programs_per_sm in (1, 2):
+            got = down(a, a_s, w.w2, w.w2_scale, batch.weights, layout, scheme, torch.bfloat16,
+                       replace(cfg, programs_per_sm=programs_per_sm), poison=True)
+            assert torch.equal(got, want), (cfg, programs_per_sm)
+
+
 @pytest.mark.parametrize("layout", ["masked", "sorted"])
 @pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-block"])
 def test_cuda_graph_decode(make_layer, scheme, layout):
