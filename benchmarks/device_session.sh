@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...: run if time is left, bounded by SECOND
     echo "$name: exit $? at ${SECONDS}s: $(tail -n 1 "$R/$name.log")" >> "$S"
 }
 
-step gpu_tests 150 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
+step gpu_tests 210 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
     tests/gpu/test_gpu_layer_graph.py tests/gpu/test_gpu_runners.py tests/gpu/test_gpu_hf.py
 if [ "$GPUS" -ge 2 ]; then
     step ep_tests 120 python -m pytest -q -m gpu tests/gpu/test_gpu_ep.py
