@@ -48,22 +48,23 @@ def _down_kernel(
                QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_IEEE, PROMOTE, W_TMA, A_TMA)
 
 
-@triton.jit(do_not_specialize=["w_rows_per_expert"])
+@triton.jit(do_not_specialize=["w_rows_per_expert", "num_programs"])
 def _down_persistent_kernel(
         a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, meta_ptr,
-        num_experts, H, I, w_rows_per_expert,
+        num_experts, H, I, w_rows_per_expert, num_programs,
         stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
         QUANT: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
-    """Sorted layout, both operands through TMA: NUM_PROGRAMS programs loop over the output tiles of
+        EVEN_K: tl.constexpr):
+    """Sorted layout, both operands through TMA: num_programs programs (the grid; a runtime value,
+    so batch sizes do not recompile it) loop over the output tiles of
     the real row blocks (counted here from the offsets), in tile_ids' grouped order. The flattened
     loop lets Triton's pipeline run from one tile into the next: short K loops (Qwen3's I = 768)
     otherwise spend much of each tile filling the pipeline and in the epilogue."""
     idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     blocks_m = tl.sum(nb, 0).to(tl.int32)
-    for tile in tl.range(tl.program_id(0), blocks_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), blocks_m * num_pid_n, num_programs, flatten=True):
         pid_m, pid_n = grouped_tile(tile, blocks_m, num_pid_n, GROUP_M)
         expert, row_start, row_end = sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M)
         _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, row_end, pid_n, H, I,
@@ -165,8 +166,8 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     if cfg.programs_per_sm and not layout.masked and w_arg is not w2 and a_arg is not a and not fp32_dots:
         programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
         if programs:
-            _down_persistent_kernel[(programs,)](*args, layout.num_experts, h, i, w_rows, *strides, QUANT=q,
-                                                 E_POW2=layout.e_pow2, NUM_PROGRAMS=programs, **tiling)
+            _down_persistent_kernel[(programs,)](*args, layout.num_experts, h, i, w_rows, programs, *strides, QUANT=q,
+                                                 E_POW2=layout.e_pow2, **tiling)
         return out
     _down_kernel[(tiles,)](
         *args, layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows, *strides,

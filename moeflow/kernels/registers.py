@@ -53,7 +53,7 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
     else:  # "down_persistent": TMA operands only
         from .down import _down_persistent_kernel as fn
         ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64")
-        const = dict(QUANT=q, E_POW2=256, EVEN_K=True, NUM_PROGRAMS=264)
+        const = dict(QUANT=q, E_POW2=256, EVEN_K=True)
     const.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
     const.update(extra or {})
     sig = {}  # the runtime parameters' types (compile_for_hopper marks the constexprs)
