@@ -60,14 +60,16 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, num_rows, K, stride_x, stride_q
     tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q, mask=mask)
 
 
-def row_amax(x: Tensor, layout: RowLayout) -> Tensor:
-    """x [R, K] float -> [R] float32 amax per row (0 for empty masked slots)."""
+def row_amax(x: Tensor, layout: RowLayout | None = None) -> Tensor:
+    """x [R, K] float -> [R] float32 amax per row (0 for the empty slots of a masked layout; with no
+    layout, or a sorted one, every row counts and the layout is not read)."""
     r, k = x.shape
     amax = torch.empty(r, dtype=torch.float32, device=x.device)
+    masked = layout is not None and layout.masked
     block_r = 16
     _row_amax_kernel[(triton.cdiv(r, block_r),)](
-        x, amax, layout.meta, r, k, x.stride(0), max(layout.capacity, 1),
-        BLOCK_R=block_r, BLOCK_K=min(256, triton.next_power_of_2(max(k, 16))), MASKED=layout.masked)
+        x, amax, layout.meta if masked else amax, r, k, x.stride(0), max(layout.capacity, 1) if masked else 1,
+        BLOCK_R=block_r, BLOCK_K=min(256, triton.next_power_of_2(max(k, 16))), MASKED=masked)
     return amax
 
 
@@ -96,8 +98,9 @@ def quantize_groups(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def quantize_rows(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tensor, Tensor]:
-    """x [R, K] layer dtype, any row stride -> (q [R, K] float8_e4m3fn, scale [R, G] float32) by ``scheme``."""
+def quantize_rows(x: Tensor, scheme: str, layout: RowLayout | None = None) -> tuple[Tensor, Tensor]:
+    """x [R, K] layer dtype, any row stride -> (q [R, K] float8_e4m3fn, scale [R, G] float32) by ``scheme``.
+    layout: only a masked one matters (its empty slots stay out of the amax); None: every row valid."""
     x = unit_stride_rows(x)
     if scheme == "fp8-block":
         return quantize_groups(x)
@@ -111,14 +114,7 @@ def quantize_activation(x: Tensor, scheme: str) -> tuple[Tensor, Tensor]:
     """x [R, K] layer dtype (every row valid) -> (q [R, K] fp8, scale [R, G] float32): the same
     result as ``create_scheme(scheme).quantize_activation(x)``, in one or two kernels instead of
     torch's chain of elementwise and reduction kernels (dispatchers' FP8 payloads use it on CUDA)."""
-    if scheme == "fp8-block":  # no row layout needed (one launch)
-        return quantize_groups(unit_stride_rows(x))
-    rows = x.shape[0]
-    # [0, rows] made by a kernel on the device: a host tensor, or an item assignment, would copy from
-    # the host, which CUDA-graph capture (the low-latency decode path) forbids
-    offsets = (torch.arange(0, rows + 1, rows, dtype=torch.int64, device=x.device) if rows
-               else torch.zeros(2, dtype=torch.int64, device=x.device))
-    return quantize_rows(x, scheme, RowLayout(False, offsets, 1, 0, rows))
+    return quantize_rows(x, scheme)
 
 
 def quantize_rows_torch(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tensor, Tensor]:
