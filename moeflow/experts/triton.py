@@ -108,4 +108,3 @@ class TritonRunner(ExpertRunner):
             kc.fit(chosen.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
             kc.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
         return self._fitted[key]
-

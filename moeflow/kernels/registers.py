@@ -45,15 +45,15 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
                     amax_ptr="fp32", meta_ptr="i64")
         const = dict(QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype], MASKED=False, E_POW2=256, EVEN_K=True, INDEXED=True,
                      DOT_IEEE=False, PROMOTE=False, ROUND_IN_FP32=False, W_TMA=tma)
-    elif kernel == "down":
-        from .down import _down_kernel as fn
-        ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64")
-        const = dict(QUANT=q, MASKED=False, E_POW2=256, EVEN_K=True, DOT_IEEE=False, PROMOTE=False, W_TMA=tma,
-                     A_TMA=tma)
-    else:  # "down_persistent": TMA operands only
-        from .down import _down_persistent_kernel as fn
+    else:  # "down", or "down_persistent" (TMA operands only): the same operands
+        from .down import _down_kernel, _down_persistent_kernel
         ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64")
         const = dict(QUANT=q, E_POW2=256, EVEN_K=True)
+        if kernel == "down":
+            fn = _down_kernel
+            const.update(MASKED=False, DOT_IEEE=False, PROMOTE=False, W_TMA=tma, A_TMA=tma)
+        else:
+            fn = _down_persistent_kernel
     const.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
     const.update(extra or {})
     sig = {}  # the runtime parameters' types (compile_for_hopper marks the constexprs)
