@@ -42,8 +42,13 @@ TRITON_TMA = EnvVar(
     "MOEFLOW_TRITON_TMA", "1",
     "Triton runner: load weight tiles through TMA tensor descriptors where the weight allows it "
     "(16-byte aligned rows). Set 0 to force plain pointer loads (debugging, comparisons).")
+TRITON_PDL = EnvVar(
+    "MOEFLOW_TRITON_PDL", "1",
+    "Triton runner on compute capability >= 9.0: launch the layer's kernels with programmatic dependent "
+    "launch (each kernel is launched while the one before finishes and waits on griddepcontrol.wait "
+    "before touching memory), which hides the launch gaps of small batches. Set 0 for plain launches.")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
-ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_INTERPRET)
+ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_PDL, TRITON_INTERPRET)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import RowLayout, block_rows
+from .common import RowLayout, block_rows, pdl, pdl_start
 
 
 @triton.jit
@@ -64,7 +64,8 @@ MAX_FUSED_COPIES = 2048  # sort_copies' comparison sort is O(copies^2) work: mea
 
 @triton.jit
 def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source_ptr, sorted_w_ptr, num_copies, num_experts,
-                        TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+                        TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Programs 0 .. cdiv(copies, BLOCK_I)-1 place copies; the rest write offsets (and counts) for
     BLOCK_E experts each.
 
@@ -72,6 +73,7 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
     stable sort's order: #{j : ids[j] < ids[i]} + #{j < i : ids[j] == ids[i]}.
     offsets[e] = #{j : ids[j] < e} for e in 0 .. E; counts[e] = #{j : ids[j] == e} for e in 0 .. E-1.
     """
+    pdl_start(PDL)
     pid = tl.program_id(0)
     copy_blocks = tl.cdiv(num_copies, BLOCK_I)
     if pid < copy_blocks:
@@ -124,5 +126,6 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
     grid = (triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_e),)
     _sort_copies_kernel[grid](topk_ids.reshape(-1).to(torch.int32).contiguous(),
                               topk_weights.reshape(-1).float().contiguous(), offsets, counts, row, source, sorted_w,
-                              n, num_experts, TOP_K=k, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e)
+                              n, num_experts, TOP_K=k, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e,
+                              **pdl(dev))
     return offsets, counts, row.view(t, k), source, sorted_w

@@ -88,6 +88,18 @@ def sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First statement of every layer kernel. PDL (programmatic dependent launch, launch_pdl=True):
+    wait until the kernel before in the stream has finished and its writes are visible, then let
+    the next kernel launch (its programs start and wait here in turn). Before any memory access,
+    including the early exits, so a kernel never ends before the one it follows: the order is
+    kept for every kernel after, PDL-launched or not. No-op when PDL is False."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def tile_ids(num_blocks_m, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """1-D program id -> (pid_m, pid_n), GROUP_M row blocks side by side so their weight tiles
     are read while still in L2."""
@@ -242,6 +254,20 @@ def num_sms(device: torch.device) -> int:
 @lru_cache(maxsize=None)
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch keywords for a kernel that starts with pdl_start: {"PDL": on, "launch_pdl": on}, on
+    for CUDA devices of compute capability >= 9.0 unless MOEFLOW_TRITON_PDL=0 (never in the
+    interpreter)."""
+    on = (device.type == "cuda" and not interpreting() and moeflow_env.TRITON_PDL.get_bool()
+          and _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0))
+    return {"PDL": on, "launch_pdl": on}
+
+
+@lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def interpreting() -> bool:

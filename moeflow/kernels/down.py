@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, grouped_tile, num_sms, rows_operand, scale_block,
-                     sorted_block, tile_ids, weight_operand)
+from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, grouped_tile, num_sms, pdl, pdl_start,
+                     rows_operand, scale_block, sorted_block, tile_ids, weight_operand)
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -30,9 +30,10 @@ def _down_kernel(
         QUANT: tl.constexpr, MASKED: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
-        A_TMA: tl.constexpr):
+        A_TMA: tl.constexpr, PDL: tl.constexpr = False):
     """One program per output tile of the grid's row blocks (an upper bound of them: programs
     past the real blocks return at once). Operands as in _down_tile."""
+    pdl_start(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
     expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
@@ -55,12 +56,13 @@ def _down_persistent_kernel(
         stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
         QUANT: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr):
+        EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
     """Sorted layout, both operands through TMA: num_programs programs (the grid; a runtime value,
     so batch sizes do not recompile it) loop over the output tiles of
     the real row blocks (counted here from the offsets), in tile_ids' grouped order. The flattened
     loop lets Triton's pipeline run from one tile into the next: short K loops (Qwen3's I = 768)
     otherwise spend much of each tile filling the pipeline and in the epilogue."""
+    pdl_start(PDL)
     idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     blocks_m = tl.sum(nb, 0).to(tl.int32)
@@ -167,12 +169,13 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
         programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
         if programs:
             _down_persistent_kernel[(programs,)](*args, layout.num_experts, h, i, w_rows, programs, *strides, QUANT=q,
-                                                 E_POW2=layout.e_pow2, **tiling)
+                                                 E_POW2=layout.e_pow2, **tiling, **pdl(a.device))
         return out
     _down_kernel[(tiles,)](
         *args, layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows, *strides,
         QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2, DOT_IEEE=dtype == torch.float32 and q == 0,
-        PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2, A_TMA=a_arg is not a, **tiling)
+        PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2, A_TMA=a_arg is not a,
+        **tiling, **pdl(a.device))
     return out
 
 

@@ -24,11 +24,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .common import pdl, pdl_start
+
 
 @triton.jit
 def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids,
-                         TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr):
+                         TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr = False):
     """Program s: hist[s, key] over the copies of segment s (key: the id, E_local where it is < 0)."""
+    pdl_start(PDL)
     s = tl.program_id(0)
     j = s.to(tl.int64) * SEG + tl.arange(0, SEG)
     ok = j < num_copies
@@ -40,9 +43,11 @@ def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids,
 @triton.jit
 def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr,
                           num_copies, n, e_local, num_segs, stride_ids, stride_w,
-                          TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, S_POW2: tl.constexpr):
+                          TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, S_POW2: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Program s: its copies sorted by (key, j) in registers; copy i of the sorted segment goes to
     offsets[key] + (copies of key in earlier segments) + (i - first index of key in the segment)."""
+    pdl_start(PDL)
     s = tl.program_id(0)
     bins = tl.arange(0, BINS)
     segs = tl.arange(0, S_POW2)
@@ -124,8 +129,9 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int,
     copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
     hist = torch.empty((segs, bins), dtype=torch.int32, device=dev)
     _segment_hist_kernel[(segs,)](ids, hist, copies, e_local, ids.stride(0), TOP_K=k, SEG=seg, BINS=bins,
-                                  num_warps=warps)
+                                  num_warps=warps, **pdl(dev))
     _segment_place_kernel[(segs,)](ids, weights, hist, counts, offsets, source, sorted_w, copy_pos,
                                    copies, n, e_local, segs, ids.stride(0), weights.stride(0),
-                                   TOP_K=k, SEG=seg, BINS=bins, S_POW2=triton.next_power_of_2(segs), num_warps=warps)
+                                   TOP_K=k, SEG=seg, BINS=bins, S_POW2=triton.next_power_of_2(segs), num_warps=warps,
+                                   **pdl(dev))
     return source, sorted_w, counts, offsets, copy_pos

@@ -15,15 +15,16 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import FP8_DTYPE, create_scheme
-from .common import RowLayout, fp8_scale, interpreting, to_fp8, unit_stride_rows
+from .common import RowLayout, fp8_scale, interpreting, pdl, pdl_start, to_fp8, unit_stride_rows
 
 GROUP = 128  # fp8-block activation group (quant/fp8_block.py)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _row_amax_kernel(x_ptr, amax_ptr, meta_ptr, num_rows, K, stride_x, capacity,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, PDL: tl.constexpr = False):
     """amax [R] float32 of |x| per row; 0 for rows of empty masked slots."""
+    pdl_start(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = rows < num_rows
     if MASKED:
@@ -40,9 +41,11 @@ def _row_amax_kernel(x_ptr, amax_ptr, meta_ptr, num_rows, K, stride_x, capacity,
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _quant_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, num_rows, K, stride_x, stride_q, stride_s, amax_stride,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """q [R, K] fp8 and scale [R, G]. GROUPED: BLOCK_K == 128, one scale per (row, group);
     else the scale of row r comes from amax_ptr[r * amax_stride] (stride 0: one tensor amax)."""
+    pdl_start(PDL)
     pid_k = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -69,7 +72,7 @@ def row_amax(x: Tensor, layout: RowLayout | None = None) -> Tensor:
     block_r = 16
     _row_amax_kernel[(triton.cdiv(r, block_r),)](
         x, amax, layout.meta if masked else amax, r, k, x.stride(0), max(layout.capacity, 1) if masked else 1,
-        BLOCK_R=block_r, BLOCK_K=min(256, triton.next_power_of_2(max(k, 16))), MASKED=masked)
+        BLOCK_R=block_r, BLOCK_K=min(256, triton.next_power_of_2(max(k, 16))), MASKED=masked, **pdl(x.device))
     return amax
 
 
@@ -81,7 +84,7 @@ def quantize_with_amax(x: Tensor, amax: Tensor) -> tuple[Tensor, Tensor]:
     block_r, block_k = 16, min(512, triton.next_power_of_2(max(k, 16)))
     _quant_kernel[(triton.cdiv(r, block_r), triton.cdiv(k, block_k))](
         x, q, scale, amax, r, k, x.stride(0), q.stride(0), scale.stride(0), 0 if amax.numel() == 1 else 1,
-        BLOCK_R=block_r, BLOCK_K=block_k, GROUPED=False, ROUND_IN_FP32=interpreting())
+        BLOCK_R=block_r, BLOCK_K=block_k, GROUPED=False, ROUND_IN_FP32=interpreting(), **pdl(x.device))
     return q, scale
 
 
@@ -94,7 +97,7 @@ def quantize_groups(x: Tensor) -> tuple[Tensor, Tensor]:
     block_r = 16
     _quant_kernel[(triton.cdiv(r, block_r), g)](
         x, q, scale, scale, r, k, x.stride(0), q.stride(0), scale.stride(0), 0,
-        BLOCK_R=block_r, BLOCK_K=GROUP, GROUPED=True, ROUND_IN_FP32=interpreting())
+        BLOCK_R=block_r, BLOCK_K=GROUP, GROUPED=True, ROUND_IN_FP32=interpreting(), **pdl(x.device))
     return q, scale
 
 

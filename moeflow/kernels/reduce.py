@@ -14,10 +14,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .common import pdl, pdl_start
+
 
 @triton.jit
 def _moe_sum_kernel(y_ptr, row_ptr, out_ptr, H, stride_y, stride_out,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -37,7 +40,7 @@ def moe_sum(y: Tensor, row_of_copy: Tensor, top_k: int) -> Tensor:
         return out.zero_()
     block_h = min(1024, triton.next_power_of_2(h))
     _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, row_of_copy.contiguous(), out, h, y.stride(0), out.stride(0),
-                                                   TOP_K=top_k, BLOCK_H=block_h)
+                                                   TOP_K=top_k, BLOCK_H=block_h, **pdl(y.device))
     return out
 
 

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .common import pdl, pdl_start
+
 NEG = tl.constexpr(float("-inf"))
 
 
@@ -32,8 +34,10 @@ def _argmax_first(x, idx, N: tl.constexpr):
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
                   K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """BLOCK_T tokens per program, one row of E_POW2 experts each: every reduction runs along a row."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     t_ld = tl.minimum(t, T - 1)  # rows past T repeat the last token; never stored
@@ -99,5 +103,5 @@ def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renorma
         logits, b, ids, w, t, e, logits.stride(0), float(scaling),
         K=top_k, K_POW2=triton.next_power_of_2(top_k), E_POW2=e_pow2, SIGMOID=scoring == "sigmoid", RENORM=renormalize,
         HAS_BIAS=bias is not None, GROUPS=num_groups, TOPK_GROUPS=topk_groups, BLOCK_T=block_t,
-        num_warps=4 if e_pow2 <= 256 else 8)
+        num_warps=4 if e_pow2 <= 256 else 8, **pdl(logits.device))
     return ids, w
