@@ -1,8 +1,13 @@
 """Search kernel configs for one shape on the current GPU (behind `moeflow tune`).
 
-For each token count T: a sorted batch of T * top_k copies with uniform random routing and random
-weights (never zeros), then every gate_up candidate and every down candidate is timed alone
-(triton.testing.do_bench: L2 flushed before each repetition, median); the fastest of each wins.
+For each token count T: sorted batches of T * top_k copies with uniform random routing and random
+weights (never zeros), then every gate_up candidate and every down candidate is timed alone, the
+fastest of each wins. Timing replays a CUDA graph of the GEMM launched back to back on
+``batches_for(T)`` batches of different routing (median over replays, divided by the launches),
+as the layer runs them: from a graph, weights cold (the batches route to different experts; for
+small T no expert's weights stay in L2 from the launch before). Host-side launch time is not in it;
+with a plain event-timed launch it was: at T=1 it measured 46-93 us against the 10-22 us the
+kernels take inside the layer's graph, so decode configs were picked on noise.
 Candidates are compiled first in parallel worker processes (Triton's on-disk cache is shared),
 so compilation does not serialize the search.
 """
@@ -145,11 +150,49 @@ def precompile(jobs: list[tuple[Shape, MoEKernelConfig]], workers: int | None = 
         list(pool.map(_compile_job, [jobs[i::workers] for i in range(workers)]))
 
 
-def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: float = 15, log=print, on_result=None):
-    """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us}}) for the current GPU.
-    on_result(table, measured) is called after each T (so a stopped search keeps what it found)."""
-    from triton.testing import do_bench
+def batches_for(tokens: int) -> int:
+    """Batches of different routing a timing graph cycles through: several for small T (one launch
+    then touches only T * top_k experts' weights, which another batch's launch must not find in
+    L2), one for large T (a launch streams every expert; its run time hides what L2 keeps)."""
+    return 8 if tokens <= 128 else 4 if tokens <= 1024 else 1
 
+
+def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int = 500) -> float:
+    """Median time (ms) per call of ``calls`` (zero-argument callables), captured back to back into
+    one CUDA graph and replayed: enough replays to fill ~rep_ms, at least min_replays."""
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):  # warm-up outside the capture (compiles, allocator pools)
+        for c in calls:
+            c()
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first.record()
+    graph.replay()
+    last.record()
+    torch.cuda.synchronize()
+    n = max(min_replays, min(max_replays, int(rep_ms / max(first.elapsed_time(last), 1e-3))))
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b in ev:
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in ev)
+    del graph
+    return times[n // 2] / len(calls)
+
+
+def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: float = 15, log=print, on_result=None):
+    """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us}}) for the current GPU (module docstring).
+    on_result(table, measured) is called after each T (so a stopped search keeps what it found).
+    warmup_ms is unused (graph timing warms up by capture); kept for callers."""
     from .common import RowLayout
     from .gate_up import gate_up
     from .quant import quantize_groups, quantize_rows, quantize_with_amax
@@ -164,24 +207,31 @@ def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: fl
     precompile([(shape, p) for p in pairs])
     table, measured = {}, {}
     for t in token_counts:
-        batch = random_batch(shape, t, dev, seed=t)
-        layout = RowLayout.of(batch)
-        x = batch.hidden
-        xq, xs = quantize_rows(x, shape.scheme, layout) if shape.scheme != "none" else (x, None)
+        inputs = []  # per batch: (batch, layout, x, x scale)
+        for b in range(batches_for(t)):
+            batch = random_batch(shape, t, dev, seed=t * 1000 + b)
+            layout = RowLayout.of(batch)
+            xq, xs = quantize_rows(batch.hidden, shape.scheme, layout) if shape.scheme != "none" else (batch.hidden, None)
+            inputs.append((batch, layout, xq, xs))
         gu_c, dn_c = plans[t]
 
-        def run_gu(c):  # what the runner runs: narrow fp8-block tiles add the separate group quantization
+        def run_gu(c, inp):  # what the runner runs: narrow fp8-block tiles add the separate group quantization
+            _, layout, xq, xs = inp
             inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c)
             return quantize_groups(inter) if shape.scheme == "fp8-block" and extra is None else (inter, extra)
 
-        gu_t = [do_bench(lambda c=c: run_gu(c), warmup=warmup_ms, rep=rep_ms, return_mode="median") for c in gu_c]
+        gu_t = [graph_time_ms([lambda c=c, i=i: run_gu(c, i) for i in inputs], rep_ms) for c in gu_c]
         best_gu = gu_c[min(range(len(gu_c)), key=gu_t.__getitem__)]
-        inter, extra = run_gu(best_gu)
-        a, a_s = (inter, extra) if shape.scheme in ("none", "fp8-block") else quantize_with_amax(inter, extra)
-        if shape.scheme == "none":
-            a_s = None
-        dn_t = [do_bench(lambda c=c: down(a, a_s, weights.w2, weights.w2_scale, batch.weights, layout, shape.scheme,
-                                          shape.dtype, c), warmup=warmup_ms, rep=rep_ms, return_mode="median") for c in dn_c]
+        down_in = []
+        for inp in inputs:
+            inter, extra = run_gu(best_gu, inp)
+            a, a_s = (inter, extra) if shape.scheme in ("none", "fp8-block") else quantize_with_amax(inter, extra)
+            down_in.append((a, None if shape.scheme == "none" else a_s, inp[0].weights, inp[1]))
+
+        def run_dn(c, a, a_s, route_w, layout):
+            return down(a, a_s, weights.w2, weights.w2_scale, route_w, layout, shape.scheme, shape.dtype, c)
+
+        dn_t = [graph_time_ms([lambda c=c, d=d: run_dn(c, *d) for d in down_in], rep_ms) for c in dn_c]
         best_dn = dn_c[min(range(len(dn_c)), key=dn_t.__getitem__)]
         table[t] = MoEKernelConfig(best_gu, best_dn)
         measured[str(t)] = {"gate_up": round(min(gu_t) * 1e3, 2), "down": round(min(dn_t) * 1e3, 2)}

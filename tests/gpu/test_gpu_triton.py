@@ -262,3 +262,16 @@ def test_ep_sort_on_gpu(r, e_local):
     want = sort_copies_by_expert_torch(ids, w, e_local, n)
     for name, g, x in zip(("source", "weights", "counts", "offsets", "copy_pos"), got, want):
         assert g.dtype == x.dtype and torch.equal(g, x), name
+
+
+def test_tune_small_shape_on_gpu():
+    """`moeflow tune`'s search on a tiny shape: graph-timed candidates, a config per T that the
+    runner then runs correctly, positive times; a sleep kernel of known length times as that length."""
+    from moeflow.kernels.autotune import graph_time_ms, tune
+    shape = Shape(8, 256, 128, 2, "fp8-block")
+    table, measured = tune(shape, [1, 300], rep_ms=2, log=lambda s: None)
+    assert set(table) == {1, 300} and all(v["gate_up"] > 0 and v["down"] > 0 for v in measured.values())
+    cycles = 2_000_000  # ~1 ms at H200's ~2 GHz; the measurement must be per call, not per graph
+    per_call = graph_time_ms([lambda: torch.cuda._sleep(cycles)] * 3, rep_ms=5)
+    whole = graph_time_ms([lambda: torch.cuda._sleep(3 * cycles)], rep_ms=5)
+    assert 0.25 < per_call / whole < 0.42, (per_call, whole)
