@@ -88,15 +88,30 @@ def sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def pdl_start(PDL: tl.constexpr):
+def pdl_wait(PDL: tl.constexpr):
     """First statement of every layer kernel. PDL (programmatic dependent launch, launch_pdl=True):
-    wait until the kernel before in the stream has finished and its writes are visible, then let
-    the next kernel launch (its programs start and wait here in turn). Before any memory access,
-    including the early exits, so a kernel never ends before the one it follows: the order is
-    kept for every kernel after, PDL-launched or not. No-op when PDL is False."""
+    wait until the kernel before in the stream has finished and its writes are visible. Before any
+    memory access, including the early exits, so a kernel never ends before the one it follows:
+    the order is kept for every kernel after, PDL-launched or not. No-op when PDL is False."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch(PDL: tl.constexpr):
+    """Let the next kernel launch once every program of this one has come here (or ended); its
+    programs then take free SM slots and wait in pdl_wait. Short kernels call it at once; the GEMMs
+    after their K loop, so the next kernel's programs arrive as this one's last wave drains instead
+    of piling onto the SMs that emptied first. No-op when PDL is False."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """pdl_wait then pdl_launch: the opening of the short kernels."""
+    pdl_wait(PDL)
+    pdl_launch(PDL)
 
 
 @triton.jit

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, grouped_tile, num_sms, pdl, pdl_start,
-                     rows_operand, scale_block, sorted_block, tile_ids, weight_operand)
+from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, grouped_tile, num_sms, pdl, pdl_launch,
+                     pdl_wait, rows_operand, scale_block, sorted_block, tile_ids, weight_operand)
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -33,7 +33,7 @@ def _down_kernel(
         A_TMA: tl.constexpr, PDL: tl.constexpr = False):
     """One program per output tile of the grid's row blocks (an upper bound of them: programs
     past the real blocks return at once). Operands as in _down_tile."""
-    pdl_start(PDL)
+    pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
     expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
@@ -46,7 +46,7 @@ def _down_kernel(
         return
     _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, slab_end, pid_n, H, I,
                w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-               QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_IEEE, PROMOTE, W_TMA, A_TMA)
+               QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_IEEE, PROMOTE, W_TMA, A_TMA, PDL)
 
 
 @triton.jit(do_not_specialize=["w_rows_per_expert", "num_programs"])
@@ -62,7 +62,7 @@ def _down_persistent_kernel(
     the real row blocks (counted here from the offsets), in tile_ids' grouped order. The flattened
     loop lets Triton's pipeline run from one tile into the next: short K loops (Qwen3's I = 768)
     otherwise spend much of each tile filling the pipeline and in the epilogue."""
-    pdl_start(PDL)
+    pdl_wait(PDL)
     idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     blocks_m = tl.sum(nb, 0).to(tl.int32)
@@ -71,7 +71,7 @@ def _down_persistent_kernel(
         expert, row_start, row_end = sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M)
         _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, row_end, pid_n, H, I,
                    w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-                   QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, False, True, True)
+                   QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, False, True, True, PDL)
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row
                w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
                QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
-               A_TMA: tl.constexpr):
+               A_TMA: tl.constexpr, PDL: tl.constexpr):
     """The [BLOCK_M, BLOCK_N] output tile of rows row_start .. row_end-1 (at least one; all of
     ``expert``) and columns from pid_n * BLOCK_N; stores up to slab_end (rows past row_end as 0).
     w: a TMA descriptor over the weight rows [E * H, I] (W_TMA; expert e's rows start at
@@ -134,6 +134,7 @@ def _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row
             a_ptrs += BLOCK_K
         if not W_TMA:
             b_ptrs += BLOCK_K
+    pdl_launch(PDL)
     if QUANT == 1:
         acc = acc * (tl.load(as_ptr + rows_ld * stride_as) * tl.load(ws_e))[:, None]
     elif QUANT == 2:

@@ -26,8 +26,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import FP8_DTYPE
-from .common import (QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, pdl, pdl_start,
-                     scale_block, tile_ids, to_fp8, weight_operand)
+from .common import (QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, pdl, pdl_launch,
+                     pdl_wait, scale_block, tile_ids, to_fp8, weight_operand)
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -44,7 +44,7 @@ def _gate_up_kernel(
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
     INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r]."""
-    pdl_start(PDL)
+    pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
     expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
@@ -112,6 +112,7 @@ def _gate_up_kernel(
         if not W_TMA:
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
+    pdl_launch(PDL)
     if QUANT == 1:  # each row's activation scale (rows from different EP ranks may differ) x the expert's
         s = tl.load(xs_ptr + x_rows * stride_xs) * tl.load(ws_e)
         acc_g = acc_g * s[:, None]
