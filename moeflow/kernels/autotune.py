@@ -42,9 +42,11 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
     m = tokens * shape.top_k / shape.num_experts
     bk = 128 if shape.scheme != "none" else 64
     if m <= 16:
-        # narrow N tiles: more programs streaming weights (fp8-block gate_up below 128: unfused quantization)
+        # narrow N tiles: more programs streaming weights (fp8-block gate_up below 128: unfused quantization);
+        # deep pipelines keep more bytes in flight per program where fp8-block caps BLOCK_K at 128
         gu = dn = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3),
-                                                                  (32, 256, 4), (16, 128, 4), (16, 256, 4))]
+                                                                  (32, 256, 4), (16, 128, 4), (16, 256, 4), (32, 128, 8),
+                                                                  (64, 128, 6), (16, 128, 8))]
     elif m <= 96:
         gu = [GemmConfig(bm, bn, k, 4, w, s) for bm, bn, k, w, s in
               ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 8, 3), (16, 64, 128, 4, 4),
