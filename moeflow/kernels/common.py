@@ -101,8 +101,8 @@ def pdl_wait(PDL: tl.constexpr):
 def pdl_launch(PDL: tl.constexpr):
     """Let the next kernel launch once every program of this one has come here (or ended); its
     programs then take free SM slots and wait in pdl_wait. Short kernels call it at once; the GEMMs
-    after their K loop, so the next kernel's programs arrive as this one's last wave drains instead
-    of piling onto the SMs that emptied first. No-op when PDL is False."""
+    after their K loop (the kernel after a GEMM is short: the next GEMM is launched plainly, see
+    pdl()). No-op when PDL is False."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -271,13 +271,16 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def pdl(device: torch.device) -> dict:
-    """Launch keywords for a kernel that starts with pdl_start: {"PDL": on, "launch_pdl": on}, on
-    for CUDA devices of compute capability >= 9.0 unless MOEFLOW_TRITON_PDL=0 (never in the
-    interpreter)."""
+def pdl(device: torch.device, early_start: bool = True) -> dict:
+    """Launch keywords of a kernel that opens with pdl_wait: {"PDL": on, "launch_pdl": on and
+    early_start}, on for CUDA devices of compute capability >= 9.0 unless MOEFLOW_TRITON_PDL=0
+    (never in the interpreter). early_start=False (the GEMMs) keeps the griddepcontrol code, so the
+    kernel still lets the next one launch early, but launches the kernel itself plainly: started
+    early, a weight-streaming GEMM's programs landed on whichever SMs the kernel before freed first,
+    unevenly, and ran up to 1.4x slower (Mixtral fp8-block T=1, benchmarks/results/pdl_*.md)."""
     on = (device.type == "cuda" and not interpreting() and moeflow_env.TRITON_PDL.get_bool()
           and _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0))
-    return {"PDL": on, "launch_pdl": on}
+    return {"PDL": on, "launch_pdl": on and early_start}
 
 
 @lru_cache(maxsize=None)

@@ -170,13 +170,13 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
         programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
         if programs:
             _down_persistent_kernel[(programs,)](*args, layout.num_experts, h, i, w_rows, programs, *strides, QUANT=q,
-                                                 E_POW2=layout.e_pow2, **tiling, **pdl(a.device))
+                                                 E_POW2=layout.e_pow2, **tiling, **pdl(a.device, early_start=False))
         return out
     _down_kernel[(tiles,)](
         *args, layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows, *strides,
         QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2, A_TMA=a_arg is not a,
-        **tiling, **pdl(a.device))
+        **tiling, **pdl(a.device, early_start=False))
     return out
 
 

@@ -184,7 +184,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
         INDEXED=source_rows is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
     return inter, extra
 
 
