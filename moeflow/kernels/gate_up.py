@@ -11,12 +11,17 @@ reaches memory. Epilogue by scheme:
 In every case the value is act(gate)*up in float32, rounded to the layer dtype first (experts/base.py).
 Registers bound the tile: two accumulators (plus two per-step partial sums for fp8-block) of
 BLOCK_M x BLOCK_N float32 each; 64 x 128 with 8 warps fits without spills (ptxas, sm_90a), and
-fp8-block 128 x 128 with 8 warps spills one 4-byte value outside the K loop since a tile whose
-columns share one weight scale block multiplies each step by a per-row scale (it spilled 284 bytes
-with the per-column vector, and lost to 64 x 128 on H200; it now wins at large T).
+fp8-block 128 x 128 with 8 warps spills 20 bytes (a tile whose columns share one weight scale block
+multiplies each step by a per-row scale; with the per-column vector it spilled 284 bytes and lost
+to 64 x 128 on H200; it now wins at large T).
 Weight tiles come through a TMA tensor descriptor where the weight allows it (common.weight_operand:
 16-byte aligned rows) and through pointer loads otherwise; TMA frees the address registers and
 measured 1.06-1.3x faster on H200 (benchmarks/results/gemm_variants_*.md).
+fp8-block scales: each K step loads the activation and weight scales of the next step, not its
+own. Triton does not pipeline these small loads (TTGIR: a plain tt.load in the loop, used right
+after the dot), so each step waited on their latency. Measured on H200, GEMM alone: -2 to -5% at
+T >= 4096 (DeepSeek-V3 T=16384 9155 -> 8736 us), Mixtral T=1 71.0 -> 64.4 us. The same change in
+down.py measured no gain (DeepSeek-V3 T=16384 5360 -> 5796 us), so down.py loads its own step's.
 """
 from __future__ import annotations
 
@@ -69,6 +74,15 @@ def _gate_up_kernel(
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT == 3:  # the scales of K step 0; each step then loads the next step's (module docstring)
+        if 128 % BLOCK_N == 0:  # the tile's columns share one weight scale block
+            g_b = scale_block(pid_n * BLOCK_N, I)
+        else:
+            g_b = scale_block(cols, I)
+        xs_rows = xs_ptr + x_rows * stride_xs
+        gs_ptr = ws_e + g_b * stride_wsn
+        us_ptr = ws_e + (g_b + I // 128) * stride_wsn
+        a_s_next, g_s_next, u_s_next = tl.load(xs_rows), tl.load(gs_ptr), tl.load(us_ptr)
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs)
@@ -85,18 +99,13 @@ def _gate_up_kernel(
             bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
-            kg = (kb * BLOCK_K) // 128
-            a_s = tl.load(xs_ptr + x_rows * stride_xs + kg)
-            if 128 % BLOCK_N == 0:  # the tile's columns share one weight scale: one FMA per element
-                g_b = scale_block(pid_n * BLOCK_N, I)
-                s_g = a_s * tl.load(ws_e + g_b * stride_wsn + kg)
-                s_u = a_s * tl.load(ws_e + (g_b + I // 128) * stride_wsn + kg)
-                acc_g += tl.dot(a, bg) * s_g[:, None]
-                acc_u += tl.dot(a, bu) * s_u[:, None]
+            a_s, g_s, u_s = a_s_next, g_s_next, u_s_next
+            kg = tl.minimum(((kb + 1) * BLOCK_K) // 128, (H - 1) // 128)
+            a_s_next, g_s_next, u_s_next = tl.load(xs_rows + kg), tl.load(gs_ptr + kg), tl.load(us_ptr + kg)
+            if 128 % BLOCK_N == 0:  # one FMA per element: a per-row scale
+                acc_g += tl.dot(a, bg) * (a_s * g_s)[:, None]
+                acc_u += tl.dot(a, bu) * (a_s * u_s)[:, None]
             else:
-                g_b = scale_block(cols, I)
-                g_s = tl.load(ws_e + g_b * stride_wsn + kg)
-                u_s = tl.load(ws_e + (g_b + I // 128) * stride_wsn + kg)
                 acc_g += tl.dot(a, bg) * (a_s[:, None] * g_s[None, :])
                 acc_u += tl.dot(a, bu) * (a_s[:, None] * u_s[None, :])
         elif DOT_IEEE:
