@@ -9,7 +9,8 @@
 #   1. pytest -m gpu: the single-GPU suites (triton, layer graph, runners, transformers), GPU 0
 #   2. with 2 GPUs: pytest -m gpu tests/gpu/test_gpu_ep.py, then benchmarks/bench_ep.py --profile
 #   3. benchmarks/bench_layer.py: PERF.md's 36 rows, triton runner, GPU 0
-#   4. benchmarks/experiments/sort_variants.py, GPU 0
+#   4. the T=1 and 16 rows again with MOEFLOW_TRITON_PDL=0 (programmatic dependent launch off), GPU 0
+#   5. benchmarks/experiments/sort_variants.py, GPU 0
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
 # files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
 set -u
@@ -45,6 +46,9 @@ if [ "$GPUS" -ge 2 ]; then
 fi
 step layer_bench 150 env CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_layer.py \
     --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --schemes none,fp8-block --runners triton --out "$R/layer"
+step layer_bench_nopdl 60 env CUDA_VISIBLE_DEVICES=0 MOEFLOW_TRITON_PDL=0 python benchmarks/bench_layer.py \
+    --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --schemes none,fp8-block --runners triton --tokens 1,16 \
+    --out "$R/layer_nopdl"
 step sort_variants 60 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/sort_variants.py "$R/sort_variants.json"
 grep -hE "FAILED|Error" "$R"/*_tests.log 2>/dev/null | head -20 >> "$S"
 tar czf "$OUT/results.tgz" -C "$R" .
