@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--local-experts", type=int, default=None,
                    help="experts per rank under expert parallelism (default: all num_experts)")
     p.add_argument("--out", default=None, help="directory to write into (default: $MOEFLOW_KERNEL_CONFIG_DIR, else .)")
-    p.add_argument("--rep-ms", type=float, default=15.0, help="timing budget per candidate, ms (do_bench rep)")
+    p.add_argument("--rep-ms", type=float, default=15.0, help="timing budget per candidate, ms (replays of its CUDA graph)")
     p.add_argument("--merge", action="store_true",
                    help="keep the entries an existing file in --out has for the token counts not tuned now")
     p.set_defaults(func=run)
