@@ -44,9 +44,10 @@ TRITON_TMA = EnvVar(
     "(16-byte aligned rows). Set 0 to force plain pointer loads (debugging, comparisons).")
 TRITON_PDL = EnvVar(
     "MOEFLOW_TRITON_PDL", "1",
-    "Triton runner on compute capability >= 9.0: launch the layer's kernels with programmatic dependent "
-    "launch (each kernel is launched while the one before finishes and waits on griddepcontrol.wait "
-    "before touching memory), which hides the launch gaps of small batches. Set 0 for plain launches.")
+    "Triton runner on compute capability >= 9.0: programmatic dependent launch. The layer's short kernels "
+    "(routing, sort, quantization, top-k sum) are launched while the kernel before finishes and wait on "
+    "griddepcontrol.wait before touching memory, which hides launch gaps at small batches; the GEMMs are "
+    "launched plainly. Set 0 for plain launches everywhere.")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")

@@ -200,6 +200,25 @@ def test_weight_operand_choice(monkeypatch):
     assert weight_operand(w, 32, 64) == (w, 0) and rows_operand(a, 16, 64) is a
 
 
+def test_pdl_launch_keywords(monkeypatch):
+    """Programmatic dependent launch: on for CUDA devices of compute capability >= 9.0 outside the
+    interpreter unless MOEFLOW_TRITON_PDL=0; the GEMMs (early_start=False) keep the code but launch
+    plainly; never on the CPU, an older GPU or in the interpreter."""
+    from moeflow.kernels import common
+    cuda = torch.device("cuda", 0)
+    assert common.pdl(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(common, "_cuda_capability", lambda index: (9, 0))
+    assert common.pdl(cuda) == {"PDL": False, "launch_pdl": False}  # this test runs interpreted
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert common.pdl(cuda) == {"PDL": True, "launch_pdl": True}
+    assert common.pdl(cuda, early_start=False) == {"PDL": True, "launch_pdl": False}
+    monkeypatch.setenv("MOEFLOW_TRITON_PDL", "0")
+    assert common.pdl(cuda) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setenv("MOEFLOW_TRITON_PDL", "1")
+    monkeypatch.setattr(common, "_cuda_capability", lambda index: (8, 9))
+    assert common.pdl(cuda) == {"PDL": False, "launch_pdl": False}
+
+
 def test_expanded_weights_through_tma():
     """An expert stride of 0 (every expert the same tensor, as autotune compiles with) gives the
     same bytes as the materialized weights."""

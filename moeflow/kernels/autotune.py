@@ -191,10 +191,9 @@ def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int =
     return times[n // 2] / len(calls)
 
 
-def tune(shape: Shape, token_counts: list[int], warmup_ms: float = 3, rep_ms: float = 15, log=print, on_result=None):
+def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, on_result=None):
     """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us}}) for the current GPU (module docstring).
-    on_result(table, measured) is called after each T (so a stopped search keeps what it found).
-    warmup_ms is unused (graph timing warms up by capture); kept for callers."""
+    on_result(table, measured) is called after each T (so a stopped search keeps what it found)."""
     from .common import RowLayout
     from .gate_up import gate_up
     from .quant import quantize_groups, quantize_rows, quantize_with_amax
