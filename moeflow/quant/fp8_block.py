@@ -7,7 +7,6 @@ so that activation groups line up with weight blocks and the fused gate/up rows 
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

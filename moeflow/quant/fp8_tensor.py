@@ -5,7 +5,6 @@ Weight scale: [E] float32 (per expert, per matrix). Activation scale: the amax o
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .base import QuantScheme, amax_to_scale, to_fp8
