@@ -58,7 +58,7 @@ class TritonRunner(ExpertRunner):
         from ..kernels.common import RowLayout, unit_stride_rows
         from ..kernels.down import down
         from ..kernels.gate_up import gate_up
-        from ..kernels.quant import quantize_activation, quantize_groups, quantize_rows, quantize_with_amax
+        from ..kernels.quant import down_input, quantize_activation, quantize_rows
         config, scheme = self.config, self.scheme
         h = config.hidden_size
         layout = RowLayout.of(batch)
@@ -76,12 +76,7 @@ class TritonRunner(ExpertRunner):
         inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale,
                                layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison,
                                source_rows=None if src is None else src.contiguous())
-        if scheme.name == "fp8-block":  # quantized in gate_up's epilogue, or (narrow tiles) here
-            a, a_scale = (inter, extra) if extra is not None else quantize_groups(inter)
-        elif scheme.quantized:
-            a, a_scale = quantize_with_amax(inter, extra)
-        else:
-            a, a_scale = inter, None
+        a, a_scale = down_input(inter, extra, scheme.name)
         out = down(a, a_scale, weights.w2, weights.w2_scale, batch.weights.reshape(-1).float().contiguous(),
                    layout, scheme.name, config.dtype, kcfg.down, poison)
         return out.view(*batch.hidden.shape[:-1], h) if batch.layout == MASKED else out

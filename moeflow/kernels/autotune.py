@@ -196,7 +196,7 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
     on_result(table, measured) is called after each T (so a stopped search keeps what it found)."""
     from .common import RowLayout
     from .gate_up import gate_up
-    from .quant import quantize_groups, quantize_rows, quantize_with_amax
+    from .quant import down_input, quantize_rows
     from .down import down
     dev = torch.device("cuda")
     weights = random_weights(shape, dev)
@@ -219,15 +219,14 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
         def run_gu(c, inp):  # what the runner runs: narrow fp8-block tiles add the separate group quantization
             _, layout, xq, xs = inp
             inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c)
-            return quantize_groups(inter) if shape.scheme == "fp8-block" and extra is None else (inter, extra)
+            return down_input(inter, extra, shape.scheme) if shape.scheme == "fp8-block" else (inter, extra)
 
         gu_t = [graph_time_ms([lambda c=c, i=i: run_gu(c, i) for i in inputs], rep_ms) for c in gu_c]
         best_gu = gu_c[min(range(len(gu_c)), key=gu_t.__getitem__)]
         down_in = []
         for inp in inputs:
-            inter, extra = run_gu(best_gu, inp)
-            a, a_s = (inter, extra) if shape.scheme in ("none", "fp8-block") else quantize_with_amax(inter, extra)
-            down_in.append((a, None if shape.scheme == "none" else a_s, inp[0].weights, inp[1]))
+            a, a_s = down_input(*run_gu(best_gu, inp), shape.scheme)
+            down_in.append((a, a_s, inp[0].weights, inp[1]))
 
         def run_dn(c, a, a_s, route_w, layout):
             return down(a, a_s, weights.w2, weights.w2_scale, route_w, layout, shape.scheme, shape.dtype, c)

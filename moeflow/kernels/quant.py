@@ -101,6 +101,17 @@ def quantize_groups(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
+def down_input(inter: Tensor, extra: Tensor | None, scheme: str) -> tuple[Tensor, Tensor | None]:
+    """gate_up's (inter, extra) -> the down GEMM's input (a [R, I], a_scale or None) by scheme:
+    fp8-block: its 1x128 groups, quantized in gate_up's epilogue or (narrow tiles, extra None) here;
+    fp8-tensor / fp8-channel: quantized with the amax gate_up gathered; none: inter as it is."""
+    if scheme == "fp8-block":
+        return (inter, extra) if extra is not None else quantize_groups(inter)
+    if scheme == "none":
+        return inter, None
+    return quantize_with_amax(inter, extra)
+
+
 def quantize_rows(x: Tensor, scheme: str, layout: RowLayout | None = None) -> tuple[Tensor, Tensor]:
     """x [R, K] layer dtype, any row stride -> (q [R, K] float8_e4m3fn, scale [R, G] float32) by ``scheme``.
     layout: only a masked one matters (its empty slots stay out of the amax); None: every row valid."""
