@@ -263,12 +263,7 @@ def num_sms(device: torch.device) -> int:
     CPU interpreter)."""
     if device.type != "cuda":
         return 1
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return _cuda_properties(device).multi_processor_count
 
 
 def pdl(device: torch.device, early_start: bool = True) -> dict:
@@ -279,13 +274,18 @@ def pdl(device: torch.device, early_start: bool = True) -> dict:
     early, a weight-streaming GEMM's programs landed on whichever SMs the kernel before freed first,
     unevenly, and ran up to 1.4x slower (Mixtral fp8-block T=1, benchmarks/results/pdl_*.md)."""
     on = (device.type == "cuda" and not interpreting() and moeflow_env.TRITON_PDL.get_bool()
-          and _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0))
+          and _cuda_properties(device).major >= 9)
     return {"PDL": on, "launch_pdl": on and early_start}
 
 
+def _cuda_properties(device: torch.device):
+    """torch.cuda's properties of a CUDA device (an index-less device: the current one), cached."""
+    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _properties_of(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
 def interpreting() -> bool:
