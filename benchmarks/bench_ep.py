@@ -103,12 +103,15 @@ def bench_alltoall(a, dev, rank, res):
         r_d, r_c = bench_exact(a, cfg, quant, x, ids, w, dev, rank, res)
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # the exact dispatcher's buffers are gone with bench_exact's frame
-        fixed = bench_fixed(a, cfg, quant, x, ids, w, dev, rank, res)
-        res[f"alltoall-fixed/{quant}"] = dict(fixed, raw_dispatch_us=r_d, raw_combine_us=r_c, **{
-            f"ratio_{k}": (r_d + r_c) / (fixed[f"{k}_dispatch_us"] + fixed[f"{k}_combine_us"])
-            for k in ("eager", "graph") if f"{k}_dispatch_us" in fixed})
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        for name in ("alltoall-fixed", "alltoall-p2p"):
+            if name == "alltoall-p2p" and dev.type != "cuda":
+                continue  # peer memory: CUDA only
+            fixed = bench_fixed(a, cfg, quant, x, ids, w, dev, rank, res, name)
+            res[f"{name}/{quant}"] = dict(fixed, raw_dispatch_us=r_d, raw_combine_us=r_c, **{
+                f"ratio_{k}": (r_d + r_c) / (fixed[f"{k}_dispatch_us"] + fixed[f"{k}_combine_us"])
+                for k in ("eager", "graph") if f"{k}_dispatch_us" in fixed})
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def bench_exact(a, cfg, quant, x, ids, w, dev, rank, res):
@@ -147,24 +150,26 @@ def bench_exact(a, cfg, quant, x, ids, w, dev, rank, res):
     return r_d, r_c
 
 
-def bench_fixed(a, cfg, quant, x, ids, w, dev, rank, res):
-    """alltoall-fixed (blocks of max_tokens_per_rank = the batch's T rows): eager, and replayed from
-    CUDA graphs (dispatch and combine captured apart); raw NCCL of alltoall's exact bytes is the
-    baseline (the fixed blocks move W·T rows: a few more when a token skips a rank)."""
-    d = create_dispatcher("alltoall-fixed", cfg.replace(max_tokens_per_rank=a.tokens), create_scheme(quant),
-                          indexed_rows=True)
+def bench_fixed(a, cfg, quant, x, ids, w, dev, rank, res, name="alltoall-fixed"):
+    """alltoall-fixed or alltoall-p2p (blocks of max_tokens_per_rank = the batch's T rows): eager, and
+    replayed from CUDA graphs (dispatch and combine captured apart); raw NCCL of alltoall's exact bytes
+    is the baseline (the fixed blocks move W·T rows: a few more when a token skips a rank)."""
+    d = create_dispatcher(name, cfg.replace(max_tokens_per_rank=a.tokens), create_scheme(quant), indexed_rows=True)
     batch, handle = d.dispatch(x, ids, w)
     out = torch.randn(batch.num_rows, cfg.hidden_size, device=dev).to(cfg.dtype)
     fns = {"dispatch": lambda: d.dispatch(x, ids, w), "combine": lambda: d.combine(out, handle)}
     r = dict(tokens=a.tokens, rows_per_block=a.tokens, batch_rows=batch.num_rows, copies=int(batch.offsets[-1]),
              combine_pieces=handle.pieces)
-    for name, fn in fns.items():
-        r[f"eager_{name}_us"] = timed(fn, a.iters, dev)
+    for half, fn in fns.items():
+        r[f"eager_{half}_us"] = timed(fn, a.iters, dev)
     if a.profile:
-        profile(f"alltoall-fixed-{quant}-dispatch", fns["dispatch"], dev, rank, res)
+        profile(f"{name}-{quant}-dispatch", fns["dispatch"], dev, rank, res)
+        profile(f"{name}-{quant}-combine", fns["combine"], dev, rank, res)
     if dev.type == "cuda":
-        for name, fn in fns.items():
-            r[f"graph_{name}_us"] = timed(capture(fn).replay, a.iters, dev)
+        for half, fn in fns.items():
+            r[f"graph_{half}_us"] = timed(capture(fn).replay, a.iters, dev)
+        if name != "alltoall-fixed":
+            return r
         default = d.combine_chunks
         for pieces in (1, 2, 8):  # the combine in other numbers of pieces (the default is timed above)
             d.combine_chunks = pieces
@@ -228,8 +233,10 @@ def bench_layer(a, dev, rank, res):
                                    ("alltoall", "grouped_mm", "fp8-channel", a.tokens),
                                    ("alltoall", "triton", "fp8-block", a.tokens),
                                    ("alltoall-fixed", "triton", "fp8-block", a.tokens),
+                                   ("alltoall-p2p", "triton", "fp8-block", a.tokens),
                                    ("alltoall", "triton", "none", a.tokens),
                                    ("alltoall-fixed", "triton", "none", a.tokens),
+                                   ("alltoall-p2p", "triton", "none", a.tokens),
                                    ("lowlatency", "grouped_mm", "fp8-channel", a.ll_tokens),
                                    ("lowlatency", "triton", "fp8-block", a.ll_tokens)):
         res[f"layer/{disp}/{runner}/{quant}/T{t}"] = layer_time(a, dev, disp, runner, quant, t)
@@ -314,7 +321,7 @@ def print_table(res):
                   f" (raw {r['raw_combine_us']:7.1f} us, x{r['ratio_combine']:.2f})  total x{r['ratio_total']:.2f}"
                   f"  [transfer only: dispatch {r['dispatch_transfer_us']:.1f} us, combine {r['combine_transfer_us']:.1f} us;"
                   f" gathered dispatch {r['dispatch_gathered_us']:.1f} us]")
-        elif key.startswith("alltoall-fixed/"):
+        elif key.startswith(("alltoall-fixed/", "alltoall-p2p/")):
             print(f"{key:22s} " + "  ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us"))
                   + f"  (us; combine pieces {r.get('combine_pieces')})  ratio " + "  ".join(f"{k[6:]} x{v:.2f}" for k, v in r.items() if k.startswith("ratio_")))
         elif key.startswith("lowlatency/"):

@@ -392,6 +392,17 @@ When: building the dispatcher with payload="fp8" (dispatcher.with_payload("fp8")
 Fix: use payload="auto" (FP8 for fp8-channel and fp8-block, the layer dtype otherwise) or "dtype".
 Example: moe.dispatcher = moe.dispatcher.with_payload("auto")
 """)
+_spec("MF507", UnsupportedError, "peer memory not available",
+      "dispatcher {name!r} cannot map its peers' memory on rank {rank}: {why}; valid dispatchers: {valid}",
+      """
+What: the peer-to-peer dispatcher (alltoall-p2p) stores tokens straight into the other ranks' GPU
+memory, which needs every rank of the group on one node with GPUs that can map each other's memory
+(torch symmetric memory: NVLink or PCIe peer access). The group's ranks could not map each other's
+buffers: ranks on several nodes, GPUs without peer access, or a torch build without symmetric memory.
+When: building the layer (the dispatcher allocates and maps its buffers once).
+Fix: use alltoall-fixed (the same blocks through NCCL, also CUDA-graph capturable) or alltoall.
+Example: MoE(..., dispatcher="alltoall-fixed", max_tokens_per_rank=4096)
+""")
 # ---------------------------------------------------------------- MF603+: kernel configs / tuning
 _spec("MF603", ToolError, "invalid kernel config file",
       "kernel config file {path} cannot be used: {why}",

@@ -2,21 +2,25 @@
 
 Backends: "local" (one process); expert parallel on torch.distributed: "alltoall" (prefill,
 sorted), "alltoall-fixed" (prefill in fixed blocks: no host sync, CUDA-graph capturable),
+"alltoall-p2p" (alltoall-fixed's blocks stored straight into the peers' memory: one node, CUDA),
 "allgather" (simple, sorted), "lowlatency" (decode, masked, CUDA-graph capturable).
 "auto" in a group of W > 1 ranks picks by priority: alltoall > allgather > lowlatency >
-alltoall-fixed (the fixed ones need max_tokens_per_rank sized for the batches: asked for by name).
+alltoall-fixed > alltoall-p2p (the fixed ones need max_tokens_per_rank sized for the batches, and
+alltoall-p2p one node: asked for by name).
 """
 from ..registry import Registry
 from .base import Dispatcher
 from .allgather import AllGatherDispatcher
 from .alltoall import AllToAllDispatcher
 from .alltoall_fixed import AllToAllFixedDispatcher
+from .alltoall_p2p import PeerAllToAllDispatcher
 from .local import LocalDispatcher
 from .lowlatency import LowLatencyDispatcher
 
 DISPATCHERS: Registry[Dispatcher] = Registry("dispatcher")
 DISPATCHERS.register(LocalDispatcher)
-for _cls in (AllToAllDispatcher, AllGatherDispatcher, LowLatencyDispatcher, AllToAllFixedDispatcher):
+for _cls in (AllToAllDispatcher, AllGatherDispatcher, LowLatencyDispatcher, AllToAllFixedDispatcher,
+             PeerAllToAllDispatcher):
     DISPATCHERS.register(_cls)
 
 

@@ -124,6 +124,17 @@ class RowCodec:
              expert_local, pad_from)
         return buf
 
+    def pack_to(self, table: Tensor, template: Tensor, tokens: Tensor, scale: Tensor | None, ids: Tensor,
+                weights: Tensor, dest_pos: Tensor, expert_rank: Tensor, expert_local: Tensor) -> None:
+        """``pack``'s rows stored elsewhere (peer-to-peer dispatch, CUDA): destination d's rows start at
+        address table[d] ([D] int64) and dest_pos [T, D] counts rows from there (negative: not sent);
+        template: any uint8 [*, row_bytes] buffer of this codec (its row layout). One Triton launch
+        (kernels/ep_rows.pack_rows with a table)."""
+        from ..kernels.ep_rows import pack_rows
+
+        pack_rows(self.unpack(template), tokens, scale, ids.to(torch.int32), weights.float(), dest_pos, expert_rank,
+                  expert_local, table=table)
+
     def blank_row(self, device) -> Tensor:
         """uint8 [row_bytes]: a row that carries no token (ids -1; weights, scales, token 0)."""
         row = torch.zeros(self.row_bytes, dtype=torch.uint8, device=device)
@@ -177,11 +188,17 @@ def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: boo
     return batch, copy_pos.view(-1, k)
 
 
-def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor) -> None:
+def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor, table: Tensor | None = None) -> None:
     """Rows counts[d] .. C-1 of each block d of buf [W * C, row_bytes] become ``blank``
     (RowCodec.blank_row), in place, without a host synchronization: one Triton launch on CUDA
-    (kernels/ep_rows.blank_rows), blank_rows_torch otherwise."""
+    (kernels/ep_rows.blank_rows), blank_rows_torch otherwise. table [W] int64 (peer-to-peer, CUDA):
+    block d is the C rows from address table[d] (buf gives the row size)."""
     kernels = _ep_kernels(buf)
+    if table is not None:
+        from ..kernels.ep_rows import blank_rows as blank_rows_kernel
+
+        blank_rows_kernel(buf, counts, capacity, blank, table=table)
+        return
     (blank_rows_torch if kernels is None else kernels.blank_rows)(buf, counts, capacity, blank)
 
 

@@ -84,7 +84,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         return _Pending(work, buf, AllToAllHandle(None, home, sent, received), copies_in)
 
     def dispatch_wait(self, pending: _Pending):
-        wait(pending.work, "alltoall dispatch", self.process_group, pending.buf.device)
+        if pending.work is not None:  # None: the rows are already here (alltoall-p2p)
+            wait(pending.work, "alltoall dispatch", self.process_group, pending.buf.device)
         rows = self.codec.unpack(pending.buf)
         batch, pending.handle.copy_pos = sorted_batch(self.codec, rows, pending.copies, len(self._local),
                                                       indexed=self.indexed_rows, padded=pending.padded)

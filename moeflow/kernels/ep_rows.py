@@ -68,11 +68,13 @@ def _pack_rows_kernel(tokens_ptr, tscale_ptr, ids_ptr, w_ptr, dest_ptr, rank_ptr
                       num_dest, num_pairs, num_rows, pad_from, words,
                       stride_tok, stride_tscale, stride_ids, stride_w,
                       stride_oids, stride_ow, stride_oscale, stride_oh,
+                      table_ptr, row_bytes, ids_at, w_at, scale_at, hidden_at,
                       TOP_K: tl.constexpr, GROUPS: tl.constexpr, REMAP: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
-                      BLOCK_P: tl.constexpr):
-    """Programs 0 .. T*D-1: pair (t, d) = divmod(pid, D), written to row dest_pos[t, d] if >= 0.
-    The rest: BLOCK_P padding rows each, from pad_from."""
+                      BLOCK_P: tl.constexpr, TABLE: tl.constexpr):
+    """Programs 0 .. T*D-1: pair (t, d) = divmod(pid, D), written to row dest_pos[t, d] if >= 0: of
+    the out views, or with TABLE of the rows starting at address table[d] (row_bytes apart, the
+    fields at the given byte offsets). The rest: BLOCK_P padding rows each, from pad_from."""
     pid = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     k_ok = kk < TOP_K
@@ -80,6 +82,17 @@ def _pack_rows_kernel(tokens_ptr, tscale_ptr, ids_ptr, w_ptr, dest_ptr, rank_ptr
         t = pid // num_dest
         row = tl.load(dest_ptr + pid)  # dest_pos is contiguous: pair (t, d) at t * D + d
         if row >= 0:
+            if TABLE:
+                base = tl.load(table_ptr + pid % num_dest).to(tl.pointer_type(tl.uint8)) + row * row_bytes
+                o_ids = (base + ids_at).to(tl.pointer_type(tl.int32), bitcast=True)
+                o_w = (base + w_at).to(tl.pointer_type(tl.float32), bitcast=True)
+                o_scale = (base + scale_at).to(tl.pointer_type(tl.float32), bitcast=True)
+                o_hidden = (base + hidden_at).to(tokens_ptr.dtype, bitcast=True)
+            else:
+                o_ids = out_ids_ptr + row * stride_oids
+                o_w = out_w_ptr + row * stride_ow
+                o_scale = out_scale_ptr + row * stride_oscale
+                o_hidden = out_hidden_ptr + row * stride_oh
             ids = tl.load(ids_ptr + t * stride_ids + kk, mask=k_ok, other=-1)
             w = tl.load(w_ptr + t * stride_w + kk, mask=k_ok, other=0.0)
             if REMAP:
@@ -87,16 +100,16 @@ def _pack_rows_kernel(tokens_ptr, tscale_ptr, ids_ptr, w_ptr, dest_ptr, rank_ptr
                 keep = known & (tl.load(rank_ptr + ids, mask=known, other=-1) == pid % num_dest)
                 ids = tl.where(keep, tl.load(local_ptr + ids, mask=keep, other=-1), -1).to(tl.int32)
                 w = tl.where(keep, w, 0.0)
-            tl.store(out_ids_ptr + row * stride_oids + kk, ids, mask=k_ok)
-            tl.store(out_w_ptr + row * stride_ow + kk, w, mask=k_ok)
+            tl.store(o_ids + kk, ids, mask=k_ok)
+            tl.store(o_w + kk, w, mask=k_ok)
             if GROUPS > 0:
                 gg = tl.arange(0, BLOCK_G)
                 s = tl.load(tscale_ptr + t * stride_tscale + gg, mask=gg < GROUPS)
-                tl.store(out_scale_ptr + row * stride_oscale + gg, s, mask=gg < GROUPS)
+                tl.store(o_scale + gg, s, mask=gg < GROUPS)
             for c0 in range(0, words, BLOCK_W):
                 cols = c0 + tl.arange(0, BLOCK_W)
                 x = tl.load(tokens_ptr + t * stride_tok + cols, mask=cols < words)
-                tl.store(out_hidden_ptr + row * stride_oh + cols, x, mask=cols < words)
+                tl.store(o_hidden + cols, x, mask=cols < words)
     else:
         rows = pad_from + (pid - num_pairs) * BLOCK_P + tl.arange(0, BLOCK_P)
         ok = (rows < num_rows)[:, None] & k_ok[None, :]
@@ -108,7 +121,7 @@ def _pack_rows_kernel(tokens_ptr, tscale_ptr, ids_ptr, w_ptr, dest_ptr, rank_ptr
 
 def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor,
               dest_pos: Tensor, expert_rank: Tensor | None = None, expert_local: Tensor | None = None,
-              pad_from: int | None = None) -> None:
+              pad_from: int | None = None, table: Tensor | None = None) -> None:
     """Write tokens into the rows of ``out`` (module docstring), one launch, no host synchronization.
 
     out: Rows of M rows; tokens [T, Wd] out.hidden's word dtype; scale [T, G] float32 | None (None
@@ -116,6 +129,10 @@ def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weig
     expert_rank, expert_local [E] int64 or both None (D is then 1); ids in 0 .. E-1 (negative ones
     are never kept). dest_pos names each row at most once, all below pad_from; rows below pad_from
     that it does not name are left as they are.
+
+    table [D] int64 (peer-to-peer dispatch): destination d's rows start at address table[d], in
+    out's row layout (out is then only the template: its row stride and field offsets); dest_pos
+    counts rows from there; no padding rows (pad_from must be None).
     """
     _check_rows(out)
     if (scale is None) != (out.scale is None) or (expert_rank is None) != (expert_local is None):
@@ -134,14 +151,18 @@ def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weig
     remap = expert_rank is not None
     rank, local = (expert_rank.contiguous(), expert_local.contiguous()) if remap else (dest_pos, dest_pos)
     out_scale = out.weights if out.scale is None else out.scale
+    if table is not None and (pad_from is not None or table.shape != (d,) or table.dtype != torch.int64):
+        raise ValueError(f"table must be int64 [D={d}] and pad_from None, got {tuple(table.shape)} {table.dtype}")
+    at = [v.data_ptr() - out.ids.data_ptr() for v in (out.ids, out.weights, out_scale, out.hidden)]
     _pack_rows_kernel[(t * d + pads,)](
         tokens, scale, ids, weights, dest_pos, rank, local,
         out.ids, out.weights, out_scale, out.hidden,
         d, t * d, m, 0 if pad_from is None else pad_from, words,
         tokens.stride(0), scale.stride(0), ids.stride(0), weights.stride(0),
         out.ids.stride(0), out.weights.stride(0), out_scale.stride(0), out.hidden.stride(0),
+        dest_pos if table is None else table, out.ids.stride(0) * 4, *at,
         TOP_K=k, GROUPS=groups, REMAP=remap, BLOCK_K=_block(k), BLOCK_G=_block(groups), BLOCK_W=_block(words),
-        BLOCK_P=_PAD_ROWS)
+        BLOCK_P=_PAD_ROWS, TABLE=table is not None)
 
 
 # ---------------------------------------------------------------- rank_rows
@@ -224,16 +245,21 @@ def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int, block: int = 0)
 
 # ---------------------------------------------------------------- blank_rows
 @triton.jit
-def _blank_rows_kernel(buf_ptr, blank_ptr, counts_ptr, capacity, words,
-                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Program (b, d): rows b*BLOCK_R .. of block d that lie at or past counts[d] get the blank row."""
+def _blank_rows_kernel(buf_ptr, blank_ptr, counts_ptr, table_ptr, capacity, words,
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, TABLE: tl.constexpr):
+    """Program (b, d): rows b*BLOCK_R .. of block d that lie at or past counts[d] get the blank row.
+    Block d is rows d*capacity .. of buf, or with TABLE the rows starting at address table[d]."""
     b = tl.program_id(0)
     d = tl.program_id(1).to(tl.int64)
     used = tl.load(counts_ptr + d)
     r = b * BLOCK_R + tl.arange(0, BLOCK_R)
     if b * BLOCK_R + BLOCK_R > used:  # else every row of this tile holds a token
         blank = (r >= used) & (r < capacity)
-        rows = d * capacity + r
+        if TABLE:
+            buf_ptr = tl.load(table_ptr + d).to(tl.pointer_type(tl.int32))
+            rows = r.to(tl.int64)
+        else:
+            rows = d * capacity + r
         for c0 in range(0, words, BLOCK_W):
             cols = c0 + tl.arange(0, BLOCK_W)
             v = tl.load(blank_ptr + cols, mask=cols < words)
@@ -241,11 +267,17 @@ def _blank_rows_kernel(buf_ptr, blank_ptr, counts_ptr, capacity, words,
                      mask=blank[:, None] & (cols < words)[None, :])
 
 
-def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor) -> None:
+def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor, table: Tensor | None = None) -> None:
     """buf uint8 [W * C, row_bytes] (contiguous, row_bytes a multiple of 4), counts [W] int64,
-    blank uint8 [row_bytes]: module docstring. In place."""
+    blank uint8 [row_bytes]: module docstring. In place.
+    table [W] int64 (peer-to-peer dispatch): block d is the C rows from address table[d] instead;
+    buf then only gives the row size."""
     m, row_bytes = buf.shape
     world = counts.shape[0]
+    if table is not None:
+        m = world * capacity
+        if table.shape != (world,) or table.dtype != torch.int64:
+            raise ValueError(f"table must be int64 [W={world}], got {tuple(table.shape)} {table.dtype}")
     if m != world * capacity or row_bytes % 4 or not buf.is_contiguous():
         raise ValueError(f"buf {tuple(buf.shape)} must be contiguous [W * C, row_bytes] with W={world}, "
                          f"C={capacity}, row_bytes a multiple of 4")
@@ -254,8 +286,8 @@ def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor) -> Non
     words = row_bytes // 4
     block_r = 16
     _blank_rows_kernel[(triton.cdiv(capacity, block_r), world)](
-        buf.view(torch.int32), blank.view(torch.int32), counts.contiguous(), capacity, words,
-        BLOCK_R=block_r, BLOCK_W=_block(words, 256))
+        buf.view(torch.int32), blank.view(torch.int32), counts.contiguous(), counts if table is None else table,
+        capacity, words, BLOCK_R=block_r, BLOCK_W=_block(words, 256), TABLE=table is not None)
 
 
 # ---------------------------------------------------------------- masked_scatter

@@ -9,7 +9,8 @@ says (by index for the triton runner); the FP8 payload on a bf16 layer; the star
 low-latency dispatch → experts → combine captured in one CUDA graph and replayed on fresh inputs
 (with a capturable stand-in expert: the masked layout's own math); the whole layer captured for
 runners that consume the masked layout natively (not "reference", which reads counts on the host);
-the whole layer with alltoall-fixed (no host synchronization) captured and replayed.
+the whole layer with alltoall-fixed and alltoall-p2p (no host synchronization) captured and
+replayed; alltoall-p2p's barrier giving up on a silent peer.
 """
 import json
 import os
@@ -111,7 +112,7 @@ def worker_checks(ctx):
     shape = dict(num_experts=16, hidden_size=512, intermediate_size=256, top_k=4, max_tokens_per_rank=128,
                  dtype=torch.bfloat16, device=ctx.device)
     checks = []
-    for d in DISPATCHERS:
+    for d in DISPATCHERS + GPU_DISPATCHERS:
         for r in RUNNERS.names():
             for s in SCHEMES:
                 if cell_status(MoEConfig(**shape, dispatcher=d, runner=r, quant=s), env) == "ok":
@@ -129,13 +130,40 @@ def worker_checks(ctx):
     for r in masked:
         checks.append((f"lowlatency-whole-layer-graph-{r}", lambda c, r=r: check_graph(c, "auto", r)))
     # alltoall-fixed: the prefill path with no host synchronization, the whole layer in one graph
-    for q in ("none", "fp8-block") if graphs else ():
-        for r in RUNNERS.names():
-            if r != "reference" and cell_status(MoEConfig(**{**shape, "quant": q}, dispatcher="alltoall-fixed",
-                                                          runner=r), env) == "ok":
-                checks.append((f"alltoall-fixed-whole-layer-graph-{r}-{q}", lambda c, r=r, q=q: check_graph(
-                    c, "auto", r, "alltoall-fixed", q)))
+    for d in ("alltoall-fixed", "alltoall-p2p"):
+        for q in ("none", "fp8-block") if graphs else ():
+            for r in RUNNERS.names():
+                if r != "reference" and cell_status(MoEConfig(**{**shape, "quant": q}, dispatcher=d, runner=r),
+                                                    env) == "ok":
+                    checks.append((f"{d}-whole-layer-graph-{r}-{q}", lambda c, r=r, q=q, d=d: check_graph(
+                        c, "auto", r, d, q)))
+    if graphs:
+        checks.append(("p2p-barrier-timeout", check_barrier_timeout))
     return checks, masked
+
+
+# dispatchers of CUDA only (tests/test_ep_worker.py's DISPATCHERS run on gloo too)
+GPU_DISPATCHERS = ("alltoall-p2p",)
+
+
+def check_barrier_timeout(ctx):
+    """kernels/peer.barrier with a peer that never signals: it stops after its limit and writes
+    1 + the silent rank into pinned host memory (no hang); a round the peer did signal passes."""
+    from moeflow.kernels.peer import barrier
+
+    dev = ctx.device
+    pads = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(2)]
+    table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=dev)
+    epoch = torch.zeros(1, dtype=torch.int64, device=dev)
+    status = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    addr = torch.tensor([status.data_ptr()], dtype=torch.int64, device=dev)
+    pads[0][1] = 1  # "rank 1" entered round 1
+    barrier(table, epoch, addr, 0, 2, timeout_s=0.05)
+    torch.cuda.synchronize()
+    assert int(status[0]) == 0 and pads[0].tolist() == [1, 1] and pads[1].tolist() == [1, 0], (status, pads)
+    barrier(table, epoch, addr, 0, 2, timeout_s=0.05)  # round 2: "rank 1" stays silent
+    torch.cuda.synchronize()
+    assert int(status[0]) == 2 and int(epoch[0]) == 2, (status, epoch)
 
 
 def main():
