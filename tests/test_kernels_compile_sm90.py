@@ -67,8 +67,12 @@ for grouped in (True, False):
     out[f"quant grouped={grouped}"] = compile_for_hopper(_quant_kernel, ints(_quant_kernel, dict(
         x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", amax_ptr="*fp32")),
         dict(BLOCK_R=16, BLOCK_K=128 if grouped else 512, GROUPED=grouped, ROUND_IN_FP32=False))
-out["moe_sum"] = compile_for_hopper(_moe_sum_kernel, ints(_moe_sum_kernel, dict(
-    y_ptr="*bf16", row_ptr="*i64", out_ptr="*bf16")), dict(TOP_K=8, BLOCK_H=1024))
+for table in (False, True):
+    out[f"moe_sum table={table}"] = compile_for_hopper(_moe_sum_kernel, ints(_moe_sum_kernel, dict(
+        y_ptr="*bf16", row_ptr="*i64", out_ptr="*bf16", table_ptr="*i64")), dict(TOP_K=8, BLOCK_H=1024, TABLE=table))
+from moeflow.kernels.peer import _barrier_kernel
+out["peer barrier"] = compile_for_hopper(_barrier_kernel, ints(_barrier_kernel, dict(
+    pads_ptr="*i64", epoch_ptr="*i64", status_ptr="*i64", limit="i64")), dict(CLOCK=True), num_warps=1)
 for masked in (False, True):
     out[f"align masked={masked}"] = compile_for_hopper(_align_kernel, ints(_align_kernel, dict(
         meta_ptr="*i32" if masked else "*i64", table_ptr="*i64")), dict(BLOCK_M=64, E_POW2=256, MASKED=masked))
@@ -82,11 +86,13 @@ for grouped in (1, 8):
         dict(K=8, K_POW2=8, E_POW2=256, SIGMOID=grouped > 1, RENORM=True, HAS_BIAS=grouped > 1, GROUPS=grouped,
              TOPK_GROUPS=min(grouped, 4), BLOCK_T=8))
 from moeflow.kernels.ep_rows import _copy_slots_kernel, _pack_rows_kernel, _scatter_rows_kernel
-for groups in (56, 0):  # fp8-block payload (scales), layer-dtype payload
+for groups in (56, 0):  # fp8-block payload (scales), layer-dtype payload; the second through a table (p2p)
     out[f"pack_rows groups={groups}"] = compile_for_hopper(_pack_rows_kernel, ints(_pack_rows_kernel, dict(
         tokens_ptr="*i64", tscale_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32", dest_ptr="*i64", rank_ptr="*i64",
-        local_ptr="*i64", out_ids_ptr="*i32", out_w_ptr="*fp32", out_scale_ptr="*fp32", out_hidden_ptr="*i64")),
-        dict(TOP_K=8, GROUPS=groups, REMAP=groups > 0, BLOCK_K=8, BLOCK_G=64 if groups else 1, BLOCK_W=1024, BLOCK_P=64))
+        local_ptr="*i64", out_ids_ptr="*i32", out_w_ptr="*fp32", out_scale_ptr="*fp32", out_hidden_ptr="*i64",
+        table_ptr="*i64")),
+        dict(TOP_K=8, GROUPS=groups, REMAP=groups > 0, BLOCK_K=8, BLOCK_G=64 if groups else 1, BLOCK_W=1024, BLOCK_P=64,
+             TABLE=groups == 0))
     out[f"scatter_rows groups={groups}"] = compile_for_hopper(_scatter_rows_kernel, ints(_scatter_rows_kernel, dict(
         slot_ptr="*i64", w_ptr="*fp32", scale_ptr="*fp32", hidden_ptr="*i64", w_slab_ptr="*fp32",
         scale_slab_ptr="*fp32", hidden_slab_ptr="*i64")),
@@ -104,8 +110,9 @@ out["segment_place"] = compile_for_hopper(_segment_place_kernel, ints(_segment_p
     ids_ptr="*i32", w_ptr="*fp32", hist_ptr="*i32", counts_ptr="*i32", offsets_ptr="*i64", source_ptr="*i64",
     sorted_w_ptr="*fp32", pos_ptr="*i64")), dict(TOP_K=8, SEG=8192, BINS=512, S_POW2=16), num_warps=16)
 from moeflow.kernels.ep_rows import _blank_rows_kernel
-out["blank_rows"] = compile_for_hopper(_blank_rows_kernel, ints(_blank_rows_kernel, dict(
-    buf_ptr="*i32", blank_ptr="*i32", counts_ptr="*i64")), dict(BLOCK_R=16, BLOCK_W=256))
+for table in (False, True):
+    out[f"blank_rows table={table}"] = compile_for_hopper(_blank_rows_kernel, ints(_blank_rows_kernel, dict(
+        buf_ptr="*i32", blank_ptr="*i32", counts_ptr="*i64", table_ptr="*i64")), dict(BLOCK_R=16, BLOCK_W=256, TABLE=table))
 out["copy_slots"] = compile_for_hopper(_copy_slots_kernel, ints(_copy_slots_kernel, dict(
     experts_ptr="*i64", slot_ptr="*i64", counts_ptr="*i32", w_slab_ptr="*fp32")), dict(BLOCK=1024))
 print(json.dumps(out))
@@ -114,7 +121,7 @@ print(json.dumps(out))
 
 def test_every_kernel_compiles_for_sm90():
     usage = compile_without_interpreter(COMPILE_ALL)
-    assert len(usage) == 30
+    assert len(usage) == 33
     for name, (regs, spill) in usage.items():
         assert 0 < regs <= 255, name
     assert usage["segment_place"][1] == 0, "the in-register sort of 8192 copies spills at 16 warps"

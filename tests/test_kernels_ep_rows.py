@@ -236,3 +236,44 @@ def test_blank_rows_matches_torch(used, hidden, dtype, payload):
         assert (block[n:] == blank).all()
     rows = codec.unpack(got[:1].clone().copy_(blank[None]))
     assert (rows.ids == -1).all() and (rows.weights == 0).all() and not rows.hidden.any()
+
+
+# ---------------------------------------------------------------- through address tables (alltoall-p2p)
+@pytest.mark.parametrize("hidden,dtype,payload", PAYLOADS[:3] + PAYLOADS[-1:], ids=str)
+@pytest.mark.parametrize("t,world,me", [(0, 2, 0), (1, 2, 1), (6, 3, 2), (9, 3, 0)])
+def test_pack_and_blank_through_a_table(t, world, me, hidden, dtype, payload):
+    """alltoall-p2p: rank ``me`` stores its block straight into every rank's receive buffer (W buffers in
+    one process stand in for the peers). Block ``me`` of buffer d must equal block d of alltoall-fixed's
+    send buffer (pack + blank_rows); every other block of buffer d stays poisoned."""
+    codec, cap = codec_for(hidden, dtype, payload), 9
+    tokens, scale = codec.encode(torch.randn(t, hidden).to(dtype))
+    ids, w = routing(t, 3, 7)
+    rank, local = placement(world)
+    counts, slot = rank_rows(ids, rank, world, block=cap)
+    send = poisoned(codec, world * cap)
+    pack_rows(codec.unpack(send), tokens, scale, ids, w, slot, rank, local)
+    blank_rows(send, counts[:, 0], cap, codec.blank_row("cpu"))
+    bufs = [poisoned(codec, world * cap) for _ in range(world)]
+    table = torch.tensor([b.data_ptr() + me * cap * codec.row_bytes for b in bufs], dtype=torch.int64)
+    pos = slot - torch.arange(world) * cap  # negative: not sent
+    pack_rows(codec.unpack(bufs[0]), tokens, scale, ids, w, pos, rank, local, table=table)
+    blank_rows(bufs[0], counts[:, 0], cap, codec.blank_row("cpu"), table=table)
+    for d, buf in enumerate(bufs):
+        got, want = codec.unpack(buf[me * cap:(me + 1) * cap]), codec.unpack(send[d * cap:(d + 1) * cap])
+        assert same(got.ids, want.ids) and same(got.weights, want.weights) and same(got.hidden, want.hidden)
+        assert scale is None or same(got.scale, want.scale)
+        others = torch.cat([buf[:me * cap], buf[(me + 1) * cap:]])
+        assert (others == 0x7F).all()
+
+
+def test_table_arguments_are_checked():
+    codec = codec_for(256, torch.bfloat16, None)
+    tokens, _ = codec.encode(torch.randn(2, 256).to(torch.bfloat16))
+    ids, w = routing(2, 3, 7)
+    rank, local = placement(2)
+    buf = poisoned(codec, 4)
+    with pytest.raises(ValueError):
+        pack_rows(codec.unpack(buf), tokens, None, ids, w, torch.zeros(2, 2, dtype=torch.int64), rank, local,
+                  table=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError):
+        blank_rows(buf, torch.zeros(2, dtype=torch.int64), 2, codec.blank_row("cpu"), table=torch.zeros(2, dtype=torch.int32))

@@ -18,15 +18,18 @@ from .common import pdl, pdl_start
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, row_ptr, out_ptr, table_ptr, rows_per_dest, H, stride_y, stride_out,
+def _moe_sum_kernel(y_ptr, row_ptr, out_ptr, table_ptr, num_dest, rows_per_dest, H, stride_y, stride_out,
                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr = False,
                     PDL: tl.constexpr = False):
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
-    if TABLE:  # row t goes to row t % rows_per_dest of the rows at address table[t // rows_per_dest]
-        d = t // rows_per_dest
+    if TABLE:
+        # row t goes to row p of the rows at address table[d], t = d * rows_per_dest + p; programs take
+        # the destinations in turn (d = pid % D) so stores to peers and to this GPU run side by side
+        d = t % num_dest
+        out_row = t // num_dest
+        t = d * rows_per_dest + out_row
         out_ptr = tl.load(table_ptr + d).to(tl.pointer_type(y_ptr.dtype.element_ty))
-        out_row = t - d * rows_per_dest
     else:
         out_row = t
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -46,24 +49,24 @@ def moe_sum(y: Tensor, row_of_copy: Tensor, top_k: int) -> Tensor:
     if t == 0 or h == 0:
         return out.zero_()
     block_h = min(1024, triton.next_power_of_2(h))
-    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, row_of_copy.contiguous(), out, out, 1, h, y.stride(0), out.stride(0),
+    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, row_of_copy.contiguous(), out, out, 1, 1, h, y.stride(0), out.stride(0),
                                                    TOP_K=top_k, BLOCK_H=block_h, **pdl(y.device))
     return out
 
 
 def moe_sum_to(y: Tensor, row_of_copy: Tensor, top_k: int, table: Tensor, rows_per_dest: int) -> None:
-    """moe_sum whose output row t is stored at row t % rows_per_dest of the contiguous [*, H] y.dtype
-    rows starting at address table[t // rows_per_dest] (table [D] int64: the peer-to-peer combine
-    writes each rank's partial sums straight into that rank's receive buffer). Plain launch: the
-    rows may live on other GPUs."""
+    """moe_sum whose output row t = d * rows_per_dest + p is stored at row p of the contiguous [*, H]
+    y.dtype rows starting at address table[d] (table [D] int64, T = D * rows_per_dest: the peer-to-peer
+    combine writes each rank's partial sums straight into that rank's receive buffer). Plain launch:
+    the rows may live on other GPUs."""
     t = row_of_copy.numel() // top_k
     h = y.shape[1]
-    if table.dtype != torch.int64 or table.dim() != 1 or t > table.shape[0] * rows_per_dest:
-        raise ValueError(f"table must be int64 [D] covering {t} rows of {rows_per_dest} per destination")
+    if table.dtype != torch.int64 or table.dim() != 1 or t != table.shape[0] * rows_per_dest:
+        raise ValueError(f"table must be int64 [D] with D * {rows_per_dest} = {t} rows")
     if t == 0 or h == 0:
         return
     block_h = min(1024, triton.next_power_of_2(h))
-    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, row_of_copy.contiguous(), y, table, rows_per_dest, h,
+    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, row_of_copy.contiguous(), y, table, table.shape[0], rows_per_dest, h,
                                                    y.stride(0), h, TOP_K=top_k, BLOCK_H=block_h, TABLE=True)
 
 
