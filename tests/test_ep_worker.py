@@ -30,7 +30,7 @@ from moeflow.capabilities import Environment  # noqa: E402
 from oracle import rel_err  # noqa: E402
 from tolerances import rel_tol  # noqa: E402
 
-DISPATCHERS = ("allgather", "alltoall", "alltoall-fixed", "lowlatency")
+DISPATCHERS = ("allgather", "alltoall", "alltoall-fixed", "alltoall-p2p", "lowlatency")
 SCHEMES = ("none", "fp8-tensor", "fp8-channel", "fp8-block")
 BASE = dict(num_experts=8, hidden_size=256, intermediate_size=128, top_k=2, max_tokens_per_rank=32)
 
@@ -163,6 +163,7 @@ def suite(world):
     # pack, where tokens go, the receiver's sort, the masked slab (fp16: the interpreter has no bf16)
     for d, s, indexed in (("alltoall", "none", True), ("alltoall", "fp8-block", True), ("alltoall", "fp8-channel", False),
                           ("alltoall-fixed", "none", True), ("alltoall-fixed", "fp8-channel", False),
+                          ("alltoall-p2p", "none", True), ("alltoall-p2p", "fp8-block", False),
                           ("lowlatency", "fp8-block", False), ("lowlatency", "none", False), ("allgather", "none", False)):
         checks.append((f"triton-kernels-{d}-{s}", lambda c, d=d, s=s, ix=indexed: compare_with_kernels(
             c, f"k{d}{s}", dispatcher=d, quant=s, indexed=ix)))
@@ -173,8 +174,9 @@ def suite(world):
     checks.append(("auto-picks-alltoall", check_auto))
     checks.append(("mismatch-MF501", check_mismatch))
     checks.append(("bad-placement-MF504", lambda c: c.expect("MF504", lambda: MoE(**BASE, placement=(0,) * 8))))
-    for d in ("lowlatency", "alltoall-fixed"):
+    for d in ("lowlatency", "alltoall-fixed", "alltoall-p2p"):
         checks.append((f"overflow-MF503-{d}", lambda c, d=d: check_overflow(c, d)))
+    checks.append(("alltoall-p2p-repeated-dispatch", check_p2p_repeated))
     # alltoall-fixed's combine in 3 pieces (C_rank = 27), and in one
     checks.append(("alltoall-fixed-combine-3-pieces", lambda c: c.compare(
         tokens_for(c, "p3"), dispatcher="alltoall-fixed", runner="reference", max_tokens_per_rank=27,
@@ -233,6 +235,24 @@ def check_overflow(c, d):
         c.compare(tokens, dispatcher=d, runner="reference", dtype=torch.float32)
     torch.manual_seed(1234)  # the group is still usable: one more forward on every rank
     c.compare(tokens_for(c, "after" + d), dispatcher=d, runner="reference", dtype=torch.float32)
+
+
+def check_p2p_repeated(c):
+    """alltoall-p2p reuses its mapped buffers: three forwards of one layer, each batch smaller or larger
+    than the last (stale rows of the previous call must be blanked), each equal to the one-process layer."""
+    cfg = MoEConfig(**BASE, dispatcher="alltoall-p2p", runner="reference", dtype=torch.float32)
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    state = {"gate_up_proj": torch.randn(e, 2 * i, h) / h ** 0.5, "down_proj": torch.randn(e, h, i) / i ** 0.5}
+    ep, one = MoE(cfg), MoE(cfg.replace(dispatcher="auto"), process_group=c.solo[c.rank])
+    for layer in (ep, one):
+        layer.load_weights(state)
+    for n in (20, 3, 28):
+        tokens = [n + r for r in range(c.world)]
+        x, logits = torch.randn(sum(tokens), h), torch.randn(sum(tokens), e)
+        lo = sum(tokens[:c.rank])
+        mine = slice(lo, lo + tokens[c.rank])
+        err = rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine])
+        assert err <= rel_tol("none", torch.float32), (n, err)
 
 
 def check_timeout(c):

@@ -1,65 +1,124 @@
-"""Buffers every rank of a group maps (torch symmetric memory) and the barrier over them: the
-transport of the peer-to-peer dispatcher (alltoall_p2p.py).
+"""Buffers every rank of a group maps, and a barrier over them: the transport of the peer-to-peer
+dispatcher (alltoall_p2p.py).
 
-Each named buffer exists once per rank at the same size; ``table(name, rows)`` gives the addresses
-a kernel stores through to reach block ``rank`` (``rows`` rows long) of that buffer on every rank.
-``barrier()`` is kernels/peer.barrier on this rank's stream (no host synchronization, capturable);
-a peer that does not answer within MOEFLOW_DIST_TIMEOUT_S ends the wait and leaves a flag in pinned
-host memory, which ``check()`` turns into MF502 without a device synchronization.
+Each named buffer exists once per rank at the same size, and every rank maps all of them:
+  CUDA: torch symmetric memory (NVLink / PCIe peer access, one node);
+  CPU: files in /dev/shm (or the temp folder) that every rank maps (one node); the files are
+    unlinked once all ranks have mapped them.
+``table(name, rows)`` gives the addresses a kernel stores through to reach block ``rank`` (``rows``
+rows long) of that buffer on every rank; ``blocks(name, rows)`` gives the same blocks as tensors.
+``barrier()``: CUDA: kernels/peer.barrier on this rank's stream (no host synchronization,
+capturable); a peer that does not answer within MOEFLOW_DIST_TIMEOUT_S ends the wait and leaves a
+flag in pinned host memory that ``check()`` turns into MF502 without a device synchronization.
+CPU: gloo's monitored barrier (MF502 after the same timeout).
 """
 from __future__ import annotations
 
+import os
+import tempfile
+import uuid
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ..distributed import all_gather_host, timeout_s
+from ..distributed import all_gather_host, collective, timeout_s
 from ..errors import error
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class PeerBuffers:
     """buffers: name -> (shape, dtype). Collective: every rank of ``group`` builds it, in the same order."""
 
-    def __init__(self, name: str, group, rank: int, world: int, device: torch.device,
-                 buffers: dict[str, tuple[tuple[int, ...], torch.dtype]], alternatives: list[str]):
-        self.rank, self.world, self.device = rank, world, device
-        self.local: dict[str, Tensor] = {}
-        self._addresses: dict[str, list[int]] = {}
+    def __init__(self, name: str, group, rank: int, world: int, device: torch.device, buffers: Shapes,
+                 alternatives: list[str]):
+        self.name, self.group, self.rank, self.world, self.device = name, group, rank, world, device
+        self._views: dict[str, list[Tensor]] = {}  # name -> every rank's buffer, mapped here
         try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            for key, (shape, dtype) in {**buffers, "_pads": ((world,), torch.int64)}.items():
-                t = symm_mem.empty(*shape, dtype=dtype, device=device)
-                handle = symm_mem.rendezvous(t, group)
-                self.local[key], self._addresses[key] = t, list(handle.buffer_ptrs)
-        except (ImportError, RuntimeError, AttributeError, ValueError) as exc:
+            if device.type == "cuda":
+                self._map_symmetric(buffers)
+            else:
+                self._map_files(buffers)
+        except (ImportError, RuntimeError, AttributeError, ValueError, OSError) as exc:
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise error("MF507", name=name, rank=rank, why=why, valid=alternatives) from exc
-        self.local["_pads"].zero_()
+        self.local = {key: views[rank] for key, views in self._views.items()}
+        self._status = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")  # 1 + a silent rank
+        if device.type == "cuda":  # where the barrier kernel writes it (mapped host memory)
+            self._status_at = torch.tensor([self._status.data_ptr()], dtype=torch.int64, device=device)
+
+    def _map_symmetric(self, buffers: Shapes) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from ..kernels import peer  # noqa: F401  (the barrier is a Triton kernel: refused here without triton)
+
+        for key, (shape, dtype) in {**buffers, "_pads": ((self.world,), torch.int64)}.items():
+            t = symm_mem.empty(*shape, dtype=dtype, device=self.device)
+            handle = symm_mem.rendezvous(t, self.group)
+            self._views[key] = [t if r == self.rank else handle.get_buffer(r, shape, dtype) for r in range(self.world)]
+        self._views["_pads"][self.rank].zero_()
         self._pads = self.table("_pads", 0)
-        self._epoch = torch.zeros(1, dtype=torch.int64, device=device)
-        self._status = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # 1 + a silent rank, written by the device
-        self._status_addr = torch.tensor([self._status.data_ptr()], dtype=torch.int64, device=device)
-        torch.cuda.synchronize(device)  # every pad is zero before any rank's first barrier
-        all_gather_host(torch.zeros(1, device=device), group, f"{name}: mapping the peers' buffers")
-        self._what = f"{name}'s barrier"
+        self._epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
+        torch.cuda.synchronize(self.device)  # every pad is zero before any rank's first barrier
+        all_gather_host(torch.zeros(1, device=self.device), self.group, f"{self.name}: mapping the peers' buffers")
+
+    def _map_files(self, buffers: Shapes) -> None:
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        mine = {key: os.path.join(folder, f"moeflow-{self.name}-{uuid.uuid4().hex}-{key}") for key in buffers}
+        paths: list = [None] * self.world
+        try:
+            for key, (shape, dtype) in buffers.items():  # new files read as zeros
+                self._views[key] = [torch.from_file(mine[key], shared=True, size=_numel(shape), dtype=dtype).view(shape)]
+            with collective(f"{self.name}: mapping the peers' buffers", self.group):
+                dist.all_gather_object(paths, mine, group=self.group)
+            for key, (shape, dtype) in buffers.items():
+                own = self._views[key][0]
+                self._views[key] = [own if r == self.rank else torch.from_file(
+                    paths[r][key], shared=True, size=_numel(shape), dtype=dtype).view(shape) for r in range(self.world)]
+            self._cpu_barrier()  # every rank has mapped every file
+        finally:
+            for path in mine.values():
+                if os.path.exists(path):
+                    os.unlink(path)
 
     def table(self, name: str, rows: int) -> Tensor:
         """[W] int64 on this device: the address of block ``rank`` (``rows`` rows from row rank*rows)
-        of buffer ``name`` on every rank."""
-        t = self.local[name]
-        row_bytes = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
-        return torch.tensor([a + self.rank * rows * row_bytes for a in self._addresses[name]],
-                            dtype=torch.int64, device=self.device)
+        of buffer ``name`` on every rank, as mapped here."""
+        return torch.tensor([b.data_ptr() for b in self.blocks(name, rows)], dtype=torch.int64, device=self.device)
+
+    def blocks(self, name: str, rows: int) -> list[Tensor]:
+        """Block ``rank`` (``rows`` rows from row rank*rows) of buffer ``name`` on every rank, as mapped here."""
+        return [v[self.rank * rows:(self.rank + 1) * rows] for v in self._views[name]]
 
     def barrier(self) -> None:
-        """Wait (on the stream) until every rank has entered this round; their earlier stores are visible."""
+        """Return (CUDA: the stream waits) once every rank has entered this round; the stores each
+        rank made before it are then visible to all."""
+        if self.device.type != "cuda":
+            self._cpu_barrier()
+            return
         from ..kernels.peer import barrier
 
-        barrier(self._pads, self._epoch, self._status_addr, self.rank, self.world, timeout_s())
+        barrier(self._pads, self._epoch, self._status_at, self.rank, self.world, timeout_s())
+
+    def _cpu_barrier(self) -> None:
+        what = f"{self.name}'s barrier"
+        try:
+            dist.monitored_barrier(self.group, timeout=timedelta(seconds=timeout_s()))
+        except RuntimeError as exc:
+            raise error("MF502", what=what, seconds=timeout_s(), rank=self.rank) from exc
 
     def check(self) -> None:
         """MF502 if an earlier barrier stopped waiting for a silent rank (read from pinned memory: no sync)."""
         silent = int(self._status[0])
         if silent:
-            raise error("MF502", what=f"{self._what} (rank {silent - 1} never arrived)", seconds=timeout_s(),
+            raise error("MF502", what=f"{self.name}'s barrier (rank {silent - 1} never arrived)", seconds=timeout_s(),
                         rank=self.rank)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

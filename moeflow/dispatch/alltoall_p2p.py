@@ -1,6 +1,8 @@
 """dispatcher="alltoall-p2p": alltoall-fixed's blocks, stored by moeflow's own kernels straight into
 the peers' GPU memory (one node; torch symmetric memory over NVLink / PCIe peer access): no NCCL
 call, no send buffer, no host synchronization; dispatch and combine capture in CUDA graphs.
+On CPU (gloo groups of one node) the buffers are shared files and the barrier is gloo's: the same
+dispatcher, tested in CI; there the rows are packed by torch and copied into the peers' blocks.
 
 Buffers, mapped by every rank once at construction (C = max_tokens_per_rank, W ranks):
   rows [W·C, row_bytes] uint8: block s holds the packed rows rank s sent here (alltoall-fixed's
@@ -13,16 +15,18 @@ dispatch: barrier (every rank is done with its rows buffer: the last dispatch's 
 combine: barrier (every rank is done with its sums buffer) → one top-k-sum launch stores the partial
   sums of the rows from rank s into block ``rank`` of s's sums buffer → barrier → the home rank
   adds its ranks' partial sums (gather_sum), as alltoall-fixed.
-What it saves against alltoall-fixed: the send buffer (the pack writes straight to its
+What it saves against alltoall-fixed (CUDA): the send buffer (the pack writes straight to its
 destinations), the blank rows' round trip, NCCL's own copies, and the serial partial sums before
 the transfer (the sums are the transfer). The barrier is one kernel of one program (~4 µs on 2×H200).
 
 The halves: ``dispatch_start`` / ``combine_start`` run the transfer on the current stream (the
-stores are kernels, not a collective on NCCL's stream), so work queued between start and wait runs
+stores are kernels or copies, not a collective on NCCL's stream), so work queued between start and wait runs
 after it, not beside it. One dispatch → combine in flight at a time per dispatcher (its buffers are
 its own); the barriers at the start of each half make a repeated dispatch (benchmarks) safe.
-A rank that never arrives: the barrier stops waiting after MOEFLOW_DIST_TIMEOUT_S and the next
-eager call raises MF502 (dispatch_start, combine_wait). Capacity: as alltoall-fixed (MF503).
+A rank that never arrives: on CUDA the barrier stops waiting after MOEFLOW_DIST_TIMEOUT_S and the
+next eager call raises MF502 (dispatch_start, combine_wait); on CPU gloo's barrier raises it at once.
+Buffers that cannot be mapped (ranks on several nodes, no peer access): MF507 at construction.
+Capacity: as alltoall-fixed (MF503).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from torch import Tensor
 from ..capabilities import DispatcherCaps
 from ..errors import error
 from ..layouts import SORTED
+from . import _ep_rows
 from ._ep_rows import blank_rows, rank_rows
 from ._peer import PeerBuffers
 from .alltoall import AllToAllHandle, _Pending
@@ -41,10 +46,9 @@ from .gather_sum import gather_sum
 
 class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
     name = "alltoall-p2p"
-    caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cuda"}), distributed=True, priority=4,
-                          requires=("triton",),
-                          note="alltoall-fixed's blocks stored by moeflow's kernels into the peers' memory (one node, "
-                               "torch symmetric memory): no NCCL call, CUDA-graph capturable",
+    caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=4,
+                          note="alltoall-fixed's blocks stored straight into the peers' memory (one node; CUDA: "
+                               "symmetric memory, no NCCL call, CUDA-graph capturable; CPU: shared files, gloo barrier)",
                           indexed_rows=True)
 
     def __init__(self, *args, **kwargs):
@@ -64,23 +68,40 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
         hidden, topk_ids, topk_weights = hidden[:cap], topk_ids[:cap], topk_weights[:cap]
         counts, slot = rank_rows(topk_ids, self.expert_rank, w, block=cap)  # slot [T, W]: row r * C + p, or -1
         tokens, scale = self.codec.encode(hidden)
-        rows = self.peers.local["rows"]
         self.peers.barrier()
-        self.codec.pack_to(self._rows_to, rows, tokens, scale, topk_ids, topk_weights, slot - self._block_start,
-                           self.expert_rank, self.expert_local)  # position p in the block (negative: not sent)
-        blank_rows(rows, counts[:, 0], cap, self._blank, table=self._rows_to)
+        self._send_rows(tokens, scale, topk_ids, topk_weights, slot, counts[:, 0])
         self.peers.barrier()
         handle = AllToAllHandle(None, slot, [cap] * w, [cap] * w, overflow=t if t > cap else 0)
         bound = w * cap * min(self.config.top_k, len(self._local))
-        return _Pending(None, rows, handle, bound, padded=True)
+        return _Pending(None, self.peers.local["rows"], handle, bound, padded=True)
+
+    def _send_rows(self, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor, slot: Tensor,
+                   used: Tensor) -> None:
+        """Block ``rank`` of every rank's rows buffer gets this rank's rows for it, then blank rows.
+        slot [T, W]: row r * C + p of token t for rank r (-1: not sent); used [W]: rows for each rank."""
+        cap, w = self.tokens_per_rank, self.world
+        if _ep_rows._ep_kernels(tokens) is not None:  # one pack launch through the address table
+            self.codec.pack_to(self._rows_to, self.peers.local["rows"], tokens, scale, ids, weights,
+                               slot - self._block_start, self.expert_rank, self.expert_local)  # p (< 0: not sent)
+            blank_rows(self.peers.local["rows"], used, cap, self._blank, table=self._rows_to)
+            return
+        send = self.codec.pack(w * cap, tokens, scale, ids, weights, dest_pos=slot, expert_rank=self.expert_rank,
+                               expert_local=self.expert_local)  # torch: alltoall-fixed's send buffer, copied out
+        blank_rows(send, used, cap, self._blank)
+        for d, block in enumerate(self.peers.blocks("rows", cap)):
+            block.copy_(send[d * cap:(d + 1) * cap])
 
     def combine_start(self, expert_out: Tensor, handle: AllToAllHandle) -> _Pending:
-        from ..kernels.reduce import moe_sum_to
-
-        k = self.config.top_k
+        cap, k = self.tokens_per_rank, self.config.top_k
         self.peers.barrier()
         # received row s * C + p (rank s's token p) -> row p of block `rank` of s's sums buffer
-        moe_sum_to(expert_out, handle.copy_pos.reshape(-1), k, self._sums_to, self.tokens_per_rank)
+        kernels = _ep_rows._ep_kernels(expert_out, "reduce")
+        if kernels is not None:
+            kernels.moe_sum_to(expert_out, handle.copy_pos.reshape(-1), k, self._sums_to, cap)
+        else:
+            partial = gather_sum(expert_out, handle.copy_pos)
+            for s, block in enumerate(self.peers.blocks("sums", cap)):
+                block.copy_(partial[s * cap:(s + 1) * cap])
         self.peers.barrier()
         return _Pending(None, self.peers.local["sums"], handle, 0)
 

@@ -112,7 +112,7 @@ def worker_checks(ctx):
     shape = dict(num_experts=16, hidden_size=512, intermediate_size=256, top_k=4, max_tokens_per_rank=128,
                  dtype=torch.bfloat16, device=ctx.device)
     checks = []
-    for d in DISPATCHERS + GPU_DISPATCHERS:
+    for d in DISPATCHERS:
         for r in RUNNERS.names():
             for s in SCHEMES:
                 if cell_status(MoEConfig(**shape, dispatcher=d, runner=r, quant=s), env) == "ok":
@@ -141,9 +141,6 @@ def worker_checks(ctx):
         checks.append(("p2p-barrier-timeout", check_barrier_timeout))
     return checks, masked
 
-
-# dispatchers of CUDA only (tests/test_ep_worker.py's DISPATCHERS run on gloo too)
-GPU_DISPATCHERS = ("alltoall-p2p",)
 
 
 def check_barrier_timeout(ctx):
