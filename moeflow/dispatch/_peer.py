@@ -36,6 +36,7 @@ class PeerBuffers:
                  alternatives: list[str]):
         self.name, self.group, self.rank, self.world, self.device = name, group, rank, world, device
         self._views: dict[str, list[Tensor]] = {}  # name -> every rank's buffer, mapped here
+        self._addresses: dict[str, list[int]] = {}  # name -> the address of every rank's buffer, mapped here
         try:
             if device.type == "cuda":
                 self._map_symmetric(buffers)
@@ -57,7 +58,8 @@ class PeerBuffers:
         for key, (shape, dtype) in {**buffers, "_pads": ((self.world,), torch.int64)}.items():
             t = symm_mem.empty(*shape, dtype=dtype, device=self.device)
             handle = symm_mem.rendezvous(t, self.group)
-            self._views[key] = [t if r == self.rank else handle.get_buffer(r, shape, dtype) for r in range(self.world)]
+            self._addresses[key] = list(handle.buffer_ptrs)
+            self._views[key] = [t if r == self.rank else handle.get_buffer(r, list(shape), dtype) for r in range(self.world)]
         self._views["_pads"][self.rank].zero_()
         self._pads = self.table("_pads", 0)
         self._epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -77,6 +79,7 @@ class PeerBuffers:
                 own = self._views[key][0]
                 self._views[key] = [own if r == self.rank else torch.from_file(
                     paths[r][key], shared=True, size=_numel(shape), dtype=dtype).view(shape) for r in range(self.world)]
+                self._addresses[key] = [v.data_ptr() for v in self._views[key]]
             self._cpu_barrier()  # every rank has mapped every file
         finally:
             for path in mine.values():
@@ -86,7 +89,10 @@ class PeerBuffers:
     def table(self, name: str, rows: int) -> Tensor:
         """[W] int64 on this device: the address of block ``rank`` (``rows`` rows from row rank*rows)
         of buffer ``name`` on every rank, as mapped here."""
-        return torch.tensor([b.data_ptr() for b in self.blocks(name, rows)], dtype=torch.int64, device=self.device)
+        own = self._views[name][self.rank]
+        row_bytes = own.stride(0) * own.element_size()
+        return torch.tensor([a + self.rank * rows * row_bytes for a in self._addresses[name]], dtype=torch.int64,
+                            device=self.device)
 
     def blocks(self, name: str, rows: int) -> list[Tensor]:
         """Block ``rank`` (``rows`` rows from row rank*rows) of buffer ``name`` on every rank, as mapped here."""
