@@ -255,6 +255,10 @@ def layer_time(a, dev, disp, runner, quant, t):
         return dict(skipped=exc.code)
     x, logits = torch.randn(t, a.hidden, device=dev).to(torch.bfloat16), torch.randn(t, a.experts, device=dev)
     r = dict(tokens=t, layer_us=timed(lambda: layer(x, logits), max(a.iters // 4, 3), dev))
+    if a.profile and disp.startswith("alltoall-"):  # device time per kernel of the layer (eager)
+        prof = {}
+        profile("layer", lambda: layer(x, logits), dev, dist.get_rank(), prof)
+        r["profile"] = prof.get("profile/layer")
     p = layer.plan
     if dev.type == "cuda" and disp != "alltoall" and p.layout == p.runner_layout and p.runner != "reference":
         # the fixed-shape dispatchers with a runner of their layout: the layer as one CUDA graph
@@ -333,6 +337,8 @@ def print_table(res):
         elif key.startswith("layer/"):
             print(f"{key:42s} " + (f"{r['layer_us']:9.1f} us" if "layer_us" in r else f"skipped ({r['skipped']})")
                   + (f"  graph {r['graph_layer_us']:9.1f} us" if "graph_layer_us" in r else ""))
+            if r.get("profile"):
+                print("    " + ", ".join(f"{k[:28]} {v:.0f}" for k, v in list(r["profile"].items())[:9]) + " (us per call)")
 
 
 if __name__ == "__main__":
