@@ -242,15 +242,22 @@ def bench_layer(a, dev, rank, res):
         res[f"layer/{disp}/{runner}/{quant}/T{t}"] = layer_time(a, dev, disp, runner, quant, t)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    # DeepSeek-V3 has one shared expert (I = 2048): the layer runs it between the dispatch halves
+    for disp in ("alltoall-fixed", "alltoall-p2p"):
+        res[f"layer/{disp}/triton/fp8-block/T{a.tokens}/shared"] = layer_time(a, dev, disp, "triton", "fp8-block",
+                                                                            a.tokens, shared=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def layer_time(a, dev, disp, runner, quant, t):
+def layer_time(a, dev, disp, runner, quant, t, shared=False):
     from moeflow.errors import MoeflowError
 
+    extra = dict(num_shared_experts=1, shared_intermediate_size=a.inter) if shared else {}
     try:
         layer = MoE(num_experts=a.experts, hidden_size=a.hidden, intermediate_size=a.inter, top_k=a.topk,
                     quant=quant, runner=runner, dispatcher=disp, dtype=torch.bfloat16, device=dev,
-                    max_tokens_per_rank=max(t, 1))
+                    max_tokens_per_rank=max(t, 1), **extra)
     except MoeflowError as exc:
         return dict(skipped=exc.code)
     x, logits = torch.randn(t, a.hidden, device=dev).to(torch.bfloat16), torch.randn(t, a.experts, device=dev)

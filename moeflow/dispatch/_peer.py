@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -49,6 +50,7 @@ class PeerBuffers:
         self._status = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")  # 1 + a silent rank
         if device.type == "cuda":  # where the barrier kernel writes it (mapped host memory)
             self._status_at = torch.tensor([self._status.data_ptr()], dtype=torch.int64, device=device)
+            self._stream = torch.cuda.Stream(device)  # the transfers' own stream (side_stream / join)
 
     def _map_symmetric(self, buffers: Shapes) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -97,6 +99,23 @@ class PeerBuffers:
     def blocks(self, name: str, rows: int) -> list[Tensor]:
         """Block ``rank`` (``rows`` rows from row rank*rows) of buffer ``name`` on every rank, as mapped here."""
         return [v[self.rank * rows:(self.rank + 1) * rows] for v in self._views[name]]
+
+    @contextmanager
+    def side_stream(self):
+        """CUDA: the block's kernels run on this transport's own stream, after everything queued on
+        the current one, so work queued after the block (shared experts) runs beside them until
+        ``join``. Tensors the block reads must stay referenced until then. CPU: runs in place."""
+        if self.device.type != "cuda":
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def join(self) -> None:
+        """The current stream waits for what ``side_stream`` queued (nothing to do on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def barrier(self) -> None:
         """Return (CUDA: the stream waits) once every rank has entered this round; the stores each

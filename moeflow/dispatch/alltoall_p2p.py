@@ -19,10 +19,11 @@ What it saves against alltoall-fixed (CUDA): the send buffer (the pack writes st
 destinations), the blank rows' round trip, NCCL's own copies, and the serial partial sums before
 the transfer (the sums are the transfer). The barrier is one kernel of one program (~4 µs on 2×H200).
 
-The halves: ``dispatch_start`` / ``combine_start`` run the transfer on the current stream (the
-stores are kernels or copies, not a collective on NCCL's stream), so work queued between start and wait runs
-after it, not beside it. One dispatch → combine in flight at a time per dispatcher (its buffers are
-its own); the barriers at the start of each half make a repeated dispatch (benchmarks) safe.
+The halves: on CUDA ``dispatch_start`` / ``combine_start`` queue the transfer (barriers, stores) on
+the transport's own stream and return; work queued before the wait half (the layer's shared experts)
+runs beside it, sharing the SMs; the wait half makes the current stream wait for it. One dispatch →
+combine in flight at a time per dispatcher (its buffers are its own); the barriers at the start of
+each half make a repeated dispatch (benchmarks) safe.
 A rank that never arrives: on CUDA the barrier stops waiting after MOEFLOW_DIST_TIMEOUT_S and the
 next eager call raises MF502 (dispatch_start, combine_wait); on CPU gloo's barrier raises it at once.
 Buffers that cannot be mapped (ranks on several nodes, no peer access): MF507 at construction.
@@ -68,12 +69,21 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
         hidden, topk_ids, topk_weights = hidden[:cap], topk_ids[:cap], topk_weights[:cap]
         counts, slot = rank_rows(topk_ids, self.expert_rank, w, block=cap)  # slot [T, W]: row r * C + p, or -1
         tokens, scale = self.codec.encode(hidden)
-        self.peers.barrier()
-        self._send_rows(tokens, scale, topk_ids, topk_weights, slot, counts[:, 0])
-        self.peers.barrier()
+        used = counts[:, 0]
+        with self.peers.side_stream():
+            self.peers.barrier()
+            self._send_rows(tokens, scale, topk_ids, topk_weights, slot, used)
+            self.peers.barrier()
         handle = AllToAllHandle(None, slot, [cap] * w, [cap] * w, overflow=t if t > cap else 0)
         bound = w * cap * min(self.config.top_k, len(self._local))
-        return _Pending(None, self.peers.local["rows"], handle, bound, padded=True)
+        # `work` keeps what the transfer's stream reads alive until dispatch_wait joins it
+        return _Pending((tokens, scale, topk_ids, topk_weights, used), self.peers.local["rows"], handle, bound,
+                        padded=True)
+
+    def dispatch_wait(self, pending: _Pending):
+        self.peers.join()
+        pending.work = None
+        return super().dispatch_wait(pending)
 
     def _send_rows(self, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor, slot: Tensor,
                    used: Tensor) -> None:
@@ -93,19 +103,22 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
 
     def combine_start(self, expert_out: Tensor, handle: AllToAllHandle) -> _Pending:
         cap, k = self.tokens_per_rank, self.config.top_k
-        self.peers.barrier()
-        # received row s * C + p (rank s's token p) -> row p of block `rank` of s's sums buffer
-        kernels = _ep_rows._ep_kernels(expert_out, "reduce")
-        if kernels is not None:
-            kernels.moe_sum_to(expert_out, handle.copy_pos.reshape(-1), k, self._sums_to, cap)
-        else:
-            partial = gather_sum(expert_out, handle.copy_pos)
-            for s, block in enumerate(self.peers.blocks("sums", cap)):
-                block.copy_(partial[s * cap:(s + 1) * cap])
-        self.peers.barrier()
-        return _Pending(None, self.peers.local["sums"], handle, 0)
+        with self.peers.side_stream():
+            self.peers.barrier()
+            # received row s * C + p (rank s's token p) -> row p of block `rank` of s's sums buffer
+            kernels = _ep_rows._ep_kernels(expert_out, "reduce")
+            if kernels is not None:
+                kernels.moe_sum_to(expert_out, handle.copy_pos.reshape(-1), k, self._sums_to, cap)
+            else:
+                partial = gather_sum(expert_out, handle.copy_pos)
+                for s, block in enumerate(self.peers.blocks("sums", cap)):
+                    block.copy_(partial[s * cap:(s + 1) * cap])
+            self.peers.barrier()
+        return _Pending(expert_out, self.peers.local["sums"], handle, 0)  # work: kept alive until combine_wait
 
     def combine_wait(self, pending: _Pending) -> Tensor:
+        self.peers.join()
+        pending.work = None
         out = gather_sum(pending.buf, pending.handle.home)  # [T, H]: row r * C + p came from rank r
         self.peers.check()
         if pending.handle.overflow:
