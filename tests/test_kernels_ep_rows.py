@@ -277,3 +277,48 @@ def test_table_arguments_are_checked():
                   table=torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError):
         blank_rows(buf, torch.zeros(2, dtype=torch.int64), 2, codec.blank_row("cpu"), table=torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("hidden", [384, 200])  # whole groups; a partial last group
+@pytest.mark.parametrize("t,world", [(0, 2), (1, 2), (7, 3)])
+@pytest.mark.parametrize("table", [False, True])
+def test_pack_rows_quantizes_fp8_block_itself(t, world, hidden, table):
+    """quantize=True: the pack kernel reads the layer-dtype rows and writes fp8-block's FP8 bytes and
+    1x128 scales itself, bit for bit what the scheme's quantize_activation + a plain pack write."""
+    codec = codec_for(hidden, torch.float16, "fp8-block")
+    x = torch.randn(t, hidden).to(torch.float16) * 3
+    x[:, :7] = 0.0  # a group with zeros, and an all-zero row when t > 0 ... below
+    if t:
+        x[0] = 0.0
+    tokens, scale = codec.payload.quantize_activation(x)
+    tokens = tokens.view(torch.uint8).view(codec.word)
+    ids, w = routing(t, 3, 7)
+    rank, local = placement(world)
+    cap = max(t, 1)
+    counts, slot = rank_rows(ids, rank, world, block=cap)
+    want = poisoned(codec, world * cap)
+    pack_rows(codec.unpack(want), tokens, scale.float(), ids, w, slot, rank, local)
+    got = poisoned(codec, world * cap)
+    if table:
+        table_at = torch.tensor([got.data_ptr() + d * cap * codec.row_bytes for d in range(world)], dtype=torch.int64)
+        pack_rows(codec.unpack(got), x, None, ids, w, slot - torch.arange(world) * cap, rank, local,
+                  table=table_at, quantize=True)
+    else:
+        pack_rows(codec.unpack(got), x, None, ids, w, slot, rank, local, quantize=True)
+    a, b = codec.unpack(got), codec.unpack(want)
+    assert same(a.ids, b.ids) and same(a.weights, b.weights) and same(a.scale, b.scale) and same(a.hidden, b.hidden)
+
+
+def test_codec_leaves_fp8_block_tokens_to_the_pack_kernel(monkeypatch):
+    """encode keeps an fp8-block payload's rows as they are on the kernel path; pack quantizes them."""
+    from moeflow.dispatch import _ep_rows
+    import importlib
+    monkeypatch.setattr(_ep_rows, "_ep_kernels", lambda t, module="ep_rows": importlib.import_module(f"moeflow.kernels.{module}"))
+    codec = codec_for(256, torch.float16, "fp8-block")
+    x = torch.randn(3, 256).to(torch.float16)
+    tokens, scale = codec.encode(x)
+    assert tokens.dtype == torch.float16 and scale is None
+    ids, w = routing(3, 3, 7)
+    got = codec.unpack(codec.pack(4, tokens, scale, ids, w))
+    q, s = codec.payload.quantize_activation(x)
+    assert same(got.scale[:3], s.float()) and same(got.hidden[:3], q.view(torch.uint8).view(codec.word))
