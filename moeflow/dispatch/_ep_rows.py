@@ -92,13 +92,9 @@ class RowCodec:
         self.row_bytes = -(-(self._hidden_at + self.token_bytes) // _ALIGN) * _ALIGN
 
     def encode(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
-        """hidden [T, H] layer dtype -> (token words [T, token_bytes / word size], scale [T, G] | None),
-        for ``pack`` / ``pack_to``. An fp8-block payload on the Triton path stays (hidden, None): the
-        pack kernel quantizes each row itself (one pass over the tokens, no FP8 copy of them)."""
+        """hidden [T, H] layer dtype -> (token words [T, token_bytes / word size], scale [T, G] | None)."""
         if self.payload is None:
             return self._words(hidden), None
-        if self.payload.name == "fp8-block" and _ep_kernels(hidden) is not None:
-            return hidden.contiguous(), None
         q, s = _quantize(self.payload, hidden)
         return self._words(q), s.float()
 
@@ -123,12 +119,9 @@ class RowCodec:
         if dest_pos is None:
             dest_pos, pad_from = torch.arange(t, device=tokens.device)[:, None], t
         kernels = _ep_kernels(tokens)
-        args = (self.unpack(buf), tokens, scale, ids.to(torch.int32), weights.float(), dest_pos, expert_rank,
-                expert_local, pad_from)
-        if kernels is None:
-            pack_rows_torch(*args)
-        else:  # float tokens: encode left them for the kernel to quantize
-            kernels.pack_rows(*args, quantize=tokens.is_floating_point())
+        pack = pack_rows_torch if kernels is None else kernels.pack_rows
+        pack(self.unpack(buf), tokens, scale, ids.to(torch.int32), weights.float(), dest_pos, expert_rank,
+             expert_local, pad_from)
         return buf
 
     def pack_to(self, table: Tensor, template: Tensor, tokens: Tensor, scale: Tensor | None, ids: Tensor,
@@ -140,7 +133,7 @@ class RowCodec:
         from ..kernels.ep_rows import pack_rows
 
         pack_rows(self.unpack(template), tokens, scale, ids.to(torch.int32), weights.float(), dest_pos, expert_rank,
-                  expert_local, table=table, quantize=tokens.is_floating_point())
+                  expert_local, table=table)
 
     def blank_row(self, device) -> Tensor:
         """uint8 [row_bytes]: a row that carries no token (ids -1; weights, scales, token 0)."""

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import fp8_scale, interpreting, to_fp8, unit_stride_rows
+from .common import unit_stride_rows
 
 if TYPE_CHECKING:
     from ..dispatch._ep_rows import Rows
@@ -71,13 +71,10 @@ def _pack_rows_kernel(tokens_ptr, tscale_ptr, ids_ptr, w_ptr, dest_ptr, rank_ptr
                       table_ptr, row_bytes, ids_at, w_at, scale_at, hidden_at,
                       TOP_K: tl.constexpr, GROUPS: tl.constexpr, REMAP: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
-                      BLOCK_P: tl.constexpr, TABLE: tl.constexpr, QUANT: tl.constexpr = False,
-                      ROUND_IN_FP32: tl.constexpr = False):
+                      BLOCK_P: tl.constexpr, TABLE: tl.constexpr):
     """Programs 0 .. T*D-1: pair (t, d) = divmod(pid, D), written to row dest_pos[t, d] if >= 0: of
     the out views, or with TABLE of the rows starting at address table[d] (row_bytes apart, the
-    fields at the given byte offsets). The rest: BLOCK_P padding rows each, from pad_from.
-    QUANT: tokens are layer-dtype rows of ``words`` values, quantized here to FP8 in groups of
-    BLOCK_W = 128 (fp8-block's 1x128 activation groups: the scale of each group, then the values)."""
+    fields at the given byte offsets). The rest: BLOCK_P padding rows each, from pad_from."""
     pid = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     k_ok = kk < TOP_K
@@ -105,23 +102,14 @@ def _pack_rows_kernel(tokens_ptr, tscale_ptr, ids_ptr, w_ptr, dest_ptr, rank_ptr
                 w = tl.where(keep, w, 0.0)
             tl.store(o_ids + kk, ids, mask=k_ok)
             tl.store(o_w + kk, w, mask=k_ok)
-            if QUANT:
-                o_fp8 = o_hidden.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-                for g in range(0, GROUPS):
-                    cols = g * BLOCK_W + tl.arange(0, BLOCK_W)
-                    x = tl.load(tokens_ptr + t * stride_tok + cols, mask=cols < words, other=0.0).to(tl.float32)
-                    scale = fp8_scale(tl.max(tl.abs(x), axis=0))
-                    tl.store(o_scale + g, scale)
-                    tl.store(o_fp8 + cols, to_fp8(x, scale, ROUND_IN_FP32), mask=cols < words)
-            else:
-                if GROUPS > 0:
-                    gg = tl.arange(0, BLOCK_G)
-                    s = tl.load(tscale_ptr + t * stride_tscale + gg, mask=gg < GROUPS)
-                    tl.store(o_scale + gg, s, mask=gg < GROUPS)
-                for c0 in range(0, words, BLOCK_W):
-                    cols = c0 + tl.arange(0, BLOCK_W)
-                    x = tl.load(tokens_ptr + t * stride_tok + cols, mask=cols < words)
-                    tl.store(o_hidden + cols, x, mask=cols < words)
+            if GROUPS > 0:
+                gg = tl.arange(0, BLOCK_G)
+                s = tl.load(tscale_ptr + t * stride_tscale + gg, mask=gg < GROUPS)
+                tl.store(o_scale + gg, s, mask=gg < GROUPS)
+            for c0 in range(0, words, BLOCK_W):
+                cols = c0 + tl.arange(0, BLOCK_W)
+                x = tl.load(tokens_ptr + t * stride_tok + cols, mask=cols < words)
+                tl.store(o_hidden + cols, x, mask=cols < words)
     else:
         rows = pad_from + (pid - num_pairs) * BLOCK_P + tl.arange(0, BLOCK_P)
         ok = (rows < num_rows)[:, None] & k_ok[None, :]
@@ -133,7 +121,7 @@ def _pack_rows_kernel(tokens_ptr, tscale_ptr, ids_ptr, w_ptr, dest_ptr, rank_ptr
 
 def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor,
               dest_pos: Tensor, expert_rank: Tensor | None = None, expert_local: Tensor | None = None,
-              pad_from: int | None = None, table: Tensor | None = None, quantize: bool = False) -> None:
+              pad_from: int | None = None, table: Tensor | None = None) -> None:
     """Write tokens into the rows of ``out`` (module docstring), one launch, no host synchronization.
 
     out: Rows of M rows; tokens [T, Wd] out.hidden's word dtype; scale [T, G] float32 | None (None
@@ -145,28 +133,16 @@ def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weig
     table [D] int64 (peer-to-peer dispatch): destination d's rows start at address table[d], in
     out's row layout (out is then only the template: its row stride and field offsets); dest_pos
     counts rows from there; no padding rows (pad_from must be None).
-
-    quantize: tokens are the layer's rows [T, H] (bf16 / fp16 / fp32, not words) and scale is None;
-    each row is quantized here as fp8-block's activations (1x128 groups, kernels/quant.quantize_groups'
-    arithmetic) into out's FP8 token bytes and its G = ceil(H / 128) scales: no separate quantization
-    kernel, no FP8 copy of the tokens.
     """
     _check_rows(out)
-    if (not quantize and (scale is None) != (out.scale is None)) or (expert_rank is None) != (expert_local is None):
+    if (scale is None) != (out.scale is None) or (expert_rank is None) != (expert_local is None):
         raise ValueError("scale must be given iff out.scale is; expert_rank and expert_local together")
+    if tokens.dtype != out.hidden.dtype:
+        raise ValueError(f"tokens are {tokens.dtype} words, out.hidden {out.hidden.dtype}")
     m, k = out.ids.shape
     t, d = dest_pos.shape
-    if quantize:
-        words = tokens.shape[1]  # values of a row, quantized to one byte each
-        groups = triton.cdiv(words, 128)
-        if (scale is not None or out.scale is None or out.scale.shape[1] != groups
-                or out.hidden.shape[1] * out.hidden.element_size() != words or not tokens.is_floating_point()):
-            raise ValueError(f"quantize: tokens must be float rows [T, H] and out FP8 rows with ceil(H/128) scales")
-    else:
-        if tokens.dtype != out.hidden.dtype:
-            raise ValueError(f"tokens are {tokens.dtype} words, out.hidden {out.hidden.dtype}")
-        words = out.hidden.shape[1]
-        groups = 0 if scale is None else scale.shape[1]
+    words = out.hidden.shape[1]
+    groups = 0 if scale is None else scale.shape[1]
     pads = 0 if pad_from is None or pad_from >= m else triton.cdiv(m - pad_from, _PAD_ROWS)
     if t * d + pads == 0:
         return
@@ -185,9 +161,8 @@ def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weig
         tokens.stride(0), scale.stride(0), ids.stride(0), weights.stride(0),
         out.ids.stride(0), out.weights.stride(0), out_scale.stride(0), out.hidden.stride(0),
         dest_pos if table is None else table, out.ids.stride(0) * 4, *at,
-        TOP_K=k, GROUPS=groups, REMAP=remap, BLOCK_K=_block(k), BLOCK_G=_block(groups),
-        BLOCK_W=128 if quantize else _block(words), BLOCK_P=_PAD_ROWS, TABLE=table is not None, QUANT=quantize,
-        ROUND_IN_FP32=quantize and interpreting())
+        TOP_K=k, GROUPS=groups, REMAP=remap, BLOCK_K=_block(k), BLOCK_G=_block(groups), BLOCK_W=_block(words),
+        BLOCK_P=_PAD_ROWS, TABLE=table is not None)
 
 
 # ---------------------------------------------------------------- rank_rows
