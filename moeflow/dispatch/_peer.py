@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed import all_gather_host, collective, timeout_s
-from ..errors import error
+from ..errors import MoeflowError, error
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -43,6 +43,8 @@ class PeerBuffers:
                 self._map_symmetric(buffers)
             else:
                 self._map_files(buffers)
+        except MoeflowError:  # MF502 from a barrier (a TimeoutError, hence an OSError): not a mapping failure
+            raise
         except (ImportError, RuntimeError, AttributeError, ValueError, OSError) as exc:
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise error("MF507", name=name, rank=rank, why=why, valid=alternatives) from exc
