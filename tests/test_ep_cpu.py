@@ -6,7 +6,9 @@ CPU runner × scheme the planner accepts equals the one-process layer with the s
 tests/tolerances.py); FP8 payload compression; uneven explicit placement; a rank with no tokens and
 no tokens at all; every token routed to one rank's experts; the start/wait halves with shared
 experts in between; the dispatchers' Triton kernel paths (CUDA-only in the library) forced onto
-CPU through Triton's interpreter; "auto" picking alltoall; MF501 (ranks disagree), MF504 (bad placement),
+CPU through Triton's interpreter (alltoall-p2p's stores through address tables into the other
+processes' shared memory included); alltoall-p2p's buffers reused over several forwards and MF507 when
+they cannot be mapped; "auto" picking alltoall; MF501 (ranks disagree), MF504 (bad placement),
 MF503 (low-latency capacity overflow: the other ranks finish correctly, the group stays usable)
 and MF502 (a rank that never builds the layer). The suite is killed after 150 s, so it cannot hang CI.
 """

@@ -177,6 +177,7 @@ def suite(world):
     for d in ("lowlatency", "alltoall-fixed", "alltoall-p2p"):
         checks.append((f"overflow-MF503-{d}", lambda c, d=d: check_overflow(c, d)))
     checks.append(("alltoall-p2p-repeated-dispatch", check_p2p_repeated))
+    checks.append(("alltoall-p2p-unmappable-MF507", check_unmappable))
     # alltoall-fixed's combine in 3 pieces (C_rank = 27), and in one
     checks.append(("alltoall-fixed-combine-3-pieces", lambda c: c.compare(
         tokens_for(c, "p3"), dispatcher="alltoall-fixed", runner="reference", max_tokens_per_rank=27,
@@ -222,6 +223,22 @@ def check_auto(c):
 def check_mismatch(c):
     exc = c.expect("MF501", lambda: MoE(**{**BASE, "top_k": 2 + (c.rank == 1)}, dispatcher="alltoall"))
     assert "top_k" in str(exc), str(exc)
+
+
+def check_unmappable(c):
+    """alltoall-p2p whose buffers cannot be mapped (here: creating the shared file fails on every rank)
+    is refused at construction with MF507, naming the dispatchers that work without peer memory."""
+    original = torch.from_file
+
+    def refuse(*args, **kwargs):
+        raise OSError("no shared memory here")
+
+    torch.from_file = refuse
+    try:
+        exc = c.expect("MF507", lambda: MoE(**BASE, dispatcher="alltoall-p2p", runner="reference"))
+    finally:
+        torch.from_file = original
+    assert "alltoall-fixed" in str(exc) and "no shared memory here" in str(exc), str(exc)
 
 
 def check_overflow(c, d):
