@@ -55,6 +55,7 @@ gemms = [  # (kernel, scheme, dtype, config, tma, extra constexprs)
     ("down", "fp8-channel", torch.float32, small, True, dict(PROMOTE=True)),
     ("down", "fp8-tensor", torch.float16, small, True, {}),
     ("down", "fp8-block", torch.bfloat16, big, True, dict(MASKED=True)),
+    ("down", "fp8-block", torch.float32, small, True, dict(SPLIT_K=4)),  # split K: float32 partial tiles
     ("down_persistent", "none", torch.bfloat16, GemmConfig(128, 128, 64, 8, 8, 4), True, {}),
     ("down_persistent", "fp8-block", torch.bfloat16, GemmConfig(64, 128, 128, 8, 4, 4), True, {}),
 ]
@@ -67,6 +68,9 @@ for grouped in (True, False):
     out[f"quant grouped={grouped}"] = compile_for_hopper(_quant_kernel, ints(_quant_kernel, dict(
         x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", amax_ptr="*fp32")),
         dict(BLOCK_R=16, BLOCK_K=128 if grouped else 512, GROUPED=grouped, ROUND_IN_FP32=False))
+from moeflow.kernels.down import _split_sum_kernel
+out["split_sum"] = compile_for_hopper(_split_sum_kernel, ints(_split_sum_kernel, dict(
+    part_ptr="*fp32", out_ptr="*bf16")), dict(SPLIT_K=4, BLOCK_H=1024))
 for table in (False, True):
     out[f"moe_sum table={table}"] = compile_for_hopper(_moe_sum_kernel, ints(_moe_sum_kernel, dict(
         y_ptr="*bf16", row_ptr="*i64", out_ptr="*bf16", table_ptr="*i64")), dict(TOP_K=8, BLOCK_H=1024, TABLE=table))
@@ -121,7 +125,7 @@ print(json.dumps(out))
 
 def test_every_kernel_compiles_for_sm90():
     usage = compile_without_interpreter(COMPILE_ALL)
-    assert len(usage) == 33
+    assert len(usage) == 35
     for name, (regs, spill) in usage.items():
         assert 0 < regs <= 255, name
     assert usage["segment_place"][1] == 0, "the in-register sort of 8192 copies spills at 16 warps"

@@ -180,6 +180,32 @@ def test_gate_up_and_down_kernels(scheme, dtype, tma, monkeypatch):
     assert_close(out, down_torch(a, a_s, q2, s2, route_w, layout, scheme, dtype), 1e-3, "down")
 
 
+@pytest.mark.parametrize("split", [2, 7])
+@pytest.mark.parametrize("scheme,dtype,i,tma", [("none", torch.float16, 320, True), ("none", torch.float32, 200, False),
+                                                ("fp8-channel", torch.float16, 384, True),
+                                                ("fp8-block", torch.float16, 384, False)])
+def test_down_split_k(scheme, dtype, i, tma, split, monkeypatch):
+    """GemmConfig.split_k: the K loop over `split` programs per tile, float32 partial tiles summed by a
+    second launch. Against the reference (poisoned output and workspace), sorted and masked layouts:
+    empty experts, an odd K (I = 200: a partial last step), more splits than K steps (7 > 384/128:
+    clamped), a split with one step."""
+    monkeypatch.setenv("MOEFLOW_TRITON_TMA", "1" if tma else "0")
+    sch = create_scheme(scheme)
+    e, h = 4, 96
+    q2, s2 = sch.quantize_weight((torch.randn(e, h, i) / i ** 0.5).to(dtype))
+    bk = 128 if scheme != "none" else 64
+    for layout in (sorted_layout([3, 0, 18, 1]), masked_layout([2, 0, 5, 1], 8)):
+        a, a_s = sch.quantize_activation(torch.randn(layout.rows, i).to(dtype))
+        route_w = torch.rand(layout.rows)
+        cfg = kc.GemmConfig(16, 32, bk, split_k=split)
+        out = down(a, a_s, q2, s2, route_w, layout, scheme, dtype, cfg, poison=True)
+        want = down_torch(a, a_s, q2, s2, route_w, layout, scheme, dtype)
+        assert not out.isnan().any()
+        assert_close(out, want, 1e-5 if dtype == torch.float32 else 1e-3, f"down split_k={split}")
+        one = down(a, a_s, q2, s2, route_w, layout, scheme, dtype, kc.GemmConfig(16, 32, bk), poison=True)
+        assert_close(out, one, 1e-5 if dtype == torch.float32 else 2e-3, "split vs one program per tile")
+
+
 def test_weight_operand_choice(monkeypatch):
     """TMA descriptor where rows are 16-byte aligned and experts back to back; pointers otherwise."""
     w = torch.randn(3, 64, 128).half()

@@ -9,6 +9,10 @@ Two launch forms: one program per output tile (_down_kernel, every layout), or, 
 asks for it (GemmConfig.programs_per_sm) on a sorted batch with both operands through TMA, a
 persistent grid of programs looping over the tiles (_down_persistent_kernel). Same tile code,
 same results bit for bit.
+Split K (GemmConfig.split_k = S > 1, per-tile form only): S programs per tile, program s running K
+steps s·⌈n/S⌉ .. of the n; each stores its float32 partial tile (scales and routing weight applied:
+they are linear) into slab s of a [S, R, H] workspace, and _split_sum_kernel adds the S slabs in
+order into the output (deterministic; float32 sums of partial sums, so not bit-equal to S = 1).
 """
 from __future__ import annotations
 
@@ -30,11 +34,22 @@ def _down_kernel(
         QUANT: tl.constexpr, MASKED: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
-        A_TMA: tl.constexpr, PDL: tl.constexpr = False):
+        A_TMA: tl.constexpr, PDL: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, split_stride=0):
     """One program per output tile of the grid's row blocks (an upper bound of them: programs
-    past the real blocks return at once). Operands as in _down_tile."""
+    past the real blocks return at once). Operands as in _down_tile. SPLIT_K > 1: grid axis 1 is
+    the split; out_ptr is the float32 workspace, slab s at s * split_stride elements."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
+    num_kb = tl.cdiv(I, BLOCK_K)
+    if SPLIT_K > 1:
+        split = tl.program_id(1)
+        per_split = tl.cdiv(num_kb, SPLIT_K)
+        kb_lo = split * per_split
+        kb_hi = tl.minimum(kb_lo + per_split, num_kb)
+        out_ptr += split.to(tl.int64) * split_stride
+    else:
+        kb_lo = 0
+        kb_hi = num_kb
     expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
         if MASKED:  # an empty block of a slab: its output slots must read as zeros
@@ -46,7 +61,7 @@ def _down_kernel(
         return
     _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, slab_end, pid_n, H, I,
                w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-               QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_IEEE, PROMOTE, W_TMA, A_TMA, PDL)
+               QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_IEEE, PROMOTE, W_TMA, A_TMA, PDL, kb_lo, kb_hi)
 
 
 @triton.jit(do_not_specialize=["w_rows_per_expert", "num_programs"])
@@ -71,7 +86,7 @@ def _down_persistent_kernel(
         expert, row_start, row_end = sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M)
         _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, row_end, pid_n, H, I,
                    w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-                   QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, False, True, True, PDL)
+                   QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, False, True, True, PDL, 0, tl.cdiv(I, BLOCK_K))
 
 
 @triton.jit
@@ -79,9 +94,10 @@ def _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row
                w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
                QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
-               A_TMA: tl.constexpr, PDL: tl.constexpr):
+               A_TMA: tl.constexpr, PDL: tl.constexpr, kb_lo, kb_hi):
     """The [BLOCK_M, BLOCK_N] output tile of rows row_start .. row_end-1 (at least one; all of
-    ``expert``) and columns from pid_n * BLOCK_N; stores up to slab_end (rows past row_end as 0).
+    ``expert``) and columns from pid_n * BLOCK_N, over K steps kb_lo .. kb_hi-1 (all of them but
+    under split K); stores up to slab_end (rows past row_end as 0).
     w: a TMA descriptor over the weight rows [E * H, I] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to down_proj [E, H, I] (strides stride_we, stride_wn).
     a_src: a TMA descriptor over a [R, I] (A_TMA: the box at the block's first row; rows past the
@@ -96,13 +112,14 @@ def _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row
     if A_TMA:
         a_row = row_start.to(tl.int32)
     else:
-        a_ptrs = a_src + rows_ld[:, None] * stride_a + rk[None, :]
+        a_ptrs = a_src + rows_ld[:, None] * stride_a + rk[None, :] + kb_lo * BLOCK_K
     if W_TMA:
         w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(tl.int32)  # rows past H are never stored
     else:
-        b_ptrs = w + expert.to(tl.int64) * stride_we + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
+        b_ptrs = (w + expert.to(tl.int64) * stride_we + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
+                  + kb_lo * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(I, BLOCK_K)):
+    for kb in range(kb_lo, kb_hi):
         if A_TMA:  # zero-filled past I
             a = a_src.load([a_row, kb * BLOCK_K])
         elif EVEN_K:
@@ -145,15 +162,46 @@ def _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row
              mask=(rows < slab_end)[:, None] & (cols < H)[None, :])
 
 
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, rows, H, SPLIT_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out [R, H] = the sum of the SPLIT_K float32 slabs [S, R, H] of part, in slab order."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * rows + r) * H + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + r * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,
          layout: RowLayout, scheme: str, dtype: torch.dtype, cfg, poison: bool = False) -> Tensor:
     """a [R, I] (+ a_scale [R, G]), w2 [E, H, I] (+ scale), route_w [R] float32 -> out [R, H] ``dtype``.
-    Rows of empty masked slots are zero. cfg: a GemmConfig. poison: NaN-fill the output first."""
+    Rows of empty masked slots are zero. cfg: a GemmConfig. poison: NaN-fill the output (and a split
+    K's workspace) first."""
+    r, i = a.shape
+    _, h, _ = w2.shape
+    out = torch.full((r, h), float("nan"), dtype=dtype, device=a.device) if poison else \
+        torch.empty((r, h), dtype=dtype, device=a.device)
+    split = min(cfg.split_k, triton.cdiv(i, cfg.block_k))
+    if split <= 1 or r == 0 or h == 0:
+        _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1)
+        return out
+    part = torch.full((split, r, h), float("nan"), dtype=torch.float32, device=a.device) if poison else \
+        torch.empty((split, r, h), dtype=torch.float32, device=a.device)
+    _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, part, split)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _split_sum_kernel[(r, triton.cdiv(h, block_h))](part, out, r, h, SPLIT_K=split, BLOCK_H=block_h)
+    return out
+
+
+def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, dtype: torch.dtype, cfg,
+            out: Tensor, split: int) -> None:
+    """One down launch into ``out``: [R, H] ``dtype``, or with split > 1 the float32 workspace [S, R, H]
+    (dtype still the layer's: it picks the dot precision)."""
     r, i = a.shape
     _, h, _ = w2.shape
     q = QUANT_CODES[scheme]
-    out = torch.full((r, h), float("nan"), dtype=dtype, device=a.device) if poison else \
-        torch.empty((r, h), dtype=dtype, device=a.device)
     ws = w2_scale if w2_scale is not None else a
     stride_wse, stride_wsn = _scale_strides(ws, q)
     a_s = a_scale if a_scale is not None else a
@@ -162,22 +210,22 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     w_arg, w_rows = weight_operand(w2, cfg.block_n, cfg.block_k)
     a_arg = rows_operand(a, cfg.block_m, cfg.block_k)
     args = (a_arg, a_s, w_arg, ws, route_w, out, layout.meta)
-    strides = (a.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), stride_wse, stride_wsn, out.stride(0))
+    strides = (a.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), stride_wse, stride_wsn, out.stride(-2))
     tiling = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   EVEN_K=i % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     fp32_dots = dtype == torch.float32 and q in (0, 1, 2)
-    if cfg.programs_per_sm and not layout.masked and w_arg is not w2 and a_arg is not a and not fp32_dots:
+    if (split == 1 and cfg.programs_per_sm and not layout.masked and w_arg is not w2 and a_arg is not a
+            and not fp32_dots):
         programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
         if programs:
             _down_persistent_kernel[(programs,)](*args, layout.num_experts, h, i, w_rows, programs, *strides, QUANT=q,
                                                  E_POW2=layout.e_pow2, **tiling, **pdl(a.device, early_start=False))
-        return out
-    _down_kernel[(tiles,)](
+        return
+    _down_kernel[(tiles, split)](
         *args, layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows, *strides,
         QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2, A_TMA=a_arg is not a,
-        **tiling, **pdl(a.device, early_start=False))
-    return out
+        SPLIT_K=split, split_stride=r * h if split > 1 else 0, **tiling, **pdl(a.device, early_start=False))
 
 
 def down_torch(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,

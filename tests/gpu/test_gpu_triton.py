@@ -145,6 +145,46 @@ def test_down_persistent_on_gpu(preset, t, scheme):
             assert torch.equal(got, want), (cfg, programs_per_sm)
 
 
+@pytest.mark.parametrize("preset,t", [("mixtral-8x7b", 1), ("deepseek-v3", 1), ("qwen3-30b-a3b", 16)])
+@pytest.mark.parametrize("scheme", ["none", "fp8-channel", "fp8-block"])
+def test_down_split_k_on_gpu(preset, t, scheme):
+    """Split K (GemmConfig.split_k) at decode, the presets' shapes, bf16 (which the interpreter cannot
+    run): against the reference, and within float32 rounding of one program per tile; masked too;
+    and replayed from a CUDA graph (the workspace comes from the graph's pool)."""
+    from moeflow.kernels.autotune import random_batch
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.configs import GemmConfig
+    from moeflow.kernels.down import down, down_torch
+    from moeflow.presets import preset_config
+    from moeflow.quant import create_scheme
+    c = preset_config(preset)
+    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
+    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
+    sch = create_scheme(scheme)
+    bk = 64 if scheme == "none" else 128
+    for lay in (RowLayout.of(batch), RowLayout.of(sorted_to_masked(batch)[0])):
+        a, a_s = sch.quantize_activation(torch.randn(lay.rows, c.intermediate_size, device="cuda").to(torch.bfloat16))
+        rw = torch.rand(lay.rows, device="cuda")
+        want = down_torch(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16)
+        one = down(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16, GemmConfig(16, 64, bk, 1, 4, 4), poison=True)
+        for split in (2, 4):
+            cfg = GemmConfig(16, 64, bk, 1, 4, 4, split_k=split)
+            got = down(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16, cfg, poison=True)
+            assert_close(got, want, rel_tol(scheme, torch.bfloat16), f"{preset} {scheme} split {split}")
+            assert_close(got, one, 1e-2, f"{preset} {scheme} split {split} vs one program per tile")
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        down(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16, cfg)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        y = down(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16, cfg)
+    rw.copy_(torch.rand_like(rw))  # new routing weights, read by the replay
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(y, down(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16, cfg), 1e-6, "graph replay")
+
+
 @pytest.mark.parametrize("layout", ["masked", "sorted"])
 @pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-block"])
 def test_cuda_graph_decode(make_layer, scheme, layout):
