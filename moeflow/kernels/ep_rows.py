@@ -13,6 +13,9 @@ pack_rows: tokens into the rows of a send buffer, one row per (token, destinatio
     and weights where kept, else 0.0. Rows pad_from .. M-1 get ids -1, weights 0 (padding).
     Its torch reference (the dispatchers' path off CUDA) is dispatch/_ep_reference.pack_rows_torch.
 
+    With ``table`` (alltoall-p2p): destination d's rows start at address table[d], which may be
+    another GPU's memory mapped here; dest_pos counts rows from there.
+
 rank_rows: where each token goes (alltoall), two launches over token blocks.
     topk_ids [T, K] int32, expert_rank [E] int64 -> counts [W, 2] int64 (rows, copies sent to each
     rank), home [T, W] int64 (row of token t in the send buffer for rank r: grouped by destination,
@@ -23,8 +26,8 @@ rank_rows: where each token goes (alltoall), two launches over token blocks.
 blank_rows: the unused tail of each block of a send buffer in fixed blocks (alltoall-fixed).
     buf uint8 [W * C, row_bytes], counts [W] int64 (rows used in block d), blank uint8 [row_bytes]
     -> rows d*C + counts[d] .. (d+1)*C - 1 become ``blank`` (RowCodec.blank_row: ids -1, weights,
-    scales and token 0), in place; one launch, no host synchronization. Reference:
-    dispatch/_ep_reference.blank_rows_torch.
+    scales and token 0), in place; one launch, no host synchronization; with ``table``, block d is
+    the C rows from address table[d] (alltoall-p2p). Reference: dispatch/_ep_reference.blank_rows_torch.
 
 masked_scatter: the copies of received rows into a masked batch's slab, as masked_batch does.
     experts [R*K] int64: local expert of copy j (of row j // K), E_local for copies not here

@@ -5,7 +5,8 @@
     -> out [T, H] y.dtype, summed in float32 in k order (0 .. K-1).
 One pass over y instead of torch's scatter + float copy + sum (three passes and a float32
 [N, H] temporary); a dispatcher's combine can call it (the local one gets row_of_copy as the
-inverse of its sort order).
+inverse of its sort order). ``moe_sum_to`` stores its rows through a table of addresses instead
+(alltoall-p2p: each partial sum straight into its home rank's buffer).
 """
 from __future__ import annotations
 
