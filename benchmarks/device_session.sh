@@ -11,6 +11,9 @@
 #   3. benchmarks/bench_layer.py: PERF.md's 36 rows, triton runner, GPU 0
 #   4. the T=1 and 16 rows again with MOEFLOW_TRITON_PDL=0 (programmatic dependent launch off), GPU 0
 #   5. benchmarks/experiments/sort_variants.py, GPU 0
+#   6. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
+#      over copies of them: the candidates include the split-K down GEMM), GPU 0; copy the files
+#      back into moeflow/kernels/configs/ only after comparing the layer rows
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
 # files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
 set -u
@@ -50,6 +53,13 @@ step layer_bench_nopdl 60 env CUDA_VISIBLE_DEVICES=0 MOEFLOW_TRITON_PDL=0 python
     --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --schemes none,fp8-block --runners triton --tokens 1,16 \
     --out "$R/layer_nopdl"
 step sort_variants 60 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/sort_variants.py "$R/sort_variants.json"
+mkdir -p "$R/tuned" && cp moeflow/kernels/configs/*.json "$R/tuned/"
+for preset in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+    for quant in none fp8-block; do
+        step "tune_decode_${preset}_${quant}" 90 env CUDA_VISIBLE_DEVICES=0 python -m moeflow tune --preset "$preset" \
+            --quant "$quant" --tokens 1,16 --rep-ms 20 --merge --out "$R/tuned"
+    done
+done
 grep -hE "FAILED|Error" "$R"/*_tests.log 2>/dev/null | head -20 >> "$S"
 tar czf "$OUT/results.tgz" -C "$R" .
 cp "$S" "$OUT/summary.txt"
