@@ -193,12 +193,12 @@ def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor, table:
     (RowCodec.blank_row), in place, without a host synchronization: one Triton launch on CUDA
     (kernels/ep_rows.blank_rows), blank_rows_torch otherwise. table [W] int64 (peer-to-peer, CUDA):
     block d is the C rows from address table[d] (buf gives the row size)."""
-    kernels = _ep_kernels(buf)
     if table is not None:
         from ..kernels.ep_rows import blank_rows as blank_rows_kernel
 
         blank_rows_kernel(buf, counts, capacity, blank, table=table)
         return
+    kernels = _ep_kernels(buf)
     (blank_rows_torch if kernels is None else kernels.blank_rows)(buf, counts, capacity, blank)
 
 

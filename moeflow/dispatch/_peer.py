@@ -57,8 +57,9 @@ class PeerBuffers:
     def _map_symmetric(self, buffers: Shapes) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from ..kernels import peer  # noqa: F401  (the barrier is a Triton kernel: refused here without triton)
+        from ..kernels.peer import barrier  # a Triton kernel: without triton, refused here (MF507)
 
+        self._barrier_kernel = barrier
         for key, (shape, dtype) in {**buffers, "_pads": ((self.world,), torch.int64)}.items():
             t = symm_mem.empty(*shape, dtype=dtype, device=self.device)
             handle = symm_mem.rendezvous(t, self.group)
@@ -125,9 +126,7 @@ class PeerBuffers:
         if self.device.type != "cuda":
             self._cpu_barrier()
             return
-        from ..kernels.peer import barrier
-
-        barrier(self._pads, self._epoch, self._status_at, self.rank, self.world, timeout_s())
+        self._barrier_kernel(self._pads, self._epoch, self._status_at, self.rank, self.world, timeout_s())
 
     def _cpu_barrier(self) -> None:
         what = f"{self.name}'s barrier"

@@ -20,7 +20,6 @@ slot of its own pad holds >= e (acquire). Epochs are int64: they never wrap.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
