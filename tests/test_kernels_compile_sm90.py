@@ -84,11 +84,13 @@ out["sort_copies"] = compile_for_hopper(_sort_copies_kernel, ints(_sort_copies_k
     ids_ptr="*i32", w_ptr="*fp32", offsets_ptr="*i64", counts_ptr="*i32", row_ptr="*i64", source_ptr="*i64", sorted_w_ptr="*fp32")),
     dict(TOP_K=8, BLOCK_I=64, BLOCK_J=64, BLOCK_E=64))
 from moeflow.kernels.route import _route_kernel
-for grouped in (1, 8):
-    out[f"route groups={grouped}"] = compile_for_hopper(_route_kernel, ints(_route_kernel, dict(
+from moeflow.kernels.route import launch_shape
+for grouped, e_pow2, k in ((1, 128, 8), (8, 256, 8), (1, 8, 2), (1, 1024, 8)):  # Qwen3, DeepSeek-V3, Mixtral, wide
+    block_t, warps = launch_shape(e_pow2)
+    out[f"route groups={grouped} E={e_pow2}"] = compile_for_hopper(_route_kernel, ints(_route_kernel, dict(
         logits_ptr="*bf16", bias_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32", scale="fp32")),
-        dict(K=8, K_POW2=8, E_POW2=256, SIGMOID=grouped > 1, RENORM=True, HAS_BIAS=grouped > 1, GROUPS=grouped,
-             TOPK_GROUPS=min(grouped, 4), BLOCK_T=8))
+        dict(K=k, K_POW2=k, E_POW2=e_pow2, SIGMOID=grouped > 1, RENORM=True, HAS_BIAS=grouped > 1, GROUPS=grouped,
+             TOPK_GROUPS=min(grouped, 4), BLOCK_T=block_t), num_warps=warps)
 from moeflow.kernels.ep_rows import _copy_slots_kernel, _pack_rows_kernel, _scatter_rows_kernel
 for groups in (56, 0):  # fp8-block payload (scales), layer-dtype payload; the second through a table (p2p)
     out[f"pack_rows groups={groups}"] = compile_for_hopper(_pack_rows_kernel, ints(_pack_rows_kernel, dict(
@@ -125,9 +127,11 @@ print(json.dumps(out))
 
 def test_every_kernel_compiles_for_sm90():
     usage = compile_without_interpreter(COMPILE_ALL)
-    assert len(usage) == 35
+    assert len(usage) == 37
     for name, (regs, spill) in usage.items():
         assert 0 < regs <= 255, name
+        if name.startswith("route"):  # one warp per token's row: its scores stay in registers
+            assert spill == 0, (name, regs, spill)
     assert usage["segment_place"][1] == 0, "the in-register sort of 8192 copies spills at 16 warps"
 
 

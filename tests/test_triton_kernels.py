@@ -352,6 +352,30 @@ def test_route_kernel_matches_the_torch_router(case, t):
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("e,k,bias", [(8, 2, False), (16, 4, True), (256, 8, True)])
+def test_route_kernel_rows_per_program(e, k, bias):
+    """launch_shape's rows per program (16 tokens of 8 experts, 8 of 16, 1 of 256): a last block
+    past T; a row of exactly tied scores picks the lowest ids in order (torch.topk's order among
+    ties is unspecified, so that row is compared with torch by its weights alone)."""
+    from moeflow import MoEConfig
+    from moeflow.kernels.route import route
+    from moeflow.routing import create_router
+    cfg = MoEConfig(num_experts=e, hidden_size=16, intermediate_size=16, top_k=k, scoring="sigmoid" if bias else "softmax",
+                    use_correction_bias=bias)
+    t = 37
+    logits = torch.randn(t, e) * 3
+    logits[5] = 0.5  # a row of exact ties: ids 0 .. k-1 in order
+    b = (torch.rand(e) - 0.5) * 0.2 if bias else None
+    if bias:
+        b[:] = 0.0
+    want_ids, want_w = create_router(cfg, "torch")(logits, b)
+    ids, w = route(logits, b, k, cfg.scoring, cfg.renormalize)
+    assert torch.equal(ids[5], torch.arange(k, dtype=torch.int32))
+    rest = torch.arange(t) != 5
+    assert torch.equal(ids[rest], want_ids[rest])
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
+
+
 def test_tune_merge_keeps_other_token_counts(monkeypatch, tmp_path):
     """`moeflow tune --merge` rewrites the token counts it tunes and keeps the file's others
     (the search itself is replaced: it needs a GPU)."""
