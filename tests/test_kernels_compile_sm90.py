@@ -50,7 +50,6 @@ gemms = [  # (kernel, scheme, dtype, config, tma, extra constexprs)
     ("gate_up", "fp8-tensor", torch.bfloat16, small, True, {}),
     ("gate_up", "fp8-channel", torch.float32, small, False, dict(PROMOTE=True, INDEXED=False)),
     ("gate_up", "fp8-block", torch.bfloat16, big, True, dict(MASKED=True)),
-    ("gate_up", "fp8-block", torch.bfloat16, small, True, dict(QUANT_X=True)),  # quantizes x in its K loop
     ("gate_up", "none", torch.float32, small, True, dict(DOT_IEEE=True, ACT=2)),
     ("down", "none", torch.bfloat16, small, False, dict(MASKED=True, EVEN_K=False)),
     ("down", "fp8-channel", torch.float32, small, True, dict(PROMOTE=True)),
@@ -128,7 +127,7 @@ print(json.dumps(out))
 
 def test_every_kernel_compiles_for_sm90():
     usage = compile_without_interpreter(COMPILE_ALL)
-    assert len(usage) == 38
+    assert len(usage) == 37
     for name, (regs, spill) in usage.items():
         assert 0 < regs <= 255, name
         if name.startswith("route"):  # one warp per token's row: its scores stay in registers

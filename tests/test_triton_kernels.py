@@ -121,35 +121,21 @@ def test_fp8_block_gate_up_narrow_tiles(poison_empty):
     assert torch.equal(s, scale) and torch.equal(q.view(torch.uint8), fused.view(torch.uint8))
 
 
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-@pytest.mark.parametrize("h,block_n", [(256, 32), (200, 128)])  # H = 200: a partial last group
-def test_fp8_block_gate_up_quantizes_its_input(h, block_n, tma, poison_empty, monkeypatch):
-    """gate_up given fp8-block x in the layer dtype (x_scale None) quantizes x's 1x128 groups in its
-    K loop: the same bits as quantize_groups before it, sorted rows, rows by index, and masked
-    slots; and quantizes_x picks it for 16-row tiles of BLOCK_K 128 only."""
-    from moeflow.kernels.quant import quantize_groups
-    monkeypatch.setenv("MOEFLOW_TRITON_TMA", "1" if tma else "0")
-    sch = create_scheme("fp8-block")
-    e, i = 3, 256
-    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).half())
-    cfg = kc.GemmConfig(16, block_n, 128)
-    assert kc.quantizes_x("fp8-block", cfg)
-    assert not kc.quantizes_x("fp8-block", kc.GemmConfig(32, block_n, 128))
-    assert not kc.quantizes_x("fp8-block", kc.GemmConfig(16, block_n, 64))
-    assert not kc.quantizes_x("fp8-channel", cfg)
-    for layout, src in ((sorted_layout([4, 0, 19]), None), (sorted_layout([4, 0, 19]), torch.randint(0, 9, (23,))),
-                        (masked_layout([2, 0, 5], 8), None)):
-        x = torch.randn(9 if src is not None else layout.rows, h).half() * 3
-        xq, xs = quantize_groups(x)
-        want = gate_up(xq, xs, q13, s13, layout, "fp8-block", "silu", torch.float16, cfg, poison=True, source_rows=src)
-        got = gate_up(x, None, q13, s13, layout, "fp8-block", "silu", torch.float16, cfg, poison=True, source_rows=src)
-        valid = layout.valid_rows()
-        for g, w in zip(got, want):
-            if w is not None:
-                assert g.dtype == w.dtype
-                assert torch.equal(g[valid].view(torch.uint8), w[valid].view(torch.uint8))
-    with pytest.raises(ValueError, match="block_k 128"):
-        gate_up(x, None, q13, s13, layout, "fp8-block", "silu", torch.float16, kc.GemmConfig(16, block_n, 64))
+def test_gate_up_rows_by_index():
+    """gate_up with source_rows (row r is x[src[r]]) equals gate_up on the gathered rows, and so
+    does its reference (which once sized its output by x's rows instead of the layout's)."""
+    layout = sorted_layout([4, 0, 19])
+    e, h, i = 3, 64, 64
+    w13 = (torch.randn(e, 2 * i, h) / h ** 0.5).half()
+    x = torch.randn(5, h).half()
+    src = torch.randint(0, 5, (layout.rows,))
+    cfg = kc.GemmConfig(16, 32, 32)
+    by_index, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True, source_rows=src)
+    gathered, _ = gate_up(x[src], None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True)
+    assert torch.equal(by_index, gathered)
+    ref = gate_up_torch(x, None, w13, None, layout, "none", "silu", torch.float16, src)
+    assert torch.equal(ref, gate_up_torch(x[src], None, w13, None, layout, "none", "silu", torch.float16))
+    assert_close(by_index, ref, 1e-3, "gate_up rows by index")
 
 
 @pytest.mark.parametrize("programs_per_sm", [1, 3])

@@ -1,8 +1,7 @@
 """runner="triton": fused Triton MoE kernels on CUDA, sorted and masked layouts natively.
 
     batch (sorted [N, H] + offsets, or masked [E, C, H] + counts), layer dtype or FP8 payload
-      -> [quantize x]      kernels/quant.py   (FP8 schemes, unless the dispatcher sent FP8, or
-                                          fp8-block weight-streaming tiles: gate_up quantizes x itself)
+      -> [quantize x]      kernels/quant.py   (FP8 schemes, unless the dispatcher sent FP8)
       -> gate_up + act     kernels/gate_up.py (block alignment in-kernel; FP8-block output quant fused)
       -> [quantize inter]  kernels/quant.py   (fp8-tensor / fp8-channel, from the amax gate_up wrote)
       -> down + route w    kernels/down.py    -> [N, H] / [E, C, H] layer dtype
@@ -57,7 +56,6 @@ class TritonRunner(ExpertRunner):
         parameters are; an expert dimension of stride 0 is fine).
         """
         from ..kernels.common import RowLayout, unit_stride_rows
-        from ..kernels.configs import quantizes_x
         from ..kernels.down import down
         from ..kernels.gate_up import gate_up
         from ..kernels.quant import down_input, quantize_activation, quantize_rows
@@ -70,8 +68,6 @@ class TritonRunner(ExpertRunner):
         x = batch.hidden.reshape(-1 if src is not None else layout.rows, h)
         if batch.hidden_scale is not None:
             xq, xs = self.input_activations(x, batch.hidden_scale.reshape(x.shape[0], -1))
-        elif quantizes_x(scheme.name, kcfg.gate_up):  # gate_up quantizes x's groups in its K loop
-            xq, xs = x, None
         elif scheme.quantized:
             xq, xs = quantize_activation(x, scheme.name) if src is not None else quantize_rows(x, scheme.name, layout)
         else:

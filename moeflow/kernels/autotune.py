@@ -1,8 +1,7 @@
 """Search kernel configs for one shape on the current GPU (behind `moeflow tune`).
 
 For each token count T: sorted batches of T * top_k copies with uniform random routing and random
-weights (never zeros), then every gate_up candidate (with the FP8 activation quantization before
-it, a kernel or in its K loop as the runner runs it) and every down candidate is timed alone, the
+weights (never zeros), then every gate_up candidate and every down candidate is timed alone, the
 fastest of each wins. Timing replays a CUDA graph of the GEMM launched back to back on
 ``batches_for(T)`` batches of different routing (median over replays, divided by the launches),
 as the layer runs them: from a graph, weights cold (the batches route to different experts; for
@@ -23,7 +22,7 @@ import torch
 
 from ..layouts import SORTED, ExpertBatch, offsets_from_counts
 from ..quant import FP8_DTYPE, create_scheme
-from .configs import GemmConfig, MoEKernelConfig, fit, quantizes_x
+from .configs import GemmConfig, MoEKernelConfig, fit
 
 
 @dataclass(frozen=True)
@@ -216,15 +215,13 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
         inputs = []  # per batch: (batch, layout, x, x scale)
         for b in range(batches_for(t)):
             batch = random_batch(shape, t, dev, seed=t * 1000 + b)
-            inputs.append((batch, RowLayout.of(batch), batch.hidden, None))
+            layout = RowLayout.of(batch)
+            xq, xs = quantize_rows(batch.hidden, shape.scheme, layout) if shape.scheme != "none" else (batch.hidden, None)
+            inputs.append((batch, layout, xq, xs))
         gu_c, dn_c = plans[t]
 
-        def run_gu(c, inp):  # what the runner runs: the activation quantization (a separate kernel, or in
-            batch, layout, xq, xs = inp  # gate_up's K loop: quantizes_x), narrow fp8-block tiles' group quantization
-            if quantizes_x(shape.scheme, c):
-                xq, xs = batch.hidden, None
-            elif shape.scheme != "none":
-                xq, xs = quantize_rows(batch.hidden, shape.scheme, layout)
+        def run_gu(c, inp):  # what the runner runs: narrow fp8-block tiles add the separate group quantization
+            _, layout, xq, xs = inp
             inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c)
             return down_input(inter, extra, shape.scheme) if shape.scheme == "fp8-block" else (inter, extra)
 

@@ -106,18 +106,6 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
 
 
-# gate_up tiles of at most this many rows quantize fp8-block activations themselves (quantizes_x)
-FUSED_X_QUANT_MAX_BLOCK_M = 16
-
-
-def quantizes_x(scheme: str, gate_up: GemmConfig) -> bool:
-    """Whether gate_up with config ``gate_up`` quantizes its own input (fp8-block's 1x128 groups,
-    one per K step of 128) instead of a separate kernel before it: the weight-streaming tiles
-    (BLOCK_M <= FUSED_X_QUANT_MAX_BLOCK_M). Their programs each re-quantize their rows' groups,
-    a few rows beside a weight stream, and the layer saves a launch where launches dominate."""
-    return scheme == "fp8-block" and gate_up.block_k == 128 and gate_up.block_m <= FUSED_X_QUANT_MAX_BLOCK_M
-
-
 def search_dirs() -> list[Path]:
     override = moeflow_env.KERNEL_CONFIG_DIR.get().strip()
     return ([Path(override)] if override else []) + [SHIPPED_DIR]

@@ -45,13 +45,10 @@ def _gate_up_kernel(
         QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr, MASKED: tl.constexpr,
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
-        ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, QUANT_X: tl.constexpr = False,
-        PDL: tl.constexpr = False):
+        ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False):
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
-    INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r].
-    QUANT_X (fp8-block, BLOCK_K == 128): x is in the layer dtype and each step quantizes its 1x128
-    groups itself (xs_ptr unused), the values kernels/quant.quantize_groups would give."""
+    INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r]."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
     expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
@@ -85,9 +82,7 @@ def _gate_up_kernel(
         xs_rows = xs_ptr + x_rows * stride_xs
         gs_ptr = ws_e + g_b * stride_wsn
         us_ptr = ws_e + (g_b + I // 128) * stride_wsn
-        g_s_next, u_s_next = tl.load(gs_ptr), tl.load(us_ptr)
-        if not QUANT_X:
-            a_s_next = tl.load(xs_rows)
+        a_s_next, g_s_next, u_s_next = tl.load(xs_rows), tl.load(gs_ptr), tl.load(us_ptr)
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs)
@@ -104,16 +99,9 @@ def _gate_up_kernel(
             bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
-            g_s, u_s = g_s_next, u_s_next
+            a_s, g_s, u_s = a_s_next, g_s_next, u_s_next
             kg = tl.minimum(((kb + 1) * BLOCK_K) // 128, (H - 1) // 128)
-            g_s_next, u_s_next = tl.load(gs_ptr + kg), tl.load(us_ptr + kg)
-            if QUANT_X:  # this step's 1x128 group of each row (masked columns loaded as 0)
-                af = a.to(tl.float32)
-                a_s = fp8_scale(tl.max(tl.abs(af), axis=1))
-                a = to_fp8(af, a_s[:, None], ROUND_IN_FP32)
-            else:
-                a_s = a_s_next
-                a_s_next = tl.load(xs_rows + kg)
+            a_s_next, g_s_next, u_s_next = tl.load(xs_rows + kg), tl.load(gs_ptr + kg), tl.load(us_ptr + kg)
             if 128 % BLOCK_N == 0:  # one FMA per element: a per-row scale
                 acc_g += tl.dot(a, bg) * (a_s * g_s)[:, None]
                 acc_u += tl.dot(a, bu) * (a_s * u_s)[:, None]
@@ -173,8 +161,6 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     narrower BLOCK_N (more programs for small batches) returns inter in the layer dtype and None:
     the caller quantizes it (kernels/quant.quantize_groups).
     source_rows: [R] int64 or None: row r is x[source_rows[r]] (x [S, H], x_scale [S, G]).
-    fp8-block with x in the layer dtype and x_scale None: the kernel quantizes x's 1x128 groups in
-    its K loop (needs cfg.block_k == 128; the runner's choice for weight-streaming tiles).
     cfg: a GemmConfig (configs.py). poison: fill outputs with NaN first (tests)."""
     r, h = layout.rows, x.shape[1]
     e, two_i, _ = w13.shape
@@ -184,9 +170,6 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     fill = torch.full if poison else (lambda shape, _v, **kw: torch.empty(shape, **kw))
     nan = float("nan")
     fused_groups = q == 3 and cfg.block_n % 128 == 0
-    quant_x = q == 3 and x_scale is None
-    if quant_x and cfg.block_k != 128:
-        raise ValueError(f"fp8-block gate_up quantizing its input needs block_k 128, got {cfg.block_k}")
     inter = fill((r, i), nan, dtype=FP8_DTYPE if fused_groups else dtype, device=dev)
     extra = None
     if fused_groups:
@@ -209,7 +192,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
-        INDEXED=source_rows is not None, QUANT_X=quant_x,
+        INDEXED=source_rows is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
     return inter, extra
 
@@ -241,7 +224,7 @@ def gate_up_torch(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Ten
         xf = xf[source_rows]
     wf = sch.dequantize_weight(w13, w13_scale)
     expert = _expert_of_row(layout)
-    out = torch.zeros(x.shape[0], w13.shape[1] // 2, dtype=torch.float32, device=x.device)
+    out = torch.zeros(xf.shape[0], w13.shape[1] // 2, dtype=torch.float32, device=x.device)  # R rows
     for e in range(w13.shape[0]):
         sel = expert == e
         if bool(sel.any()):

@@ -41,8 +41,7 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
     aligned = {"I", "H", "stride_x", "stride_a", "stride_out", "stride_wn"}  # specialized as multiples of 16
     if kernel == "gate_up":
         from .gate_up import _gate_up_kernel as fn
-        x_elem = _ELEM[dtype] if (extra or {}).get("QUANT_X") else act  # QUANT_X: x in the layer dtype
-        ptrs = dict(x_ptr=x_elem, xs_ptr="fp32", src_ptr="i64", w=act, ws_ptr="fp32", out_ptr=out, outs_ptr="fp32",
+        ptrs = dict(x_ptr=act, xs_ptr="fp32", src_ptr="i64", w=act, ws_ptr="fp32", out_ptr=out, outs_ptr="fp32",
                     amax_ptr="fp32", meta_ptr="i64")
         const = dict(QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype], MASKED=False, E_POW2=256, EVEN_K=True, INDEXED=True,
                      DOT_IEEE=False, PROMOTE=False, ROUND_IN_FP32=False, W_TMA=tma)

@@ -185,38 +185,6 @@ def test_down_split_k_on_gpu(preset, t, scheme):
     assert_close(y, down(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16, cfg), 1e-6, "graph replay")
 
 
-@pytest.mark.parametrize("preset,t", [("qwen3-30b-a3b", 1), ("deepseek-v3", 16), ("mixtral-8x7b", 1)])
-@pytest.mark.parametrize("block_n", [64, 128])
-def test_gate_up_quantizes_its_input_on_gpu(preset, t, block_n):
-    """fp8-block gate_up on bf16 x (the decode tiles' own 1x128 quantization, configs.quantizes_x):
-    the same bits as quantize_groups then gate_up, rows by index and masked slots, the presets' shapes."""
-    from moeflow.kernels.autotune import random_batch
-    from moeflow.kernels.common import RowLayout
-    from moeflow.kernels.configs import GemmConfig, quantizes_x
-    from moeflow.kernels.gate_up import gate_up, gate_up_torch
-    from moeflow.kernels.quant import quantize_groups
-    from moeflow.presets import preset_config
-    from moeflow.quant import create_scheme
-    c = preset_config(preset)
-    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, "fp8-block")
-    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
-    cfg = GemmConfig(16, block_n, 128, 1, 4, 4)
-    assert quantizes_x("fp8-block", cfg)
-    src = torch.randint(0, t, (batch.num_rows,), device="cuda")
-    for lay, rows in ((RowLayout.of(batch), src), (RowLayout.of(sorted_to_masked(batch)[0]), None)):
-        x = torch.randn(t if rows is not None else lay.rows, c.hidden_size, device="cuda").to(torch.bfloat16)
-        xq, xs = quantize_groups(x)
-        want = gate_up(xq, xs, w.w13, w.w13_scale, lay, "fp8-block", "silu", torch.bfloat16, cfg, True, rows)
-        got = gate_up(x, None, w.w13, w.w13_scale, lay, "fp8-block", "silu", torch.bfloat16, cfg, True, rows)
-        valid = lay.valid_rows()
-        for g, wt in zip(got, want):
-            if wt is not None:
-                assert torch.equal(g[valid].view(torch.uint8), wt[valid].view(torch.uint8)), (preset, block_n)
-        ref = gate_up_torch(xq, xs, w.w13, w.w13_scale, lay, "fp8-block", "silu", torch.bfloat16, rows)
-        inter = got[0] if got[1] is None else create_scheme("fp8-block").dequantize_activation(*got)
-        assert_close(inter[valid], ref[valid], 6e-2, f"{preset} gate_up quantizing x")
-
-
 @pytest.mark.parametrize("layout", ["masked", "sorted"])
 @pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-block"])
 def test_cuda_graph_decode(make_layer, scheme, layout):
