@@ -223,6 +223,51 @@ def test_down_split_k(scheme, dtype, i, tma, split, monkeypatch):
         assert_close(out, one, 1e-5 if dtype == torch.float32 else 2e-3, "split vs one program per tile")
 
 
+@pytest.mark.parametrize("split", [2, 5])
+@pytest.mark.parametrize("scheme,dtype,h,tma", [("none", torch.float16, 320, True), ("none", torch.float32, 200, False),
+                                                ("fp8-tensor", torch.float16, 384, False),
+                                                ("fp8-channel", torch.float16, 384, True),
+                                                ("fp8-block", torch.float16, 384, True),
+                                                ("fp8-block", torch.float16, 200, False)])
+def test_gate_up_split_k(scheme, dtype, h, tma, split, monkeypatch):
+    """GemmConfig.split_k for gate_up: `split` programs per tile store float32 gate and up partial
+    sums, a second launch adds them in order and runs the epilogue (activation; fp8-block's group
+    quantization at any BLOCK_N; the fp8-tensor / fp8-channel amax). Against the reference and
+    the one-launch form (poisoned outputs and workspace): sorted rows, rows by index, masked
+    slots, an odd H (a partial last step), more splits than K steps (5 > 384/128: clamped)."""
+    monkeypatch.setenv("MOEFLOW_TRITON_TMA", "1" if tma else "0")
+    sch = create_scheme(scheme)
+    e, i = 4, 160 if scheme != "fp8-block" else 256
+    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).to(dtype))
+    bk = 128 if scheme != "none" else 64
+    for layout, src in ((sorted_layout([3, 0, 18, 1]), None), (sorted_layout([3, 0, 18, 1]), torch.randint(0, 7, (22,))),
+                        (masked_layout([2, 0, 5, 1], 8), None)):
+        x = torch.randn(7 if src is not None else layout.rows, h).to(dtype)
+        xq, xs = sch.quantize_activation(x) if sch.quantized else (x, None)
+        valid = layout.valid_rows()
+        got, extra = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype, kc.GemmConfig(16, 32, bk, split_k=split),
+                             poison=True, source_rows=src)
+        one, one_extra = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype, kc.GemmConfig(16, 32, bk),
+                                 poison=True, source_rows=src)
+        ref = gate_up_torch(xq, xs, q13, s13, layout, scheme, "silu", dtype, src)
+        if scheme == "fp8-block":  # quantized here at BLOCK_N 32 (the one-launch form leaves that to quantize_groups)
+            assert got.dtype == torch.float8_e4m3fn and one_extra is None
+            from moeflow.kernels.quant import quantize_groups
+            deq = sch.dequantize_activation(got, extra)[valid]
+            assert_close(deq, ref[valid], 5e-2, "gate_up split K, fp8-block output")
+            q, qs = quantize_groups(one)
+            assert_close(deq, sch.dequantize_activation(q, qs)[valid], 5e-2, "split vs one launch")
+            continue
+        assert not got[valid].isnan().any()
+        assert_close(got[valid], ref[valid], 1e-5 if dtype == torch.float32 else 1e-3, f"gate_up split_k={split}")
+        assert_close(got[valid], one[valid], 1e-5 if dtype == torch.float32 else 2e-3, "split vs one launch")
+        if scheme == "fp8-channel":
+            assert torch.equal(extra[valid], got[valid].float().abs().amax(dim=1))
+            assert torch.equal(extra[~valid], torch.zeros_like(extra[~valid]))
+        elif scheme == "fp8-tensor":
+            assert torch.equal(extra, got[valid].float().abs().amax().reshape(1))
+
+
 def test_weight_operand_choice(monkeypatch):
     """TMA descriptor where rows are 16-byte aligned and experts back to back; pointers otherwise."""
     w = torch.randn(3, 64, 128).half()

@@ -38,19 +38,22 @@ class Shape:
 def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmConfig]]:
     """(gate_up candidates, down candidates) for T = tokens, fitted and deduplicated.
     Rows per expert m = T * top_k / E picks the family: weight streaming (m <= 16), middle, large tiles.
-    Down candidates with programs_per_sm > 0 time the persistent down kernel; with split_k > 1 (decode)
-    the split K loop and its sum."""
+    Down candidates with programs_per_sm > 0 time the persistent down kernel; candidates of either
+    GEMM with split_k > 1 (decode) the split K loop and its sum."""
     m = tokens * shape.top_k / shape.num_experts
     bk = 128 if shape.scheme != "none" else 64
     if m <= 16:
         # narrow N tiles: more programs streaming weights (fp8-block gate_up below 128: unfused quantization);
         # deep pipelines keep more bytes in flight per program where fp8-block caps BLOCK_K at 128
-        gu = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3),
-                                                             (32, 256, 4), (16, 128, 4), (16, 256, 4), (32, 128, 8),
-                                                             (64, 128, 6), (16, 128, 8))]
-        # down also split over K (its long I loop, few tiles: Mixtral's 2 experts x 4096 / 64 at T=1)
-        dn = gu + [GemmConfig(16, bn, 128, 1, 4, s, 0, sk) for bn, s, sk in ((64, 6, 2), (128, 4, 2), (64, 6, 4),
-                                                                             (128, 4, 4))]
+        base = [GemmConfig(16, bn, k, 1, 4, s) for bn, k, s in ((32, 128, 4), (64, 128, 4), (64, 256, 3), (128, 128, 3),
+                                                               (32, 256, 4), (16, 128, 4), (16, 256, 4), (32, 128, 8),
+                                                               (64, 128, 6), (16, 128, 8))]
+        # also split over K: more programs when few experts' tiles carry long K loops (Mixtral's down:
+        # 2 experts x 4096 / 64 tiles over I = 14336 at T=1; Qwen3's gate_up: 8 experts x 768 / 64)
+        gu = base + [GemmConfig(16, bn, 128, 1, 4, s, 0, sk) for bn, s, sk in ((64, 4, 2), (64, 4, 4), (128, 3, 2),
+                                                                               (32, 4, 2))]
+        dn = base + [GemmConfig(16, bn, 128, 1, 4, s, 0, sk) for bn, s, sk in ((64, 6, 2), (128, 4, 2), (64, 6, 4),
+                                                                               (128, 4, 4))]
     elif m <= 96:
         gu = [GemmConfig(bm, bn, k, 4, w, s) for bm, bn, k, w, s in
               ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 8, 3), (16, 64, 128, 4, 4),

@@ -42,9 +42,10 @@ class GemmConfig:
     # down GEMM, sorted batches with TMA operands: > 0 runs a persistent grid of this many programs
     # per SM looping over the tiles (kernels/down.py); 0: one program per tile. gate_up ignores it.
     programs_per_sm: int = 0
-    # down GEMM, one program per tile: > 1 splits the K loop (I) over this many programs per tile, whose
-    # float32 partial tiles one more launch adds up in a fixed order (kernels/down.py): more programs
-    # streaming weights when a decode batch has few tiles with long K loops. gate_up ignores it.
+    # one program per tile: > 1 splits the K loop (down: I; gate_up: H) over this many programs per
+    # tile, whose float32 partial tiles one more launch adds up in a fixed order (kernels/down.py,
+    # kernels/gate_up.py, which then runs its epilogue there): more programs streaming weights when a
+    # decode batch has few tiles with long K loops.
     split_k: int = 1
 
     def to_dict(self) -> dict:

@@ -17,6 +17,11 @@ to 64 x 128 on H200; it now wins at large T).
 Weight tiles come through a TMA tensor descriptor where the weight allows it (common.weight_operand:
 16-byte aligned rows) and through pointer loads otherwise; TMA frees the address registers and
 measured 1.06-1.3x faster on H200 (benchmarks/results/gemm_variants_*.md).
+Split K (GemmConfig.split_k = S > 1): S programs per tile, program s running K steps s·⌈n/S⌉ ..
+of the n, store float32 gate and up partial sums (scales applied: linear) into slab s of a
+[S, R, 2I] workspace; _gate_up_split_sum_kernel adds the slabs in order and runs the epilogue
+(fp8-block's groups quantized there whatever BLOCK_N). Decode batches with few experts (Qwen3 at
+T=1: 8 experts x 768 / BLOCK_N tiles over H = 2048) get more programs streaming weights.
 fp8-block scales: each K step loads the activation and weight scales of the next step, not its
 own. Triton does not pipeline these small loads (TTGIR: a plain tt.load in the loop, used right
 after the dot), so each step waited on their latency. Measured on H200, GEMM alone: -2 to -5% at
@@ -32,7 +37,7 @@ from torch import Tensor
 
 from ..quant import FP8_DTYPE
 from .common import (QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, pdl, pdl_launch,
-                     pdl_wait, scale_block, tile_ids, to_fp8, weight_operand)
+                     pdl_start, pdl_wait, scale_block, tile_ids, to_fp8, weight_operand)
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -45,12 +50,25 @@ def _gate_up_kernel(
         QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr, MASKED: tl.constexpr,
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
-        ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False):
+        ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False,
+        SPLIT_K: tl.constexpr = 1, split_stride=0):
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
-    INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r]."""
+    INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r].
+    SPLIT_K > 1: grid axis 1 is the split, program s runs K steps s * ceil(n / S) .. of the n and
+    stores its float32 gate and up partial sums (scales applied) into slab s of the workspace
+    out_ptr [S, R, 2I] (slab stride split_stride; gate at columns n, up at I + n); no epilogue."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
+    num_kb = tl.cdiv(H, BLOCK_K)
+    if SPLIT_K > 1:
+        split = tl.program_id(1)
+        per_split = tl.cdiv(num_kb, SPLIT_K)
+        kb_lo = split * per_split
+        kb_hi = tl.minimum(kb_lo + per_split, num_kb)
+    else:
+        kb_lo = 0
+        kb_hi = num_kb
     expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
         return
@@ -64,17 +82,17 @@ def _gate_up_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ld = cols % I
     rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + x_rows[:, None] * stride_x + rk[None, :]
+    x_ptrs = x_ptr + x_rows[:, None] * stride_x + rk[None, :] + kb_lo * BLOCK_K
     if W_TMA:
         g_row = expert * w_rows_per_expert + pid_n * BLOCK_N  # rows past I are never stored
     else:
         w_e = w + expert.to(tl.int64) * stride_we
-        g_ptrs = w_e + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
+        g_ptrs = w_e + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None] + kb_lo * BLOCK_K
         u_ptrs = g_ptrs + I * stride_wn
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if QUANT == 3:  # the scales of K step 0; each step then loads the next step's (module docstring)
+    if QUANT == 3:  # the scales of the first K step; each step then loads the next step's (module docstring)
         if 128 % BLOCK_N == 0:  # the tile's columns share one weight scale block
             g_b = scale_block(pid_n * BLOCK_N, I)
         else:
@@ -82,8 +100,9 @@ def _gate_up_kernel(
         xs_rows = xs_ptr + x_rows * stride_xs
         gs_ptr = ws_e + g_b * stride_wsn
         us_ptr = ws_e + (g_b + I // 128) * stride_wsn
-        a_s_next, g_s_next, u_s_next = tl.load(xs_rows), tl.load(gs_ptr), tl.load(us_ptr)
-    for kb in range(0, tl.cdiv(H, BLOCK_K)):
+        kg0 = (kb_lo * BLOCK_K) // 128
+        a_s_next, g_s_next, u_s_next = tl.load(xs_rows + kg0), tl.load(gs_ptr + kg0), tl.load(us_ptr + kg0)
+    for kb in range(kb_lo, kb_hi):
         if EVEN_K:
             a = tl.load(x_ptrs)
         else:
@@ -130,8 +149,13 @@ def _gate_up_kernel(
         a_s = tl.load(xs_ptr + x_rows * stride_xs)
         acc_g = acc_g * a_s[:, None] * tl.load(ws_e + cols_ld * stride_wsn)[None, :]
         acc_u = acc_u * a_s[:, None] * tl.load(ws_e + (cols_ld + I) * stride_wsn)[None, :]
-    h = gated_act(acc_g, acc_u, ACT).to(INTER_DTYPE)
     ok = row_ok[:, None] & (cols < I)[None, :]
+    if SPLIT_K > 1:  # partial sums for _gate_up_split_sum_kernel
+        part = out_ptr + tl.program_id(1).to(tl.int64) * split_stride + rows[:, None] * (2 * I) + cols[None, :]
+        tl.store(part, acc_g, mask=ok)
+        tl.store(part + I, acc_u, mask=ok)
+        return
+    h = gated_act(acc_g, acc_u, ACT).to(INTER_DTYPE)
     out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
     if QUANT == 3 and BLOCK_N % 128 == 0:  # fp8-block: the 1x128 groups of the tile quantized here
         hf = tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_N // 128, 128))
@@ -151,17 +175,59 @@ def _gate_up_kernel(
                 tl.atomic_max(amax_ptr, tl.max(row_amax, axis=0))
 
 
+@triton.jit
+def _gate_up_split_sum_kernel(part_ptr, out_ptr, outs_ptr, amax_ptr, meta_ptr, num_experts, capacity, I,
+                              stride_out, stride_outs, split_stride,
+                              QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr, MASKED: tl.constexpr,
+                              SPLIT_K: tl.constexpr, BLOCK_I: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    """Split K's second launch, program (r, c): row r, columns c * BLOCK_I ..: the SPLIT_K slabs'
+    gate and up partial sums added in slab order, act(gate) * up rounded to INTER_DTYPE, then
+    gate_up's epilogue (fp8-block: BLOCK_I == 128, the row's group c quantized; fp8-tensor /
+    fp8-channel: the amax). Rows that hold no token copy (sorted: past offsets[E]; masked: empty
+    slots) are left alone, as the one-launch form leaves them."""
+    pdl_start(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    if MASKED:
+        valid = r % capacity < tl.load(meta_ptr + r // capacity)
+    else:
+        valid = r < tl.load(meta_ptr + num_experts)
+    if valid:
+        c = tl.program_id(1)
+        cols = c * BLOCK_I + tl.arange(0, BLOCK_I)
+        ok = cols < I
+        g = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            row = part_ptr + s * split_stride + r * (2 * I)
+            g += tl.load(row + cols, mask=ok, other=0.0)
+            u += tl.load(row + I + cols, mask=ok, other=0.0)
+        h = gated_act(g, u, ACT).to(INTER_DTYPE)
+        hf = tl.where(ok, tl.abs(h.to(tl.float32)), 0.0)
+        if QUANT == 3:
+            scale = fp8_scale(tl.max(hf, axis=0))
+            tl.store(out_ptr + r * stride_out + cols, to_fp8(h.to(tl.float32), scale, ROUND_IN_FP32), mask=ok)
+            tl.store(outs_ptr + r * stride_outs + c, scale)
+        else:
+            tl.store(out_ptr + r * stride_out + cols, h, mask=ok)
+            if QUANT == 2:
+                tl.atomic_max(amax_ptr + r, tl.max(hf, axis=0))
+            elif QUANT == 1:
+                tl.atomic_max(amax_ptr, tl.max(hf, axis=0))
+
+
 def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
             scheme: str, activation: str, dtype: torch.dtype, cfg, poison: bool = False,
             source_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """x [R, H] (layer dtype, or fp8 with x_scale [R, G]), w13 [E, 2I, H] (+ scheme scale)
     -> (inter [R, I], extra): extra is None (none), amax [R] / [1] float32 (fp8-channel /
     fp8-tensor; inter in layer dtype) or scale [R, I/128] (fp8-block with BLOCK_N a multiple of
-    128: inter float8_e4m3fn, its 1x128 groups quantized in the epilogue). fp8-block with a
+    128 or split K: inter float8_e4m3fn, its 1x128 groups quantized in the epilogue). fp8-block with a
     narrower BLOCK_N (more programs for small batches) returns inter in the layer dtype and None:
     the caller quantizes it (kernels/quant.quantize_groups).
     source_rows: [R] int64 or None: row r is x[source_rows[r]] (x [S, H], x_scale [S, G]).
-    cfg: a GemmConfig (configs.py). poison: fill outputs with NaN first (tests)."""
+    cfg: a GemmConfig (configs.py); with split_k > 1 fp8-block always returns the quantized groups.
+    poison: fill outputs (and a split K's workspace) with NaN first (tests)."""
     r, h = layout.rows, x.shape[1]
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -169,7 +235,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     q = QUANT_CODES[scheme]
     fill = torch.full if poison else (lambda shape, _v, **kw: torch.empty(shape, **kw))
     nan = float("nan")
-    fused_groups = q == 3 and cfg.block_n % 128 == 0
+    split = min(cfg.split_k, triton.cdiv(h, cfg.block_k)) if r else 1
+    fused_groups = q == 3 and (cfg.block_n % 128 == 0 or split > 1)
     inter = fill((r, i), nan, dtype=FP8_DTYPE if fused_groups else dtype, device=dev)
     extra = None
     if fused_groups:
@@ -182,8 +249,9 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     blocks_m = layout.num_row_blocks(cfg.block_m)
     grid = (blocks_m * triton.cdiv(i, cfg.block_n),)
     w_arg, w_rows = weight_operand(w13, cfg.block_n, cfg.block_k)
-    _gate_up_kernel[grid](
-        x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, inter, extra if fused_groups else inter,
+    part = fill((split, r, two_i), nan, dtype=torch.float32, device=dev) if split > 1 else inter
+    _gate_up_kernel[grid + (split,)](
+        x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, part, extra if fused_groups else inter,
         extra if q in (1, 2) else inter, layout.meta,
         layout.num_experts, max(layout.capacity, 1), blocks_m, i, h, w_rows,
         x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), stride_wse, stride_wsn, inter.stride(0),
@@ -192,8 +260,15 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
-        INDEXED=source_rows is not None,
+        INDEXED=source_rows is not None, SPLIT_K=split, split_stride=r * two_i if split > 1 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
+    if split > 1:
+        block_i = 128 if q == 3 else min(1024, triton.next_power_of_2(i))
+        _gate_up_split_sum_kernel[(r, triton.cdiv(i, block_i))](
+            part, inter, extra if fused_groups else inter, extra if q in (1, 2) else inter, layout.meta,
+            layout.num_experts, max(layout.capacity, 1), i, inter.stride(0), extra.stride(0) if fused_groups else 0,
+            r * two_i, QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
+            SPLIT_K=split, BLOCK_I=block_i, ROUND_IN_FP32=interpreting(), **pdl(dev))
     return inter, extra
 
 

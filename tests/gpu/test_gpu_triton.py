@@ -185,6 +185,57 @@ def test_down_split_k_on_gpu(preset, t, scheme):
     assert_close(y, down(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16, cfg), 1e-6, "graph replay")
 
 
+@pytest.mark.parametrize("preset,t", [("qwen3-30b-a3b", 1), ("deepseek-v3", 1), ("mixtral-8x7b", 16)])
+@pytest.mark.parametrize("scheme", ["none", "fp8-channel", "fp8-block"])
+def test_gate_up_split_k_on_gpu(preset, t, scheme):
+    """gate_up split over K (GemmConfig.split_k) at decode, the presets' shapes, bf16: against the
+    reference and the one-launch form, rows by index and masked slots, and replayed from a CUDA graph."""
+    from moeflow.kernels.autotune import random_batch
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.configs import GemmConfig
+    from moeflow.kernels.gate_up import gate_up, gate_up_torch
+    from moeflow.presets import preset_config
+    from moeflow.quant import create_scheme
+    c = preset_config(preset)
+    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
+    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
+    sch = create_scheme(scheme)
+    src = torch.randint(0, t, (batch.num_rows,), device="cuda")
+
+    def deq(pair):
+        return sch.dequantize_activation(*pair) if pair[0].dtype == torch.float8_e4m3fn else pair[0].float()
+
+    for lay, rows in ((RowLayout.of(batch), src), (RowLayout.of(sorted_to_masked(batch)[0]), None)):
+        x = torch.randn(t if rows is not None else lay.rows, c.hidden_size, device="cuda").to(torch.bfloat16)
+        xq, xs = sch.quantize_activation(x) if sch.quantized else (x, None)
+        valid = lay.valid_rows()
+        ref = gate_up_torch(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, rows)[valid]
+        one = deq(gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, GemmConfig(16, 64, 128),
+                          True, rows))[valid]
+        for split in (2, 4):
+            cfg = GemmConfig(16, 64, 128, 1, 4, 4, split_k=split)
+            got = deq(gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, cfg, True, rows))[valid]
+            tol = 6e-2 if scheme == "fp8-block" else rel_tol(scheme, torch.bfloat16)
+            assert_close(got, ref.float(), tol, f"{preset} {scheme} split {split}")
+            assert_close(got, one, tol, f"{preset} {scheme} split {split} vs one launch")
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, cfg)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        y = gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, cfg)
+    for buf in (xq, xs):  # new rows, read by the replay
+        if buf is not None:
+            buf.copy_(buf.flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, cfg)
+    for got_t, want_t in zip(y, want):
+        if want_t is not None:
+            assert torch.equal(got_t[valid].view(torch.uint8), want_t[valid].view(torch.uint8)), "graph replay"
+
+
 @pytest.mark.parametrize("layout", ["masked", "sorted"])
 @pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-block"])
 def test_cuda_graph_decode(make_layer, scheme, layout):
