@@ -67,7 +67,8 @@ def ceilings() -> dict:
     return dict(bandwidth=2 * 2 ** 30 / (copy_us * 1e-6), bf16_flops=flops / (mm_us * 1e-6), fp8_flops=flops / (f8_us * 1e-6))
 
 
-def graph_us(fn):
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn captured once as a CUDA graph, after two warm-up calls on a side stream."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -77,7 +78,11 @@ def graph_us(fn):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return bench(g.replay)
+    return g
+
+
+def graph_us(fn):
+    return bench(capture_graph(fn).replay)
 
 
 class Case:

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-from bench_layer import Case, graph_us  # noqa: E402
+from bench_layer import Case, capture_graph, graph_us  # noqa: E402
 from moeflow.experts import create_runner  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", "none", 1), ("qwen3-30b-a3b", "fp8-block", 1), ("mixtral-8x7b", "fp8-block", 1),
@@ -27,14 +27,7 @@ REPLAYS = 20
 
 
 def timeline(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture_graph(fn)
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()

@@ -17,45 +17,22 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-from bench_layer import Case  # noqa: E402
+from bench_layer import Case, capture_graph  # noqa: E402
+from decode_timeline import event_us  # noqa: E402  (this script's directory is on sys.path)
 from moeflow.experts import create_runner  # noqa: E402
 from moeflow.layouts import run_in_layout  # noqa: E402
 
 
-def capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def timings(g):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    single = []
-    for _ in range(50):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        single.append(a.elapsed_time(b) * 1e3)
-    a.record()
-    for _ in range(50):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
+    b2b, synced = event_us(g)
     bench = do_bench(g.replay, warmup=10, rep=30, return_mode="median") * 1e3
-    return dict(bench=round(bench, 2), synced=round(sorted(single)[25], 2), b2b=round(a.elapsed_time(b) * 1e3 / 50, 2))
+    return dict(bench=round(bench, 2), synced=round(synced, 2), b2b=round(b2b, 2))
 
 
 def main():
     out = {}
     z = torch.zeros(1, device="cuda")
-    out["one tiny kernel"] = timings(capture(lambda: z.add_(1)))
+    out["one tiny kernel"] = timings(capture_graph(lambda: z.add_(1)))
     print("one tiny kernel", out["one tiny kernel"], flush=True)
     for preset, scheme in (("qwen3-30b-a3b", "none"), ("mixtral-8x7b", "none"), ("deepseek-v3", "fp8-block")):
         case = Case(preset, scheme)
@@ -73,7 +50,7 @@ def main():
             os.environ["MOEFLOW_TRITON_PDL"] = pdl
             for name, fn in steps.items():
                 key = f"{preset} {scheme} T=1 pdl={pdl} {name}"
-                out[key] = timings(capture(fn))
+                out[key] = timings(capture_graph(fn))
                 print(f"{key:50s} " + "  ".join(f"{k} {v:7.2f}" for k, v in out[key].items()), flush=True)
         os.environ["MOEFLOW_TRITON_PDL"] = "1"
         del case, runner

@@ -146,6 +146,21 @@ def gated_act(gate, up, ACT: tl.constexpr):
 
 
 @triton.jit
+def split_steps(k_size, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's K steps kb_lo .. kb_hi-1: all cdiv(k_size, BLOCK_K) of them, or under split K
+    (SPLIT_K > 1, grid axis 1 the split s) the s-th run of cdiv(n, SPLIT_K) (empty past the end)."""
+    num_kb = tl.cdiv(k_size, BLOCK_K)
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(num_kb, SPLIT_K)
+        kb_lo = tl.program_id(1) * per_split
+        kb_hi = tl.minimum(kb_lo + per_split, num_kb)
+    else:
+        kb_lo = 0
+        kb_hi = num_kb
+    return kb_lo, kb_hi
+
+
+@triton.jit
 def scale_block(cols, n):
     """128x128 weight-scale block row of each output column (n columns in all), clamped per block.
     Not cols % n: that would hide from Triton that 128 columns share one scale, and it cost the

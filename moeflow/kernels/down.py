@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, grouped_tile, num_sms, pdl, pdl_launch,
-                     pdl_wait, rows_operand, scale_block, sorted_block, tile_ids, weight_operand)
+                     pdl_wait, rows_operand, scale_block, sorted_block, split_steps, tile_ids, weight_operand)
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -40,16 +40,9 @@ def _down_kernel(
     the split; out_ptr is the float32 workspace, slab s at s * split_stride elements."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
-    num_kb = tl.cdiv(I, BLOCK_K)
+    kb_lo, kb_hi = split_steps(I, BLOCK_K, SPLIT_K)
     if SPLIT_K > 1:
-        split = tl.program_id(1)
-        per_split = tl.cdiv(num_kb, SPLIT_K)
-        kb_lo = split * per_split
-        kb_hi = tl.minimum(kb_lo + per_split, num_kb)
-        out_ptr += split.to(tl.int64) * split_stride
-    else:
-        kb_lo = 0
-        kb_hi = num_kb
+        out_ptr += tl.program_id(1).to(tl.int64) * split_stride
     expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
         if MASKED:  # an empty block of a slab: its output slots must read as zeros

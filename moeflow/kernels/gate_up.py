@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..quant import FP8_DTYPE
 from .common import (QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, pdl, pdl_launch,
-                     pdl_start, pdl_wait, scale_block, tile_ids, to_fp8, weight_operand)
+                     pdl_start, pdl_wait, scale_block, split_steps, tile_ids, to_fp8, weight_operand)
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -60,15 +60,7 @@ def _gate_up_kernel(
     out_ptr [S, R, 2I] (slab stride split_stride; gate at columns n, up at I + n); no epilogue."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
-    num_kb = tl.cdiv(H, BLOCK_K)
-    if SPLIT_K > 1:
-        split = tl.program_id(1)
-        per_split = tl.cdiv(num_kb, SPLIT_K)
-        kb_lo = split * per_split
-        kb_hi = tl.minimum(kb_lo + per_split, num_kb)
-    else:
-        kb_lo = 0
-        kb_hi = num_kb
+    kb_lo, kb_hi = split_steps(H, BLOCK_K, SPLIT_K)
     expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
         return
