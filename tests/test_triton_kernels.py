@@ -223,18 +223,19 @@ def test_down_split_k(scheme, dtype, i, tma, split, monkeypatch):
         assert_close(out, one, 1e-5 if dtype == torch.float32 else 2e-3, "split vs one program per tile")
 
 
-@pytest.mark.parametrize("split", [2, 5])
+@pytest.mark.parametrize("split", [3, 5])
 @pytest.mark.parametrize("scheme,dtype,h,tma", [("none", torch.float16, 320, True), ("none", torch.float32, 200, False),
                                                 ("fp8-tensor", torch.float16, 384, False),
                                                 ("fp8-channel", torch.float16, 384, True),
-                                                ("fp8-block", torch.float16, 384, True),
+                                                ("fp8-block", torch.float16, 512, True),
                                                 ("fp8-block", torch.float16, 200, False)])
 def test_gate_up_split_k(scheme, dtype, h, tma, split, monkeypatch):
     """GemmConfig.split_k for gate_up: `split` programs per tile store float32 gate and up partial
     sums, a second launch adds them in order and runs the epilogue (activation; fp8-block's group
     quantization at any BLOCK_N; the fp8-tensor / fp8-channel amax). Against the reference and
     the one-launch form (poisoned outputs and workspace): sorted rows, rows by index, masked
-    slots, an odd H (a partial last step), more splits than K steps (5 > 384/128: clamped)."""
+    slots, an odd H (a partial last step), more splits than K steps (5 > 384/128: clamped), and a
+    split with no step (3 splits of 4 steps: 2, 2, 0)."""
     monkeypatch.setenv("MOEFLOW_TRITON_TMA", "1" if tma else "0")
     sch = create_scheme(scheme)
     e, i = 4, 160 if scheme != "fp8-block" else 256

@@ -92,7 +92,7 @@ def _gate_up_kernel(
         xs_rows = xs_ptr + x_rows * stride_xs
         gs_ptr = ws_e + g_b * stride_wsn
         us_ptr = ws_e + (g_b + I // 128) * stride_wsn
-        kg0 = (kb_lo * BLOCK_K) // 128
+        kg0 = tl.minimum((kb_lo * BLOCK_K) // 128, (H - 1) // 128)  # a split past the last step loads in bounds
         a_s_next, g_s_next, u_s_next = tl.load(xs_rows + kg0), tl.load(gs_ptr + kg0), tl.load(us_ptr + kg0)
     for kb in range(kb_lo, kb_hi):
         if EVEN_K:
