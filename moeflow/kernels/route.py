@@ -138,12 +138,13 @@ def launch_shape(e_pow2: int) -> tuple[int, int]:
     """(tokens per program, warps) for E_POW2 experts.
 
     Up to 256 experts: one warp, so every reduction along a row stays in shuffles, with about 128
-    scores per program (one token of 128 or 256 experts, 16 of 8). Measured on one H200 against
-    16 tokens and 4 warps per program, µs per call in a CUDA graph
-    (benchmarks/results/route_shapes_2026-11-30_h200_*.log): Qwen3's 128 experts top-8 2.4 vs 7.2 at
-    T=16, 3.2 vs 7.7 at T=1024, 20 vs 21 at T=16384; Mixtral's 8 experts unchanged (1.3-2.2);
-    DeepSeek-V3's grouped 256 3.4 at T=1 (8 tokens x 4 warps: 7.2 at T=4). More experts: 8 warps
-    and rows of 2048 scores (not measured). The same shape won at every T measured, so T plays no part."""
+    scores per program (one token of 128 or 256 experts, 16 of 8). Measured on one H200, µs per
+    call in a CUDA graph (benchmarks/results/route_shapes_2026-11-30_h200_*.log), this shape against
+    the old 16 tokens x 4 warps: Qwen3's 128 experts top-8 2.4 at T=1, 2.6 vs 7.2 at T=16, 3.2 vs 7.7
+    at T=1024, 20.4 vs 20.9 at T=16384 (2 tokens per program: 18.9, the one T where another shape
+    won by more than 5%); Mixtral's 8 experts 1.5-2.2 as before; DeepSeek-V3's grouped 256 3.4 at
+    T=1 and 3.5 at T=4 (8 tokens x 4 warps: 7.2), larger T not measured. T plays no part. More
+    experts: 8 warps and rows of 2048 scores (the old shape, not measured)."""
     if e_pow2 <= 256:
         return max(1, min(32, 128 // e_pow2)), 1
     return max(1, 2048 // e_pow2), 8
