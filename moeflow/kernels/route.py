@@ -142,7 +142,7 @@ def launch_shape(e_pow2: int) -> tuple[int, int]:
     call in a CUDA graph (benchmarks/results/route_shapes_2026-11-30_h200_*.log), this shape against
     the old 16 tokens x 4 warps: Qwen3's 128 experts top-8 2.4 at T=1, 2.6 vs 7.2 at T=16, 3.2 vs 7.7
     at T=1024, 20.4 vs 20.9 at T=16384 (2 tokens per program: 18.9, the one T where another shape
-    won by more than 5%); Mixtral's 8 experts 1.5-2.2 as before; DeepSeek-V3's grouped 256 3.4 at
+    won by more than 5%); Mixtral's 8 experts 1.5-2.2 against 1.4-2.5; DeepSeek-V3's grouped 256 3.4 at
     T=1 and 3.5 at T=4 (8 tokens x 4 warps: 7.2), larger T not measured. T plays no part. More
     experts: 8 warps and rows of 2048 scores (the old shape, not measured)."""
     if e_pow2 <= 256:
