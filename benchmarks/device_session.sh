@@ -12,7 +12,7 @@
 #   4. the T=1 and 16 rows again with MOEFLOW_TRITON_PDL=0 (programmatic dependent launch off), GPU 0
 #   5. benchmarks/experiments/sort_variants.py, GPU 0
 #   6. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
-#      over copies of them: the candidates include the split-K down GEMM), GPU 0; copy the files
+#      over copies of them: the candidates include split-K forms of both GEMMs), GPU 0; copy the files
 #      back into moeflow/kernels/configs/ only after comparing the layer rows
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
 # files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
