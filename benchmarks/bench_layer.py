@@ -31,7 +31,7 @@ from moeflow.benchmark import Ceilings, layer_bytes, layer_flops, roofline_secon
 from moeflow.capabilities import Environment
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import create_runner
-from moeflow.kernels.autotune import Shape, expanded_weights, precompile, random_batch, random_weights
+from moeflow.kernels.autotune import Shape, capture_graph, expanded_weights, precompile, random_batch, random_weights
 from moeflow.layouts import run_in_layout
 from moeflow.planner import check_runner
 from moeflow.planner import plan as make_plan
@@ -67,22 +67,8 @@ def ceilings() -> dict:
     return dict(bandwidth=2 * 2 ** 30 / (copy_us * 1e-6), bf16_flops=flops / (mm_us * 1e-6), fp8_flops=flops / (f8_us * 1e-6))
 
 
-def capture_graph(fn) -> torch.cuda.CUDAGraph:
-    """fn captured once as a CUDA graph, after two warm-up calls on a side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def graph_us(fn):
-    return bench(capture_graph(fn).replay)
+    return bench(capture_graph(fn, warmups=2).replay)
 
 
 class Case:

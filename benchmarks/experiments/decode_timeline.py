@@ -18,8 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-from bench_layer import Case, capture_graph, graph_us  # noqa: E402
+from bench_layer import Case, graph_us  # noqa: E402
 from moeflow.experts import create_runner  # noqa: E402
+from moeflow.kernels.autotune import capture_graph  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", "none", 1), ("qwen3-30b-a3b", "fp8-block", 1), ("mixtral-8x7b", "fp8-block", 1),
          ("deepseek-v3", "fp8-block", 1), ("qwen3-30b-a3b", "fp8-block", 16)]
@@ -27,7 +28,7 @@ REPLAYS = 20
 
 
 def timeline(fn):
-    g = capture_graph(fn)
+    g = capture_graph(fn, warmups=2)
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()

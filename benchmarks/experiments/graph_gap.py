@@ -17,9 +17,10 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-from bench_layer import Case, capture_graph  # noqa: E402
+from bench_layer import Case  # noqa: E402
 from decode_timeline import event_us  # noqa: E402  (this script's directory is on sys.path)
 from moeflow.experts import create_runner  # noqa: E402
+from moeflow.kernels.autotune import capture_graph  # noqa: E402
 from moeflow.layouts import run_in_layout  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def timings(g):
 def main():
     out = {}
     z = torch.zeros(1, device="cuda")
-    out["one tiny kernel"] = timings(capture_graph(lambda: z.add_(1)))
+    out["one tiny kernel"] = timings(capture_graph(lambda: z.add_(1), warmups=2))
     print("one tiny kernel", out["one tiny kernel"], flush=True)
     for preset, scheme in (("qwen3-30b-a3b", "none"), ("mixtral-8x7b", "none"), ("deepseek-v3", "fp8-block")):
         case = Case(preset, scheme)
@@ -50,7 +51,7 @@ def main():
             os.environ["MOEFLOW_TRITON_PDL"] = pdl
             for name, fn in steps.items():
                 key = f"{preset} {scheme} T=1 pdl={pdl} {name}"
-                out[key] = timings(capture_graph(fn))
+                out[key] = timings(capture_graph(fn, warmups=2))
                 print(f"{key:50s} " + "  ".join(f"{k} {v:7.2f}" for k, v in out[key].items()), flush=True)
         os.environ["MOEFLOW_TRITON_PDL"] = "1"
         del case, runner

@@ -14,6 +14,7 @@ CPU: gloo's monitored barrier (MF502 after the same timeout).
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import uuid
@@ -77,13 +78,13 @@ class PeerBuffers:
         paths: list = [None] * self.world
         try:
             for key, (shape, dtype) in buffers.items():  # new files read as zeros
-                self._views[key] = [torch.from_file(mine[key], shared=True, size=_numel(shape), dtype=dtype).view(shape)]
+                self._views[key] = [torch.from_file(mine[key], shared=True, size=math.prod(shape), dtype=dtype).view(shape)]
             with collective(f"{self.name}: mapping the peers' buffers", self.group):
                 dist.all_gather_object(paths, mine, group=self.group)
             for key, (shape, dtype) in buffers.items():
                 own = self._views[key][0]
                 self._views[key] = [own if r == self.rank else torch.from_file(
-                    paths[r][key], shared=True, size=_numel(shape), dtype=dtype).view(shape) for r in range(self.world)]
+                    paths[r][key], shared=True, size=math.prod(shape), dtype=dtype).view(shape) for r in range(self.world)]
                 self._addresses[key] = [v.data_ptr() for v in self._views[key]]
             self._cpu_barrier()  # every rank has mapped every file
         finally:
@@ -141,10 +142,3 @@ class PeerBuffers:
         if silent:
             raise error("MF502", what=f"{self.name}'s barrier (rank {silent - 1} never arrived)", seconds=timeout_s(),
                         rank=self.rank)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

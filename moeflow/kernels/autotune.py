@@ -166,20 +166,26 @@ def batches_for(tokens: int) -> int:
     return 8 if tokens <= 128 else 4 if tokens <= 1024 else 1
 
 
-def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int = 500) -> float:
-    """Median time (ms) per call of ``calls`` (zero-argument callables), captured back to back into
-    one CUDA graph and replayed: enough replays to fill ~rep_ms, at least min_replays."""
+def capture_graph(fn, warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """fn (zero arguments) captured once as a CUDA graph, after ``warmups`` calls on a side stream
+    outside the capture (compiles, allocator pools). The tuner's and the benchmarks' capture."""
     cur = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(cur)
-    with torch.cuda.stream(side):  # warm-up outside the capture (compiles, allocator pools)
-        for c in calls:
-            c()
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
     cur.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for c in calls:
-            c()
+        fn()
+    return graph
+
+
+def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int = 500) -> float:
+    """Median time (ms) per call of ``calls`` (zero-argument callables), captured back to back into
+    one CUDA graph and replayed: enough replays to fill ~rep_ms, at least min_replays."""
+    graph = capture_graph(lambda: [c() for c in calls])
     graph.replay()
     first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     first.record()
