@@ -166,41 +166,6 @@ def test_down_persistent_equals_per_tile(scheme, dtype, programs_per_sm, poison_
     assert torch.equal(persistent, per_tile)
 
 
-@pytest.mark.parametrize("programs_per_sm,indexed", [(1, False), (3, True)])
-@pytest.mark.parametrize("scheme,dtype,block_n", [("none", torch.float16, 64), ("fp8-tensor", torch.float16, 64),
-                                                  ("fp8-channel", torch.float16, 64), ("fp8-block", torch.float16, 128),
-                                                  ("fp8-block", torch.float16, 64), ("fp8-block", torch.float32, 128)])
-def test_gate_up_persistent_equals_per_tile(scheme, dtype, block_n, programs_per_sm, indexed, monkeypatch):
-    """The persistent gate_up (programs loop over the tiles of the real row blocks) writes the same
-    bits as one program per tile, epilogue included (fp8-block's fused group quantization at
-    BLOCK_N 128, the layer-dtype output at 64; fp8-tensor/-channel's amax): empty experts, a block
-    split over 3 experts' rows, tiles that outnumber the programs (1 SM here: 1 or 3 programs),
-    a partial N tile (I = 192), rows by index."""
-    from moeflow.kernels import gate_up as gu_mod
-    grids = []
-    kernel = gu_mod._gate_up_persistent_kernel
-    monkeypatch.setattr(gu_mod, "_gate_up_persistent_kernel",
-                        type("Spy", (), {"__getitem__": lambda _, grid: grids.append(grid) or kernel[grid]})())
-    sch = create_scheme(scheme)
-    layout = sorted_layout([5, 0, 33, 16, 0, 1])
-    e, h, i = 6, 128, 192
-    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).to(dtype))
-    x = torch.randn(7 if indexed else layout.rows, h).to(dtype)
-    xq, xs = sch.quantize_activation(x)
-    src = torch.randint(0, 7, (layout.rows,)) if indexed else None
-    bk = 128 if scheme == "fp8-block" else 64
-    per_tile = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype, kc.GemmConfig(16, block_n, bk, 2),
-                       poison=True, source_rows=src)
-    persistent = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype,
-                         kc.GemmConfig(16, block_n, bk, 2, programs_per_sm=programs_per_sm), poison=True, source_rows=src)
-    assert grids == [(programs_per_sm,)]  # the per-tile call above did not take it; this one did
-    for got, want in zip(persistent, per_tile):
-        if want is not None:
-            assert not want.float().isnan().any()
-            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
-                               want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
-
-
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-channel", torch.float32),
                                           ("fp8-block", torch.float16)])

@@ -17,10 +17,7 @@ to 64 x 128 on H200; it now wins at large T).
 Weight tiles come through a TMA tensor descriptor where the weight allows it (common.weight_operand:
 16-byte aligned rows) and through pointer loads otherwise; TMA frees the address registers and
 measured 1.06-1.3x faster on H200 (benchmarks/results/gemm_variants_*.md).
-Two launch forms, as kernels/down.py: one program per tile (_gate_up_kernel, every layout), or, where
-the config asks for it (GemmConfig.programs_per_sm) on a sorted batch with TMA weights, a persistent
-grid looping over the tiles (_gate_up_persistent_kernel). Same tile code (_gate_up_tile), same bits.
-Split K (GemmConfig.split_k = S > 1, per-tile form only): S programs per tile, program s running K steps s·⌈n/S⌉ ..
+Split K (GemmConfig.split_k = S > 1): S programs per tile, program s running K steps s·⌈n/S⌉ ..
 of the n, store float32 gate and up partial sums (scales applied: linear) into slab s of a
 [S, R, 2I] workspace; _gate_up_split_sum_kernel adds the slabs in order and runs the epilogue
 (fp8-block's groups quantized there whatever BLOCK_N). Decode batches with few experts (Qwen3 at
@@ -39,9 +36,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import FP8_DTYPE
-from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, fp8_scale, gated_act, grouped_tile, interpreting,
-                     num_sms, pdl, pdl_launch, pdl_start, pdl_wait, scale_block, sorted_block, split_steps, tile_ids,
-                     to_fp8, weight_operand)
+from .common import (QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, pdl, pdl_launch,
+                     pdl_start, pdl_wait, scale_block, split_steps, tile_ids, to_fp8, weight_operand)
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -56,63 +52,18 @@ def _gate_up_kernel(
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
         ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False,
         SPLIT_K: tl.constexpr = 1, split_stride=0):
-    """One program per tile of the grid's row blocks (an upper bound of them: programs past the
-    real blocks return at once). Operands as in _gate_up_tile. SPLIT_K > 1: grid axis 1 is the
-    split s, running K steps s * ceil(n / S) .. of the n; out_ptr is the float32 workspace
-    [S, R, 2I], slab s at s * split_stride elements."""
+    """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
+    e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
+    INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r].
+    SPLIT_K > 1: grid axis 1 is the split, program s runs K steps s * ceil(n / S) .. of the n and
+    stores its float32 gate and up partial sums (scales applied) into slab s of the workspace
+    out_ptr [S, R, 2I] (slab stride split_stride; gate at columns n, up at I + n); no epilogue."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
     kb_lo, kb_hi = split_steps(H, BLOCK_K, SPLIT_K)
     expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
         return
-    if SPLIT_K > 1:
-        out_ptr += tl.program_id(1).to(tl.int64) * split_stride
-    _gate_up_tile(x_ptr, xs_ptr, src_ptr, w, ws_ptr, out_ptr, outs_ptr, amax_ptr, expert, row_start, row_end, pid_n,
-                  kb_lo, kb_hi, I, H, w_rows_per_expert, stride_x, stride_xs, stride_we, stride_wn, stride_wse,
-                  stride_wsn, stride_out, stride_outs, QUANT, ACT, INTER_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                  DOT_IEEE, PROMOTE, ROUND_IN_FP32, W_TMA, INDEXED, PDL, SPLIT_K)
-
-
-@triton.jit(do_not_specialize=["w_rows_per_expert", "num_programs"])
-def _gate_up_persistent_kernel(
-        x_ptr, xs_ptr, src_ptr, w, ws_ptr, out_ptr, outs_ptr, amax_ptr, meta_ptr,
-        num_experts, I, H, w_rows_per_expert, num_programs,
-        stride_x, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
-        QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr, E_POW2: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False):
-    """Sorted layout, weights through TMA: num_programs programs (the grid; a runtime value, so batch
-    sizes do not recompile it) loop over the tiles of the real row blocks (counted here from the
-    offsets) in tile_ids' grouped order, as kernels/down.py's persistent form. The flattened loop
-    lets Triton's pipeline load the next tile's first K steps during this tile's epilogue."""
-    pdl_wait(PDL)
-    idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2)
-    num_pid_n = tl.cdiv(I, BLOCK_N)
-    blocks_m = tl.sum(nb, 0).to(tl.int32)
-    for tile in tl.range(tl.program_id(0), blocks_m * num_pid_n, num_programs, flatten=True):
-        pid_m, pid_n = grouped_tile(tile, blocks_m, num_pid_n, GROUP_M)
-        expert, row_start, row_end = sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M)
-        _gate_up_tile(x_ptr, xs_ptr, src_ptr, w, ws_ptr, out_ptr, outs_ptr, amax_ptr, expert, row_start, row_end,
-                      pid_n, 0, tl.cdiv(H, BLOCK_K), I, H, w_rows_per_expert, stride_x, stride_xs, 0, 0, stride_wse,
-                      stride_wsn, stride_out, stride_outs, QUANT, ACT, INTER_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                      False, False, ROUND_IN_FP32, True, INDEXED, PDL, 1)
-
-
-@triton.jit
-def _gate_up_tile(x_ptr, xs_ptr, src_ptr, w, ws_ptr, out_ptr, outs_ptr, amax_ptr, expert, row_start, row_end, pid_n,
-                  kb_lo, kb_hi, I, H, w_rows_per_expert, stride_x, stride_xs, stride_we, stride_wn, stride_wse,
-                  stride_wsn, stride_out, stride_outs, QUANT: tl.constexpr, ACT: tl.constexpr,
-                  INTER_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-                  W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The [BLOCK_M, BLOCK_N] intermediate tile of rows row_start .. row_end-1 (at least one; all of
-    ``expert``) and columns from pid_n * BLOCK_N, over K steps kb_lo .. kb_hi-1.
-    w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
-    e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
-    INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r].
-    SPLIT_K > 1: stores the float32 gate and up partial sums (scales applied) at out_ptr [R, 2I]
-    (gate at columns n, up at I + n); no epilogue."""
     rows = row_start + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     rows_ld = tl.minimum(rows, row_end - 1)  # in-bounds loads without a mask; stores are masked
@@ -192,28 +143,28 @@ def _gate_up_tile(x_ptr, xs_ptr, src_ptr, w, ws_ptr, out_ptr, outs_ptr, amax_ptr
         acc_u = acc_u * a_s[:, None] * tl.load(ws_e + (cols_ld + I) * stride_wsn)[None, :]
     ok = row_ok[:, None] & (cols < I)[None, :]
     if SPLIT_K > 1:  # partial sums for _gate_up_split_sum_kernel
-        part = out_ptr + rows[:, None] * (2 * I) + cols[None, :]
+        part = out_ptr + tl.program_id(1).to(tl.int64) * split_stride + rows[:, None] * (2 * I) + cols[None, :]
         tl.store(part, acc_g, mask=ok)
         tl.store(part + I, acc_u, mask=ok)
+        return
+    h = gated_act(acc_g, acc_u, ACT).to(INTER_DTYPE)
+    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    if QUANT == 3 and BLOCK_N % 128 == 0:  # fp8-block: the 1x128 groups of the tile quantized here
+        hf = tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_N // 128, 128))
+        scale = fp8_scale(tl.max(tl.abs(hf), axis=2))  # [BLOCK_M, BLOCK_N // 128]
+        q = tl.reshape(to_fp8(hf, scale[:, :, None], ROUND_IN_FP32), (BLOCK_M, BLOCK_N))
+        tl.store(out_ptrs, q, mask=ok)
+        groups = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+        tl.store(outs_ptr + rows[:, None] * stride_outs + groups[None, :], scale,
+                 mask=row_ok[:, None] & (groups < tl.cdiv(I, 128))[None, :])
     else:
-        h = gated_act(acc_g, acc_u, ACT).to(INTER_DTYPE)
-        out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-        if QUANT == 3 and BLOCK_N % 128 == 0:  # fp8-block: the 1x128 groups of the tile quantized here
-            hf = tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_N // 128, 128))
-            scale = fp8_scale(tl.max(tl.abs(hf), axis=2))  # [BLOCK_M, BLOCK_N // 128]
-            q = tl.reshape(to_fp8(hf, scale[:, :, None], ROUND_IN_FP32), (BLOCK_M, BLOCK_N))
-            tl.store(out_ptrs, q, mask=ok)
-            groups = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
-            tl.store(outs_ptr + rows[:, None] * stride_outs + groups[None, :], scale,
-                     mask=row_ok[:, None] & (groups < tl.cdiv(I, 128))[None, :])
-        else:
-            tl.store(out_ptrs, h, mask=ok)
-            if QUANT == 1 or QUANT == 2:
-                row_amax = tl.max(tl.where(ok, tl.abs(h.to(tl.float32)), 0.0), axis=1)
-                if QUANT == 2:
-                    tl.atomic_max(amax_ptr + rows, row_amax, mask=row_ok)
-                else:
-                    tl.atomic_max(amax_ptr, tl.max(row_amax, axis=0))
+        tl.store(out_ptrs, h, mask=ok)
+        if QUANT == 1 or QUANT == 2:
+            row_amax = tl.max(tl.where(ok, tl.abs(h.to(tl.float32)), 0.0), axis=1)
+            if QUANT == 2:
+                tl.atomic_max(amax_ptr + rows, row_amax, mask=row_ok)
+            else:
+                tl.atomic_max(amax_ptr, tl.max(row_amax, axis=0))
 
 
 @triton.jit
@@ -290,22 +241,10 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     blocks_m = layout.num_row_blocks(cfg.block_m)
     grid = (blocks_m * triton.cdiv(i, cfg.block_n),)
     w_arg, w_rows = weight_operand(w13, cfg.block_n, cfg.block_k)
-    out_args = (extra if fused_groups else inter, extra if q in (1, 2) else inter)
-    fp32_dots = dtype == torch.float32 and q in (0, 1, 2)
-    if split == 1 and cfg.programs_per_sm and not layout.masked and w_arg is not w13 and not fp32_dots and r:
-        programs = min(cfg.programs_per_sm * num_sms(dev), grid[0])
-        _gate_up_persistent_kernel[(programs,)](
-            x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, inter, *out_args, layout.meta,
-            layout.num_experts, i, h, w_rows, programs, x.stride(0), xs.stride(0), stride_wse, stride_wsn,
-            inter.stride(0), extra.stride(0) if fused_groups else 0,
-            QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], E_POW2=layout.e_pow2,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            EVEN_K=h % cfg.block_k == 0, ROUND_IN_FP32=interpreting(), INDEXED=source_rows is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
-        return inter, extra
     part = fill((split, r, two_i), nan, dtype=torch.float32, device=dev) if split > 1 else inter
     _gate_up_kernel[grid + (split,)](
-        x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, part, *out_args, layout.meta,
+        x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, part, extra if fused_groups else inter,
+        extra if q in (1, 2) else inter, layout.meta,
         layout.num_experts, max(layout.capacity, 1), blocks_m, i, h, w_rows,
         x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), stride_wse, stride_wsn, inter.stride(0),
         extra.stride(0) if fused_groups else 0,

@@ -7,8 +7,7 @@ tiles), so tests/test_kernels_compile_sm90.py keeps the large-tile configs spill
 `python -m moeflow.kernels.registers` prints the table.
 
     register_usage(kernel, scheme, dtype, GemmConfig, tma=True) -> (registers per thread, spill-store bytes)
-kernel: "gate_up" | "gate_up_persistent" | "down" | "down_persistent"
-(the persistent forms: TMA weights only); scheme: a quant scheme name; dtype: the layer dtype (torch).
+kernel: "gate_up" | "down" | "down_persistent"; scheme: a quant scheme name; dtype: the layer dtype (torch).
 """
 from __future__ import annotations
 
@@ -40,16 +39,12 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
     out = "fp8e4nv" if (kernel == "gate_up" and q == 3) else _ELEM[dtype]
     desc = f"tensordesc<{act}[{cfg.block_n}, {cfg.block_k}]>"
     aligned = {"I", "H", "stride_x", "stride_a", "stride_out", "stride_wn"}  # specialized as multiples of 16
-    if kernel in ("gate_up", "gate_up_persistent"):
-        from .gate_up import _gate_up_kernel, _gate_up_persistent_kernel
+    if kernel == "gate_up":
+        from .gate_up import _gate_up_kernel as fn
         ptrs = dict(x_ptr=act, xs_ptr="fp32", src_ptr="i64", w=act, ws_ptr="fp32", out_ptr=out, outs_ptr="fp32",
                     amax_ptr="fp32", meta_ptr="i64")
-        const = dict(QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype], E_POW2=256, EVEN_K=True, INDEXED=True, ROUND_IN_FP32=False)
-        if kernel == "gate_up":
-            fn = _gate_up_kernel
-            const.update(MASKED=False, DOT_IEEE=False, PROMOTE=False, W_TMA=tma)
-        else:
-            fn = _gate_up_persistent_kernel
+        const = dict(QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype], MASKED=False, E_POW2=256, EVEN_K=True, INDEXED=True,
+                     DOT_IEEE=False, PROMOTE=False, ROUND_IN_FP32=False, W_TMA=tma)
     else:  # "down", or "down_persistent" (TMA operands only): the same operands
         from .down import _down_kernel, _down_persistent_kernel
         ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64")

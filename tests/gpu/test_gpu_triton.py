@@ -145,38 +145,6 @@ def test_down_persistent_on_gpu(preset, t, scheme):
             assert torch.equal(got, want), (cfg, programs_per_sm)
 
 
-@pytest.mark.parametrize("preset,t", [("qwen3-30b-a3b", 4096), ("deepseek-v3", 1024), ("mixtral-8x7b", 300)])
-@pytest.mark.parametrize("scheme", ["none", "fp8-channel", "fp8-block"])
-def test_gate_up_persistent_on_gpu(preset, t, scheme):
-    """The persistent gate_up at the presets' shapes, 1 and 2 programs per SM, rows by index (as
-    the local dispatcher sends them): bit for bit the one-program-per-tile kernel, epilogue
-    included (fp8-block's fused group quantization, fp8-channel's row amax)."""
-    from dataclasses import replace
-
-    from moeflow.kernels.autotune import random_batch
-    from moeflow.kernels.common import RowLayout
-    from moeflow.kernels.configs import GemmConfig
-    from moeflow.kernels.gate_up import gate_up
-    from moeflow.presets import preset_config
-    from moeflow.quant import create_scheme
-    c = preset_config(preset)
-    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
-    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
-    layout = RowLayout.of(batch)
-    src = torch.randint(0, t, (layout.rows,), device="cuda")
-    x, x_s = create_scheme(scheme).quantize_activation(torch.randn(t, c.hidden_size, device="cuda").to(torch.bfloat16))
-    bk = 64 if scheme == "none" else 128
-    for cfg in (GemmConfig(128, 128, bk, 8, 8, 3), GemmConfig(64, 128, bk, 8, 8, 4), GemmConfig(64, 128, bk, 8, 4, 4)):
-        want = gate_up(x, x_s, w.w13, w.w13_scale, layout, scheme, "silu", torch.bfloat16, cfg, poison=True,
-                       source_rows=src)
-        for programs_per_sm in (1, 2):
-            got = gate_up(x, x_s, w.w13, w.w13_scale, layout, scheme, "silu", torch.bfloat16,
-                          replace(cfg, programs_per_sm=programs_per_sm), poison=True, source_rows=src)
-            for g, r in zip(got, want):
-                if r is not None:
-                    assert torch.equal(g.view(torch.uint8), r.view(torch.uint8)), (cfg, programs_per_sm)
-
-
 @pytest.mark.parametrize("preset,t", [("mixtral-8x7b", 1), ("deepseek-v3", 1), ("qwen3-30b-a3b", 16)])
 @pytest.mark.parametrize("scheme", ["none", "fp8-channel", "fp8-block"])
 def test_down_split_k_on_gpu(preset, t, scheme):
