@@ -74,9 +74,10 @@ def graph_us(fn):
 class Case:
     """One (preset, scheme): random weights shared by every runner, router and local dispatcher."""
 
-    def __init__(self, preset: str, scheme: str):
+    def __init__(self, preset: str, scheme: str, payload: str = "auto"):
         self.preset = preset
-        self.cfg = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda", dispatcher="local")
+        self.cfg = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda", dispatcher="local",
+                                 dispatch_payload=payload)
         c = self.cfg
         self.scheme = create_scheme(scheme)
         self.shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1,16,128,1024,4096,16384")
     p.add_argument("--out", default=".")
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new case after this many seconds")
+    p.add_argument("--dispatch-payload", default="auto",
+                   help='MoEConfig.dispatch_payload; "dtype": the local sort does not quantize decode tokens')
     args = p.parse_args(argv)
     start = time.time()
     out = Path(args.out)
@@ -158,7 +161,7 @@ def main(argv=None) -> int:
     for preset, scheme in cells:
         if time.time() - start > args.deadline_s:
             break
-        case = Case(preset, scheme)
+        case = Case(preset, scheme, args.dispatch_payload)
         names = args.runners.split(",")
         for t in tokens:
             ins = case.inputs(t)

@@ -90,6 +90,11 @@ for masked in (False, True):
 out["sort_copies"] = compile_for_hopper(_sort_copies_kernel, ints(_sort_copies_kernel, dict(
     ids_ptr="*i32", w_ptr="*fp32", offsets_ptr="*i64", counts_ptr="*i32", row_ptr="*i64", source_ptr="*i64", sorted_w_ptr="*fp32")),
     dict(TOP_K=8, BLOCK_I=64, BLOCK_J=64, BLOCK_E=64))
+for qx in (2, 3):  # the same launch quantizing the tokens (fp8-channel, fp8-block)
+    out[f"sort_copies quant_x={qx}"] = compile_for_hopper(_sort_copies_kernel, ints(_sort_copies_kernel, dict(
+        ids_ptr="*i32", w_ptr="*fp32", offsets_ptr="*i64", counts_ptr="*i32", row_ptr="*i64", source_ptr="*i64",
+        sorted_w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32")),
+        dict(TOP_K=8, BLOCK_I=64, BLOCK_J=64, BLOCK_E=64, QUANT_X=qx, BLOCK_H=1024))
 from moeflow.kernels.route import _route_kernel
 from moeflow.kernels.route import launch_shape
 for grouped, e_pow2, k in ((1, 128, 8), (8, 256, 8), (1, 8, 2), (1, 1024, 8)):  # Qwen3, DeepSeek-V3, Mixtral, wide
@@ -134,7 +139,7 @@ print(json.dumps(out))
 
 def test_every_kernel_compiles_for_sm90():
     usage = compile_without_interpreter(COMPILE_ALL)
-    assert len(usage) == 41
+    assert len(usage) == 43
     for name, (regs, spill) in usage.items():
         assert 0 < regs <= 255, name
         if name.startswith("route"):  # one warp per token's row: its scores stay in registers

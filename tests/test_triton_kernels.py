@@ -70,6 +70,33 @@ def test_sort_copies_matches_the_torch_sort(t, k, e, skew):
         assert g.shape == r.shape and g.dtype == r.dtype and torch.equal(g, r), name
 
 
+@pytest.mark.parametrize("t,k,e,h,scheme", [
+    (0, 2, 4, 256, "fp8-block"),       # no tokens: nothing to quantize
+    (1, 8, 128, 2048, "fp8-block"),    # Qwen3-like decode
+    (5, 2, 7, 200, "fp8-block"),       # H not a multiple of 128: a partial last group
+    (16, 8, 64, 1500, "fp8-block"),    # several programs per token (BLOCK_H 1024), partial tail
+    (3, 2, 4, 1100, "fp8-channel"),    # the row amax over two column chunks
+    (1, 1, 1, 16, "fp8-channel"),      # one expert, one tiny row
+])
+def test_sort_copies_quantizes_the_tokens(t, k, e, h, scheme):
+    """The one-launch sort with x: the sort's five outputs unchanged, plus the tokens' FP8 bytes and
+    scales bit for bit kernels/quant.quantize_activation's (the runner's own quantization), into
+    NaN-free fresh outputs (every element written)."""
+    ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(t, k)
+    x = (torch.randn(t, h) * torch.rand(t, 1) * 10).half()
+    if t:
+        x[0, :min(h, 128)] = 0  # an all-zero group (fp8-block) / a row with a zero part
+    got = sort_copies(ids, w, e, x, scheme)
+    for g, r in zip(got[:5], sort_copies(ids, w, e), strict=True):
+        assert torch.equal(g, r)
+    q, s = quantize_activation(x, scheme)
+    assert got[5].dtype == q.dtype and torch.equal(got[5].view(torch.uint8), q.view(torch.uint8))
+    assert got[6].shape == s.shape and torch.equal(got[6], s)
+    with pytest.raises(ValueError, match="scheme"):
+        sort_copies(ids, w, e, x, "fp8-tensor")  # one scale over the batch: not per token
+
+
 def test_align_masked():
     layout = masked_layout([0, 9, 4, 12], capacity=12)
     assert torch.equal(align_blocks(layout, 8), align_blocks_torch(layout, 8))

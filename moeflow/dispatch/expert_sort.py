@@ -20,6 +20,7 @@ from torch import Tensor
 # the segment sort takes 3.7-5.6; 12 vs 5.6 at 1024); then kernels/ep_sort's segment sort while
 # ep_sort.sort_pays (5-33 µs where torch takes 35-60); torch's radix sort beyond.
 ONE_LAUNCH_COPIES = 128
+SORT_QUANTIZES = ("fp8-channel", "fp8-block")  # schemes sort_and_quantize quantizes tokens for (per token)
 
 
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
@@ -40,6 +41,25 @@ def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bou
             if sort_pays(n, num_experts) and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
                 return sort_by_segments(topk_ids, topk_weights, num_experts)
     return sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
+
+
+def sort_and_quantize(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor, scheme: str,
+                      bounds: Tensor | None = None):
+    """sort_by_expert, and the tokens hidden [T, H] quantized by ``scheme`` ("fp8-channel" or
+    "fp8-block") in the same launch where that costs no launch of its own: the one-launch Triton
+    sort (CUDA, copies <= ONE_LAUNCH_COPIES, hidden's columns contiguous)
+    -> (offsets, counts, row_of_copy, source, sorted_weights, hq [T, H] fp8, hs [T, G] float32);
+    elsewhere sort_by_expert's five and (None, None): the runner quantizes, as without this call.
+    hq and hs are bit for bit kernels/quant.quantize_activation(hidden, scheme)."""
+    if (topk_ids.is_cuda and topk_ids.numel() <= ONE_LAUNCH_COPIES and hidden.stride(-1) == 1
+            and hidden.shape[0] == topk_ids.shape[0]):
+        try:
+            from ..kernels.align import sort_copies
+        except ImportError:  # triton missing
+            pass
+        else:
+            return sort_copies(topk_ids, topk_weights, num_experts, hidden, scheme)
+    return (*sort_by_expert(topk_ids, topk_weights, num_experts, bounds), None, None)
 
 
 def sort_by_segments(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):

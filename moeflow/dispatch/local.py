@@ -1,5 +1,7 @@
 """dispatcher="local": one process, all experts here. Permute token copies by expert (sorted
-layout; by index when the plan says the runner reads rows in place: no permuted copy); combine
+layout; by index when the plan says the runner reads rows in place: no permuted copy). Decode-sized
+CUDA batches of an fp8-channel / fp8-block layer travel as FP8 (ExpertBatch.hidden_scale), quantized
+by the sort's own launch (expert_sort.sort_and_quantize), the bits the runner would make; combine
 is the weighted sum of each token's K copies (weights already applied by the runner),
 accumulated in float32 in k order, so results are deterministic. No host
 synchronization anywhere: with a graph-safe runner the whole layer is CUDA-graph capturable.
@@ -14,7 +16,7 @@ from torch import Tensor
 from ..capabilities import DispatcherCaps
 from ..layouts import SORTED, ExpertBatch
 from .base import Dispatcher
-from .expert_sort import sort_by_expert
+from .expert_sort import SORT_QUANTIZES, sort_and_quantize, sort_by_expert
 from .gather_sum import gather_sum
 
 
@@ -31,17 +33,28 @@ class LocalDispatcher(Dispatcher):
     def __init__(self, config, scheme, process_group=None):
         super().__init__(config, scheme, process_group)
         self._bounds: dict = {}
+        # decode-sized CUDA batches: the one-launch sort also quantizes the tokens where the scheme
+        # quantizes each token on its own (the runner would compute the same bits, one launch later);
+        # MoEConfig.dispatch_payload="dtype" keeps the layer dtype
+        self._quantize_in_sort = scheme.name in SORT_QUANTIZES and config.dispatch_payload != "dtype"
 
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
-        offsets, counts, row_of_copy, source, sorted_w = sort_by_expert(
-            topk_ids, topk_weights, self.config.num_experts, self._expert_bounds(topk_ids))
+        if self._quantize_in_sort:
+            offsets, counts, row_of_copy, source, sorted_w, hq, hs = sort_and_quantize(
+                topk_ids, topk_weights, self.config.num_experts, hidden, self.scheme.name, self._expert_bounds(topk_ids))
+        else:
+            offsets, counts, row_of_copy, source, sorted_w = sort_by_expert(
+                topk_ids, topk_weights, self.config.num_experts, self._expert_bounds(topk_ids))
+            hq = hs = None
+        rows = hidden if hq is None else hq
         batch = ExpertBatch(
             layout=SORTED,
-            hidden=hidden if self.indexed_rows else hidden[source],
+            hidden=rows if self.indexed_rows else rows[source],
             weights=sorted_w,
             counts=counts,
             offsets=offsets,
             source_rows=source if self.indexed_rows else None,
+            hidden_scale=None if hs is None else hs if self.indexed_rows else hs[source],
         )
         return batch, LocalHandle(row_of_copy)
 

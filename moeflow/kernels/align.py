@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import RowLayout, block_rows, pdl, pdl_start
+from ..quant import FP8_DTYPE
+from .common import RowLayout, block_rows, fp8_scale, interpreting, pdl, pdl_start, to_fp8
 
 
 @triton.jit
@@ -64,10 +65,15 @@ MAX_FUSED_COPIES = 2048  # sort_copies' comparison sort is O(copies^2) work: mea
 
 @triton.jit
 def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source_ptr, sorted_w_ptr, num_copies, num_experts,
+                        x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs,
                         TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
+                        QUANT_X: tl.constexpr = 0, BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False,
                         PDL: tl.constexpr = False):
-    """Programs 0 .. cdiv(copies, BLOCK_I)-1 place copies; the rest write offsets (and counts) for
-    BLOCK_E experts each.
+    """Programs 0 .. cdiv(copies, BLOCK_I)-1 place copies; the next cdiv(E + 1, BLOCK_E) write
+    offsets (and counts) for BLOCK_E experts each; with QUANT_X (2: fp8-channel, 3: fp8-block) the
+    rest quantize the tokens x [T, H] (T = copies / TOP_K) -> xq [T, H] fp8, xs [T, G] float32, as
+    kernels/quant.py does: fp8-channel one program per token, fp8-block one per BLOCK_H columns of
+    a token (BLOCK_H a multiple of 128: its 1x128 groups).
 
     The sorted row of copy i is the number of copies before it in (expert, copy index) order, the
     stable sort's order: #{j : ids[j] < ids[i]} + #{j < i : ids[j] == ids[i]}.
@@ -90,7 +96,7 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
         tl.store(row_ptr + i, row64, mask=ok)
         tl.store(source_ptr + row64, (i // TOP_K).to(tl.int64), mask=ok)
         tl.store(sorted_w_ptr + row64, tl.load(w_ptr + i, mask=ok, other=0.0), mask=ok)
-    else:
+    elif pid < copy_blocks + tl.cdiv(num_experts + 1, BLOCK_E):
         e = (pid - copy_blocks) * BLOCK_E + tl.arange(0, BLOCK_E)
         below = tl.zeros((BLOCK_E,), dtype=tl.int32)
         equal = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -101,9 +107,36 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
             equal += tl.sum((ids_j[None, :] == e[:, None]).to(tl.int32), axis=1)
         tl.store(offsets_ptr + e, below.to(tl.int64), mask=e <= num_experts)
         tl.store(counts_ptr + e, equal, mask=e < num_experts)
+    elif QUANT_X == 3:  # fp8-block: columns c * BLOCK_H .. of token t, BLOCK_H / 128 groups
+        q = pid - copy_blocks - tl.cdiv(num_experts + 1, BLOCK_E)
+        per_token = tl.cdiv(H, BLOCK_H)
+        t = (q // per_token).to(tl.int64)
+        c = q % per_token
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        xg = tl.reshape(tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32),
+                        (BLOCK_H // 128, 128))
+        scale = fp8_scale(tl.max(tl.abs(xg), axis=1))
+        tl.store(xq_ptr + t * stride_xq + cols, tl.reshape(to_fp8(xg, scale[:, None], ROUND_IN_FP32), (BLOCK_H,)),
+                 mask=ok)
+        groups = c * (BLOCK_H // 128) + tl.arange(0, BLOCK_H // 128)
+        tl.store(xs_ptr + t * stride_xs + groups, scale, mask=groups < tl.cdiv(H, 128))
+    elif QUANT_X == 2:  # fp8-channel: token t's row amax, then the row
+        t = (pid - copy_blocks - tl.cdiv(num_experts + 1, BLOCK_E)).to(tl.int64)
+        amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            cols = k0 + tl.arange(0, BLOCK_H)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)))
+        scale = fp8_scale(tl.max(amax, axis=0))
+        tl.store(xs_ptr + t * stride_xs, scale)
+        for k0 in range(0, H, BLOCK_H):
+            cols = k0 + tl.arange(0, BLOCK_H)
+            xv = tl.load(x_ptr + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
+            tl.store(xq_ptr + t * stride_xq + cols, to_fp8(xv, scale, ROUND_IN_FP32), mask=cols < H)
 
 
-def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
+def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Tensor | None = None,
+                scheme: str = "none"):
     """Token copies grouped by expert in one launch (decode-sized batches: copies <= MAX_FUSED_COPIES).
 
     topk_ids [T, K] int (ids in 0 .. E-1), topk_weights [T, K] float32
@@ -113,6 +146,9 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
     row_of_copy the inverse; the same values as its torch reference,
     moeflow.dispatch.expert_sort.sort_by_expert_torch (torch-only: the dispatcher's path without
     triton). No host synchronization.
+    x [T, H] (layer dtype, unit column stride) with scheme "fp8-channel" or "fp8-block": the same
+    launch also quantizes the tokens, and the tuple gains (xq [T, H] float8_e4m3fn, xs [T, G]
+    float32), bit for bit kernels/quant.quantize_activation(x, scheme).
     """
     t, k = topk_ids.shape
     n = t * k
@@ -123,9 +159,25 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
     source = torch.empty(n, dtype=torch.int64, device=dev)
     sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
     block_i, block_j, block_e = 64, 64, 64
-    grid = (triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_e),)
-    _sort_copies_kernel[grid](topk_ids.reshape(-1).to(torch.int32).contiguous(),
-                              topk_weights.reshape(-1).float().contiguous(), offsets, counts, row, source, sorted_w,
-                              n, num_experts, TOP_K=k, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e,
-                              **pdl(dev))
-    return offsets, counts, row.view(t, k), source, sorted_w
+    grid = triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_e)
+    quant_x, block_h, h, xq, xs = 0, 128, 0, sorted_w, sorted_w  # unused pointers without x
+    if x is not None:
+        if scheme not in _FUSED_X_QUANT or x.shape[0] != t or (x.shape[1] and x.stride(1) != 1):
+            raise ValueError(f"x must be [{t}, H] with unit column stride and scheme one of {sorted(_FUSED_X_QUANT)}")
+        quant_x, h = _FUSED_X_QUANT[scheme], x.shape[1]
+        xq = torch.empty((t, h), dtype=FP8_DTYPE, device=dev)
+        xs = torch.empty((t, triton.cdiv(h, 128) if quant_x == 3 else 1), dtype=torch.float32, device=dev)
+        block_h = min(1024, triton.next_power_of_2(max(h, 128)))
+        grid += t * (triton.cdiv(h, block_h) if quant_x == 3 else 1) if h else 0
+    _sort_copies_kernel[(grid,)](topk_ids.reshape(-1).to(torch.int32).contiguous(),
+                                 topk_weights.reshape(-1).float().contiguous(), offsets, counts, row, source, sorted_w,
+                                 n, num_experts, x if x is not None else sorted_w, xq, xs, h,
+                                 x.stride(0) if x is not None else 0, xq.stride(0), xs.stride(0),
+                                 TOP_K=k, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, QUANT_X=quant_x,
+                                 BLOCK_H=block_h, ROUND_IN_FP32=interpreting(), **pdl(dev))
+    if x is None:
+        return offsets, counts, row.view(t, k), source, sorted_w
+    return offsets, counts, row.view(t, k), source, sorted_w, xq, xs
+
+
+_FUSED_X_QUANT = {"fp8-channel": 2, "fp8-block": 3}  # sort_copies' x quantization: QUANT_X codes

@@ -77,3 +77,29 @@ def test_pdl_chain_matches_plain_launches(make_layer, scheme, t, monkeypatch):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want), f"graph replay with PDL differs ({scheme}, T={t})"
+
+
+@pytest.mark.parametrize("runner", ["triton", "reference", "grouped_mm"])
+@pytest.mark.parametrize("t", [1, 16, 40])
+@pytest.mark.parametrize("scheme", ["fp8-channel", "fp8-block"])
+def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, runner):
+    """The local dispatcher's one-launch sort also quantizes the tokens (T * K <= 128 copies, here
+    T = 1 and 16 with K = 4; T = 40 is past it): the runner gets an FP8 batch and the layer's output
+    is bit for bit the one with dispatch_payload="dtype" (the runner quantizing the same rows)."""
+    from moeflow.config import MoEConfig
+    cfg = MoEConfig(num_experts=16, hidden_size=320, intermediate_size=256, top_k=4, quant=scheme,
+                    dtype=torch.bfloat16, device="cuda", runner=runner)
+    state = weights_for(cfg)
+    fused, plain = make_layer(cfg), make_layer(cfg.replace(dispatch_payload="dtype"))
+    fused.load_weights(state)
+    plain.load_weights(state)
+    seen = []
+    run = fused.runner.run
+    fused.runner.run = lambda batch, w: seen.append(batch.hidden_scale is not None) or run(batch, w)
+    x = torch.randn(t, 320, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, 16, device="cuda")
+    out = fused(x, logits)
+    assert seen == [t * 4 <= 128]
+    assert torch.equal(out, plain(x, logits))
+    ids, w = route_for(cfg, logits, fused.e_score_correction_bias)
+    assert_close(out, layer_oracle(fused, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} T={t} {runner}")
