@@ -87,7 +87,7 @@ def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, 
     T = 1 and 16 with K = 4; T = 40 is past it): the runner gets an FP8 batch and the layer's output
     is bit for bit the one with dispatch_payload="dtype" (the runner quantizing the same rows)."""
     from moeflow.config import MoEConfig
-    cfg = MoEConfig(num_experts=16, hidden_size=320, intermediate_size=256, top_k=4, quant=scheme,
+    cfg = MoEConfig(num_experts=16, hidden_size=384, intermediate_size=256, top_k=4, quant=scheme,
                     dtype=torch.bfloat16, device="cuda", runner=runner)
     state = weights_for(cfg)
     fused, plain = make_layer(cfg), make_layer(cfg.replace(dispatch_payload="dtype"))
@@ -96,10 +96,50 @@ def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, 
     seen = []
     run = fused.runner.run
     fused.runner.run = lambda batch, w: seen.append(batch.hidden_scale is not None) or run(batch, w)
-    x = torch.randn(t, 320, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(t, 384, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(t, 16, device="cuda")
     out = fused(x, logits)
     assert seen == [t * 4 <= 128]
     assert torch.equal(out, plain(x, logits))
     ids, w = route_for(cfg, logits, fused.e_score_correction_bias)
     assert_close(out, layer_oracle(fused, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} T={t} {runner}")
+
+
+ROUTED = {  # name: (MoEConfig fields, tokens): each T fits one routing program (kernels/route_sort.py)
+    "qwen3-like": (dict(num_experts=128, top_k=8), 1),
+    "deepseek-like": (dict(num_experts=256, top_k=8, scoring="sigmoid", num_expert_groups=8, topk_groups=4,
+                           use_correction_bias=True, routed_scaling_factor=2.5), 1),
+    "mixtral-like": (dict(num_experts=8, top_k=2), 16),
+    "mixtral-like T=5": (dict(num_experts=8, top_k=2), 5),
+}
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-channel", "fp8-block"])
+@pytest.mark.parametrize("case", ROUTED)
+def test_routing_in_sort_equals_routing_then_sort(make_layer, monkeypatch, case, scheme):
+    """Plan.routing_in_sort: decode batches route, sort (and quantize) in one launch; the layer's
+    output is bit for bit the one of the router's own launch followed by the sort, eager and from
+    a CUDA graph."""
+    from moeflow.kernels import route_sort
+    fields, t = ROUTED[case]
+    layer = make_layer(hidden_size=256, intermediate_size=128, quant=scheme, dtype=torch.bfloat16, device="cuda",
+                       runner="triton", **fields)
+    assert layer.plan.routing_in_sort and layer.dispatcher.routing_in_sort
+    calls = []
+    fused_call = route_sort.route_and_sort
+    monkeypatch.setattr(route_sort, "route_and_sort", lambda *a, **k: calls.append(1) or fused_call(*a, **k))
+    x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, fields["num_experts"], device="cuda")
+    out = layer(x, logits)
+    assert calls == [1]
+    layer.dispatcher.routing_in_sort = False
+    assert torch.equal(out, layer(x, logits)) and calls == [1]
+    layer.dispatcher.routing_in_sort = True
+    graph = torch.cuda.CUDAGraph()
+    layer(x, logits)  # warm
+    with torch.cuda.graph(graph):
+        g_out = layer(x, logits)
+    g_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out)
