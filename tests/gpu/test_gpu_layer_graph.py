@@ -79,9 +79,10 @@ def test_pdl_chain_matches_plain_launches(make_layer, scheme, t, monkeypatch):
     assert torch.equal(out, want), f"graph replay with PDL differs ({scheme}, T={t})"
 
 
-@pytest.mark.parametrize("runner", ["triton", "reference", "grouped_mm"])
 @pytest.mark.parametrize("t", [1, 16, 40])
-@pytest.mark.parametrize("scheme", ["fp8-channel", "fp8-block"])
+@pytest.mark.parametrize("scheme,runner", [("fp8-channel", "triton"), ("fp8-block", "triton"),
+                                           ("fp8-channel", "reference"), ("fp8-block", "reference"),
+                                           ("fp8-channel", "grouped_mm")])  # grouped_mm: no fp8-block on CUDA
 def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, runner):
     """The local dispatcher's one-launch sort also quantizes the tokens (T * K <= 128 copies, here
     T = 1 and 16 with K = 4; T = 40 is past it): the runner gets an FP8 batch and the layer's output
@@ -101,8 +102,9 @@ def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, 
     out = fused(x, logits)
     assert seen == [t * 4 <= 128]
     assert torch.equal(out, plain(x, logits))
-    ids, w = route_for(cfg, logits, fused.e_score_correction_bias)
-    assert_close(out, layer_oracle(fused, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} T={t} {runner}")
+    if runner == "triton":  # the others' accuracy: tests/gpu/test_gpu_runners.py
+        ids, w = route_for(cfg, logits, fused.e_score_correction_bias)
+        assert_close(out, layer_oracle(fused, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} T={t}")
 
 
 ROUTED = {  # name: (MoEConfig fields, tokens): each T fits one routing program (kernels/route_sort.py)

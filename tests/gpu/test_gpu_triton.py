@@ -70,7 +70,8 @@ def test_pointer_loads(make_layer, poison, scheme, monkeypatch):
 def test_masked_layout(make_layer, scheme):
     """Masked batch with NaN/huge garbage in empty slots: valid slots match the reference runner,
     empty slots are exactly zero; poisoned intermediates (run_with(poison=True))."""
-    layer = make_layer(**ALIGNED, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="triton")
+    layer = make_layer(**ALIGNED, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="triton",
+                       dispatch_payload="dtype")  # layer-dtype rows (huge garbage below); FP8 rows: test_cuda_graph_decode
     x = torch.randn(50, 256, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(50, 8, 2)
     batch, _ = layer.dispatcher.dispatch(x, ids, w)
@@ -260,7 +261,7 @@ def test_cuda_graph_decode(make_layer, scheme, layout):
     with torch.cuda.graph(graph):
         out = layer.runner.run(static, wts)
     for new in fresh:
-        for name in ("hidden", "weights", "counts", "offsets", "source_rows"):
+        for name in ("hidden", "hidden_scale", "weights", "counts", "offsets", "source_rows"):
             if getattr(static, name) is not None:
                 getattr(static, name).copy_(getattr(new, name))
         graph.replay()
