@@ -74,7 +74,7 @@ def graph_us(fn):
 class Case:
     """One (preset, scheme): random weights shared by every runner, router and local dispatcher."""
 
-    def __init__(self, preset: str, scheme: str, payload: str = "auto", routing_in_sort: bool = True):
+    def __init__(self, preset: str, scheme: str, payload: str = "auto"):
         self.preset = preset
         self.cfg = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda", dispatcher="local",
                                  dispatch_payload=payload)
@@ -83,11 +83,9 @@ class Case:
         self.shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
         self.weights = random_weights(self.shape, "cuda", seed=1)
         self.env = Environment.detect(torch.device("cuda"))
-        plan = make_plan(c, self.env)
-        self.router = create_router(c, plan.router)  # the layer's router (planner)
+        self.router = create_router(c, make_plan(c, self.env).router)  # the layer's router (planner)
         self.bias = (torch.rand(c.num_experts, device="cuda") - 0.5) * 0.1 if c.use_correction_bias else None
-        self.dispatcher = create_dispatcher("local", c, self.scheme,
-                                            routing_in_sort=plan.routing_in_sort and routing_in_sort)
+        self.dispatcher = create_dispatcher("local", c, self.scheme)
         self._indexed = {}  # runner name -> Plan.indexed_rows of (local, that runner)
 
     def inputs(self, t: int, n: int = 4):
@@ -103,9 +101,9 @@ class Case:
 
     def layer(self, runner, x, logits):
         self.use(runner)
-        d = self.dispatcher
-        batch, handle = d.dispatch_wait(d.route_dispatch_start(x, logits, self.bias, self.router))
-        return d.combine(run_in_layout(runner, batch, self.weights), handle)
+        ids, w = self.router(logits, self.bias)
+        batch, handle = self.dispatcher.dispatch(x, ids, w)
+        return self.dispatcher.combine(run_in_layout(runner, batch, self.weights), handle)
 
 
 def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
@@ -146,8 +144,6 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new case after this many seconds")
     p.add_argument("--dispatch-payload", default="auto",
                    help='MoEConfig.dispatch_payload; "dtype": the local sort does not quantize decode tokens')
-    p.add_argument("--no-routing-in-sort", action="store_true",
-                   help="route in the router's own launch even where the plan runs it in the sort (A/B runs)")
     args = p.parse_args(argv)
     start = time.time()
     out = Path(args.out)
@@ -165,7 +161,7 @@ def main(argv=None) -> int:
     for preset, scheme in cells:
         if time.time() - start > args.deadline_s:
             break
-        case = Case(preset, scheme, args.dispatch_payload, not args.no_routing_in_sort)
+        case = Case(preset, scheme, args.dispatch_payload)
         names = args.runners.split(",")
         for t in tokens:
             ins = case.inputs(t)

@@ -55,7 +55,6 @@ class DispatcherCaps:
     priority: int = 0
     note: str = ""
     indexed_rows: bool = False  # can hand sorted rows by index (ExpertBatch.source_rows) when asked
-    sort_routes: bool = False  # its sort launch can also route, with a router whose caps say routes_in_sort
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,6 @@ class RouterCaps:
     max_experts: int | None = None  # the most experts it routes over (None: any)
     grouped_pow2: bool = False  # grouped selection needs a power-of-two expert count
     note: str = ""
-    routes_in_sort: bool = False  # a dispatcher whose caps say sort_routes may run this routing in its sort launch
 
 
 @dataclass(frozen=True)

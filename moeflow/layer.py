@@ -3,7 +3,6 @@
     hidden [T, H], router_logits [T, E]
       -> route     : topk_ids [T, K] int32, topk_weights [T, K] float32      (routing/)
       -> dispatch  : ExpertBatch for this rank's experts                    (dispatch/)
-         (Plan.routing_in_sort: decode batches route inside the dispatcher's sort launch)
       -> experts   : w * down(act(gate(x)) * up(x)) per copy                (experts/)
       -> combine   : sum of the K copies on the token's rank -> [T, H]      (dispatch/)
       (+ shared experts on every token)
@@ -63,8 +62,7 @@ class MoE(nn.Module):
         self.scheme = create_scheme(self.plan.scheme)
         self.router = create_router(config, self.plan.router)
         self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme, process_group,
-                                            indexed_rows=self.plan.indexed_rows,
-                                            routing_in_sort=self.plan.routing_in_sort)
+                                            indexed_rows=self.plan.indexed_rows)
         self.runner = create_runner(self.plan.runner, config, self.scheme)
         self.local_experts = self.dispatcher.local_experts
         self._make_parameters()
@@ -132,9 +130,8 @@ class MoE(nn.Module):
             _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
             _check(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
                    dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
-        pending = self.dispatcher.route_dispatch_start(hidden_states, router_logits, self.e_score_correction_bias,
-                                                       self.router)
-        return self._run(hidden_states, pending)
+        topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)
+        return self._run(hidden_states, topk_ids, topk_weights)
 
     def forward_topk(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """hidden_states [T, H], topk_ids [T, K] int, topk_weights [T, K] float -> [T, H].
@@ -152,12 +149,11 @@ class MoE(nn.Module):
                    dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
             if not _capturing(hidden_states):
                 _check_ids(topk_ids, cfg.num_experts)
-        pending = self.dispatcher.dispatch_start(hidden_states, topk_ids.to(torch.int32), topk_weights.float())
-        return self._run(hidden_states, pending)
+        return self._run(hidden_states, topk_ids.to(torch.int32), topk_weights.float())
 
-    def _run(self, hidden: Tensor, pending) -> Tensor:
-        """The layer after dispatch_start: shared experts, dispatch_wait, experts, combine."""
+    def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         d = self.dispatcher
+        pending = d.dispatch_start(hidden, topk_ids, topk_weights)
         shared = self._shared(hidden)  # overlaps the dispatch exchange under expert parallelism
         batch, handle = d.dispatch_wait(pending)
         expert_out = run_in_layout(self.runner, batch, self.expert_weights())

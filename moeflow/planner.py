@@ -31,7 +31,6 @@ class Plan:
     reasons: tuple[str, ...]
     indexed_rows: bool = False  # the dispatcher hands rows by index and the runner gathers them itself
     router: str = "torch"
-    routing_in_sort: bool = False  # the dispatcher routes inside its sort launch where a batch allows it
 
     @property
     def converted(self) -> bool:
@@ -171,12 +170,7 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
     if indexed:
         reasons += ("rows by index: the runner reads each token's row in place (no permuted copy of hidden)",)
     reasons += (why_t,)
-    in_sort = DISPATCHERS.get(dispatcher).caps.sort_routes and ROUTERS.get(router).caps.routes_in_sort
-    if in_sort:
-        reasons += (f"routing in the sort: {dispatcher!r} runs the {router!r} routing inside its sort launch for "
-                    "batches whose routing fits one program (decode)",)
-    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router,
-                in_sort)
+    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router)
 
 
 def cell_status(cfg: MoEConfig, env: Environment) -> str:

@@ -186,31 +186,6 @@ def test_router_choice():
     assert "skipped triton (MF205)" in str(plan(base, no_triton))
 
 
-def test_routing_in_sort_is_planned_from_caps():
-    """Plan.routing_in_sort where the dispatcher's caps say sort_routes and the router's say
-    routes_in_sort (local + triton router), nowhere else; a CPU layer keeps routing on its own and
-    its dispatcher's route_dispatch_start is the router followed by dispatch."""
-    from moeflow.dispatch import DISPATCHERS
-    from moeflow.routing import ROUTERS
-    sm90 = Environment("cuda", (9, 0))
-    base = MoEConfig(num_experts=128, hidden_size=128, intermediate_size=128, top_k=8)
-    p = plan(base, sm90)
-    assert p.router == "triton" and p.dispatcher == "local" and p.routing_in_sort
-    assert "routing in the sort" in str(p)
-    assert not plan(base, CPU).routing_in_sort  # torch router
-    for name in DISPATCHERS.names():
-        if name != "local":
-            assert not DISPATCHERS.get(name).caps.sort_routes, name
-    assert [r for r in ROUTERS.names() if ROUTERS.get(r).caps.routes_in_sort] == ["triton"]
-    layer = MoE(base.replace(dtype=torch.float32))
-    assert not layer.dispatcher.routing_in_sort
-    x, logits = torch.randn(3, 128), torch.randn(3, 128)
-    batch, _ = layer.dispatcher.route_dispatch_start(x, logits, None, layer.router)
-    ids, w = layer.router(logits, None)
-    want, _ = layer.dispatcher.dispatch(x, ids, w)
-    assert torch.equal(batch.offsets, want.offsets) and torch.equal(batch.weights, want.weights)
-
-
 def test_auto_with_nothing_valid_is_mf209():
     """A device no dispatcher declares: "auto" lists each candidate with the code that refused it."""
     with pytest.raises(MoeflowError) as info:

@@ -464,43 +464,6 @@ def test_route_kernel_rows_per_program(e, k, bias):
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("case", ROUTING)
-@pytest.mark.parametrize("t,e,k,scheme,h", [(1, 64, 6, None, 0), (1, 64, 6, "fp8-block", 200),
-                                             (1, 256, 8, "fp8-block", 1152), (2, 16, 4, "fp8-channel", 384),
-                                             (16, 8, 2, None, 0), (13, 8, 2, "fp8-block", 256)])
-def test_route_and_sort_equals_route_then_sort(case, t, e, k, scheme, h):
-    """The fused decode launch (kernels/route_sort.py): bit for bit route() followed by
-    sort_copies() (and its token quantization), for every routing kind, at the most tokens one
-    routing program holds (launch_shape: 1 of 64-256 experts, 8 of 16, 16 of 8) and fewer."""
-    from moeflow import MoEConfig
-    from moeflow.kernels.route import route
-    from moeflow.kernels.route_sort import fits_one_program, route_and_sort
-    fields = dict(ROUTING[case])
-    if fields.get("num_expert_groups", 1) > e // 2:
-        fields["num_expert_groups"], fields["topk_groups"] = 2, 1
-    cfg = MoEConfig(num_experts=e, hidden_size=16, intermediate_size=16, top_k=k, **fields)
-    assert fits_one_program(t, e)
-    args = (k, cfg.scoring, cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
-    logits = torch.randn(t, e) * 3
-    bias = (torch.rand(e) - 0.5) * 0.2 if cfg.use_correction_bias else None
-    x = (torch.randn(t, h) * 4).half() if scheme else None
-    got = route_and_sort(logits, bias, *args, x=x, scheme=scheme or "none")
-    ids, w = route(logits, bias, *args)
-    want = sort_copies(ids, w, e, x, scheme) if scheme else sort_copies(ids, w, e)
-    assert len(got) == len(want) == (7 if scheme else 5)
-    for g, r in zip(got, want):
-        assert g.dtype == r.dtype and g.shape == r.shape
-        assert torch.equal(g.view(torch.uint8), r.view(torch.uint8)) if g.dtype == torch.float8_e4m3fn else torch.equal(g, r)
-
-
-def test_route_and_sort_takes_one_program_of_tokens():
-    from moeflow.kernels.route_sort import fits_one_program, route_and_sort
-    assert [fits_one_program(t, 128) for t in (0, 1, 2)] == [False, True, False]
-    assert fits_one_program(16, 8) and not fits_one_program(17, 8)
-    with pytest.raises(ValueError, match="one routing program"):
-        route_and_sort(torch.randn(2, 128), None, 8, "softmax", True)
-
-
 def test_tune_merge_keeps_other_token_counts(monkeypatch, tmp_path):
     """`moeflow tune --merge` rewrites the token counts it tunes and keeps the file's others
     (the search itself is replaced: it needs a GPU)."""

@@ -24,14 +24,10 @@ for _cls in (AllToAllDispatcher, AllGatherDispatcher, LowLatencyDispatcher, AllT
     DISPATCHERS.register(_cls)
 
 
-def create_dispatcher(name, config, scheme, process_group=None, indexed_rows: bool = False,
-                      routing_in_sort: bool = False) -> Dispatcher:
-    """indexed_rows: hand sorted rows by index (Plan.indexed_rows; only where caps.indexed_rows).
-    routing_in_sort: route inside the sort launch where a batch allows (Plan.routing_in_sort; only
-    where caps.sort_routes)."""
+def create_dispatcher(name, config, scheme, process_group=None, indexed_rows: bool = False) -> Dispatcher:
+    """indexed_rows: hand sorted rows by index (Plan.indexed_rows; only where caps.indexed_rows)."""
     d = DISPATCHERS.get(name)(config, scheme, process_group)
     d.indexed_rows = indexed_rows and d.caps.indexed_rows
-    d.routing_in_sort = routing_in_sort and d.caps.sort_routes
     return d
 
 

@@ -31,9 +31,6 @@ class Dispatcher(ABC):
     # set by create_dispatcher from the plan: hand sorted rows by index (ExpertBatch.source_rows)
     # because the runner reads them in place; only dispatchers whose caps say indexed_rows honour it
     indexed_rows: bool = False
-    # set by create_dispatcher from the plan: route inside the sort launch (route_dispatch_start) where
-    # a batch allows; only dispatchers whose caps say sort_routes honour it
-    routing_in_sort: bool = False
 
     def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None):
         self.config = config
@@ -52,12 +49,6 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, expert_out: Tensor, handle: Any) -> Tensor:
         ...
-
-    def route_dispatch_start(self, hidden: Tensor, router_logits: Tensor, correction_bias: Tensor | None,
-                             router) -> Any:
-        """router(router_logits, correction_bias), then dispatch_start: what the layer calls. A
-        dispatcher that routes inside its sort launch (caps.sort_routes) overrides it."""
-        return self.dispatch_start(hidden, *router(router_logits, correction_bias))
 
     def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Any:
         """First half of dispatch (same arguments): returns a pending object at once."""

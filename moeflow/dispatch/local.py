@@ -28,7 +28,7 @@ class LocalHandle:
 class LocalDispatcher(Dispatcher):
     name = "local"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=False, priority=10,
-                          note="single process: sort copies by expert", indexed_rows=True, sort_routes=True)
+                          note="single process: sort copies by expert", indexed_rows=True)
 
     def __init__(self, config, scheme, process_group=None):
         super().__init__(config, scheme, process_group)
@@ -38,20 +38,6 @@ class LocalDispatcher(Dispatcher):
         # MoEConfig.dispatch_payload="dtype" keeps the layer dtype
         self._quantize_in_sort = scheme.name in SORT_QUANTIZES and config.dispatch_payload != "dtype"
 
-    def route_dispatch_start(self, hidden: Tensor, router_logits: Tensor, correction_bias: Tensor | None, router):
-        """With Plan.routing_in_sort, CUDA batches whose routing fits one program (decode) route, sort
-        (and quantize, as dispatch) in one launch (kernels/route_sort.py): the same values as the
-        router followed by dispatch. Other batches: the router, then dispatch."""
-        c = self.config
-        if self.routing_in_sort and router_logits.is_cuda and hidden.stride(-1) == 1:
-            from ..kernels.route_sort import fits_one_program, route_and_sort
-            if fits_one_program(router_logits.shape[0], c.num_experts):
-                x = hidden if self._quantize_in_sort else None
-                out = route_and_sort(router_logits, correction_bias, c.top_k, c.scoring, c.renormalize,
-                                     c.num_expert_groups, c.topk_groups, c.routed_scaling_factor, x, self.scheme.name)
-                return self._batch(hidden, *out) if x is not None else self._batch(hidden, *out, None, None)
-        return self.dispatch(hidden, *router(router_logits, correction_bias))
-
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
         if self._quantize_in_sort:
             offsets, counts, row_of_copy, source, sorted_w, hq, hs = sort_and_quantize(
@@ -60,10 +46,6 @@ class LocalDispatcher(Dispatcher):
             offsets, counts, row_of_copy, source, sorted_w = sort_by_expert(
                 topk_ids, topk_weights, self.config.num_experts, self._expert_bounds(topk_ids))
             hq = hs = None
-        return self._batch(hidden, offsets, counts, row_of_copy, source, sorted_w, hq, hs)
-
-    def _batch(self, hidden, offsets, counts, row_of_copy, source, sorted_w, hq, hs):
-        """The sort's outputs (and the tokens quantized, or None) -> (ExpertBatch, LocalHandle)."""
         rows = hidden if hq is None else hq
         batch = ExpertBatch(
             layout=SORTED,

@@ -82,61 +82,33 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
     pdl_start(PDL)
     pid = tl.program_id(0)
     copy_blocks = tl.cdiv(num_copies, BLOCK_I)
-    expert_blocks = tl.cdiv(num_experts + 1, BLOCK_E)
     if pid < copy_blocks:
-        place_copies(ids_ptr, w_ptr, row_ptr, source_ptr, sorted_w_ptr, num_copies, pid * BLOCK_I, TOP_K, BLOCK_I,
-                     BLOCK_J)
-    elif pid < copy_blocks + expert_blocks:
-        expert_offsets(ids_ptr, offsets_ptr, counts_ptr, num_copies, num_experts, (pid - copy_blocks) * BLOCK_E,
-                       BLOCK_E, BLOCK_J)
-    else:
-        quantize_token_part(x_ptr, xq_ptr, xs_ptr, pid - copy_blocks - expert_blocks, H, stride_x, stride_xq,
-                            stride_xs, QUANT_X, BLOCK_H, ROUND_IN_FP32)
-
-
-@triton.jit
-def place_copies(ids_ptr, w_ptr, row_ptr, source_ptr, sorted_w_ptr, num_copies, i0,
-                 TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-    """Copies i0 .. i0 + BLOCK_I - 1 (of num_copies, ids [n] int32 and weights [n] float32 in (t, k)
-    order): their sorted rows, and the source token and weight of those rows (_sort_copies_kernel)."""
-    i = i0 + tl.arange(0, BLOCK_I)
-    ok = i < num_copies
-    ids_i = tl.load(ids_ptr + i, mask=ok, other=0)
-    row = tl.zeros((BLOCK_I,), dtype=tl.int32)
-    for j0 in range(0, num_copies, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        ids_j = tl.load(ids_ptr + j, mask=j < num_copies, other=2147483647)  # past the end: after everything
-        before = (ids_j[None, :] < ids_i[:, None]) | ((ids_j[None, :] == ids_i[:, None]) & (j[None, :] < i[:, None]))
-        row += tl.sum(before.to(tl.int32), axis=1)
-    row64 = row.to(tl.int64)
-    tl.store(row_ptr + i, row64, mask=ok)
-    tl.store(source_ptr + row64, (i // TOP_K).to(tl.int64), mask=ok)
-    tl.store(sorted_w_ptr + row64, tl.load(w_ptr + i, mask=ok, other=0.0), mask=ok)
-
-
-@triton.jit
-def expert_offsets(ids_ptr, offsets_ptr, counts_ptr, num_copies, num_experts, e0,
-                   BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
-    """offsets[e] (e <= E) and counts[e] (e < E) for experts e0 .. e0 + BLOCK_E - 1 (_sort_copies_kernel)."""
-    e = e0 + tl.arange(0, BLOCK_E)
-    below = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    equal = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for j0 in range(0, num_copies, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        ids_j = tl.load(ids_ptr + j, mask=j < num_copies, other=2147483647)
-        below += tl.sum((ids_j[None, :] < e[:, None]).to(tl.int32), axis=1)
-        equal += tl.sum((ids_j[None, :] == e[:, None]).to(tl.int32), axis=1)
-    tl.store(offsets_ptr + e, below.to(tl.int64), mask=e <= num_experts)
-    tl.store(counts_ptr + e, equal, mask=e < num_experts)
-
-
-@triton.jit
-def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride_xs,
-                        QUANT_X: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """Part q of the tokens' quantization (_sort_copies_kernel's QUANT_X): fp8-block (3) columns
-    c * BLOCK_H .. of token q // cdiv(H, BLOCK_H), c = q % cdiv(H, BLOCK_H); fp8-channel (2) token q's
-    row amax, then its row; 0: nothing."""
-    if QUANT_X == 3:
+        i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+        ok = i < num_copies
+        ids_i = tl.load(ids_ptr + i, mask=ok, other=0)
+        row = tl.zeros((BLOCK_I,), dtype=tl.int32)
+        for j0 in range(0, num_copies, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            ids_j = tl.load(ids_ptr + j, mask=j < num_copies, other=2147483647)  # past the end: after everything
+            before = (ids_j[None, :] < ids_i[:, None]) | ((ids_j[None, :] == ids_i[:, None]) & (j[None, :] < i[:, None]))
+            row += tl.sum(before.to(tl.int32), axis=1)
+        row64 = row.to(tl.int64)
+        tl.store(row_ptr + i, row64, mask=ok)
+        tl.store(source_ptr + row64, (i // TOP_K).to(tl.int64), mask=ok)
+        tl.store(sorted_w_ptr + row64, tl.load(w_ptr + i, mask=ok, other=0.0), mask=ok)
+    elif pid < copy_blocks + tl.cdiv(num_experts + 1, BLOCK_E):
+        e = (pid - copy_blocks) * BLOCK_E + tl.arange(0, BLOCK_E)
+        below = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        equal = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for j0 in range(0, num_copies, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            ids_j = tl.load(ids_ptr + j, mask=j < num_copies, other=2147483647)
+            below += tl.sum((ids_j[None, :] < e[:, None]).to(tl.int32), axis=1)
+            equal += tl.sum((ids_j[None, :] == e[:, None]).to(tl.int32), axis=1)
+        tl.store(offsets_ptr + e, below.to(tl.int64), mask=e <= num_experts)
+        tl.store(counts_ptr + e, equal, mask=e < num_experts)
+    elif QUANT_X == 3:  # fp8-block: columns c * BLOCK_H .. of token t, BLOCK_H / 128 groups
+        q = pid - copy_blocks - tl.cdiv(num_experts + 1, BLOCK_E)
         per_token = tl.cdiv(H, BLOCK_H)
         t = (q // per_token).to(tl.int64)
         c = q % per_token
@@ -149,8 +121,8 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
                  mask=ok)
         groups = c * (BLOCK_H // 128) + tl.arange(0, BLOCK_H // 128)
         tl.store(xs_ptr + t * stride_xs + groups, scale, mask=groups < tl.cdiv(H, 128))
-    elif QUANT_X == 2:
-        t = q.to(tl.int64)
+    elif QUANT_X == 2:  # fp8-channel: token t's row amax, then the row
+        t = (pid - copy_blocks - tl.cdiv(num_experts + 1, BLOCK_E)).to(tl.int64)
         amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_H):
             cols = k0 + tl.arange(0, BLOCK_H)
@@ -161,21 +133,6 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
             cols = k0 + tl.arange(0, BLOCK_H)
             xv = tl.load(x_ptr + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
             tl.store(xq_ptr + t * stride_xq + cols, to_fp8(xv, scale, ROUND_IN_FP32), mask=cols < H)
-
-
-SORT_QUANT_CODES = {"fp8-channel": 2, "fp8-block": 3}  # schemes the sorts quantize tokens for: QUANT_X
-
-
-def quant_block_h(h: int) -> int:
-    """quantize_token_part's BLOCK_H for rows of h values: up to 1024 (8 fp8-block groups per program)."""
-    return min(1024, triton.next_power_of_2(max(h, 128)))
-
-
-def quant_parts(t: int, h: int, quant_x: int, block_h: int) -> int:
-    """Programs quantize_token_part needs for t tokens of h values."""
-    if not quant_x or not h:
-        return 0
-    return t * triton.cdiv(h, block_h) if quant_x == 3 else t
 
 
 def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Tensor | None = None,
@@ -205,13 +162,13 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Ten
     grid = triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_e)
     quant_x, block_h, h, xq, xs = 0, 128, 0, sorted_w, sorted_w  # unused pointers without x
     if x is not None:
-        if scheme not in SORT_QUANT_CODES or x.shape[0] != t or (x.shape[1] and x.stride(1) != 1):
-            raise ValueError(f"x must be [{t}, H] with unit column stride and scheme one of {sorted(SORT_QUANT_CODES)}")
-        quant_x, h = SORT_QUANT_CODES[scheme], x.shape[1]
+        if scheme not in _FUSED_X_QUANT or x.shape[0] != t or (x.shape[1] and x.stride(1) != 1):
+            raise ValueError(f"x must be [{t}, H] with unit column stride and scheme one of {sorted(_FUSED_X_QUANT)}")
+        quant_x, h = _FUSED_X_QUANT[scheme], x.shape[1]
         xq = torch.empty((t, h), dtype=FP8_DTYPE, device=dev)
         xs = torch.empty((t, triton.cdiv(h, 128) if quant_x == 3 else 1), dtype=torch.float32, device=dev)
-        block_h = quant_block_h(h)
-        grid += quant_parts(t, h, quant_x, block_h)
+        block_h = min(1024, triton.next_power_of_2(max(h, 128)))
+        grid += t * (triton.cdiv(h, block_h) if quant_x == 3 else 1) if h else 0
     _sort_copies_kernel[(grid,)](topk_ids.reshape(-1).to(torch.int32).contiguous(),
                                  topk_weights.reshape(-1).float().contiguous(), offsets, counts, row, source, sorted_w,
                                  n, num_experts, x if x is not None else sorted_w, xq, xs, h,
@@ -223,3 +180,4 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Ten
     return offsets, counts, row.view(t, k), source, sorted_w, xq, xs
 
 
+_FUSED_X_QUANT = {"fp8-channel": 2, "fp8-block": 3}  # sort_copies' x quantization: QUANT_X codes

@@ -59,22 +59,7 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
     """BLOCK_T tokens per program, one row of E_POW2 experts each: every reduction runs along a row."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ids, wts = route_rows(logits_ptr, bias_ptr, t, T, E, stride_l, scale, K, K_POW2, E_POW2, SIGMOID, RENORM,
-                          HAS_BIAS, GROUPS, TOPK_GROUPS, BLOCK_T)
-    kk = tl.arange(0, K_POW2)
-    out = t[:, None] * K + kk[None, :]
-    store_ok = (t < T)[:, None] & (kk < K)[None, :]
-    tl.store(ids_ptr + out, ids, mask=store_ok)
-    tl.store(w_ptr + out, wts, mask=store_ok)
-
-
-@triton.jit
-def route_rows(logits_ptr, bias_ptr, t, T, E, stride_l, scale,
-               K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
-               HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Tokens t [BLOCK_T] int64 (rows past T repeat the last token) -> (ids [BLOCK_T, K_POW2] int32,
-    weights [BLOCK_T, K_POW2] float32, renormalized and scaled): the routing of the module docstring,
-    in registers; columns K .. K_POW2-1 hold zeros. Shared with kernels/route_sort.py."""
+    t_ok = t < T
     t_ld = tl.minimum(t, T - 1)  # rows past T repeat the last token; never stored
     e = tl.arange(0, E_POW2)
     ok = e < E
@@ -121,7 +106,10 @@ def route_rows(logits_ptr, bias_ptr, t, T, E, stride_l, scale,
         taken = tl.where(hit, NEG, taken)
     if RENORM:
         wts = wts / (tl.sum(wts, axis=1)[:, None] + 1e-20)
-    return ids, wts * scale
+    out = t[:, None] * K + kk[None, :]
+    store_ok = t_ok[:, None] & (kk < K)[None, :]
+    tl.store(ids_ptr + out, ids, mask=store_ok)
+    tl.store(w_ptr + out, wts * scale, mask=store_ok)
 
 
 def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renormalize: bool,

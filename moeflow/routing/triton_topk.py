@@ -17,8 +17,7 @@ from .base import Router
 class TritonTopK(Router):
     name = "triton"
     caps = RouterCaps(devices=frozenset({"cuda"}), requires=("triton",), priority=10, max_experts=1024,
-                      grouped_pow2=True, note="one launch per call; experts held in registers (E <= 1024)",
-                      routes_in_sort=True)  # kernels/route_sort.py: its route_rows inside the local sort
+                      grouped_pow2=True, note="one launch per call; experts held in registers (E <= 1024)")
 
     def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
         from ..kernels.route import route
