@@ -85,6 +85,24 @@ def test_local_sort_by_segments_equals_torch(t, k, e, poison_empty):
         assert same(got, want)
 
 
+@pytest.mark.parametrize("t,k,e,h,scheme", [(40, 8, 16, 384, "fp8-block"), (100, 8, 128, 2048, "fp8-block"),
+                                             (70, 2, 8, 200, "fp8-block"), (33, 4, 8, 1100, "fp8-channel")])
+def test_local_sort_by_segments_quantizes_the_tokens(t, k, e, h, scheme, poison_empty):
+    """The segment sort with the tokens: its histogram launch also quantizes them (extra programs),
+    bit for bit kernels/quant.quantize_activation; the sort's five outputs unchanged."""
+    from moeflow.dispatch.expert_sort import sort_by_segments
+    from moeflow.kernels.quant import quantize_activation
+    ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(t, k)
+    x = (torch.randn(t, h) * torch.rand(t, 1) * 10).half()
+    x[0, :128] = 0  # an all-zero group / part of a row
+    got = sort_by_segments(ids, w, e, x, scheme)
+    for g, want in zip(got[:5], sort_by_segments(ids, w, e), strict=True):
+        assert same(g, want)
+    q, sc = quantize_activation(x, scheme)
+    assert torch.equal(got[5].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[6], sc)
+
+
 def test_sort_by_segment_many_segments(monkeypatch, poison_empty):
     """A small histogram table forces many short segments (1200 copies, 8 bins: segments of 256):
     the prefix sums across segments carry the order."""

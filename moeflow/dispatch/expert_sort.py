@@ -46,29 +46,35 @@ def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bou
 def sort_and_quantize(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor, scheme: str,
                       bounds: Tensor | None = None):
     """sort_by_expert, and the tokens hidden [T, H] quantized by ``scheme`` ("fp8-channel" or
-    "fp8-block") in the same launch where that costs no launch of its own: the one-launch Triton
-    sort (CUDA, copies <= ONE_LAUNCH_COPIES, hidden's columns contiguous)
+    "fp8-block") by the sort's own first launch where the sort is a Triton one (CUDA: the one-launch
+    sort, or the segment sort's histogram launch; hidden's columns contiguous), so the runner's
+    quantization launch leaves the layer's serial chain
     -> (offsets, counts, row_of_copy, source, sorted_weights, hq [T, H] fp8, hs [T, G] float32);
-    elsewhere sort_by_expert's five and (None, None): the runner quantizes, as without this call.
+    elsewhere (torch's sort) sort_by_expert's five and (None, None): the runner quantizes.
     hq and hs are bit for bit kernels/quant.quantize_activation(hidden, scheme)."""
-    if (topk_ids.is_cuda and topk_ids.numel() <= ONE_LAUNCH_COPIES and hidden.stride(-1) == 1
-            and hidden.shape[0] == topk_ids.shape[0]):
+    n = topk_ids.numel()
+    if topk_ids.is_cuda and hidden.stride(-1) == 1 and hidden.shape[0] == topk_ids.shape[0]:
         try:
             from ..kernels.align import sort_copies
+            from ..kernels.ep_sort import sort_pays
         except ImportError:  # triton missing
             pass
         else:
-            return sort_copies(topk_ids, topk_weights, num_experts, hidden, scheme)
+            if n <= ONE_LAUNCH_COPIES:
+                return sort_copies(topk_ids, topk_weights, num_experts, hidden, scheme)
+            if sort_pays(n, num_experts) and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
+                return sort_by_segments(topk_ids, topk_weights, num_experts, hidden, scheme)
     return (*sort_by_expert(topk_ids, topk_weights, num_experts, bounds), None, None)
 
 
-def sort_by_segments(topk_ids: Tensor, topk_weights: Tensor, num_experts: int):
+def sort_by_segments(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor | None = None,
+                     scheme: str = "none"):
     """sort_by_expert through kernels/ep_sort.sort_copies_by_expert (topk_ids int32, topk_weights
-    float32; needs triton)."""
+    float32; needs triton); with hidden, also (hq, hs) as sort_and_quantize."""
     from ..kernels.ep_sort import sort_copies_by_expert
-    source, sorted_w, counts, offsets, copy_pos = sort_copies_by_expert(topk_ids, topk_weights, num_experts,
-                                                                        topk_ids.numel())
-    return offsets, counts, copy_pos.view(topk_ids.shape), source, sorted_w
+    source, sorted_w, counts, offsets, copy_pos, *quantized = sort_copies_by_expert(
+        topk_ids, topk_weights, num_experts, topk_ids.numel(), x=hidden, scheme=scheme)
+    return (offsets, counts, copy_pos.view(topk_ids.shape), source, sorted_w, *quantized)
 
 
 def sort_by_expert_torch(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):

@@ -107,8 +107,19 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
             equal += tl.sum((ids_j[None, :] == e[:, None]).to(tl.int32), axis=1)
         tl.store(offsets_ptr + e, below.to(tl.int64), mask=e <= num_experts)
         tl.store(counts_ptr + e, equal, mask=e < num_experts)
-    elif QUANT_X == 3:  # fp8-block: columns c * BLOCK_H .. of token t, BLOCK_H / 128 groups
-        q = pid - copy_blocks - tl.cdiv(num_experts + 1, BLOCK_E)
+    else:
+        quantize_token_part(x_ptr, xq_ptr, xs_ptr, pid - copy_blocks - tl.cdiv(num_experts + 1, BLOCK_E), H, stride_x,
+                            stride_xq, stride_xs, QUANT_X, BLOCK_H, ROUND_IN_FP32)
+
+
+@triton.jit
+def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride_xs,
+                        QUANT_X: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """Part q of the tokens' quantization x [T, H] -> xq [T, H] fp8, xs [T, G] float32, as
+    kernels/quant.py computes it: QUANT_X 3 (fp8-block) the columns c * BLOCK_H .. of token
+    q // cdiv(H, BLOCK_H) (c = q % cdiv(H, BLOCK_H); BLOCK_H / 128 groups); 2 (fp8-channel) token q's
+    row amax, then its row; 0: nothing. The sorts' extra programs run it (quant_parts of them)."""
+    if QUANT_X == 3:
         per_token = tl.cdiv(H, BLOCK_H)
         t = (q // per_token).to(tl.int64)
         c = q % per_token
@@ -121,8 +132,8 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
                  mask=ok)
         groups = c * (BLOCK_H // 128) + tl.arange(0, BLOCK_H // 128)
         tl.store(xs_ptr + t * stride_xs + groups, scale, mask=groups < tl.cdiv(H, 128))
-    elif QUANT_X == 2:  # fp8-channel: token t's row amax, then the row
-        t = (pid - copy_blocks - tl.cdiv(num_experts + 1, BLOCK_E)).to(tl.int64)
+    elif QUANT_X == 2:
+        t = q.to(tl.int64)
         amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_H):
             cols = k0 + tl.arange(0, BLOCK_H)
@@ -133,6 +144,23 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
             cols = k0 + tl.arange(0, BLOCK_H)
             xv = tl.load(x_ptr + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
             tl.store(xq_ptr + t * stride_xq + cols, to_fp8(xv, scale, ROUND_IN_FP32), mask=cols < H)
+
+
+SORT_QUANT_CODES = {"fp8-channel": 2, "fp8-block": 3}  # schemes the sorts quantize tokens for: QUANT_X
+
+
+def token_quant_outputs(x: Tensor, scheme: str, t: int):
+    """For a sort that also quantizes x [t, H] by ``scheme`` -> (QUANT_X, BLOCK_H, programs needed,
+    xq [t, H] fp8, xs [t, G] float32), the outputs fresh. ValueError unless x is [t, H] with unit
+    column stride and the scheme per token (SORT_QUANT_CODES)."""
+    if scheme not in SORT_QUANT_CODES or x.dim() != 2 or x.shape[0] != t or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be [{t}, H] with unit column stride and scheme one of {sorted(SORT_QUANT_CODES)}")
+    code, h = SORT_QUANT_CODES[scheme], x.shape[1]
+    block_h = min(1024, triton.next_power_of_2(max(h, 128)))  # up to 8 fp8-block groups per program
+    parts = 0 if not h else t * triton.cdiv(h, block_h) if code == 3 else t
+    xq = torch.empty((t, h), dtype=FP8_DTYPE, device=x.device)
+    xs = torch.empty((t, triton.cdiv(h, 128) if code == 3 else 1), dtype=torch.float32, device=x.device)
+    return code, block_h, parts, xq, xs
 
 
 def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Tensor | None = None,
@@ -160,24 +188,17 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Ten
     sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
     block_i, block_j, block_e = 64, 64, 64
     grid = triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_e)
-    quant_x, block_h, h, xq, xs = 0, 128, 0, sorted_w, sorted_w  # unused pointers without x
+    quant_x, block_h, xq, xs = 0, 128, sorted_w, sorted_w  # unused pointers without x
     if x is not None:
-        if scheme not in _FUSED_X_QUANT or x.shape[0] != t or (x.shape[1] and x.stride(1) != 1):
-            raise ValueError(f"x must be [{t}, H] with unit column stride and scheme one of {sorted(_FUSED_X_QUANT)}")
-        quant_x, h = _FUSED_X_QUANT[scheme], x.shape[1]
-        xq = torch.empty((t, h), dtype=FP8_DTYPE, device=dev)
-        xs = torch.empty((t, triton.cdiv(h, 128) if quant_x == 3 else 1), dtype=torch.float32, device=dev)
-        block_h = min(1024, triton.next_power_of_2(max(h, 128)))
-        grid += t * (triton.cdiv(h, block_h) if quant_x == 3 else 1) if h else 0
+        quant_x, block_h, parts, xq, xs = token_quant_outputs(x, scheme, t)
+        grid += parts
     _sort_copies_kernel[(grid,)](topk_ids.reshape(-1).to(torch.int32).contiguous(),
                                  topk_weights.reshape(-1).float().contiguous(), offsets, counts, row, source, sorted_w,
-                                 n, num_experts, x if x is not None else sorted_w, xq, xs, h,
+                                 n, num_experts, x if x is not None else sorted_w, xq, xs,
+                                 x.shape[1] if x is not None else 0,
                                  x.stride(0) if x is not None else 0, xq.stride(0), xs.stride(0),
                                  TOP_K=k, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, QUANT_X=quant_x,
                                  BLOCK_H=block_h, ROUND_IN_FP32=interpreting(), **pdl(dev))
     if x is None:
         return offsets, counts, row.view(t, k), source, sorted_w
     return offsets, counts, row.view(t, k), source, sorted_w, xq, xs
-
-
-_FUSED_X_QUANT = {"fp8-channel": 2, "fp8-block": 3}  # sort_copies' x quantization: QUANT_X codes

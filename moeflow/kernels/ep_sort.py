@@ -24,20 +24,29 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import pdl, pdl_start
+from .align import quantize_token_part, token_quant_outputs
+from .common import interpreting, pdl, pdl_start
 
 
 @triton.jit
-def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids,
-                         TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr = False):
-    """Program s: hist[s, key] over the copies of segment s (key: the id, E_local where it is < 0)."""
+def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num_segs,
+                         x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs,
+                         TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, QUANT_X: tl.constexpr = 0,
+                         BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Program s < num_segs: hist[s, key] over the copies of segment s (key: the id, E_local where it
+    is < 0). Programs past them (QUANT_X, the local dispatcher's FP8 layers): part s - num_segs of the
+    tokens' quantization (align.quantize_token_part)."""
     pdl_start(PDL)
     s = tl.program_id(0)
-    j = s.to(tl.int64) * SEG + tl.arange(0, SEG)
-    ok = j < num_copies
-    ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=ok, other=-1)
-    key = tl.where(ids >= 0, ids, e_local)
-    tl.store(hist_ptr + s * BINS + tl.arange(0, BINS), tl.histogram(key, BINS, mask=ok))
+    if s < num_segs:
+        j = s.to(tl.int64) * SEG + tl.arange(0, SEG)
+        ok = j < num_copies
+        ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=ok, other=-1)
+        key = tl.where(ids >= 0, ids, e_local)
+        tl.store(hist_ptr + s * BINS + tl.arange(0, BINS), tl.histogram(key, BINS, mask=ok))
+    else:
+        quantize_token_part(x_ptr, xq_ptr, xs_ptr, s - num_segs, H, stride_x, stride_xq, stride_xs, QUANT_X, BLOCK_H,
+                            ROUND_IN_FP32)
 
 
 @triton.jit
@@ -92,8 +101,8 @@ def sort_pays(copies: int, e_local: int) -> bool:
 _SORT_WORK = 1 << 24
 
 
-def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int,
-                          padded: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, padded: bool = False,
+                          x: Tensor | None = None, scheme: str = "none") -> tuple[Tensor, ...]:
     """ids [R, K] int32 (may be a strided view: row stride != K, columns contiguous): local expert of
     each copy, or -1 where the copy is not for this rank; weights [R, K] float32 (same kind of view);
     n: the number of copies with ids >= 0 (known on the host), or with ``padded`` an upper bound of
@@ -105,6 +114,9 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int,
         offsets [E_local + 1] int64 (exclusive prefix of counts, offsets[E_local] == n),
         copy_pos [R * K] int64: the sorted position of copy j, -1 for copies that are not here)
     Two launches, no host synchronization (module docstring).
+    x [R, H] (layer dtype, unit column stride) with scheme "fp8-channel" or "fp8-block": the first
+    launch also quantizes the tokens, and the tuple gains (xq [R, H] float8_e4m3fn, xs [R, G]
+    float32), bit for bit kernels/quant.quantize_activation(x, scheme) (the local dispatcher).
     """
     if ids.dim() != 2 or ids.shape != weights.shape or any(t.shape[1] > 1 and t.stride(1) != 1 for t in (ids, weights)):
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [R, K] views "
@@ -128,10 +140,14 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int,
     offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
     copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
     hist = torch.empty((segs, bins), dtype=torch.int32, device=dev)
-    _segment_hist_kernel[(segs,)](ids, hist, copies, e_local, ids.stride(0), TOP_K=k, SEG=seg, BINS=bins,
-                                  num_warps=warps, **pdl(dev))
+    quant_x, block_h, parts, xq, xs = token_quant_outputs(x, scheme, r) if x is not None else (0, 128, 0, hist, hist)
+    _segment_hist_kernel[(segs + parts,)](ids, hist, copies, e_local, ids.stride(0), segs,
+                                          x if x is not None else hist, xq, xs, x.shape[1] if x is not None else 0,
+                                          x.stride(0) if x is not None else 0, xq.stride(0), xs.stride(0),
+                                          TOP_K=k, SEG=seg, BINS=bins, QUANT_X=quant_x, BLOCK_H=block_h,
+                                          ROUND_IN_FP32=interpreting(), num_warps=warps, **pdl(dev))
     _segment_place_kernel[(segs,)](ids, weights, hist, counts, offsets, source, sorted_w, copy_pos,
                                    copies, n, e_local, segs, ids.stride(0), weights.stride(0),
                                    TOP_K=k, SEG=seg, BINS=bins, S_POW2=triton.next_power_of_2(segs), num_warps=warps,
                                    **pdl(dev))
-    return source, sorted_w, counts, offsets, copy_pos
+    return (source, sorted_w, counts, offsets, copy_pos) + ((xq, xs) if x is not None else ())

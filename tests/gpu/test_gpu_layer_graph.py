@@ -79,14 +79,15 @@ def test_pdl_chain_matches_plain_launches(make_layer, scheme, t, monkeypatch):
     assert torch.equal(out, want), f"graph replay with PDL differs ({scheme}, T={t})"
 
 
-@pytest.mark.parametrize("t", [1, 16, 40])
+@pytest.mark.parametrize("t", [1, 16, 300])
 @pytest.mark.parametrize("scheme,runner", [("fp8-channel", "triton"), ("fp8-block", "triton"),
                                            ("fp8-channel", "reference"), ("fp8-block", "reference"),
                                            ("fp8-channel", "grouped_mm")])  # grouped_mm: no fp8-block on CUDA
 def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, runner):
-    """The local dispatcher's one-launch sort also quantizes the tokens (T * K <= 128 copies, here
-    T = 1 and 16 with K = 4; T = 40 is past it): the runner gets an FP8 batch and the layer's output
-    is bit for bit the one with dispatch_payload="dtype" (the runner quantizing the same rows)."""
+    """The local dispatcher's Triton sorts also quantize the tokens (the one-launch sort at T * K <=
+    128 copies, here T = 1 and 16 with K = 4; the segment sort's histogram launch at T = 300): the
+    runner gets an FP8 batch and the layer's output is bit for bit the one with
+    dispatch_payload="dtype" (the runner quantizing the same rows)."""
     from moeflow.config import MoEConfig
     cfg = MoEConfig(num_experts=16, hidden_size=384, intermediate_size=256, top_k=4, quant=scheme,
                     dtype=torch.bfloat16, device="cuda", runner=runner)
@@ -100,7 +101,7 @@ def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, 
     x = torch.randn(t, 384, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(t, 16, device="cuda")
     out = fused(x, logits)
-    assert seen == [t * 4 <= 128]
+    assert seen == [True]
     assert torch.equal(out, plain(x, logits))
     if runner == "triton":  # the others' accuracy: tests/gpu/test_gpu_runners.py
         ids, w = route_for(cfg, logits, fused.e_score_correction_bias)
