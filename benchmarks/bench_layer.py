@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new case after this many seconds")
     p.add_argument("--dispatch-payload", default="auto",
-                   help='MoEConfig.dispatch_payload; "dtype": the local sort does not quantize decode tokens')
+                   help='MoEConfig.dispatch_payload; "dtype": the local sort does not quantize the tokens')
     args = p.parse_args(argv)
     start = time.time()
     out = Path(args.out)

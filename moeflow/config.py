@@ -18,8 +18,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 QUANT_SCHEMES = ("none", "fp8-tensor", "fp8-channel", "fp8-block")
 # expert-parallel token payload (dispatch/_ep_base.py): "auto" = FP8 when the scheme quantizes each
 # row on its own (fp8-channel, fp8-block), "fp8" = always (MF506 where impossible), "dtype" = never.
-# The local dispatcher reads "dtype" only: it keeps its decode batches in the layer dtype instead of
-# quantizing them in its sort (dispatch/local.py); FP8 for quant="none" (lossy) it never does.
+# The local dispatcher reads "dtype" only: it keeps its batches in the layer dtype instead of
+# quantizing the tokens in its Triton sorts (dispatch/local.py); FP8 for quant="none" (lossy) it never does.
 PAYLOADS = ("auto", "fp8", "dtype")
 
 

@@ -95,6 +95,9 @@ def test_sort_copies_quantizes_the_tokens(t, k, e, h, scheme):
     assert got[6].shape == s.shape and torch.equal(got[6], s)
     with pytest.raises(ValueError, match="scheme"):
         sort_copies(ids, w, e, x, "fp8-tensor")  # one scale over the batch: not per token
+    from moeflow.dispatch.expert_sort import SORT_QUANTIZES
+    from moeflow.kernels.align import SORT_QUANT_CODES
+    assert set(SORT_QUANTIZES) == set(SORT_QUANT_CODES)  # the dispatcher's list is the kernels' own
 
 
 def test_align_masked():

@@ -20,7 +20,9 @@ from torch import Tensor
 # the segment sort takes 3.7-5.6; 12 vs 5.6 at 1024); then kernels/ep_sort's segment sort while
 # ep_sort.sort_pays (5-33 µs where torch takes 35-60); torch's radix sort beyond.
 ONE_LAUNCH_COPIES = 128
-SORT_QUANTIZES = ("fp8-channel", "fp8-block")  # schemes sort_and_quantize quantizes tokens for (per token)
+# schemes sort_and_quantize quantizes tokens for (per token): kernels/align.SORT_QUANT_CODES' keys, named
+# here without importing triton (tests/test_triton_kernels.py checks they agree)
+SORT_QUANTIZES = ("fp8-channel", "fp8-block")
 
 
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):

@@ -118,7 +118,7 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
     """Part q of the tokens' quantization x [T, H] -> xq [T, H] fp8, xs [T, G] float32, as
     kernels/quant.py computes it: QUANT_X 3 (fp8-block) the columns c * BLOCK_H .. of token
     q // cdiv(H, BLOCK_H) (c = q % cdiv(H, BLOCK_H); BLOCK_H / 128 groups); 2 (fp8-channel) token q's
-    row amax, then its row; 0: nothing. The sorts' extra programs run it (quant_parts of them)."""
+    row amax, then its row; 0: nothing. The sorts' extra programs run it (token_quant_outputs says how many)."""
     if QUANT_X == 3:
         per_token = tl.cdiv(H, BLOCK_H)
         t = (q // per_token).to(tl.int64)
