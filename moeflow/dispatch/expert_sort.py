@@ -30,19 +30,8 @@ def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bou
     ones in two (kernels/ep_sort's segment sort), instead of a sort, a searchsorted and four index
     kernels; torch otherwise (the same values; thresholds above). bounds: 0 .. E in topk_ids' dtype
     and device, when the caller keeps one (torch path)."""
-    n = topk_ids.numel()
-    if topk_ids.is_cuda:
-        try:
-            from ..kernels.align import sort_copies
-            from ..kernels.ep_sort import sort_pays
-        except ImportError:  # triton missing: torch below
-            pass
-        else:
-            if n <= ONE_LAUNCH_COPIES:
-                return sort_copies(topk_ids, topk_weights, num_experts)
-            if sort_pays(n, num_experts) and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
-                return sort_by_segments(topk_ids, topk_weights, num_experts)
-    return sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
+    out = _triton_sort(topk_ids, topk_weights, num_experts)
+    return out if out is not None else sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
 
 
 def sort_and_quantize(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor, scheme: str,
@@ -54,19 +43,31 @@ def sort_and_quantize(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, 
     -> (offsets, counts, row_of_copy, source, sorted_weights, hq [T, H] fp8, hs [T, G] float32);
     elsewhere (torch's sort) sort_by_expert's five and (None, None): the runner quantizes.
     hq and hs are bit for bit kernels/quant.quantize_activation(hidden, scheme)."""
+    quantize = hidden.stride(-1) == 1 and hidden.shape[0] == topk_ids.shape[0]
+    out = _triton_sort(topk_ids, topk_weights, num_experts, hidden if quantize else None, scheme)
+    if out is None:
+        out = sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
+    return out if len(out) == 7 else (*out, None, None)
+
+
+def _triton_sort(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor | None = None,
+                 scheme: str = "none"):
+    """The Triton sort the thresholds above pick for this batch (with hidden: quantizing it too, the
+    tuple then 7 long), or None where torch's sort runs (not CUDA, triton missing, a batch past
+    sort_pays, or ids / weights not int32 / float32 beyond the one-launch size)."""
+    if not topk_ids.is_cuda:
+        return None
+    try:
+        from ..kernels.align import sort_copies
+        from ..kernels.ep_sort import sort_pays
+    except ImportError:  # triton missing
+        return None
     n = topk_ids.numel()
-    if topk_ids.is_cuda and hidden.stride(-1) == 1 and hidden.shape[0] == topk_ids.shape[0]:
-        try:
-            from ..kernels.align import sort_copies
-            from ..kernels.ep_sort import sort_pays
-        except ImportError:  # triton missing
-            pass
-        else:
-            if n <= ONE_LAUNCH_COPIES:
-                return sort_copies(topk_ids, topk_weights, num_experts, hidden, scheme)
-            if sort_pays(n, num_experts) and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
-                return sort_by_segments(topk_ids, topk_weights, num_experts, hidden, scheme)
-    return (*sort_by_expert(topk_ids, topk_weights, num_experts, bounds), None, None)
+    if n <= ONE_LAUNCH_COPIES:
+        return sort_copies(topk_ids, topk_weights, num_experts, hidden, scheme)
+    if sort_pays(n, num_experts) and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
+        return sort_by_segments(topk_ids, topk_weights, num_experts, hidden, scheme)
+    return None
 
 
 def sort_by_segments(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor | None = None,
