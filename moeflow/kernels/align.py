@@ -118,7 +118,7 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
     """Part q of the tokens' quantization x [T, H] -> xq [T, H] fp8, xs [T, G] float32, as
     kernels/quant.py computes it: QUANT_X 3 (fp8-block) the columns c * BLOCK_H .. of token
     q // cdiv(H, BLOCK_H) (c = q % cdiv(H, BLOCK_H); BLOCK_H / 128 groups); 2 (fp8-channel) token q's
-    row amax, then its row; 0: nothing. The sorts' extra programs run it (token_quant_outputs says how many)."""
+    row amax, then its row; 0: nothing. The sorts' extra programs run it (token_quant_launch says how many)."""
     if QUANT_X == 3:
         per_token = tl.cdiv(H, BLOCK_H)
         t = (q // per_token).to(tl.int64)
@@ -149,10 +149,14 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
 SORT_QUANT_CODES = {"fp8-channel": 2, "fp8-block": 3}  # schemes the sorts quantize tokens for: QUANT_X
 
 
-def token_quant_outputs(x: Tensor, scheme: str, t: int):
-    """For a sort that also quantizes x [t, H] by ``scheme`` -> (QUANT_X, BLOCK_H, programs needed,
-    xq [t, H] fp8, xs [t, G] float32), the outputs fresh. ValueError unless x is [t, H] with unit
-    column stride and the scheme per token (SORT_QUANT_CODES)."""
+def token_quant_launch(x: Tensor | None, scheme: str, t: int, unused: Tensor):
+    """What a sort kernel needs to also quantize x [t, H] by ``scheme`` (quantize_token_part) ->
+    (programs it adds, its arguments (x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs), its
+    constexprs, the outputs: (xq [t, H] fp8, xs [t, G] float32) fresh, or () without x). x None:
+    no programs, ``unused`` in the pointer places. ValueError unless x is [t, H] with unit column
+    stride and the scheme per token (SORT_QUANT_CODES)."""
+    if x is None:
+        return 0, (unused, unused, unused, 0, 0, 0, 0), dict(QUANT_X=0), ()
     if scheme not in SORT_QUANT_CODES or x.dim() != 2 or x.shape[0] != t or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be [{t}, H] with unit column stride and scheme one of {sorted(SORT_QUANT_CODES)}")
     code, h = SORT_QUANT_CODES[scheme], x.shape[1]
@@ -160,7 +164,8 @@ def token_quant_outputs(x: Tensor, scheme: str, t: int):
     parts = 0 if not h else t * triton.cdiv(h, block_h) if code == 3 else t
     xq = torch.empty((t, h), dtype=FP8_DTYPE, device=x.device)
     xs = torch.empty((t, triton.cdiv(h, 128) if code == 3 else 1), dtype=torch.float32, device=x.device)
-    return code, block_h, parts, xq, xs
+    args = (x, xq, xs, h, x.stride(0), xq.stride(0), xs.stride(0))
+    return parts, args, dict(QUANT_X=code, BLOCK_H=block_h, ROUND_IN_FP32=interpreting()), (xq, xs)
 
 
 def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Tensor | None = None,
@@ -187,18 +192,10 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Ten
     source = torch.empty(n, dtype=torch.int64, device=dev)
     sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
     block_i, block_j, block_e = 64, 64, 64
-    grid = triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_e)
-    quant_x, block_h, xq, xs = 0, 128, sorted_w, sorted_w  # unused pointers without x
-    if x is not None:
-        quant_x, block_h, parts, xq, xs = token_quant_outputs(x, scheme, t)
-        grid += parts
+    parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, t, sorted_w)
+    grid = triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_e) + parts
     _sort_copies_kernel[(grid,)](topk_ids.reshape(-1).to(torch.int32).contiguous(),
                                  topk_weights.reshape(-1).float().contiguous(), offsets, counts, row, source, sorted_w,
-                                 n, num_experts, x if x is not None else sorted_w, xq, xs,
-                                 x.shape[1] if x is not None else 0,
-                                 x.stride(0) if x is not None else 0, xq.stride(0), xs.stride(0),
-                                 TOP_K=k, BLOCK_I=block_i, BLOCK_J=block_j, BLOCK_E=block_e, QUANT_X=quant_x,
-                                 BLOCK_H=block_h, ROUND_IN_FP32=interpreting(), **pdl(dev))
-    if x is None:
-        return offsets, counts, row.view(t, k), source, sorted_w
-    return offsets, counts, row.view(t, k), source, sorted_w, xq, xs
+                                 n, num_experts, *quant_args, TOP_K=k, BLOCK_I=block_i, BLOCK_J=block_j,
+                                 BLOCK_E=block_e, **quant_consts, **pdl(dev))
+    return (offsets, counts, row.view(t, k), source, sorted_w, *quantized)

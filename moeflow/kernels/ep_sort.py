@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .align import quantize_token_part, token_quant_outputs
-from .common import interpreting, pdl, pdl_start
+from .align import quantize_token_part, token_quant_launch
+from .common import pdl, pdl_start
 
 
 @triton.jit
@@ -140,14 +140,11 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
     copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
     hist = torch.empty((segs, bins), dtype=torch.int32, device=dev)
-    quant_x, block_h, parts, xq, xs = token_quant_outputs(x, scheme, r) if x is not None else (0, 128, 0, hist, hist)
-    _segment_hist_kernel[(segs + parts,)](ids, hist, copies, e_local, ids.stride(0), segs,
-                                          x if x is not None else hist, xq, xs, x.shape[1] if x is not None else 0,
-                                          x.stride(0) if x is not None else 0, xq.stride(0), xs.stride(0),
-                                          TOP_K=k, SEG=seg, BINS=bins, QUANT_X=quant_x, BLOCK_H=block_h,
-                                          ROUND_IN_FP32=interpreting(), num_warps=warps, **pdl(dev))
+    parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, hist)
+    _segment_hist_kernel[(segs + parts,)](ids, hist, copies, e_local, ids.stride(0), segs, *quant_args,
+                                          TOP_K=k, SEG=seg, BINS=bins, **quant_consts, num_warps=warps, **pdl(dev))
     _segment_place_kernel[(segs,)](ids, weights, hist, counts, offsets, source, sorted_w, copy_pos,
                                    copies, n, e_local, segs, ids.stride(0), weights.stride(0),
                                    TOP_K=k, SEG=seg, BINS=bins, S_POW2=triton.next_power_of_2(segs), num_warps=warps,
                                    **pdl(dev))
-    return (source, sorted_w, counts, offsets, copy_pos) + ((xq, xs) if x is not None else ())
+    return (source, sorted_w, counts, offsets, copy_pos, *quantized)
