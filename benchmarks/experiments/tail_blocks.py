@@ -113,6 +113,7 @@ def main() -> None:
                              diff=diff))
             print(f"{preset:14} {shape.scheme:9} T={t:<6} down    bm{c.block_m:<4} tail {c.tail_block_m:>3}/w{c.tail_num_warps}"
                   f"  {us:9.1f} us  diff {diff:.3g}", flush=True)
+        del weights, inputs, ref_gu, down_in, ref_dn
         torch.cuda.empty_cache()
     json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), open(os.path.join(args.out, "tail_blocks.json"), "w"),
               indent=1)
