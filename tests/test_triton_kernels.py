@@ -227,66 +227,6 @@ def test_gate_up_and_down_kernels(scheme, dtype, tma, monkeypatch):
     assert_close(out, down_torch(a, a_s, q2, s2, route_w, layout, scheme, dtype), 1e-3, "down")
 
 
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-@pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-tensor", torch.float16),
-                                          ("fp8-channel", torch.float32), ("fp8-block", torch.float16)])
-def test_whole_blocks_then_tails(scheme, dtype, tma, monkeypatch):
-    """GemmConfig.tail_block_m: both GEMMs in two launches (each expert's whole BLOCK_M blocks, then
-    the rows past them in smaller blocks) write every valid row, as the reference and the one-launch
-    form do: an expert of whole blocks only (64 = 2 x 32), one of a tail only (5 < 32), both (33, 47),
-    an empty one, a lone row; rows by index; the persistent down for the whole blocks."""
-    monkeypatch.setenv("MOEFLOW_TRITON_TMA", "1" if tma else "0")
-    sch = create_scheme(scheme)
-    e, h, i = 6, 128, 256 if scheme == "fp8-block" else 96
-    bk = 128 if scheme == "fp8-block" else 64
-    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).to(dtype))
-    q2, s2 = sch.quantize_weight((torch.randn(e, h, i) / i ** 0.5).to(dtype))
-    for counts in ([5, 0, 33, 64, 1, 47], [0, 0, 150, 0, 0, 0]):
-        layout = sorted_layout(counts)
-        src = torch.randint(0, 40, (layout.rows,))
-        x = torch.randn(40, h).to(dtype)
-        xq, xs = sch.quantize_activation(x) if sch.quantized else (x, None)
-        one_cfg = kc.GemmConfig(32, 128 if scheme == "fp8-block" else 32, bk, 2)
-        two_cfg = kc.GemmConfig(32, one_cfg.block_n, bk, 2, tail_block_m=16, tail_num_warps=2)
-        one, one_extra = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype, one_cfg, poison=True, source_rows=src)
-        two, two_extra = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype, two_cfg, poison=True, source_rows=src)
-        ref = gate_up_torch(xq, xs, q13, s13, layout, scheme, "silu", dtype, src)
-        if scheme == "fp8-block":
-            two_deq = sch.dequantize_activation(two, two_extra)
-            assert_close(two_deq, ref, 5e-2, "gate_up whole blocks + tails, fp8-block output")
-            assert_close(two_deq, sch.dequantize_activation(one, one_extra), 5e-2, "tails vs one launch")
-            a, a_s = two, two_extra
-        else:
-            assert not two.isnan().any()
-            assert_close(two, ref, 1e-5 if dtype == torch.float32 else 1e-3, "gate_up whole blocks + tails")
-            assert_close(two, one, 1e-5 if dtype == torch.float32 else 2e-3, "tails vs one launch")
-            if scheme != "none":
-                assert torch.equal(two_extra, one_extra)  # amax from either launch
-            a, a_s = sch.quantize_activation(two) if sch.quantized else (two, None)
-        route_w = torch.rand(layout.rows)
-        want = down_torch(a, a_s, q2, s2, route_w, layout, scheme, dtype)
-        for pps in (0, 2):
-            cfg = kc.GemmConfig(32, 64, bk, 2, programs_per_sm=pps, tail_block_m=16)
-            out = down(a, a_s, q2, s2, route_w, layout, scheme, dtype, cfg, poison=True)
-            assert not out.isnan().any()
-            assert_close(out, want, 1e-5 if dtype == torch.float32 else 1e-3, f"down whole blocks + tails, pps={pps}")
-
-
-def test_gemm_parts():
-    """Which launches a config makes: tails only for sorted batches, one K program, tail_block_m < block_m."""
-    cfg = kc.GemmConfig(128, 128, 64, 8, 8, 3, programs_per_sm=2, tail_block_m=32, tail_num_warps=4)
-    (p1, c1), (p2, c2) = cfg.parts(masked=False, split=1)
-    assert (p1, c1) == (1, cfg)
-    assert p2 == 2 and (c2.block_m, c2.num_warps, c2.programs_per_sm, c2.block_n) == (32, 4, 0, 128)
-    assert cfg.parts(masked=True, split=1) == ((0, cfg),)
-    assert cfg.parts(masked=False, split=2) == ((0, cfg),)
-    for tail in (0, 128, 256):
-        plain = kc.GemmConfig(128, 128, 64, tail_block_m=tail)
-        assert plain.parts(masked=False, split=1) == ((0, plain),)
-    assert kc.fit(kc.GemmConfig(64, 64, 64, tail_block_m=8), fused_pair=False, scheme="none", elem_bytes=2,
-                  n_size=64).tail_block_m == 16
-
-
 @pytest.mark.parametrize("split", [2, 7])
 @pytest.mark.parametrize("scheme,dtype,i,tma", [("none", torch.float16, 320, True), ("none", torch.float32, 200, False),
                                                 ("fp8-channel", torch.float16, 384, True),

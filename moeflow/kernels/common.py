@@ -25,36 +25,20 @@ QUANT_CODES = {"none": 0, "fp8-tensor": 1, "fp8-channel": 2, "fp8-block": 3}
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
-# PART constexpr of the sorted layout's row blocks (block_rows, expert_blocks): a GEMM runs all of
-# each expert's rows in one launch (ALL_ROWS), or in two (GemmConfig.tail_block_m): the whole
-# BLOCK_M blocks (WHOLE_BLOCKS), then the rows past them in smaller blocks (TAIL_ROWS).
-ALL_ROWS, WHOLE_BLOCKS, TAIL_ROWS = 0, 1, 2
-
-
-def num_row_blocks(rows: int, num_experts: int, capacity: int, block_m: int, masked: bool,
-                   part: int = ALL_ROWS, main_m: int = 0) -> int:
+def num_row_blocks(rows: int, num_experts: int, capacity: int, block_m: int, masked: bool) -> int:
     """Host-side upper bound of the row blocks a grid must cover (no device data read).
 
     sorted: each expert's rows are cut into cdiv(count, BLOCK_M) blocks; their sum is at most
     cdiv(N, BLOCK_M) plus one partial block per non-empty expert. masked: cdiv(C, BLOCK_M) per expert.
-    part (sorted): WHOLE_BLOCKS counts floor(count / BLOCK_M) blocks per expert (at most cdiv(N,
-    BLOCK_M)); TAIL_ROWS the blocks of the fewer than main_m rows each expert has past its whole
-    main_m blocks (at most cdiv(main_m - 1, BLOCK_M) per expert).
     """
     if masked:
         return num_experts * triton.cdiv(capacity, block_m)
-    if part == WHOLE_BLOCKS:
-        return triton.cdiv(rows, block_m)
-    bound = triton.cdiv(rows, block_m) + min(num_experts, rows)
-    if part == TAIL_ROWS:
-        return min(bound, num_experts * triton.cdiv(main_m - 1, block_m))
-    return bound
+    return triton.cdiv(rows, block_m) + min(num_experts, rows)
 
 
 @triton.jit
 def block_rows(pid_m, meta_ptr, num_experts, capacity,
-               BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, MASKED: tl.constexpr,
-               PART: tl.constexpr = 0, MAIN_M: tl.constexpr = 0):
+               BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, MASKED: tl.constexpr):
     """Block ``pid_m`` -> (expert, row_start, row_end, slab_end), rows as int64.
 
     Rows row_start .. row_end-1 are valid copies of ``expert`` (empty when row_start >= row_end);
@@ -62,7 +46,6 @@ def block_rows(pid_m, meta_ptr, num_experts, capacity,
     the output must zero; sorted: row_end, since the next rows belong to the next expert).
     sorted: the block alignment is computed here, in every program, from the offsets: expert e
     owns blocks cum[e] - nb[e] .. cum[e] - 1 with nb = cdiv(counts, BLOCK_M), cum = cumsum(nb).
-    PART, MAIN_M (sorted only): which of each expert's rows, see expert_blocks.
     """
     if MASKED:
         per_expert = tl.cdiv(capacity, BLOCK_M)
@@ -73,27 +56,20 @@ def block_rows(pid_m, meta_ptr, num_experts, capacity,
         row_end = slab + count
         slab_end = slab + capacity
     else:
-        idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2, PART, MAIN_M)
+        idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2)
         expert, row_start, row_end = sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M)
         slab_end = row_end
     return expert, row_start, row_end, slab_end
 
 
 @triton.jit
-def expert_blocks(meta_ptr, num_experts, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
-                  PART: tl.constexpr = 0, MAIN_M: tl.constexpr = 0):
+def expert_blocks(meta_ptr, num_experts, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """Sorted layout: the block alignment of every expert from the offsets [E + 1] ->
     (idx [E_POW2], lo, hi: first and end row, nb: row blocks, cum: inclusive prefix sum of nb);
-    experts past num_experts own nothing. cum[E_POW2 - 1] is the number of real row blocks.
-    PART: ALL_ROWS (0) every row; WHOLE_BLOCKS (1) only each expert's whole BLOCK_M blocks (hi
-    moved down); TAIL_ROWS (2) only its rows past its whole MAIN_M blocks (lo moved up)."""
+    experts past num_experts own nothing. cum[E_POW2 - 1] is the number of real row blocks."""
     idx = tl.arange(0, E_POW2)
     lo = tl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
     hi = tl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0)
-    if PART == 1:
-        hi = lo + (hi - lo) // BLOCK_M * BLOCK_M
-    elif PART == 2:
-        lo = lo + (hi - lo) // MAIN_M * MAIN_M
     nb = (hi - lo + BLOCK_M - 1) // BLOCK_M
     return idx, lo, hi, nb, tl.cumsum(nb, 0)
 
@@ -238,8 +214,8 @@ class RowLayout:
             return cls(True, batch.counts.to(torch.int32).contiguous(), e, c, e * c)
         return cls(False, batch.offsets.to(torch.int64).contiguous(), e, 0, batch.num_rows)
 
-    def num_row_blocks(self, block_m: int, part: int = ALL_ROWS, main_m: int = 0) -> int:
-        return num_row_blocks(self.rows, self.num_experts, self.capacity, block_m, self.masked, part, main_m)
+    def num_row_blocks(self, block_m: int) -> int:
+        return num_row_blocks(self.rows, self.num_experts, self.capacity, block_m, self.masked)
 
     @property
     def e_pow2(self) -> int:

@@ -47,26 +47,9 @@ class GemmConfig:
     # kernels/gate_up.py, which then runs its epilogue there): more programs streaming weights when a
     # decode batch has few tiles with long K loops.
     split_k: int = 1
-    # sorted batches, one program per K loop (split_k 1): > 0 (and < block_m) runs the GEMM in two
-    # launches, each expert's whole block_m row blocks, then its fewer than block_m rows past them in
-    # blocks of tail_block_m rows with tail_num_warps warps (0: num_warps). Uniform routing leaves
-    # most experts a part-filled last block (Qwen3 T=4096: 256 +- 16 rows each) whose tile costs a
-    # whole one; smaller tail blocks compute fewer padding rows.
-    tail_block_m: int = 0
-    tail_num_warps: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def parts(self, masked: bool, split: int) -> tuple[tuple[int, "GemmConfig"], ...]:
-        """The launches of one GEMM: ((part, config), ...), part a common.py PART code (ALL_ROWS,
-        or WHOLE_BLOCKS then TAIL_ROWS); the tail's config has block_m = tail_block_m, its warps,
-        and no persistent grid."""
-        if masked or split > 1 or not 0 < self.tail_block_m < self.block_m:
-            return ((0, self),)
-        tail = replace(self, block_m=self.tail_block_m, num_warps=self.tail_num_warps or self.num_warps,
-                       programs_per_sm=0, tail_block_m=0, tail_num_warps=0)
-        return ((1, self), (2, tail))
 
 
 @dataclass(frozen=True)
@@ -121,8 +104,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     b_tiles = 2 if fused_pair else 1
     while stages > 1 and stages * (bm * bk + b_tiles * bk * bn) * elem_bytes > _SMEM_BUDGET:
         stages -= 1
-    return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
-                   tail_block_m=cfg.tail_block_m and max(cfg.tail_block_m, 16))
+    return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
 
 
 def search_dirs() -> list[Path]:

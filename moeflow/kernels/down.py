@@ -34,19 +34,16 @@ def _down_kernel(
         QUANT: tl.constexpr, MASKED: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
-        A_TMA: tl.constexpr, PDL: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, split_stride=0,
-        PART: tl.constexpr = 0, MAIN_M: tl.constexpr = 0):
+        A_TMA: tl.constexpr, PDL: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, split_stride=0):
     """One program per output tile of the grid's row blocks (an upper bound of them: programs
     past the real blocks return at once). Operands as in _down_tile. SPLIT_K > 1: grid axis 1 is
-    the split; out_ptr is the float32 workspace, slab s at s * split_stride elements.
-    PART, MAIN_M: which rows of each expert (sorted layout; common.block_rows)."""
+    the split; out_ptr is the float32 workspace, slab s at s * split_stride elements."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
     kb_lo, kb_hi = split_steps(I, BLOCK_K, SPLIT_K)
     if SPLIT_K > 1:
         out_ptr += tl.program_id(1).to(tl.int64) * split_stride
-    expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED,
-                                                      PART, MAIN_M)
+    expert, row_start, row_end, slab_end = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
         if MASKED:  # an empty block of a slab: its output slots must read as zeros
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,14 +64,14 @@ def _down_persistent_kernel(
         stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
         QUANT: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr, PDL: tl.constexpr = False, PART: tl.constexpr = 0, MAIN_M: tl.constexpr = 0):
+        EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
     """Sorted layout, both operands through TMA: num_programs programs (the grid; a runtime value,
     so batch sizes do not recompile it) loop over the output tiles of
     the real row blocks (counted here from the offsets), in tile_ids' grouped order. The flattened
     loop lets Triton's pipeline run from one tile into the next: short K loops (Qwen3's I = 768)
     otherwise spend much of each tile filling the pipeline and in the epilogue."""
     pdl_wait(PDL)
-    idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2, PART, MAIN_M)
+    idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     blocks_m = tl.sum(nb, 0).to(tl.int32)
     for tile in tl.range(tl.program_id(0), blocks_m * num_pid_n, num_programs, flatten=True):
@@ -181,8 +178,7 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
         torch.empty((r, h), dtype=dtype, device=a.device)
     split = min(cfg.split_k, triton.cdiv(i, cfg.block_k))
     if split <= 1 or r == 0 or h == 0:
-        for part, pcfg in cfg.parts(layout.masked, 1):  # one launch, or whole blocks then tails
-            _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, pcfg, out, 1, part, cfg.block_m)
+        _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1)
         return out
     part = torch.full((split, r, h), float("nan"), dtype=torch.float32, device=a.device) if poison else \
         torch.empty((split, r, h), dtype=torch.float32, device=a.device)
@@ -193,17 +189,16 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
 
 
 def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, dtype: torch.dtype, cfg,
-            out: Tensor, split: int, part: int = 0, main_m: int = 0) -> None:
+            out: Tensor, split: int) -> None:
     """One down launch into ``out``: [R, H] ``dtype``, or with split > 1 the float32 workspace [S, R, H]
-    (dtype still the layer's: it picks the dot precision). part, main_m: which rows of each expert
-    (common.num_row_blocks)."""
+    (dtype still the layer's: it picks the dot precision)."""
     r, i = a.shape
     _, h, _ = w2.shape
     q = QUANT_CODES[scheme]
     ws = w2_scale if w2_scale is not None else a
     stride_wse, stride_wsn = _scale_strides(ws, q)
     a_s = a_scale if a_scale is not None else a
-    blocks_m = layout.num_row_blocks(cfg.block_m, part, main_m)
+    blocks_m = layout.num_row_blocks(cfg.block_m)
     tiles = blocks_m * triton.cdiv(h, cfg.block_n)
     w_arg, w_rows = weight_operand(w2, cfg.block_n, cfg.block_k)
     a_arg = rows_operand(a, cfg.block_m, cfg.block_k)
@@ -217,15 +212,13 @@ def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, d
         programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
         if programs:
             _down_persistent_kernel[(programs,)](*args, layout.num_experts, h, i, w_rows, programs, *strides, QUANT=q,
-                                                 E_POW2=layout.e_pow2, PART=part, MAIN_M=main_m, **tiling,
-                                                 **pdl(a.device, early_start=False))
+                                                 E_POW2=layout.e_pow2, **tiling, **pdl(a.device, early_start=False))
         return
     _down_kernel[(tiles, split)](
         *args, layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows, *strides,
         QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2, A_TMA=a_arg is not a,
-        SPLIT_K=split, split_stride=r * h if split > 1 else 0, PART=part, MAIN_M=main_m, **tiling,
-        **pdl(a.device, early_start=False))
+        SPLIT_K=split, split_stride=r * h if split > 1 else 0, **tiling, **pdl(a.device, early_start=False))
 
 
 def down_torch(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,

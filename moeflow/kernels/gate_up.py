@@ -51,19 +51,17 @@ def _gate_up_kernel(
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
         ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False,
-        SPLIT_K: tl.constexpr = 1, split_stride=0, PART: tl.constexpr = 0, MAIN_M: tl.constexpr = 0):
+        SPLIT_K: tl.constexpr = 1, split_stride=0):
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
     INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r].
     SPLIT_K > 1: grid axis 1 is the split, program s runs K steps s * ceil(n / S) .. of the n and
     stores its float32 gate and up partial sums (scales applied) into slab s of the workspace
-    out_ptr [S, R, 2I] (slab stride split_stride; gate at columns n, up at I + n); no epilogue.
-    PART, MAIN_M: which rows of each expert (sorted layout; common.block_rows)."""
+    out_ptr [S, R, 2I] (slab stride split_stride; gate at columns n, up at I + n); no epilogue."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
     kb_lo, kb_hi = split_steps(H, BLOCK_K, SPLIT_K)
-    expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED,
-                                               PART, MAIN_M)
+    expert, row_start, row_end, _ = block_rows(pid_m, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     if row_start >= row_end:
         return
     rows = row_start + tl.arange(0, BLOCK_M)
@@ -240,27 +238,26 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     ws = w13_scale if w13_scale is not None else x  # unused pointer when q == 0
     stride_wse, stride_wsn = _scale_strides(ws, q)
     xs = x_scale if x_scale is not None else x
+    blocks_m = layout.num_row_blocks(cfg.block_m)
+    grid = (blocks_m * triton.cdiv(i, cfg.block_n),)
     w_arg, w_rows = weight_operand(w13, cfg.block_n, cfg.block_k)
-    work = fill((split, r, two_i), nan, dtype=torch.float32, device=dev) if split > 1 else inter
-    for part, pcfg in cfg.parts(layout.masked, split):  # one launch, or whole blocks then tails
-        blocks_m = layout.num_row_blocks(pcfg.block_m, part, cfg.block_m)
-        _gate_up_kernel[(blocks_m * triton.cdiv(i, pcfg.block_n), split)](
-            x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, work,
-            extra if fused_groups else inter, extra if q in (1, 2) else inter, layout.meta,
-            layout.num_experts, max(layout.capacity, 1), blocks_m, i, h, w_rows,
-            x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), stride_wse, stride_wsn, inter.stride(0),
-            extra.stride(0) if fused_groups else 0,
-            QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
-            E_POW2=layout.e_pow2, BLOCK_M=pcfg.block_m, BLOCK_N=pcfg.block_n, BLOCK_K=pcfg.block_k,
-            GROUP_M=pcfg.group_m, EVEN_K=h % pcfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
-            PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
-            INDEXED=source_rows is not None, SPLIT_K=split, split_stride=r * two_i if split > 1 else 0,
-            PART=part, MAIN_M=cfg.block_m, num_warps=pcfg.num_warps, num_stages=pcfg.num_stages,
-            **pdl(dev, early_start=False))
+    part = fill((split, r, two_i), nan, dtype=torch.float32, device=dev) if split > 1 else inter
+    _gate_up_kernel[grid + (split,)](
+        x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, part, extra if fused_groups else inter,
+        extra if q in (1, 2) else inter, layout.meta,
+        layout.num_experts, max(layout.capacity, 1), blocks_m, i, h, w_rows,
+        x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), stride_wse, stride_wsn, inter.stride(0),
+        extra.stride(0) if fused_groups else 0,
+        QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
+        E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
+        PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
+        INDEXED=source_rows is not None, SPLIT_K=split, split_stride=r * two_i if split > 1 else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
     if split > 1:
         block_i = 128 if q == 3 else min(1024, triton.next_power_of_2(i))
         _gate_up_split_sum_kernel[(r, triton.cdiv(i, block_i))](
-            work, inter, extra if fused_groups else inter, extra if q in (1, 2) else inter, layout.meta,
+            part, inter, extra if fused_groups else inter, extra if q in (1, 2) else inter, layout.meta,
             layout.num_experts, max(layout.capacity, 1), i, inter.stride(0), extra.stride(0) if fused_groups else 0,
             r * two_i, QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
             SPLIT_K=split, BLOCK_I=block_i, ROUND_IN_FP32=interpreting(), **pdl(dev))
