@@ -1,5 +1,5 @@
 """Per-kernel device time of the layer (eager; kernel durations do not depend on host overhead)
-    CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/layer_kernels.py   (OUT=dir for the JSON)"""
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/layer_kernels.py [preset:scheme:T,...]   (OUT=dir for the JSON)"""
 import json, os, sys
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
@@ -10,6 +10,8 @@ from torch.profiler import ProfilerActivity, profile
 CASES = [("qwen3-30b-a3b", "none", 1), ("qwen3-30b-a3b", "fp8-block", 1), ("deepseek-v3", "fp8-block", 1),
          ("qwen3-30b-a3b", "fp8-block", 1024), ("qwen3-30b-a3b", "none", 4096), ("qwen3-30b-a3b", "fp8-block", 4096),
          ("mixtral-8x7b", "fp8-block", 1024), ("deepseek-v3", "fp8-block", 4096), ("deepseek-v3", "fp8-block", 16384)]
+if len(sys.argv) > 1:
+    CASES = [(p, s, int(t)) for p, s, t in (c.split(":") for c in sys.argv[1].split(","))]
 out = {}
 cases = {}
 for preset, scheme, t in CASES:
