@@ -181,3 +181,37 @@ def test_large_tiles_fit_in_registers():
         tile = "x".join(map(str, cfg[:3]))
         assert spill <= most_spill, f"{kernel} {scheme} {tile}: {spill} bytes of register spills"
         assert regs <= most, f"{kernel} {scheme} {tile}: {regs} registers > {most}"
+
+
+WGMMA_DOWN = """
+import json, sys, torch
+from moeflow.kernels.registers import compile_gluon_for_hopper, ptxas_path
+if ptxas_path() is None:
+    print(json.dumps(None)); sys.exit(0)
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
+from moeflow.kernels.down_wgmma import _down_wgmma_kernel
+fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+out = []
+for bm, bn, warps, stages, unroll in json.loads(sys.argv[1]):
+    desc = lambda rows: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [rows, 128],
+                                                     gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)))
+    sig = dict(a_desc=desc(bm), w_desc=desc(bn), as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16",
+               meta_ptr="*i64")
+    sig.update({n: "i32" for n in _down_wgmma_kernel.arg_names if n not in sig})
+    out.append(compile_gluon_for_hopper(_down_wgmma_kernel, sig, dict(E_POW2=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
+               GROUP_M=8, STAGES=stages, UNROLL=unroll), warps))
+print(json.dumps(out))
+"""
+
+
+def test_wgmma_down_keeps_its_wgmmas_overlapped():
+    """kernels/down_wgmma.py compiled for sm_90a: ptxas neither serializes its wgmmas (C7514: a running
+    product's registers read or moved, which the two-products-by-turns loop exists to avoid) nor
+    injects waits (C7517), and the tiles the tuner offers do not spill. UNROLL 1 is the serial form."""
+    pytest.importorskip("triton.experimental.gluon")
+    tiles = [(128, 128, 8, 4, 8), (128, 128, 8, 3, 8), (64, 128, 4, 4, 6), (64, 64, 4, 3, 2), (128, 128, 8, 4, 1)]
+    for tile, (regs, spill, notes) in zip(tiles, compile_without_interpreter(WGMMA_DOWN, json.dumps(tiles))):
+        assert not [n for n in notes if "C7514" in n or "C7517" in n], (tile, notes)
+        assert spill == 0 and regs <= 255, (tile, regs, spill)

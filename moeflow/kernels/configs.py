@@ -47,6 +47,10 @@ class GemmConfig:
     # kernels/gate_up.py, which then runs its epilogue there): more programs streaming weights when a
     # decode batch has few tiles with long K loops.
     split_k: int = 1
+    # fp8-block down GEMM, sorted batches on Hopper: True runs kernels/down_wgmma.py (Gluon), whose K loop
+    # scales each step's product while the next step's wgmma runs; fit() clears it where that kernel
+    # cannot run the tile. Faster on long K loops (Mixtral's I = 14336), slower on short ones.
+    scale_overlap: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,7 +97,8 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     fp8-block: BLOCK_K must divide 128 (one activation group per step). gate_up: BLOCK_N of 128
     or more quantizes the 1x128 groups in the epilogue (128, or 256 where n_size (I) allows);
     BLOCK_N of 16-64 (more programs for small batches) leaves that to a separate kernel.
-    fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least.
+    fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
+    an fp8-block down tile kernels/down_wgmma.py runs (down_wgmma.config_fits).
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
@@ -104,7 +109,11 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     b_tiles = 2 if fused_pair else 1
     while stages > 1 and stages * (bm * bk + b_tiles * bk * bn) * elem_bytes > _SMEM_BUDGET:
         stages -= 1
-    return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
+    fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
+    if fitted.scale_overlap:
+        from .down_wgmma import config_fits
+        fitted = replace(fitted, scale_overlap=scheme == "fp8-block" and not fused_pair and config_fits(fitted))
+    return fitted
 
 
 def search_dirs() -> list[Path]:

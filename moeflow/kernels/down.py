@@ -8,7 +8,8 @@ programs of empty blocks without any GEMM work.
 Two launch forms: one program per output tile (_down_kernel, every layout), or, where the config
 asks for it (GemmConfig.programs_per_sm) on a sorted batch with both operands through TMA, a
 persistent grid of programs looping over the tiles (_down_persistent_kernel). Same tile code,
-same results bit for bit.
+same results bit for bit. fp8-block on Hopper with GemmConfig.scale_overlap: a Gluon kernel whose
+K loop overlaps each step's scaling with the next step's wgmma (kernels/down_wgmma.py), same bits.
 Split K (GemmConfig.split_k = S > 1, per-tile form only): S programs per tile, program s running K
 steps s·⌈n/S⌉ .. of the n; each stores its float32 partial tile (scales and routing weight applied:
 they are linear) into slab s of a [S, R, H] workspace, and _split_sum_kernel adds the S slabs in
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, grouped_tile, num_sms, pdl, pdl_launch,
                      pdl_wait, rows_operand, scale_block, sorted_block, split_steps, tile_ids, weight_operand)
+from . import down_wgmma
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -178,7 +180,10 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
         torch.empty((r, h), dtype=dtype, device=a.device)
     split = min(cfg.split_k, triton.cdiv(i, cfg.block_k))
     if split <= 1 or r == 0 or h == 0:
-        _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1)
+        if cfg.scale_overlap and down_wgmma.usable(a, a_scale, w2, w2_scale, layout, scheme, cfg):
+            down_wgmma.launch(a, a_scale, w2, w2_scale, route_w, layout, cfg, out)
+        else:
+            _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1)
         return out
     part = torch.full((split, r, h), float("nan"), dtype=torch.float32, device=a.device) if poison else \
         torch.empty((split, r, h), dtype=torch.float32, device=a.device)

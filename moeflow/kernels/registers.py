@@ -88,8 +88,7 @@ def compile_for_hopper(fn, signature: dict, constexprs: dict, attrs: dict | None
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    ptxas = ptxas_path()
-    if ptxas is None:
+    if ptxas_path() is None:
         raise FileNotFoundError("this triton build ships no ptxas")
     const = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     const.update(constexprs)
@@ -97,15 +96,41 @@ def compile_for_hopper(fn, signature: dict, constexprs: dict, attrs: dict | None
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs or {}),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
+    regs, spill, _ = ptxas_report(compiled.asm["ptx"])
+    return regs, spill
+
+
+def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: int):
+    """compile_for_hopper for a @gluon.jit kernel (kernels/down_wgmma.py) -> (registers per thread,
+    spill-store bytes, ptxas's info lines: C7514 there means it serialized the wgmmas).
+    signature: the Triton types of the runtime parameters (a Gluon TensorDescriptor's is
+    triton.runtime.jit.mangle_type(descriptor))."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    const = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    const.update(constexprs, num_warps=num_warps)
+    sig = {name: ("constexpr" if name in const else signature[name]) for name in fn.arg_names}
+    compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs={}),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return ptxas_report(compiled.asm["ptx"])
+
+
+def ptxas_report(ptx: str) -> tuple[int, int, list[str]]:
+    """Assemble PTX for sm_90a with the wheel's ptxas -> (registers per thread, spill-store bytes, the
+    lines ptxas printed with a message code, like C7514)."""
+    ptxas = ptxas_path()
+    if ptxas is None:
+        raise FileNotFoundError("this triton build ships no ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
-            f.write(compiled.asm["ptx"])
+            f.write(ptx)
         res = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
                              capture_output=True, text=True, check=True)
     regs = re.search(r"Used (\d+) registers", res.stderr)
     spill = re.search(r"(\d+) bytes spill stores", res.stderr)
-    return int(regs.group(1)), int(spill.group(1)) if spill else 0
+    notes = [line for line in res.stderr.splitlines() if re.search(r"\(C\d+\)", line)]
+    return int(regs.group(1)), int(spill.group(1)) if spill else 0, notes
 
 
 def main() -> None:

@@ -1,0 +1,204 @@
+"""fp8-block down GEMM for Hopper in Gluon, the K loop's scaling overlapped with the tensor cores.
+
+    a [R, I] float8_e4m3fn + a_scale [R, I/128] float32 (sorted layout), w2 down_proj [E, H, I]
+    float8_e4m3fn + w2_scale [E, H/128, I/128] float32, route_w [R] float32 -> out [R, H] layer dtype,
+    as kernels/down.py (reference: down.down_torch); the same bits as down.py's kernel.
+Why: fp8-block scales every 128-deep K step, acc += (a_k @ w_k) * s_k. Triton compiles that to a
+wgmma followed by wgmma.wait_group 0, so the tensor cores idle while each step's product is scaled
+(the same tile without per-step scales runs 1.0-1.26x faster: benchmarks/results/scale_cost_*).
+Gluon (triton.experimental.gluon, Triton's lower-level language) lets the kernel say what Triton
+does not: step t + 1's wgmma is issued before step t's product is scaled (wait_group 1).
+How: two products by turns. Each wgmma is given the finished product of its turn as its
+accumulator, unused (use_acc=False), so it writes the same registers, and the scaling FMA before it
+is pinned in place (an inline asm with side effects; the compiler otherwise sinks it past the
+wgmma and copies the product). A loop body runs UNROLL steps (the largest of 8 .. 1 dividing the
+n K steps) and ends with nothing in flight: a product still running across the back edge makes
+ptxas serialize every wgmma of the kernel (its message C7514; tests/test_kernels_compile_sm90.py
+checks it is absent). Operands come through TMA into STAGES shared-memory slots; step t + STAGES
+is loaded into step t's slot once step t's product is done.
+Where: GemmConfig.scale_overlap, on sorted batches, CUDA compute capability 9.x, both operands
+TMA-addressable, BLOCK_K 128, BLOCK_N dividing 128; kernels/down.py falls back to its own kernel
+otherwise. Measured on H200 (benchmarks/results/gluon_down_*): 1.17-1.19x on Mixtral's down
+(I = 14336, 112 K steps); slower than the Triton kernel on Qwen3's and DeepSeek-V3's short K loops
+(6 and 16 steps), where the tuned files keep the Triton kernel.
+No PDL here: the kernel is launched plainly and lets the next kernel launch when it ends.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from torch import Tensor
+
+from .. import env as moeflow_env
+
+try:  # Gluon ships with triton >= 3.5; this module is only used on Hopper GPUs
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: usable() says False
+    gluon = None
+
+if gluon is not None:
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr,
+                      num_warps: gl.constexpr):
+        """common.block_rows for the sorted layout: block pid_m -> (expert, row_start, row_end)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        idx = gl.arange(0, E_POW2, layout=lay)
+        lo = gl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
+        hi = gl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0)
+        nb = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        cum = gl.associative_scan(nb, 0, _add)
+        expert = gl.sum((cum <= pid_m).to(gl.int32), 0)
+        mine = idx == expert
+        first_block = gl.sum(gl.where(mine, cum - nb, 0), 0)
+        row_end = gl.sum(gl.where(mine, hi, 0), 0)
+        row_start = gl.sum(gl.where(mine, lo, 0), 0) + (pid_m - first_block) * BLOCK_M
+        row_start = gl.where(expert < num_experts, row_start, row_end)
+        return expert, row_start, row_end
+
+    @gluon.jit
+    def _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, t, a_row, w_row, STAGES: gl.constexpr,
+                   BLOCK_K: gl.constexpr, pred):
+        """Start TMA loads of step t's tiles into slot t % STAGES (no-op where pred is False)."""
+        slot = t % STAGES
+        bar = bars.index(slot)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(a_desc, [a_row, t * BLOCK_K], bar, a_bufs.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [w_row, t * BLOCK_K], bar, w_bufs.index(slot), pred=pred)
+
+    @gluon.jit
+    def _mma_step(a_bufs, w_bufs, bars, t, d, STAGES: gl.constexpr):
+        """Wait for step t's tiles and start its wgmma into d's registers (d's values unused)."""
+        slot = t % STAGES
+        mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
+        return warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), d, use_acc=False,
+                             is_async=True)
+
+    @gluon.jit
+    def _scaled_add(d, s, acc):
+        """acc + d * s[:, None], as an inline asm with side effects so that it stays before the next wgmma."""
+        return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [d, gl.broadcast(s[:, None], d)[0], acc], dtype=gl.float32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
+    def _down_wgmma_kernel(a_desc, w_desc, as_ptr, ws_ptr, rw_ptr, out_ptr, meta_ptr,
+                           num_experts, num_blocks_m, H, I, w_rows_per_expert,
+                           stride_as, stride_wse, stride_wsn, stride_out,
+                           E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                           UNROLL: gl.constexpr, num_warps: gl.constexpr):
+        """One program per output tile of the grid's row blocks (programs past the real blocks return).
+        a_desc: TMA descriptor over a [R, I], [BLOCK_M, BLOCK_K] boxes (rows past the block's end are read,
+        never stored); w_desc: over the weight rows [E * H, I] (expert e's from e * w_rows_per_expert),
+        [BLOCK_N, BLOCK_K] boxes. Both zero-fill past I."""
+        pid = gl.program_id(0)
+        num_pid_n = gl.cdiv(H, BLOCK_N)
+        per_group = GROUP_M * num_pid_n
+        first_m = (pid // per_group) * GROUP_M
+        group_size = gl.minimum(num_blocks_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_size
+        pid_n = (pid % per_group) // group_size
+        expert, row_start, row_end = _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
+        if row_start < row_end:
+            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BLOCK_N, 32])
+            rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+            a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+            w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(bars.index(s), count=1)
+            a_row = row_start.to(gl.int32)
+            w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(gl.int32)  # rows past H: never stored
+            n = gl.cdiv(I, BLOCK_K)
+            for s in gl.static_range(STAGES):
+                _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, s, a_row, w_row, STAGES, BLOCK_K, s < n)
+            rows = row_start + gl.arange(0, BLOCK_M, layout=rows_l)
+            rows_ld = gl.minimum(rows, row_end - 1)
+            as_rows = as_ptr + rows_ld * stride_as  # row r's scale of K group t at as_rows[r] + t (BLOCK_K 128)
+            ws_tile = (ws_ptr + expert.to(gl.int64) * stride_wse
+                       + gl.minimum(pid_n * BLOCK_N // 128, (H - 1) // 128) * stride_wsn)  # one 128-row block
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            d_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            d_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            for j in range(0, n // UNROLL):
+                t = j * UNROLL
+                p_a = _mma_step(a_bufs, w_bufs, bars, t, d_a, STAGES)
+                s_a = gl.load(as_rows + t) * gl.load(ws_tile + t)
+                for u in gl.static_range(1, UNROLL):  # step t + u runs while step t + u - 1 is scaled
+                    p_b = _mma_step(a_bufs, w_bufs, bars, t + u, d_b, STAGES)
+                    s_b = gl.load(as_rows + t + u) * gl.load(ws_tile + t + u)
+                    d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
+                    acc = _scaled_add(d_a, s_a, acc)
+                    _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, t + u - 1 + STAGES, a_row, w_row, STAGES,
+                               BLOCK_K, t + u - 1 + STAGES < n)
+                    p_a, s_a, d_a, p_b, s_b, d_b = p_b, s_b, d_b, p_a, s_a, d_a
+                d_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a,))
+                acc = _scaled_add(d_a, s_a, acc)
+                _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, t + UNROLL - 1 + STAGES, a_row, w_row, STAGES,
+                           BLOCK_K, t + UNROLL - 1 + STAGES < n)
+            for s in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(s))
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+            y = acc * gl.load(rw_ptr + rows_ld)[:, None]
+            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                     mask=(rows < row_end)[:, None] & (cols < H)[None, :])
+
+
+def unroll(num_steps: int, most: int = 8) -> int:
+    """Steps per loop body: the largest of most .. 1 dividing the K steps."""
+    return next(u for u in range(most, 0, -1) if num_steps % u == 0)
+
+
+def config_fits(cfg) -> bool:
+    """Tiles this kernel runs: BLOCK_K 128 (one scale group per step), BLOCK_N dividing 128 (one
+    weight-scale block per tile), BLOCK_M 64 or 128, 4 or 8 warps, 2-6 stages."""
+    return (cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.block_n >= 16 and cfg.block_m in (64, 128)
+            and cfg.num_warps in (4, 8) and cfg.block_m >= 16 * cfg.num_warps and 2 <= cfg.num_stages <= 6)
+
+
+def usable(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, layout, scheme: str, cfg) -> bool:
+    """Whether down() may run this kernel for the call (module docstring, Where)."""
+    if (gluon is None or scheme != "fp8-block" or layout.masked or not a.is_cuda or a_scale is None or w2_scale is None
+            or not config_fits(cfg) or not moeflow_env.TRITON_TMA.get_bool() or moeflow_env.TRITON_INTERPRET.get_bool()):
+        return False
+    if _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())[0] != 9:
+        return False
+    e, h, i = w2.shape
+    return (a.stride(1) == 1 and (a.stride(0) % 16) == 0 and a.data_ptr() % 16 == 0 and w2.stride(2) == 1
+            and a_scale.stride(1) == 1 and w2_scale.stride(2) == 1
+            and w2.stride(0) in (0, h * w2.stride(1)) and (w2.stride(1) % 16) == 0 and w2.data_ptr() % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def launch(a: Tensor, a_scale: Tensor, w2: Tensor, w2_scale: Tensor, route_w: Tensor, layout, cfg, out: Tensor) -> None:
+    """Write out [R, H] (module docstring); usable() must have said True."""
+    r, i = a.shape
+    e, h, _ = w2.shape
+    if r == 0 or h == 0:
+        return
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    a_desc = TensorDescriptor(a, [r, i], [a.stride(0), 1], [bm, bk],
+                              gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv))
+    per_expert = h if w2.stride(0) else 0  # expert stride 0: every expert reads the same rows
+    w_desc = TensorDescriptor(w2, [e * h if per_expert else h, i], [w2.stride(1), 1], [bn, bk],
+                              gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv))
+    blocks_m = layout.num_row_blocks(bm)
+    _down_wgmma_kernel[(blocks_m * triton.cdiv(h, bn),)](
+        a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, blocks_m, h, i, per_expert,
+        a_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
+        E_POW2=layout.e_pow2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        UNROLL=unroll(triton.cdiv(i, bk)), num_warps=cfg.num_warps)

@@ -1,0 +1,89 @@
+"""kernels/down_wgmma.py (the Gluon fp8-block down GEMM, GemmConfig.scale_overlap) on a Hopper GPU:
+against a float64 reference of the dequantized operands and bit for bit against kernels/down.py's
+Triton kernel, on fresh random data with NaN-poisoned outputs: empty experts, all rows to one
+expert, one row, K loops of 1, 3, 6 and 112 steps (every UNROLL path), I and H off the tiles, weights
+shared by every expert (stride 0), and the masked layout falling back to the Triton kernel.
+Run: pytest -m gpu tests/gpu
+"""
+import pytest
+import torch
+
+from moeflow.kernels import down_wgmma
+from moeflow.kernels.common import RowLayout
+from moeflow.kernels.configs import GemmConfig, fit
+from moeflow.kernels.down import down
+from moeflow.layouts import offsets_from_counts
+from moeflow.quant import create_scheme
+from oracle import assert_close
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                                 reason="the Gluon kernel is for compute capability 9.x")]
+
+SCH = create_scheme("fp8-block")
+TILES = [GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=True), GemmConfig(128, 128, 128, 8, 8, 3, scale_overlap=True),
+         GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=True), GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=True)]
+
+
+def operands(counts, h, i, shared_weights=False):
+    counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    e, r = counts.numel(), int(counts.sum())
+    layout = RowLayout(False, offsets_from_counts(counts), e, 0, r)
+    w = torch.randn(1 if shared_weights else e, h, i, device="cuda") / i ** 0.5
+    q2, s2 = SCH.quantize_weight(w.bfloat16())
+    if shared_weights:
+        q2, s2 = q2.expand(e, h, i), s2.expand(e, *s2.shape[1:])
+    a, a_s = SCH.quantize_activation(torch.randn(r, i, device="cuda").bfloat16())
+    return layout, a, a_s, q2, s2, torch.rand(r, device="cuda")
+
+
+def reference(layout, a, a_s, q2, s2, rw):
+    """float64: route_w * dequant(a) @ dequant(w2[e]).T per row."""
+    af = SCH.dequantize_activation(a, a_s).double()
+    wf = SCH.dequantize_weight(q2, s2).double()
+    bounds = layout.meta.tolist()
+    out = torch.zeros(a.shape[0], q2.shape[1], dtype=torch.float64, device="cuda")
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        out[lo:hi] = (af[lo:hi] @ wf[e].T) * rw[lo:hi, None].double()
+    return out
+
+
+@pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}")
+@pytest.mark.parametrize("counts,h,i", [
+    ([37, 0, 300, 1, 0, 129, 64, 2], 384, 768),   # empty experts, rows off the blocks; 6 K steps (UNROLL 6)
+    ([0, 0, 513, 0], 256, 384),                    # every row to one expert; 3 steps (UNROLL 3)
+    ([1], 128, 128),                               # one row; one step (UNROLL 1)
+    ([90, 41, 7], 200, 320),                       # H off the N tiles, I off the K steps (a partial last step)
+    ([200, 300], 256, 14336),                      # Mixtral's K loop: 112 steps (UNROLL 8)
+])
+def test_matches_reference_and_the_triton_kernel(cfg, counts, h, i, poison):
+    layout, a, a_s, q2, s2, rw = operands(counts, h, i)
+    assert down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-block", cfg)
+    got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
+    assert not got.isnan().any()
+    assert_close(got, reference(layout, a, a_s, q2, s2, rw), 1e-2, f"wgmma down {counts} H={h} I={i}")
+    plain = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, GemmConfig(cfg.block_m, cfg.block_n, 128,
+                 cfg.group_m, cfg.num_warps, cfg.num_stages), poison=True)
+    assert torch.equal(got, plain)  # the same float32 sums in the same order
+
+
+def test_weights_shared_by_every_expert(poison):
+    """Expert stride 0 (the tuner's compile jobs run such weights): every expert reads the same rows."""
+    layout, a, a_s, q2, s2, rw = operands([5, 70, 0, 33], 256, 512, shared_weights=True)
+    cfg = TILES[2]
+    got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
+    assert_close(got, reference(layout, a, a_s, q2, s2, rw), 1e-2, "shared weights")
+
+
+def test_where_it_does_not_run(poison):
+    """Masked batches, other schemes and tiles it cannot run take the Triton kernel; fit() clears the flag."""
+    layout, a, a_s, q2, s2, rw = operands([3, 4], 128, 256)
+    masked = RowLayout(True, torch.tensor([3, 4], dtype=torch.int32, device="cuda"), 2, 4, 8)
+    cfg = TILES[2]
+    assert not down_wgmma.usable(a, a_s, q2, s2, masked, "fp8-block", cfg)
+    assert not down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-channel", cfg)
+    assert not down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-block", GemmConfig(64, 256, 128, 4, 4, 4, scale_overlap=True))
+    assert not fit(GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=True), fused_pair=False, scheme="fp8-channel",
+                   elem_bytes=1, n_size=128).scale_overlap
+    assert fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).scale_overlap
