@@ -209,9 +209,14 @@ print(json.dumps(out))
 def test_wgmma_down_keeps_its_wgmmas_overlapped():
     """kernels/down_wgmma.py compiled for sm_90a: ptxas neither serializes its wgmmas (C7514: a running
     product's registers read or moved, which the two-products-by-turns loop exists to avoid) nor
-    injects waits (C7517), and the tiles the tuner offers do not spill. UNROLL 1 is the serial form."""
+    injects waits (C7517), and the tiles the tuner offers fit in registers. UNROLL 1 is the serial form.
+    The tile the H200 tables pick (128x128, 8 warps, 4 stages, 8 steps a body) spills 44 bytes and is
+    still the fastest measured: 1.25x the Triton kernel on Mixtral T=16384, against 1.19x for 4 steps a
+    body, which does not spill (benchmarks/results/wgmma_unroll_*)."""
     pytest.importorskip("triton.experimental.gluon")
     tiles = [(128, 128, 8, 4, 8), (128, 128, 8, 3, 8), (64, 128, 4, 4, 6), (64, 64, 4, 3, 2), (128, 128, 8, 4, 1)]
-    for tile, (regs, spill, notes) in zip(tiles, compile_without_interpreter(WGMMA_DOWN, json.dumps(tiles))):
+    most_spill = [48, 0, 0, 0, 0]
+    usage = compile_without_interpreter(WGMMA_DOWN, json.dumps(tiles))
+    for tile, most, (regs, spill, notes) in zip(tiles, most_spill, usage):
         assert not [n for n in notes if "C7514" in n or "C7517" in n], (tile, notes)
-        assert spill == 0 and regs <= 255, (tile, regs, spill)
+        assert spill <= most and regs <= 255, (tile, regs, spill)
