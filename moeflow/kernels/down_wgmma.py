@@ -95,7 +95,7 @@ if gluon is not None:
                            stride_as, stride_wse, stride_wsn, stride_out,
                            E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                           UNROLL: gl.constexpr, num_warps: gl.constexpr):
+                           UNROLL: gl.constexpr, num_warps: gl.constexpr, COALESCED_STORE: gl.constexpr = False):
         """One program per output tile of the grid's row blocks (programs past the real blocks return).
         a_desc: TMA descriptor over a [R, I], [BLOCK_M, BLOCK_K] boxes (rows past the block's end are read,
         never stored); w_desc: over the weight rows [E * H, I] (expert e's from e * w_rows_per_expert),
@@ -148,10 +148,19 @@ if gluon is not None:
                            BLOCK_K, t + UNROLL - 1 + STAGES < n)
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-            y = acc * gl.load(rw_ptr + rows_ld)[:, None]
-            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty),
+            y = (acc * gl.load(rw_ptr + rows_ld)[:, None]).to(out_ptr.dtype.element_ty)
+            if COALESCED_STORE:  # 16 bytes per thread along a row (the wgmma layout stores 4)
+                st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1], [1, 0])
+                y = gl.convert_layout(y, st)
+                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
+            else:
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
                      mask=(rows < row_end)[:, None] & (cols < H)[None, :])
+
+
+COALESCED_STORE = False  # experiment switch (benchmarks/experiments/wgmma_store.py)
 
 
 def unroll(num_steps: int, most: int = 8) -> int:
@@ -201,4 +210,4 @@ def launch(a: Tensor, a_scale: Tensor, w2: Tensor, w2_scale: Tensor, route_w: Te
         a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, blocks_m, h, i, per_expert,
         a_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
         E_POW2=layout.e_pow2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        UNROLL=unroll(triton.cdiv(i, bk)), num_warps=cfg.num_warps)
+        UNROLL=unroll(triton.cdiv(i, bk)), num_warps=cfg.num_warps, COALESCED_STORE=COALESCED_STORE)
