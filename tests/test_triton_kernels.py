@@ -415,6 +415,15 @@ def test_fit_rules():
     big = kc.fit(kc.GemmConfig(128, 256, 128, 8, 8, 5), fused_pair=True, scheme="none", elem_bytes=4, n_size=512)
     assert big.num_stages * (128 * 128 + 2 * 128 * 256) * 4 <= 200 * 1024 or big.num_stages == 1
     assert kc.fit(kc.GemmConfig(16, 16, 16), fused_pair=False, scheme="fp8-tensor", elem_bytes=1, n_size=64).block_k == 32
+    # the Gluon down (kernels/down_wgmma.py): only fp8-block down tiles it runs keep scale_overlap; JSON true is 1
+    so = lambda cfg, **kw: kc.fit(cfg, **{**dict(fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=4096), **kw}).scale_overlap
+    assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2)) == 2
+    assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=True)) == 1
+    assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), scheme="fp8-channel") == 0
+    assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), fused_pair=True) == 0  # gate_up
+    assert so(kc.GemmConfig(128, 256, 128, 8, 8, 3, scale_overlap=1)) == 0  # two weight-scale blocks a tile
+    assert so(kc.GemmConfig(64, 128, 128, 8, 8, 4, scale_overlap=1)) == 0  # 8 warps need 128 rows
+    assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=3)) == 0
 
 
 ROUTING = {  # name: MoEConfig routing fields (E=64, K=6)

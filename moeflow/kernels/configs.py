@@ -47,10 +47,11 @@ class GemmConfig:
     # kernels/gate_up.py, which then runs its epilogue there): more programs streaming weights when a
     # decode batch has few tiles with long K loops.
     split_k: int = 1
-    # fp8-block down GEMM, sorted batches on Hopper: True runs kernels/down_wgmma.py (Gluon), whose K loop
-    # scales each step's product while the next step's wgmma runs; fit() clears it where that kernel
-    # cannot run the tile. Faster on long K loops (Mixtral's I = 14336), slower on short ones.
-    scale_overlap: bool = False
+    # fp8-block down GEMM, sorted batches on Hopper: > 0 runs kernels/down_wgmma.py (Gluon), whose K loop
+    # scales each step's product while the next step's wgmma runs; 1 stores the output from the wgmma
+    # register layout, 2 in 16-byte stores (JSON true reads as 1). fit() sets 0 where that kernel cannot
+    # run the tile. Faster on long K loops (Mixtral's I = 14336), not on short ones.
+    scale_overlap: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,7 +113,8 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
     if fitted.scale_overlap:
         from .down_wgmma import config_fits
-        fitted = replace(fitted, scale_overlap=scheme == "fp8-block" and not fused_pair and config_fits(fitted))
+        keep = scheme == "fp8-block" and not fused_pair and config_fits(fitted) and fitted.scale_overlap in (1, 2)
+        fitted = replace(fitted, scale_overlap=int(fitted.scale_overlap) if keep else 0)
     return fitted
 
 

@@ -16,11 +16,15 @@ n K steps) and ends with nothing in flight: a product still running across the b
 ptxas serialize every wgmma of the kernel (its message C7514; tests/test_kernels_compile_sm90.py
 checks it is absent). Operands come through TMA into STAGES shared-memory slots; step t + STAGES
 is loaded into step t's slot once step t's product is done.
-Where: GemmConfig.scale_overlap, on sorted batches, CUDA compute capability 9.x, both operands
+Epilogue: GemmConfig.scale_overlap 1 stores from the wgmma register layout (4 bytes a thread per row),
+2 converts the tile to a layout of 16-byte stores first (through shared memory): 2 won on DeepSeek-V3's
+and Qwen3's down (5721 -> 5018, 874 -> 728 us at T=16384) and Mixtral's at T=1024, 1 on Mixtral's at
+T=16384 (3696 against 3878 us; benchmarks/results/wgmma_store_*); the tuner picks.
+Where: GemmConfig.scale_overlap (1 or 2), on sorted batches, CUDA compute capability 9.x, both operands
 TMA-addressable, BLOCK_K 128, BLOCK_N dividing 128; kernels/down.py falls back to its own kernel
-otherwise. Measured on H200 (benchmarks/results/gluon_down_*): 1.17-1.19x on Mixtral's down
-(I = 14336, 112 K steps); slower than the Triton kernel on Qwen3's and DeepSeek-V3's short K loops
-(6 and 16 steps), where the tuned files keep the Triton kernel.
+otherwise. Measured on H200 (benchmarks/results/gluon_down_*): 1.17-1.25x on Mixtral's down
+(I = 14336, 112 K steps); with the 16-byte stores about the Triton kernel's time on DeepSeek-V3's
+(16 steps) and slower on Qwen3's (6 steps, where the Triton kernel is persistent).
 No PDL here: the kernel is launched plainly and lets the next kernel launch when it ends.
 """
 from __future__ import annotations
@@ -149,7 +153,7 @@ if gluon is not None:
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
             y = (acc * gl.load(rw_ptr + rows_ld)[:, None]).to(out_ptr.dtype.element_ty)
-            if COALESCED_STORE:  # 16 bytes per thread along a row (the wgmma layout stores 4)
+            if COALESCED_STORE:  # 16 bytes per thread along a row (the wgmma layout stores 4 bytes)
                 st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1], [1, 0])
                 y = gl.convert_layout(y, st)
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
@@ -158,9 +162,6 @@ if gluon is not None:
                 cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
             gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
                      mask=(rows < row_end)[:, None] & (cols < H)[None, :])
-
-
-COALESCED_STORE = False  # experiment switch (benchmarks/experiments/wgmma_store.py)
 
 
 def unroll(num_steps: int, most: int = 8) -> int:
@@ -210,4 +211,4 @@ def launch(a: Tensor, a_scale: Tensor, w2: Tensor, w2_scale: Tensor, route_w: Te
         a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, blocks_m, h, i, per_expert,
         a_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
         E_POW2=layout.e_pow2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        UNROLL=unroll(triton.cdiv(i, bk)), num_warps=cfg.num_warps, COALESCED_STORE=COALESCED_STORE)
+        UNROLL=unroll(triton.cdiv(i, bk)), num_warps=cfg.num_warps, COALESCED_STORE=cfg.scale_overlap == 2)

@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="the Gluon kernel is for compute capability 9.x")]
 
 SCH = create_scheme("fp8-block")
-TILES = [GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=True), GemmConfig(128, 128, 128, 8, 8, 3, scale_overlap=True),
-         GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=True), GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=True)]
+TILES = [GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2),
+         GemmConfig(128, 128, 128, 8, 8, 3, scale_overlap=1), GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=2),
+         GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=1), GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=2)]
 
 
 def operands(counts, h, i, shared_weights=False):
@@ -49,7 +50,7 @@ def reference(layout, a, a_s, q2, s2, rw):
     return out
 
 
-@pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}")
+@pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}o{c.scale_overlap}")
 @pytest.mark.parametrize("counts,h,i", [
     ([37, 0, 300, 1, 0, 129, 64, 2], 384, 768),   # empty experts, rows off the blocks; 6 K steps (UNROLL 6)
     ([0, 0, 513, 0], 256, 384),                    # every row to one expert; 3 steps (UNROLL 3)
@@ -80,10 +81,12 @@ def test_where_it_does_not_run(poison):
     """Masked batches, other schemes and tiles it cannot run take the Triton kernel; fit() clears the flag."""
     layout, a, a_s, q2, s2, rw = operands([3, 4], 128, 256)
     masked = RowLayout(True, torch.tensor([3, 4], dtype=torch.int32, device="cuda"), 2, 4, 8)
-    cfg = TILES[2]
+    cfg = TILES[3]
     assert not down_wgmma.usable(a, a_s, q2, s2, masked, "fp8-block", cfg)
     assert not down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-channel", cfg)
-    assert not down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-block", GemmConfig(64, 256, 128, 4, 4, 4, scale_overlap=True))
-    assert not fit(GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=True), fused_pair=False, scheme="fp8-channel",
+    assert not down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-block", GemmConfig(64, 256, 128, 4, 4, 4, scale_overlap=1))
+    assert not fit(GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=1), fused_pair=False, scheme="fp8-channel",
                    elem_bytes=1, n_size=128).scale_overlap
-    assert fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).scale_overlap
+    assert fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).scale_overlap == 2
+    assert fit(GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=True), fused_pair=False, scheme="fp8-block", elem_bytes=1,
+               n_size=128).scale_overlap == 1  # JSON true
