@@ -8,16 +8,16 @@ accumulator, scales applied once in the epilogue). Timed as the tuner times (CUD
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
-from moeflow.kernels.autotune import Shape, _runner, graph_time_ms, random_batch, random_weights
-from moeflow.kernels.common import RowLayout
+from moeflow.kernels.autotune import Shape, graph_time_ms, random_weights
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
 from moeflow.kernels.quant import down_input, quantize_rows
-from moeflow.presets import PRESETS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gemm_case import gemm_case  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 4096), ("mixtral-8x7b", 16384),
          ("deepseek-v3", 4096), ("deepseek-v3", 16384)]
@@ -28,13 +28,8 @@ def main():
     dev = torch.device("cuda")
     rows = []
     for preset, t in CASES:
-        p = PRESETS[preset]
-        e, h, i, k = p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"]
-        block = Shape(e, h, i, k, "fp8-block")
-        batch = random_batch(block, t, dev)
-        layout = RowLayout.of(batch)
-        meta = SimpleNamespace(w13=torch.empty(e, 2 * i, h, device="meta"), w2=torch.empty(e, h, i, device="meta"))
-        kcfg = _runner(block).kernel_config(batch, meta)
+        block, batch, layout, kcfg = gemm_case(preset, "fp8-block", t, dev)
+        e, h, i, k = block.num_experts, block.hidden, block.inter, block.top_k
         res = dict(preset=preset, T=t, gate_up_cfg=kcfg.gate_up.to_dict(), down_cfg=kcfg.down.to_dict())
         for scheme in ("fp8-block", "fp8-channel"):
             shape = Shape(e, h, i, k, scheme)

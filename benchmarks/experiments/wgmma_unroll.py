@@ -6,30 +6,26 @@ long-K down GEMM (Mixtral, 112 K steps) and DeepSeek-V3's (16 steps), against th
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
 from moeflow.kernels import down_wgmma
-from moeflow.kernels.autotune import Shape, _runner, graph_time_ms, random_batch, random_weights
-from moeflow.kernels.common import RowLayout
+from moeflow.kernels.autotune import graph_time_ms, random_weights
 from moeflow.kernels.configs import GemmConfig
 from moeflow.kernels.down import down
 from moeflow.kernels.quant import quantize_rows
-from moeflow.presets import PRESETS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gemm_case import gemm_case  # noqa: E402
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", ".")
 dev = torch.device("cuda")
 rows = []
 plain_unroll = down_wgmma.unroll
 for preset, t in (("mixtral-8x7b", 4096), ("mixtral-8x7b", 16384), ("deepseek-v3", 16384)):
-    p = PRESETS[preset]
-    e, h, i, k = p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"]
-    shape = Shape(e, h, i, k, "fp8-block")
-    batch = random_batch(shape, t, dev)
-    layout = RowLayout.of(batch)
-    meta = SimpleNamespace(w13=torch.empty(e, 2 * i, h, device="meta"), w2=torch.empty(e, h, i, device="meta"))
-    shipped = _runner(shape).kernel_config(batch, meta).down
+    shape, batch, layout, kcfg = gemm_case(preset, "fp8-block", t, dev)
+    i = shape.inter
+    shipped = kcfg.down
     w = random_weights(shape, dev)
     a, a_s = quantize_rows(torch.randn(layout.rows, i, device=dev).bfloat16(), "fp8-block", layout)
     rw = batch.weights.float()
@@ -40,7 +36,7 @@ for preset, t in (("mixtral-8x7b", 4096), ("mixtral-8x7b", 16384), ("deepseek-v3
     for most in (8, 4, 2):
         down_wgmma.unroll = lambda n, most=most: plain_unroll(n, most)
         for stages in (3, 4):
-            cfg = GemmConfig(128, 128, 128, 8, 8, stages, scale_overlap=True)
+            cfg = GemmConfig(128, 128, 128, 8, 8, stages, scale_overlap=1)
             us = graph_time_ms([lambda: run(cfg)], 40) * 1e3
             res["wgmma"][f"u{most}s{stages}"] = round(us, 1)
             line += f" | u{most} s{stages} {us:8.1f} ({base / us:.2f}x)"
