@@ -37,10 +37,11 @@ from torch import Tensor
 
 from .. import env as moeflow_env
 
-try:  # Gluon ships with triton >= 3.5; this module is only used on Hopper GPUs
+try:  # Gluon (triton.experimental.gluon) ships with recent triton (3.6 here); only Hopper GPUs run it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton: usable() says False
     gluon = None
@@ -121,6 +122,7 @@ if gluon is not None:
             bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for s in gl.static_range(STAGES):
                 mbarrier.init(bars.index(s), count=1)
+            fence_async_shared()  # the barriers' initialization seen by the TMA units before they arrive on them
             a_row = row_start.to(gl.int32)
             w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(gl.int32)  # rows past H: never stored
             n = gl.cdiv(I, BLOCK_K)
