@@ -99,7 +99,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     or more quantizes the 1x128 groups in the epilogue (128, or 256 where n_size (I) allows);
     BLOCK_N of 16-64 (more programs for small batches) leaves that to a separate kernel.
     fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
-    an fp8-block down tile kernels/down_wgmma.py runs (down_wgmma.config_fits).
+    an fp8-block down tile kernels/down_wgmma.py runs (wgmma_down_fits).
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
@@ -112,10 +112,16 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
         stages -= 1
     fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
     if fitted.scale_overlap:
-        from .down_wgmma import config_fits
-        keep = scheme == "fp8-block" and not fused_pair and config_fits(fitted) and fitted.scale_overlap in (1, 2)
+        keep = scheme == "fp8-block" and not fused_pair and wgmma_down_fits(fitted) and fitted.scale_overlap in (1, 2)
         fitted = replace(fitted, scale_overlap=int(fitted.scale_overlap) if keep else 0)
     return fitted
+
+
+def wgmma_down_fits(cfg: GemmConfig) -> bool:
+    """Tiles kernels/down_wgmma.py runs: BLOCK_K 128 (one scale group per step), BLOCK_N dividing 128 (one
+    weight-scale block per tile), BLOCK_M 64 or 128 with 16 rows a warp at least, 4 or 8 warps, 2-6 stages."""
+    return (cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.block_n >= 16 and cfg.block_m in (64, 128)
+            and cfg.num_warps in (4, 8) and cfg.block_m >= 16 * cfg.num_warps and 2 <= cfg.num_stages <= 6)
 
 
 def search_dirs() -> list[Path]:

@@ -24,7 +24,6 @@ from torch import Tensor
 
 from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, grouped_tile, num_sms, pdl, pdl_launch,
                      pdl_wait, rows_operand, scale_block, sorted_block, split_steps, tile_ids, weight_operand)
-from . import down_wgmma
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -180,10 +179,12 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
         torch.empty((r, h), dtype=dtype, device=a.device)
     split = min(cfg.split_k, triton.cdiv(i, cfg.block_k))
     if split <= 1 or r == 0 or h == 0:
-        if cfg.scale_overlap and down_wgmma.usable(a, a_scale, w2, w2_scale, layout, scheme, cfg):
-            down_wgmma.launch(a, a_scale, w2, w2_scale, route_w, layout, cfg, out)
-        else:
-            _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1)
+        if cfg.scale_overlap and a.is_cuda:
+            from . import down_wgmma  # Gluon: loaded on CUDA only
+            if down_wgmma.usable(a, a_scale, w2, w2_scale, layout, scheme, cfg):
+                down_wgmma.launch(a, a_scale, w2, w2_scale, route_w, layout, cfg, out)
+                return out
+        _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1)
         return out
     part = torch.full((split, r, h), float("nan"), dtype=torch.float32, device=a.device) if poison else \
         torch.empty((split, r, h), dtype=torch.float32, device=a.device)

@@ -26,6 +26,7 @@ otherwise. Measured on H200 (benchmarks/results/gluon_down_*): 1.17-1.25x on Mix
 (I = 14336, 112 K steps); with the 16-byte stores about the Triton kernel's time on DeepSeek-V3's
 (16 steps) and slower on Qwen3's (6 steps, where the Triton kernel is persistent).
 No PDL here: the kernel is launched plainly and lets the next kernel launch when it ends.
+Imported only when a config asks for it on a CUDA device (down.py): CPU runs never load Gluon.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import triton
 from torch import Tensor
 
 from .. import env as moeflow_env
+from .configs import wgmma_down_fits
 
 try:  # Gluon (triton.experimental.gluon) ships with recent triton (3.6 here); only Hopper GPUs run it
     from triton.experimental import gluon
@@ -171,17 +173,10 @@ def unroll(num_steps: int, most: int = 8) -> int:
     return next(u for u in range(most, 0, -1) if num_steps % u == 0)
 
 
-def config_fits(cfg) -> bool:
-    """Tiles this kernel runs: BLOCK_K 128 (one scale group per step), BLOCK_N dividing 128 (one
-    weight-scale block per tile), BLOCK_M 64 or 128, 4 or 8 warps, 2-6 stages."""
-    return (cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.block_n >= 16 and cfg.block_m in (64, 128)
-            and cfg.num_warps in (4, 8) and cfg.block_m >= 16 * cfg.num_warps and 2 <= cfg.num_stages <= 6)
-
-
 def usable(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, layout, scheme: str, cfg) -> bool:
     """Whether down() may run this kernel for the call (module docstring, Where)."""
     if (gluon is None or scheme != "fp8-block" or layout.masked or not a.is_cuda or a_scale is None or w2_scale is None
-            or not config_fits(cfg) or not moeflow_env.TRITON_TMA.get_bool() or moeflow_env.TRITON_INTERPRET.get_bool()):
+            or not wgmma_down_fits(cfg) or not moeflow_env.TRITON_TMA.get_bool() or moeflow_env.TRITON_INTERPRET.get_bool()):
         return False
     if _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())[0] != 9:
         return False
