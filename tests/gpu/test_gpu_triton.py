@@ -8,7 +8,7 @@ import torch
 
 from moeflow.experts.reference import ReferenceRunner
 from moeflow.kernels.autotune import Shape, random_weights
-from moeflow.layouts import ExpertBatch, offsets_from_counts, sorted_to_masked
+from moeflow.layouts import sorted_to_masked
 from moeflow.quant import payload_scheme
 from oracle import assert_close, layer_oracle
 from tolerances import rel_tol
