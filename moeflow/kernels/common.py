@@ -241,11 +241,21 @@ def weight_operand(w: Tensor, block_n: int, block_k: int):
     the kernels never store the output columns they feed. Columns past K are zero.
     """
     e, n, k = w.shape
-    if e == 0 or w.stride(0) not in (0, n * w.stride(1)):
+    per_expert = expert_rows(w)
+    if per_expert is None:
         return w, 0
-    per_expert = n if w.stride(0) else 0
     desc = _rows_descriptor(w, e * n if per_expert else n, k, w.stride(1), [block_n, block_k])
     return (w, 0) if desc is None else (desc, per_expert)
+
+
+def expert_rows(w: Tensor) -> int | None:
+    """w [E, N, K] read as rows [E * N, K]: expert e's rows start at row e * (this): N, or 0 for an
+    expert stride of 0 (every expert reads the same rows); None where the experts are not back to
+    back, or there are none."""
+    e, n, _ = w.shape
+    if e == 0 or w.stride(0) not in (0, n * w.stride(1)):
+        return None
+    return n if w.stride(0) else 0
 
 
 def rows_operand(a: Tensor, block_m: int, block_k: int):
@@ -260,11 +270,17 @@ def _rows_descriptor(t: Tensor, rows: int, k: int, row_stride: int, block: list[
     """A TMA descriptor over ``rows`` rows of ``k`` contiguous elements from t's start, ``row_stride``
     elements apart; None where TMA cannot address them (MOEFLOW_TRITON_TMA=0, nothing to read,
     last dimension not contiguous, rows or base not 16-byte aligned)."""
-    if (not moeflow_env.TRITON_TMA.get_bool() or rows == 0 or k == 0 or t.stride(-1) != 1
-            or (row_stride * t.element_size()) % 16 or t.data_ptr() % 16):
+    if rows == 0 or k == 0 or not tma_rows(t, row_stride):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
     return TensorDescriptor(t, [rows, k], [row_stride, 1], block)
+
+
+def tma_rows(t: Tensor, row_stride: int) -> bool:
+    """Whether TMA may read rows of t, ``row_stride`` elements apart: MOEFLOW_TRITON_TMA not 0, the last
+    dimension contiguous, rows and base 16-byte aligned."""
+    return (moeflow_env.TRITON_TMA.get_bool() and t.stride(-1) == 1 and (row_stride * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
 
 
 def unit_stride_rows(t: Tensor) -> Tensor:

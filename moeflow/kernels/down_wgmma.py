@@ -30,13 +30,11 @@ Imported only when a config asks for it on a CUDA device (down.py): CPU runs nev
 """
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 from torch import Tensor
 
 from .. import env as moeflow_env
+from .common import _cuda_properties, expert_rows, tma_rows
 from .configs import wgmma_down_fits
 
 try:  # Gluon (triton.experimental.gluon) ships with recent triton (3.6 here); only Hopper GPUs run it
@@ -174,21 +172,14 @@ def unroll(num_steps: int, most: int = 8) -> int:
 
 
 def usable(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, layout, scheme: str, cfg) -> bool:
-    """Whether down() may run this kernel for the call (module docstring, Where)."""
+    """Whether down() may run this kernel for the call (module docstring, Where): both operands' rows
+    TMA-addressable as the Triton kernels require them (common.tma_rows, common.expert_rows)."""
     if (gluon is None or scheme != "fp8-block" or layout.masked or not a.is_cuda or a_scale is None or w2_scale is None
-            or not wgmma_down_fits(cfg) or not moeflow_env.TRITON_TMA.get_bool() or moeflow_env.TRITON_INTERPRET.get_bool()):
+            or not wgmma_down_fits(cfg) or moeflow_env.TRITON_INTERPRET.get_bool()
+            or _cuda_properties(a.device).major != 9):
         return False
-    if _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())[0] != 9:
-        return False
-    e, h, i = w2.shape
-    return (a.stride(1) == 1 and (a.stride(0) % 16) == 0 and a.data_ptr() % 16 == 0 and w2.stride(2) == 1
-            and a_scale.stride(1) == 1 and w2_scale.stride(2) == 1
-            and w2.stride(0) in (0, h * w2.stride(1)) and (w2.stride(1) % 16) == 0 and w2.data_ptr() % 16 == 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return (expert_rows(w2) is not None and tma_rows(a, a.stride(0)) and tma_rows(w2, w2.stride(1))
+            and a_scale.stride(1) == 1 and w2_scale.stride(2) == 1)
 
 
 def launch(a: Tensor, a_scale: Tensor, w2: Tensor, w2_scale: Tensor, route_w: Tensor, layout, cfg, out: Tensor) -> None:
@@ -200,7 +191,7 @@ def launch(a: Tensor, a_scale: Tensor, w2: Tensor, w2_scale: Tensor, route_w: Te
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     a_desc = TensorDescriptor(a, [r, i], [a.stride(0), 1], [bm, bk],
                               gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv))
-    per_expert = h if w2.stride(0) else 0  # expert stride 0: every expert reads the same rows
+    per_expert = expert_rows(w2)  # 0 for an expert stride of 0: every expert reads the same rows
     w_desc = TensorDescriptor(w2, [e * h if per_expert else h, i], [w2.stride(1), 1], [bn, bk],
                               gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv))
     blocks_m = layout.num_row_blocks(bm)

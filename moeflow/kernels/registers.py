@@ -90,9 +90,7 @@ def compile_for_hopper(fn, signature: dict, constexprs: dict, attrs: dict | None
     from triton.compiler import ASTSource
     if ptxas_path() is None:
         raise FileNotFoundError("this triton build ships no ptxas")
-    const = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    const.update(constexprs)
-    sig = {name: ("constexpr" if name in const else signature[name]) for name in fn.arg_names}
+    sig, const = _typed(fn, signature, constexprs)
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs or {}),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
@@ -107,12 +105,17 @@ def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: i
     triton.runtime.jit.mangle_type(descriptor))."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    const = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    const.update(constexprs, num_warps=num_warps)
-    sig = {name: ("constexpr" if name in const else signature[name]) for name in fn.arg_names}
+    sig, const = _typed(fn, signature, dict(constexprs, num_warps=num_warps))
     compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs={}),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     return ptxas_report(compiled.asm["ptx"])
+
+
+def _typed(fn, signature: dict, constexprs: dict) -> tuple[dict, dict]:
+    """(every parameter's type, "constexpr" for the constexprs; the constexpr values, defaults filled in)."""
+    const = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    const.update(constexprs)
+    return {name: ("constexpr" if name in const else signature[name]) for name in fn.arg_names}, const
 
 
 def ptxas_report(ptx: str) -> tuple[int, int, list[str]]:
