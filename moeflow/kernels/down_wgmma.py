@@ -34,7 +34,7 @@ import triton
 from torch import Tensor
 
 from .. import env as moeflow_env
-from .common import _cuda_properties, expert_rows, tma_rows
+from .common import _cuda_properties, expert_rows, grouped_tile, tma_rows
 from .configs import wgmma_down_fits
 
 try:  # Gluon (triton.experimental.gluon) ships with recent triton (3.6 here); only Hopper GPUs run it
@@ -54,7 +54,9 @@ if gluon is not None:
     @gluon.jit
     def _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr,
                       num_warps: gl.constexpr):
-        """common.block_rows for the sorted layout: block pid_m -> (expert, row_start, row_end)."""
+        """common.block_rows for the sorted layout: block pid_m -> (expert, row_start, row_end). Written
+        again with explicit layouts: Gluon's arange needs one, so block_rows itself does not compile here
+        (common.grouped_tile, scalar code, does: the kernel calls it)."""
         lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         idx = gl.arange(0, E_POW2, layout=lay)
         lo = gl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
@@ -105,13 +107,7 @@ if gluon is not None:
         a_desc: TMA descriptor over a [R, I], [BLOCK_M, BLOCK_K] boxes (rows past the block's end are read,
         never stored); w_desc: over the weight rows [E * H, I] (expert e's from e * w_rows_per_expert),
         [BLOCK_N, BLOCK_K] boxes. Both zero-fill past I."""
-        pid = gl.program_id(0)
-        num_pid_n = gl.cdiv(H, BLOCK_N)
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_size = gl.minimum(num_blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
+        pid_m, pid_n = grouped_tile(gl.program_id(0), num_blocks_m, gl.cdiv(H, BLOCK_N), GROUP_M)
         expert, row_start, row_end = _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
         if row_start < row_end:
             mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
