@@ -221,3 +221,39 @@ def test_wgmma_down_keeps_its_wgmmas_overlapped():
     for tile, most, (regs, spill, notes) in zip(tiles, most_spill, usage):
         assert not [n for n in notes if "C7514" in n or "C7517" in n], (tile, notes)
         assert spill <= most and regs <= 255, (tile, regs, spill)
+
+
+WGMMA_GATE_UP = """
+import json, sys, torch
+import importlib.util
+from moeflow.kernels.registers import compile_gluon_for_hopper, ptxas_path
+if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
+    print(json.dumps(None)); sys.exit(0)
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
+from moeflow.kernels.gate_up_wgmma import _gate_up_wgmma_kernel, unroll
+fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+out = []
+for bm, warps, stages, steps in json.loads(sys.argv[1]):
+    desc = lambda rows: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [rows, 128],
+                                                     gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)))
+    sig = dict(x_desc=desc(bm), w_desc=desc(128), xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32",
+               meta_ptr="*i64")
+    sig.update({n: "i32" for n in _gate_up_wgmma_kernel.arg_names if n not in sig})
+    out.append(compile_gluon_for_hopper(_gate_up_wgmma_kernel, sig, dict(ACT=0, INTER_DTYPE=gl.bfloat16, E_POW2=8,
+               BLOCK_M=bm, GROUP_M=8, STAGES=stages, UNROLL=unroll(steps, stages)), warps))
+print(json.dumps(out))
+"""
+
+
+def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
+    """kernels/gate_up_wgmma.py compiled for sm_90a at the tiles the tuner offers and the loop bodies unroll()
+    picks for Qwen3's, Mixtral's and DeepSeek-V3's K loops (16, 32, 56 steps) and a 9-step one: no serialized
+    wgmmas (C7514), no injected waits (C7517), no spills (a body of a multiple of STAGES steps spilled 128-600
+    bytes: unroll() avoids those)."""
+    tiles = [(128, 8, 3, 16), (128, 8, 3, 56), (128, 8, 4, 32), (128, 8, 4, 56), (128, 8, 3, 9), (64, 4, 4, 32)]
+    usage = compile_without_interpreter(WGMMA_GATE_UP, json.dumps(tiles))
+    for tile, (regs, spill, notes) in zip(tiles, usage):
+        assert not [n for n in notes if "C7514" in n or "C7517" in n], (tile, notes)
+        assert spill == 0 and regs <= 255, (tile, regs, spill)

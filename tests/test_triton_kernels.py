@@ -420,7 +420,13 @@ def test_fit_rules():
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2)) == 2
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=True)) == 1
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), scheme="fp8-channel") == 0
-    assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), fused_pair=True) == 0  # gate_up
+    # the Gluon gate_up (kernels/gate_up_wgmma.py): 128 x 128 weight steps, 16 rows a warp; its flag is 1
+    assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2), fused_pair=True) == 1
+    assert so(kc.GemmConfig(64, 128, 128, 8, 4, 5, scale_overlap=1), fused_pair=True) == 1
+    assert so(kc.GemmConfig(128, 256, 128, 8, 8, 3, scale_overlap=1), fused_pair=True) == 0  # BLOCK_N stays 256
+    assert so(kc.GemmConfig(64, 128, 128, 8, 8, 4, scale_overlap=1), fused_pair=True) == 0  # 8 warps need 128 rows
+    assert so(kc.GemmConfig(128, 64, 128, 8, 8, 4, scale_overlap=1), fused_pair=True) == 0  # half a quant group
+    assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), fused_pair=True, scheme="fp8-channel") == 0
     assert so(kc.GemmConfig(128, 256, 128, 8, 8, 3, scale_overlap=1)) == 0  # two weight-scale blocks a tile
     assert so(kc.GemmConfig(64, 128, 128, 8, 8, 4, scale_overlap=1)) == 0  # 8 warps need 128 rows
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=3)) == 0

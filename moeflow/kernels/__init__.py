@@ -10,6 +10,8 @@ each JIT kernel above its launcher and a torch reference (``*_torch``) beside it
     down.py     inter @ W_down^T with the routing weight fused; zeros for empty masked slots
     down_wgmma.py  the fp8-block down in Gluon for Hopper, its per-step scaling overlapped with the
                 next step's wgmma (a tuned choice; reference: down.down_torch)
+    gate_up_wgmma.py  the fp8-block gate_up in Gluon for Hopper, the same overlap in 64-column
+                quarters (a tuned choice; reference: gate_up.gate_up_torch)
     route.py    routing in one launch: scores, grouped top-k, renormalize (routing/triton_topk.py)
     ep_rows.py  expert-parallel packed rows: where tokens go (alltoall), pack in one launch, the
                 low-latency masked slab (references: dispatch/_ep_reference.py)

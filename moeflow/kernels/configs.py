@@ -47,10 +47,10 @@ class GemmConfig:
     # kernels/gate_up.py, which then runs its epilogue there): more programs streaming weights when a
     # decode batch has few tiles with long K loops.
     split_k: int = 1
-    # fp8-block down GEMM, sorted batches on Hopper: > 0 runs kernels/down_wgmma.py (Gluon), whose K loop
-    # scales each step's product while the next step's wgmma runs; 1 stores the output from the wgmma
-    # register layout, 2 in 16-byte stores (JSON true reads as 1). fit() sets 0 where that kernel cannot
-    # run the tile. Faster on long K loops (Mixtral's I = 14336), not on short ones.
+    # fp8-block, sorted batches on Hopper: > 0 runs the Gluon kernel whose K loop scales each step's
+    # product while the next step's wgmma runs (down: kernels/down_wgmma.py, 1 storing the output from the
+    # wgmma register layout, 2 in 16-byte stores; gate_up: kernels/gate_up_wgmma.py, 1). JSON true reads
+    # as 1. fit() sets 0 where that kernel cannot run the tile.
     scale_overlap: int = 0
 
     def to_dict(self) -> dict:
@@ -99,7 +99,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     or more quantizes the 1x128 groups in the epilogue (128, or 256 where n_size (I) allows);
     BLOCK_N of 16-64 (more programs for small batches) leaves that to a separate kernel.
     fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
-    an fp8-block down tile kernels/down_wgmma.py runs (wgmma_down_fits).
+    an fp8-block tile the Gluon kernel runs (wgmma_gate_up_fits, wgmma_down_fits); gate_up's is 1.
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
@@ -112,8 +112,9 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
         stages -= 1
     fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
     if fitted.scale_overlap:
-        keep = scheme == "fp8-block" and not fused_pair and wgmma_down_fits(fitted) and fitted.scale_overlap in (1, 2)
-        fitted = replace(fitted, scale_overlap=int(fitted.scale_overlap) if keep else 0)
+        fits = wgmma_gate_up_fits(fitted) if fused_pair else wgmma_down_fits(fitted)
+        keep = scheme == "fp8-block" and fits and fitted.scale_overlap in (1, 2)
+        fitted = replace(fitted, scale_overlap=(1 if fused_pair else int(fitted.scale_overlap)) if keep else 0)
     return fitted
 
 
@@ -122,6 +123,13 @@ def wgmma_down_fits(cfg: GemmConfig) -> bool:
     weight-scale block per tile), BLOCK_M 64 or 128 with 16 rows a warp at least, 4 or 8 warps, 2-6 stages."""
     return (cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.block_n >= 16 and cfg.block_m in (64, 128)
             and cfg.num_warps in (4, 8) and cfg.block_m >= 16 * cfg.num_warps and 2 <= cfg.num_stages <= 6)
+
+
+def wgmma_gate_up_fits(cfg: GemmConfig) -> bool:
+    """Tiles kernels/gate_up_wgmma.py runs: 128 x 128 weight steps (BLOCK_N and BLOCK_K 128: one weight-scale
+    block and one activation group per step), 16 rows a warp (BLOCK_M 64 with 4 warps, 128 with 8), 2-6 stages."""
+    return (cfg.block_k == 128 and cfg.block_n == 128 and cfg.num_warps in (4, 8) and cfg.block_m == 16 * cfg.num_warps
+            and 2 <= cfg.num_stages <= 6)
 
 
 def search_dirs() -> list[Path]:
