@@ -238,7 +238,7 @@ out = []
 for bm, warps, stages, steps in json.loads(sys.argv[1]):
     desc = lambda rows: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [rows, 128],
                                                      gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)))
-    sig = dict(x_desc=desc(bm), w_desc=desc(128), x_ptr="*fp8e4nv", src_ptr="*i64", xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32",
+    sig = dict(x_desc=desc(bm), w_desc=desc(128), xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32",
                meta_ptr="*i64")
     sig.update({n: "i32" for n in _gate_up_wgmma_kernel.arg_names if n not in sig})
     out.append(compile_gluon_for_hopper(_gate_up_wgmma_kernel, sig, dict(ACT=0, INTER_DTYPE=gl.bfloat16, E_POW2=8,

@@ -19,8 +19,8 @@ Epilogue: the two halves' activations, one amax per row over all 128 columns (th
 stored in 16-byte rows.
 Where: GemmConfig.scale_overlap on a gate_up config (fit() keeps it where wgmma_gate_up_fits), sorted
 batches, CUDA compute capability 9.x, operands TMA-addressable, H and I multiples of 128; kernels/gate_up.py
-falls back to its own kernel otherwise. Rows by index (source_rows, the local dispatcher's plan): x's rows
-are gathered by cp.async (TMA on Hopper reads boxes of consecutive rows), the weights still by TMA.
+falls back to its own kernel otherwise. TMA reads rows in order: for rows by index (source_rows, the local
+dispatcher's plan) gate_up() first gathers the R rows and their scales into a contiguous copy.
 Imported only when a config asks for it on a CUDA device (gate_up.py): CPU runs never load Gluon.
 """
 from __future__ import annotations
@@ -35,7 +35,6 @@ from .down_wgmma import gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -45,22 +44,13 @@ if gluon is not None:
     _INTER = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
     @gluon.jit
-    def _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t, x_row, x_ptrs, g_row, I, H, STAGES: gl.constexpr,
-                   INDEXED: gl.constexpr, pred):
-        """Start loads of step t's x tile and gate and up weight tiles into slot t % STAGES: weights by TMA
-        (and x, rows in order), or with INDEXED x's gathered rows by cp.async from x_ptrs (one commit group a
-        step: _wait_step counts them)."""
+    def _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t, x_row, g_row, I, STAGES: gl.constexpr, pred):
+        """Start TMA loads of step t's x tile and gate and up weight tiles into slot t % STAGES."""
         slot = t % STAGES
         bar = bars.index(slot)
+        mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pred)
         k = t * 128
-        if INDEXED:  # steps past the end (never consumed) copy the last step again: no mask
-            ptrs = gl.max_contiguous(gl.multiple_of(x_ptrs + gl.minimum(k, H - 128), [16, 16]), [1, 16])  # 16-byte rows
-            async_copy.async_copy_global_to_shared(x_bufs.index(slot), ptrs)
-            async_copy.commit_group()
-            mbarrier.expect(bar, 2 * w_desc.block_type.nbytes, pred=pred)
-        else:
-            mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pred)
-            tma.async_copy_global_to_shared(x_desc, [x_row, k], bar, x_bufs.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [x_row, k], bar, x_bufs.index(slot), pred=pred)
         tma.async_copy_global_to_shared(w_desc, [g_row, k], bar, w_bufs.index(2 * slot), pred=pred)
         tma.async_copy_global_to_shared(w_desc, [g_row + I, k], bar, w_bufs.index(2 * slot + 1), pred=pred)
 
@@ -73,17 +63,16 @@ if gluon is not None:
         return warpgroup_mma(x_bufs.index(slot), w.permute((1, 0)), d, use_acc=False, is_async=True)
 
     @gluon.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
-    def _gate_up_wgmma_kernel(x_desc, w_desc, x_ptr, src_ptr, xs_ptr, ws_ptr, out_ptr, outs_ptr, meta_ptr,
+    def _gate_up_wgmma_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, meta_ptr,
                               num_experts, num_blocks_m, I, H, w_rows_per_expert,
-                              stride_x, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
+                              stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
                               ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
                               BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                              UNROLL: gl.constexpr, INDEXED: gl.constexpr, num_warps: gl.constexpr):
+                              UNROLL: gl.constexpr, num_warps: gl.constexpr):
         """One program per [BLOCK_M, 128] tile of the intermediate over the grid's row blocks.
         x_desc: TMA descriptor over x [R, H], [BLOCK_M, 128] boxes (rows past the block's end are read,
         never stored); w_desc: over the weight rows [E * 2I, H] (expert e's from e * w_rows_per_expert),
-        [128, 128] boxes. INDEXED: row r of x and of its scales is x[src[r]] (src_ptr: [R] int64, x_ptr the
-        [S, H] rows, stride_x), gathered by cp.async; x_desc's layout still shapes the slots."""
+        [128, 128] boxes."""
         pid_m, pid_n = grouped_tile(gl.program_id(0), num_blocks_m, I // 128, GROUP_M)
         expert, row_start, row_end = _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
         if row_start < row_end:
@@ -99,23 +88,11 @@ if gluon is not None:
             x_row = row_start.to(gl.int32)
             g_row = (expert * w_rows_per_expert + pid_n * 128).to(gl.int32)
             n = H // 128
-            # INDEXED: 16-byte copies, each warp's rows inside its warpgroup's 64 (a warpgroup's wgmma reads those)
-            ld: gl.constexpr = gl.BlockedLayout([BLOCK_M // (4 * num_warps), 16], [4, 8], [num_warps, 1], [1, 0])
-            x_k = gl.arange(0, 128, layout=gl.SliceLayout(0, ld))[None, :]
-            if INDEXED:
-                r_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld)), row_end - 1)
-                x_ptrs = x_ptr + gl.load(src_ptr + r_ld)[:, None] * stride_x + x_k
-            else:
-                x_ptrs = x_ptr
             for s in gl.static_range(STAGES):
-                _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, s, x_row, x_ptrs, g_row, I, H, STAGES, INDEXED,
-                           s < n)
+                _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, s, x_row, g_row, I, STAGES, s < n)
             rows = row_start + gl.arange(0, BLOCK_M, layout=rows_l)
             rows_ld = gl.minimum(rows, row_end - 1)
-            if INDEXED:
-                xs_rows = xs_ptr + gl.load(src_ptr + rows_ld) * stride_xs  # row r's scale of K group t at xs_rows[r] + t
-            else:
-                xs_rows = xs_ptr + rows_ld * stride_xs
+            xs_rows = xs_ptr + rows_ld * stride_xs  # row r's scale of K group t at xs_rows[r] + t
             gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn  # the tile's gate block row
             us = gs + (I // 128) * stride_wsn
             acc0 = gl.zeros([BLOCK_M, 64], gl.float32, mma)  # gate 0-63
@@ -128,11 +105,6 @@ if gluon is not None:
                 for u in gl.static_range(UNROLL):
                     t = j * UNROLL + u
                     slot = t % STAGES
-                    if INDEXED:  # this thread's copies of step t landed (steps through t - 1 + STAGES are
-                        # started at a body's first step, t - 2 + STAGES at the others), then everyone's
-                        async_copy.wait_group(STAGES - 1 if u == 0 else STAGES - 2)
-                        fence_async_shared()
-                        gl.thread_barrier()
                     mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
                     s_x = gl.load(xs_rows + t)
                     s_g = s_x * gl.load(gs + t)
@@ -141,8 +113,8 @@ if gluon is not None:
                     if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this unrolled body)
                         d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
                         acc3 = _scaled_add(d_b, s_u, acc3)  # noqa: F821
-                        _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t - 1 + STAGES, x_row, x_ptrs, g_row, I,
-                                   H, STAGES, INDEXED, t - 1 + STAGES < n)
+                        _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t - 1 + STAGES, x_row, g_row, I, STAGES,
+                                   t - 1 + STAGES < n)
                     s_u = s_u_next
                     p_b = _quarter(x_bufs, w_bufs, t, 1, d_b, STAGES)
                     d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
@@ -156,10 +128,8 @@ if gluon is not None:
                 d_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b,))
                 acc3 = _scaled_add(d_b, s_u, acc3)
                 t_last = j * UNROLL + UNROLL - 1
-                _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t_last + STAGES, x_row, x_ptrs, g_row, I, H,
-                           STAGES, INDEXED, t_last + STAGES < n)
-            if INDEXED:
-                async_copy.wait_group(0)  # the copies of steps past the end (masked off) too
+                _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t_last + STAGES, x_row, g_row, I, STAGES,
+                           t_last + STAGES < n)
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
             h0 = gated_act(acc0, acc2, ACT).to(INTER_DTYPE).to(gl.float32)
@@ -186,7 +156,8 @@ def unroll(num_steps: int, stages: int, most: int = 8) -> int:
 
 
 def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout, scheme: str, cfg) -> bool:
-    """Whether gate_up() may run this kernel for the call (module docstring, Where); x: the rows as given."""
+    """Whether gate_up() may run this kernel for the call (module docstring, Where). x: the rows as given
+    (rows by index: gate_up() gathers a contiguous copy first, whose rows are TMA-addressable if these are)."""
     if (gluon is None or scheme != "fp8-block" or layout.masked or not x.is_cuda
             or x_scale is None or w13_scale is None or not wgmma_gate_up_fits(cfg) or cfg.split_k > 1
             or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(x.device).major != 9):
@@ -197,26 +168,23 @@ def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | N
 
 
 def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, activation: int, dtype: torch.dtype,
-           cfg, inter: Tensor, scale: Tensor, source_rows: Tensor | None = None, most_unroll: int = 8) -> None:
+           cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8) -> None:
     """Write inter [R, I] float8_e4m3fn and scale [R, I/128] (module docstring); usable() must have said True.
-    activation: common.ACT_CODES' code. source_rows: [R] int64 or None: row r is x[source_rows[r]] (x [S, H],
-    x_scale [S, H/128]; gathered in the kernel). most_unroll: the most K steps a loop body runs (unroll())."""
-    s_rows, h = x.shape
+    activation: common.ACT_CODES' code. most_unroll: the most K steps a loop body runs (unroll())."""
+    r, h = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
-    if layout.rows == 0 or s_rows == 0:
+    if r == 0:
         return
     bm = cfg.block_m
-    x_desc = TensorDescriptor(x, [s_rows, h], [x.stride(0), 1], [bm, 128],
+    x_desc = TensorDescriptor(x, [r, h], [x.stride(0), 1], [bm, 128],
                               gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv))
     per_expert = expert_rows(w13)
     w_desc = TensorDescriptor(w13, [e * two_i if per_expert else two_i, h], [w13.stride(1), 1], [128, 128],
                               gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv))
     blocks_m = layout.num_row_blocks(bm)
     _gate_up_wgmma_kernel[(blocks_m * (i // 128),)](
-        x_desc, w_desc, x, source_rows if source_rows is not None else layout.meta, x_scale, w13_scale, inter, scale,
-        layout.meta, layout.num_experts, blocks_m, i, h, per_expert,
-        x.stride(0), x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), scale.stride(0),
+        x_desc, w_desc, x_scale, w13_scale, inter, scale, layout.meta, layout.num_experts, blocks_m, i, h, per_expert,
+        x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), scale.stride(0),
         ACT=activation, INTER_DTYPE=_INTER[dtype], E_POW2=layout.e_pow2, BLOCK_M=bm, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, cfg.num_stages, most_unroll), INDEXED=source_rows is not None,
-        num_warps=cfg.num_warps)
+        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, cfg.num_stages, most_unroll), num_warps=cfg.num_warps)
