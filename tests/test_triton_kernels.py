@@ -16,7 +16,7 @@ if SKIP_REASON is None:
     from moeflow.kernels.common import RowLayout, rows_operand, weight_operand
     from moeflow.kernels.down import down, down_torch
     from moeflow.kernels.gate_up import gate_up, gate_up_torch
-    from moeflow.kernels.quant import quantize_activation, quantize_rows, quantize_rows_torch
+    from moeflow.kernels.quant import gather_quantized, quantize_activation, quantize_rows, quantize_rows_torch
     from moeflow.kernels.reduce import moe_sum, moe_sum_torch
     from moeflow.layouts import offsets_from_counts
     from moeflow.quant import create_scheme
@@ -118,6 +118,16 @@ def test_quantize_rows(scheme, masked):
     v = layout.valid_rows()
     assert s.shape == s_ref.shape and torch.equal(s[v], s_ref[v].float())
     assert torch.equal(q[v].view(torch.uint8), q_ref[v].view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows,k", [(0, 384), (1, 128), (50, 384), (9, 10368)])  # none; one; repeats; two K blocks
+def test_gather_quantized(rows, k):
+    """FP8 rows and their scales by index: the same bytes as torch indexing, every output element written."""
+    q, s = quantize_activation(torch.randn(37, k).half(), "fp8-block")
+    src = torch.randint(0, 37, (rows,))
+    got_q, got_s = gather_quantized(q, s, src)
+    assert got_q.shape == (rows, k) and got_s.shape == (rows, s.shape[1])
+    assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8)[src]) and torch.equal(got_s, s[src])
 
 
 @pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel", "fp8-block"])

@@ -239,7 +239,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         from . import gate_up_wgmma  # Gluon: loaded on CUDA only
         if gate_up_wgmma.usable(x, x_scale, w13, w13_scale, layout, scheme, cfg):
             if source_rows is not None:  # it reads rows in order (TMA): one gathered copy of the R rows first
-                x, x_scale = x.view(torch.uint8)[source_rows].view(x.dtype), x_scale[source_rows]
+                from .quant import gather_quantized
+                x, x_scale = gather_quantized(x, x_scale, source_rows)
             gate_up_wgmma.launch(x, x_scale, w13, w13_scale, layout, _act_code(activation), dtype, cfg, inter, extra)
             return inter, extra
     ws = w13_scale if w13_scale is not None else x  # unused pointer when q == 0

@@ -6,6 +6,8 @@
 
 Rows of empty masked slots are left out of the tensor amax (they may hold garbage) and are
 quantized like any row (nothing reads them). ``quantize_rows_torch`` is the reference.
+``gather_quantized``: FP8 rows and their scales by index, (x[src], scale[src]), in one launch (the Gluon
+gate_up reads rows in order; reference: torch indexing).
 """
 from __future__ import annotations
 
@@ -141,3 +143,30 @@ def quantize_rows_torch(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tens
     _, s = sch.quantize_activation(x[valid]) if bool(valid.any()) else (None, x.new_full((1, 1), 1e-12 / 448))
     scale = s[:1].float().expand(x.shape[0], 1).contiguous()
     return (x.float() / scale).clamp(-448, 448).to(FP8_DTYPE), scale
+
+
+@triton.jit
+def _gather_kernel(x_ptr, xs_ptr, src_ptr, out_ptr, outs_ptr, K, G, stride_x, stride_xs, stride_out, stride_outs,
+                   BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Program r: out[r] = x[src[r]] (bytes; BLOCK_K at a time) and outs[r] = xs[src[r]] (G float32)."""
+    r = tl.program_id(0).to(tl.int64)
+    src = tl.load(src_ptr + r)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + r * stride_out + cols, tl.load(x_ptr + src * stride_x + cols, mask=cols < K), mask=cols < K)
+    g = tl.arange(0, BLOCK_G)
+    tl.store(outs_ptr + r * stride_outs + g, tl.load(xs_ptr + src * stride_xs + g, mask=g < G), mask=g < G)
+
+
+def gather_quantized(x: Tensor, x_scale: Tensor, source_rows: Tensor) -> tuple[Tensor, Tensor]:
+    """x [S, K] fp8 (last dimension contiguous), x_scale [S, G] float32, source_rows [R] int64
+    -> (x[source_rows] [R, K], x_scale[source_rows] [R, G]), contiguous."""
+    r, (_, k), g = source_rows.numel(), x.shape, x_scale.shape[1]
+    out = torch.empty((r, k), dtype=x.dtype, device=x.device)
+    outs = torch.empty((r, g), dtype=x_scale.dtype, device=x.device)
+    if r and k:
+        xb, ob = x.view(torch.uint8), out.view(torch.uint8)
+        _gather_kernel[(r,)](xb, x_scale, source_rows, ob, outs, k, g, xb.stride(0), x_scale.stride(0), ob.stride(0),
+                             outs.stride(0), BLOCK_K=min(8192, triton.next_power_of_2(k)),
+                             BLOCK_G=triton.next_power_of_2(max(g, 1)), num_warps=4)
+    return out, outs
