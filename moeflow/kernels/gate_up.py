@@ -14,6 +14,8 @@ BLOCK_M x BLOCK_N float32 each; 64 x 128 with 8 warps fits without spills (ptxas
 fp8-block 128 x 128 with 8 warps spills 20 bytes (a tile whose columns share one weight scale block
 multiplies each step by a per-row scale; with the per-column vector it spilled 284 bytes and lost
 to 64 x 128 on H200; it now wins at large T).
+fp8-block on Hopper, where the tuned config sets scale_overlap: kernels/gate_up_wgmma.py (Gluon) runs the
+tile instead, its K loop scaling each step's products while the next wgmma runs; same bits.
 Weight tiles come through a TMA tensor descriptor where the weight allows it (common.weight_operand:
 16-byte aligned rows) and through pointer loads otherwise; TMA frees the address registers and
 measured 1.06-1.3x faster on H200 (benchmarks/results/gemm_variants_*.md).

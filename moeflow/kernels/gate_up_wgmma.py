@@ -20,7 +20,11 @@ stored in 16-byte rows.
 Where: GemmConfig.scale_overlap on a gate_up config (fit() keeps it where wgmma_gate_up_fits), sorted
 batches, CUDA compute capability 9.x, operands TMA-addressable, H and I multiples of 128; kernels/gate_up.py
 falls back to its own kernel otherwise. TMA reads rows in order: for rows by index (source_rows, the local
-dispatcher's plan) gate_up() first gathers the R rows and their scales into a contiguous copy.
+dispatcher's plan) gate_up() first gathers the R rows and their scales into a contiguous copy (one launch,
+quant.gather_quantized). A gather inside this kernel by cp.async measured slower (commit 85b447b).
+Measured on H200 (benchmarks/results/gluon_gate_up_2026-11-30_h200_256cb47.md): 1.09-1.18x the Triton
+kernel alone on Mixtral's and DeepSeek-V3's shapes, 1.14-1.15x on Qwen3's; in the layer, with the copy,
+1.03-1.19x (Mixtral), 1.03-1.07x (DeepSeek-V3 T=4096), about 1.0x (Qwen3, whose table keeps Triton).
 Imported only when a config asks for it on a CUDA device (gate_up.py): CPU runs never load Gluon.
 """
 from __future__ import annotations
@@ -57,7 +61,7 @@ if gluon is not None:
     @gluon.jit
     def _quarter(x_bufs, w_bufs, t, q: gl.constexpr, d, STAGES: gl.constexpr):
         """Start step t's wgmma of quarter q (0 gate 0-63, 1 gate 64-127, 2 up 0-63, 3 up 64-127) into d's
-        registers (d's values unused); quarter 0 first waits for the step's tiles."""
+        registers (d's values unused); the caller has waited for the step's tiles."""
         slot = t % STAGES
         w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * 64, 64, dim=0)
         return warpgroup_mma(x_bufs.index(slot), w.permute((1, 0)), d, use_acc=False, is_async=True)

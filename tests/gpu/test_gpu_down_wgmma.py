@@ -11,11 +11,10 @@ import torch
 from moeflow.kernels.configs import GemmConfig, fit
 from moeflow.layouts import offsets_from_counts
 from moeflow.quant import create_scheme
+from gluon_hopper import MARKS
 from oracle import assert_close
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
-                                 reason="the Gluon kernel is for compute capability 9.x")]
+pytestmark = MARKS
 
 if torch.cuda.is_available():  # kernel modules: on CPU (CI) the interpreter tests define them first (triton_interp)
     from moeflow.kernels import down_wgmma
