@@ -517,3 +517,31 @@ def test_tune_merge_keeps_other_token_counts(monkeypatch, tmp_path):
         table, measured = kc.read_table(tmp_path / name)
         assert table == want
         assert measured["4096"] == {"gate_up": 3.0, "down": 4.0} and (("1" in measured) == merge)
+
+
+def test_tune_times_gate_up_rows_as_the_layer_feeds_them(monkeypatch, tmp_path):
+    """A single-process layer's table is timed with gate_up's rows by index (the local dispatcher's plan),
+    a --local-experts (expert parallelism) table with rows in order; the file says which. The indexed
+    random batch is the sorted one, given by index."""
+    import argparse
+
+    from moeflow.cli import tune as tune_cli
+    from moeflow.kernels import autotune
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(autotune, "tune", lambda shape, tokens, on_result, indexed_rows, **kw:
+                        (seen.append((shape.num_experts, indexed_rows)), on_result({}, {})))
+    parser = argparse.ArgumentParser()
+    tune_cli.add_parser(parser.add_subparsers())
+    for extra, want in (([], (8, True)), (["--local-experts", "4"], (4, False))):
+        args = parser.parse_args(["tune", "--experts", "8", "--inter", "32", "--hidden", "64", "--tokens", "16",
+                                  "--device", "cpu", "--out", str(tmp_path)] + extra)
+        assert args.func(args) == 0 and seen[-1] == want
+        meta = json.loads((tmp_path / kc.file_name("GPU X", want[0], 32, 64, "none")).read_text())
+        assert meta["gate_up_rows"] == ("by index" if want[1] else "in order")
+    shape = autotune.Shape(6, 64, 32, 2, "none")
+    plain, indexed = autotune.random_batch(shape, 9, "cpu", seed=3), autotune.random_batch(shape, 9, "cpu", seed=3,
+                                                                                           indexed=True)
+    assert indexed.hidden.shape == (9, 64) and torch.equal(indexed.hidden[indexed.source_rows], plain.hidden)
+    assert torch.equal(indexed.offsets, plain.offsets) and torch.equal(indexed.weights, plain.weights)

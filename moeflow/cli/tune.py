@@ -54,14 +54,16 @@ def run(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"tuning {shape} on {device} for T={tokens}", file=sys.stderr)
     path = out_dir / kc.file_name(device, e, cfg.intermediate_size, cfg.hidden_size, cfg.quant)
+    indexed = e == cfg.num_experts  # a single-process layer hands gate_up its rows by index; EP batches are sorted
     meta = dict(device=device, E=e, N=cfg.intermediate_size, K=cfg.hidden_size, scheme=cfg.quant,
                 dtype=str(cfg.dtype).removeprefix("torch."), top_k=cfg.top_k, triton_version=triton.__version__,
-                torch_version=torch.__version__)
+                torch_version=torch.__version__, gate_up_rows="by index" if indexed else "in order")
     kept, kept_us = kc.read_table(path) if args.merge and path.is_file() else ({}, {})
 
     def save(table, measured):  # after every T, so a stopped search keeps what it found
         kc.write_table(path, meta, {**kept, **table}, {**kept_us, **measured})
 
-    tune(shape, tokens, rep_ms=args.rep_ms, log=lambda s: print(s, file=sys.stderr), on_result=save)
+    tune(shape, tokens, rep_ms=args.rep_ms, log=lambda s: print(s, file=sys.stderr), on_result=save,
+         indexed_rows=indexed)
     print(path)
     return 0

@@ -2,7 +2,10 @@
 
 For each token count T: sorted batches of T * top_k copies with uniform random routing and random
 weights (never zeros), then every gate_up candidate and every down candidate is timed alone, the
-fastest of each wins. Timing replays a CUDA graph of the GEMM launched back to back on
+fastest of each wins. gate_up reads its rows as the layer that uses the table feeds them
+(``indexed_rows``): by index for a single-process layer (the local dispatcher's plan: the Triton kernel
+gathers them itself, the Gluon fp8-block kernel first copies them, and that copy is timed with it), in
+order under expert parallelism (received batches arrive sorted). Timing replays a CUDA graph of the GEMM launched back to back on
 ``batches_for(T)`` batches of different routing (median over replays, divided by the launches),
 as the layer runs them: from a graph, weights cold (the batches route to different experts; for
 small T no expert's weights stay in L2 from the launch before). Host-side launch time is not in it;
@@ -108,8 +111,9 @@ def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8):
     return ExpertWeights(out[0], out[2], out[1], out[3])
 
 
-def random_batch(shape: Shape, tokens: int, device, seed: int = 0) -> ExpertBatch:
-    """A sorted batch of tokens * top_k copies, uniform random distinct experts per token."""
+def random_batch(shape: Shape, tokens: int, device, seed: int = 0, indexed: bool = False) -> ExpertBatch:
+    """A sorted batch of tokens * top_k copies, uniform random distinct experts per token; indexed: its rows
+    given by index (hidden the T tokens, source_rows [T * top_k]), as the local dispatcher hands them."""
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.rand(tokens, shape.num_experts, generator=gen, device=device).topk(shape.top_k, dim=1).indices
     flat = ids.reshape(-1)
@@ -117,6 +121,8 @@ def random_batch(shape: Shape, tokens: int, device, seed: int = 0) -> ExpertBatc
     counts = torch.bincount(flat, minlength=shape.num_experts).to(torch.int32)
     x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(shape.dtype)
     w = torch.rand(tokens * shape.top_k, generator=gen, device=device)
+    if indexed:
+        return ExpertBatch(SORTED, x, w[order], counts, offsets_from_counts(counts), source_rows=order // shape.top_k)
     return ExpertBatch(SORTED, x[order // shape.top_k], w[order], counts, offsets_from_counts(counts))
 
 
@@ -139,14 +145,16 @@ def expanded_weights(shape: Shape, device):
 
 
 def _compile_job(jobs: list[tuple[Shape, MoEKernelConfig]]) -> int:
-    """Worker: run each (shape, config pair) once on a 1-token batch routed to expert 0."""
+    """Worker: run each (shape, config pair) once on a 1-token batch routed to expert 0, its rows in order
+    and by index (tune() times one of the two)."""
     dev = torch.device("cuda")
     for shape, pair in jobs:
         w = expanded_weights(shape, dev)
-        batch = random_batch(shape, 1, dev)
-        batch.offsets = torch.zeros_like(batch.offsets)
-        batch.offsets[1:] = batch.hidden.shape[0]  # every copy to expert 0, the only real one
-        _runner(shape).run_with(batch, w, pair)
+        for indexed in (False, True):
+            batch = random_batch(shape, 1, dev, indexed=indexed)
+            batch.offsets = torch.zeros_like(batch.offsets)
+            batch.offsets[1:] = batch.weights.numel()  # every copy to expert 0, the only real one
+            _runner(shape).run_with(batch, w, pair)
     torch.cuda.synchronize()
     return len(jobs)
 
@@ -208,12 +216,14 @@ def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int =
     return times[n // 2] / len(calls)
 
 
-def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, on_result=None):
+def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, on_result=None,
+         indexed_rows: bool = False):
     """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us}}) for the current GPU (module docstring).
-    on_result(table, measured) is called after each T (so a stopped search keeps what it found)."""
+    on_result(table, measured) is called after each T (so a stopped search keeps what it found).
+    indexed_rows: gate_up reads its rows by index (a single-process layer), else in order."""
     from .common import RowLayout
     from .gate_up import gate_up
-    from .quant import down_input, quantize_rows
+    from .quant import down_input, quantize_activation, quantize_rows
     from .down import down
     dev = torch.device("cuda")
     weights = random_weights(shape, dev)
@@ -227,15 +237,21 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
     for t in token_counts:
         inputs = []  # per batch: (batch, layout, x, x scale)
         for b in range(batches_for(t)):
-            batch = random_batch(shape, t, dev, seed=t * 1000 + b)
+            batch = random_batch(shape, t, dev, seed=t * 1000 + b, indexed=indexed_rows)
             layout = RowLayout.of(batch)
-            xq, xs = quantize_rows(batch.hidden, shape.scheme, layout) if shape.scheme != "none" else (batch.hidden, None)
+            if shape.scheme == "none":
+                xq, xs = batch.hidden, None
+            elif indexed_rows:  # the tokens, quantized once (the local sort's launch does it in the layer)
+                xq, xs = quantize_activation(batch.hidden, shape.scheme)
+            else:
+                xq, xs = quantize_rows(batch.hidden, shape.scheme, layout)
             inputs.append((batch, layout, xq, xs))
         gu_c, dn_c = plans[t]
 
         def run_gu(c, inp):  # what the runner runs: narrow fp8-block tiles add the separate group quantization
-            _, layout, xq, xs = inp
-            inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c)
+            batch, layout, xq, xs = inp
+            inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c,
+                                   source_rows=batch.source_rows)
             return down_input(inter, extra, shape.scheme) if shape.scheme == "fp8-block" else (inter, extra)
 
         gu_t = [graph_time_ms([lambda c=c, i=i: run_gu(c, i) for i in inputs], rep_ms) for c in gu_c]
