@@ -3,8 +3,10 @@
 File name (written by `moeflow tune`):  E={E},N={I},K={H},device={GPU name},scheme={scheme}.json
     E local experts, N the expert intermediate size I, K the hidden size H, the GPU name with
     spaces as "_" (torch.cuda.get_device_name), scheme the quant scheme ("none" covers bf16/fp16).
-Content: {"device", "E", "N", "K", "scheme", "dtype", "top_k", "triton_version",
+Content: {"device", "E", "N", "K", "scheme", "dtype", "top_k", "triton_version", "gate_up_rows",
           "configs": {"<T>": {"gate_up": {GemmConfig fields}, "down": {...}}, ...}, "measured_us": {...}}
+    gate_up_rows: how the tuner fed gate_up its rows, "by index" (single-process layer) or "in order"
+    (expert parallelism); files written before it existed were timed in order.
     where <T> is a token count (tokens per rank, before top-k). A lookup takes the entry whose T
     is nearest to the batch's in log scale. Directories searched, first hit wins:
     $MOEFLOW_KERNEL_CONFIG_DIR, then moeflow/kernels/configs/ (shipped).
