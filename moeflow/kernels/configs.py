@@ -140,10 +140,12 @@ def search_dirs() -> list[Path]:
 
 
 @lru_cache(maxsize=None)
-def _load(path: str, mtime: float) -> dict[int, MoEKernelConfig]:
+def _load(path: str, mtime: float) -> tuple[dict[int, MoEKernelConfig], dict[str, dict]]:
+    """A tuned file, read once per (path, modification time) -> (its configs by token count, its measured_us)."""
     try:
         data = json.loads(Path(path).read_text())
-        return {int(t): MoEKernelConfig.from_dict(c) for t, c in data["configs"].items()}
+        return ({int(t): MoEKernelConfig.from_dict(c) for t, c in data["configs"].items()},
+                dict(data.get("measured_us", {})))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise error("MF603", path=path, why=f"{type(exc).__name__}: {exc}") from None
 
@@ -157,12 +159,12 @@ def find_table(device: str, e: int, n: int, k: int, scheme: str) -> dict[int, Mo
     for d in search_dirs():
         p = d / name
         if p.is_file():
-            return _load(str(p), p.stat().st_mtime)
+            return _load(str(p), p.stat().st_mtime)[0]
     where = [str(d) for d in search_dirs()]
     kin = _same_shape_other_e(device, e, n, k, scheme)
     if kin is not None:
         e_tuned, path = kin
-        table = _load(str(path), path.stat().st_mtime)
+        table = _load(str(path), path.stat().st_mtime)[0]
         warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {where}; borrowing {path.name!r} "
                       f"(E={e_tuned}) at the same rows per expert (run `moeflow tune --local-experts {e}` to make one)",
                       stacklevel=3)
@@ -198,8 +200,8 @@ def nearest(table: dict[int, MoEKernelConfig], tokens: int) -> MoEKernelConfig:
 
 def read_table(path: Path) -> tuple[dict[int, MoEKernelConfig], dict[str, dict]]:
     """A tuned file -> (its configs by token count, its measured_us by token count as a string)."""
-    table = _load(str(path), path.stat().st_mtime)
-    return dict(table), dict(json.loads(path.read_text()).get("measured_us", {}))
+    table, measured = _load(str(path), path.stat().st_mtime)
+    return dict(table), dict(measured)
 
 
 def write_table(path: Path, meta: dict, table: dict[int, MoEKernelConfig], measured: dict | None = None) -> None:
