@@ -183,28 +183,39 @@ def test_large_tiles_fit_in_registers():
         assert regs <= most, f"{kernel} {scheme} {tile}: {regs} registers > {most}"
 
 
-WGMMA_DOWN = """
-import json, sys, torch
-import importlib.util
+GLUON_COMPILE = """
+import importlib, importlib.util, json, sys, torch
 from moeflow.kernels.registers import compile_gluon_for_hopper, ptxas_path
 if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
     print(json.dumps(None)); sys.exit(0)
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
-from moeflow.kernels.down_wgmma import _down_wgmma_kernel
+from moeflow.kernels.down_wgmma import unroll
+kernel = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
 fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
 out = []
-for bm, bn, warps, stages, unroll, coalesced in json.loads(sys.argv[1]):
-    desc = lambda rows: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [rows, 128],
-                                                     gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)))
-    sig = dict(a_desc=desc(bm), w_desc=desc(bn), as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16",
-               meta_ptr="*i64")
-    sig.update({n: "i32" for n in _down_wgmma_kernel.arg_names if n not in sig})
-    out.append(compile_gluon_for_hopper(_down_wgmma_kernel, sig, dict(E_POW2=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128,
-               GROUP_M=8, STAGES=stages, UNROLL=unroll, COALESCED_STORE=coalesced), warps))
+for job in json.loads(sys.argv[3]):  # {"descs": {name: box rows}, "ptrs": {name: type}, "const", "warps", "unroll"?}
+    sig = {name: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [rows, 128],
+                                              gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)))
+           for name, rows in job["descs"].items()}
+    sig.update(job["ptrs"])
+    sig.update({n: "i32" for n in kernel.arg_names if n not in sig})
+    const = dict(job["const"], **({"UNROLL": unroll(*job["unroll"])} if "unroll" in job else {}))
+    if "INTER_DTYPE" in const:
+        const["INTER_DTYPE"] = getattr(gl, const["INTER_DTYPE"])
+    out.append(compile_gluon_for_hopper(kernel, sig, const, job["warps"]))
 print(json.dumps(out))
 """
+
+
+def assert_wgmmas_overlapped(kernel: str, jobs: list[dict], most_spill: list[int]) -> None:
+    """Compile the Gluon kernel (module.name) for sm_90a at each job: ptxas prints neither C7514 (it
+    serialized the wgmmas) nor C7517 (it injected waits), and each job spills at most its bound."""
+    usage = compile_without_interpreter(GLUON_COMPILE, *kernel.rsplit(".", 1), json.dumps(jobs))
+    for job, most, (regs, spill, notes) in zip(jobs, most_spill, usage):
+        assert not [n for n in notes if "C7514" in n or "C7517" in n], (job, notes)
+        assert spill <= most and regs <= 255, (job, regs, spill)
 
 
 def test_wgmma_down_keeps_its_wgmmas_overlapped():
@@ -216,35 +227,12 @@ def test_wgmma_down_keeps_its_wgmmas_overlapped():
     body, which does not spill (benchmarks/results/wgmma_unroll_*)."""
     tiles = [(128, 128, 8, 4, 8, False), (128, 128, 8, 4, 8, True), (128, 128, 8, 3, 8, False), (64, 128, 4, 4, 6, True),
              (64, 64, 4, 3, 2, False), (128, 128, 8, 4, 1, False)]
-    most_spill = [48, 48, 0, 0, 0, 0]
-    usage = compile_without_interpreter(WGMMA_DOWN, json.dumps(tiles))
-    for tile, most, (regs, spill, notes) in zip(tiles, most_spill, usage):
-        assert not [n for n in notes if "C7514" in n or "C7517" in n], (tile, notes)
-        assert spill <= most and regs <= 255, (tile, regs, spill)
-
-
-WGMMA_GATE_UP = """
-import json, sys, torch
-import importlib.util
-from moeflow.kernels.registers import compile_gluon_for_hopper, ptxas_path
-if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
-    print(json.dumps(None)); sys.exit(0)
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.runtime.jit import mangle_type
-from moeflow.kernels.gate_up_wgmma import _gate_up_wgmma_kernel, unroll
-fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
-out = []
-for bm, warps, stages, steps in json.loads(sys.argv[1]):
-    desc = lambda rows: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [rows, 128],
-                                                     gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)))
-    sig = dict(x_desc=desc(bm), w_desc=desc(128), xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32",
-               meta_ptr="*i64")
-    sig.update({n: "i32" for n in _gate_up_wgmma_kernel.arg_names if n not in sig})
-    out.append(compile_gluon_for_hopper(_gate_up_wgmma_kernel, sig, dict(ACT=0, INTER_DTYPE=gl.bfloat16, E_POW2=8,
-               BLOCK_M=bm, GROUP_M=8, STAGES=stages, UNROLL=unroll(steps, stages)), warps))
-print(json.dumps(out))
-"""
+    ptrs = dict(as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16", meta_ptr="*i64")
+    jobs = [dict(descs=dict(a_desc=bm, w_desc=bn), ptrs=ptrs, warps=warps,
+                 const=dict(E_POW2=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, STAGES=stages, UNROLL=unroll,
+                            COALESCED_STORE=coalesced))
+            for bm, bn, warps, stages, unroll, coalesced in tiles]
+    assert_wgmmas_overlapped("moeflow.kernels.down_wgmma._down_wgmma_kernel", jobs, [48, 48, 0, 0, 0, 0])
 
 
 def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
@@ -253,7 +241,8 @@ def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
     wgmmas (C7514), no injected waits (C7517), no spills (a body of a multiple of STAGES steps spilled 128-600
     bytes: unroll() avoids those)."""
     tiles = [(128, 8, 3, 16), (128, 8, 3, 56), (128, 8, 4, 32), (128, 8, 4, 56), (128, 8, 3, 9), (64, 4, 4, 32)]
-    usage = compile_without_interpreter(WGMMA_GATE_UP, json.dumps(tiles))
-    for tile, (regs, spill, notes) in zip(tiles, usage):
-        assert not [n for n in notes if "C7514" in n or "C7517" in n], (tile, notes)
-        assert spill == 0 and regs <= 255, (tile, regs, spill)
+    ptrs = dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64")
+    jobs = [dict(descs=dict(x_desc=bm, w_desc=128), ptrs=ptrs, warps=warps, unroll=[steps, 8, stages],
+                 const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=bm, GROUP_M=8, STAGES=stages))
+            for bm, warps, stages, steps in tiles]
+    assert_wgmmas_overlapped("moeflow.kernels.gate_up_wgmma._gate_up_wgmma_kernel", jobs, [0] * len(tiles))

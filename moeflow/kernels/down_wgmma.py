@@ -162,9 +162,13 @@ if gluon is not None:
                      mask=(rows < row_end)[:, None] & (cols < H)[None, :])
 
 
-def unroll(num_steps: int, most: int = 8) -> int:
-    """Steps per loop body: the largest of most .. 1 dividing the K steps."""
-    return next(u for u in range(most, 0, -1) if num_steps % u == 0)
+def unroll(num_steps: int, most: int = 8, stages: int | None = None) -> int:
+    """Steps per loop body: the largest of most .. 1 dividing the K steps, and with ``stages`` (the Gluon
+    gate_up) not a multiple of them. A body of a multiple of STAGES steps makes every slot index a
+    compile-time constant, and ptxas then keeps each slot's wgmma operand descriptors in registers: the
+    gate_up's 128x128 tile with 8 warps spills 280 bytes at 4 stages and 4 steps a body, 600 at 8 steps;
+    none at 3 stages and 4 or 8 steps (ptxas, sm_90a)."""
+    return next(u for u in range(most, 0, -1) if num_steps % u == 0 and (u == 1 or not stages or u % stages))
 
 
 def usable(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, layout, scheme: str, cfg) -> bool:

@@ -43,7 +43,7 @@ if gluon is not None:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .down_wgmma import _expert_block, _scaled_add
+    from .down_wgmma import _expert_block, _scaled_add, unroll
 
     _INTER = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -151,14 +151,6 @@ if gluon is not None:
             gl.store(outs_ptr + rows * stride_outs + pid_n, scale, mask=rows < row_end)
 
 
-def unroll(num_steps: int, stages: int, most: int = 8) -> int:
-    """Steps per loop body: the largest of most .. 1 dividing the K steps and not a multiple of the stages.
-    A body of a multiple of STAGES steps makes every slot index a compile-time constant, and ptxas then keeps
-    each slot's wgmma operand descriptors in registers: 128x128 with 8 warps spills 280 bytes at 4 stages
-    and 4 steps a body, 600 at 8 steps; none at 3 stages and 4 or 8 steps (ptxas, sm_90a)."""
-    return next(u for u in range(most, 0, -1) if num_steps % u == 0 and (u == 1 or u % stages))
-
-
 def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout, scheme: str, cfg) -> bool:
     """Whether gate_up() may run this kernel for the call (module docstring, Where). x: the rows as given
     (rows by index: gate_up() gathers a contiguous copy first, whose rows are TMA-addressable if these are)."""
@@ -174,7 +166,7 @@ def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | N
 def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, activation: int, dtype: torch.dtype,
            cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8) -> None:
     """Write inter [R, I] float8_e4m3fn and scale [R, I/128] (module docstring); usable() must have said True.
-    activation: common.ACT_CODES' code. most_unroll: the most K steps a loop body runs (unroll())."""
+    activation: common.ACT_CODES' code. most_unroll: the most K steps a loop body runs (down_wgmma.unroll)."""
     r, h = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -191,4 +183,4 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
         x_desc, w_desc, x_scale, w13_scale, inter, scale, layout.meta, layout.num_experts, blocks_m, i, h, per_expert,
         x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), scale.stride(0),
         ACT=activation, INTER_DTYPE=_INTER[dtype], E_POW2=layout.e_pow2, BLOCK_M=bm, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, cfg.num_stages, most_unroll), num_warps=cfg.num_warps)
+        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages), num_warps=cfg.num_warps)
