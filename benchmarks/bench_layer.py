@@ -197,7 +197,7 @@ def _precompile(cells, tokens, env) -> None:
         for t in tokens:
             b = random_batch(shape, 1, "cuda")
             b.hidden = b.hidden[:1].expand(t * cfg.top_k, -1)  # kernel_config reads shapes only
-            jobs.append((shape, runner.kernel_config(b, w)))
+            jobs.append((shape, runner.kernel_config(b, w), True))  # the local plan: gate_up rows by index
     precompile(jobs)
 
 

@@ -144,23 +144,21 @@ def expanded_weights(shape: Shape, device):
                            for t in (one.w13, one.w2, one.w13_scale, one.w2_scale)))
 
 
-def _compile_job(jobs: list[tuple[Shape, MoEKernelConfig]]) -> int:
-    """Worker: run each (shape, config pair) once on a 1-token batch routed to expert 0, its rows in order
-    and by index (tune() times one of the two)."""
+def _compile_job(jobs: list[tuple[Shape, MoEKernelConfig, bool]]) -> int:
+    """Worker: run each (shape, config pair, rows by index) once on a 1-token batch routed to expert 0."""
     dev = torch.device("cuda")
-    for shape, pair in jobs:
+    for shape, pair, indexed in jobs:
         w = expanded_weights(shape, dev)
-        for indexed in (False, True):
-            batch = random_batch(shape, 1, dev, indexed=indexed)
-            batch.offsets = torch.zeros_like(batch.offsets)
-            batch.offsets[1:] = batch.weights.numel()  # every copy to expert 0, the only real one
-            _runner(shape).run_with(batch, w, pair)
+        batch = random_batch(shape, 1, dev, indexed=indexed)
+        batch.offsets = torch.zeros_like(batch.offsets)
+        batch.offsets[1:] = batch.weights.numel()  # every copy to expert 0, the only real one
+        _runner(shape).run_with(batch, w, pair)
     torch.cuda.synchronize()
     return len(jobs)
 
 
-def precompile(jobs: list[tuple[Shape, MoEKernelConfig]], workers: int | None = None) -> None:
-    """Compile the kernels of every (shape, config pair) in worker processes (fills Triton's
+def precompile(jobs: list[tuple[Shape, MoEKernelConfig, bool]], workers: int | None = None) -> None:
+    """Compile the kernels of every (shape, config pair, rows by index) in worker processes (fills Triton's
     on-disk cache, which the timing process then reads)."""
     import multiprocessing as mp
     jobs = sorted(set(jobs), key=str)
@@ -232,7 +230,7 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
     for gu, dn in plans.values():
         for j in range(max(len(gu), len(dn))):
             pairs.add(MoEKernelConfig(gu[min(j, len(gu) - 1)], dn[min(j, len(dn) - 1)]))
-    precompile([(shape, p) for p in pairs])
+    precompile([(shape, p, indexed_rows) for p in pairs])
     table, measured = {}, {}
     for t in token_counts:
         inputs = []  # per batch: (batch, layout, x, x scale)
