@@ -15,13 +15,13 @@ from dataclasses import replace
 
 import torch
 
-from moeflow.kernels.autotune import graph_time_ms, random_weights
+from moeflow.kernels.autotune import graph_time_ms
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
-from moeflow.kernels.quant import down_input, quantize_rows
+from moeflow.kernels.quant import down_input
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_case import gemm_case  # noqa: E402
+from _gemm_case import fp8_block_case  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 1024), ("mixtral-8x7b", 4096),
          ("mixtral-8x7b", 16384), ("deepseek-v3", 4096), ("deepseek-v3", 16384)]
@@ -33,9 +33,7 @@ def main():
     dev = torch.device("cuda")
     rows = []
     for preset, t in CASES:
-        shape, batch, layout, kcfg = gemm_case(preset, "fp8-block", t, dev)
-        w = random_weights(shape, dev)
-        xq, xs = quantize_rows(batch.hidden, "fp8-block", layout)
+        _, batch, layout, kcfg, w, xq, xs = fp8_block_case(preset, t, dev)
         a, a_s = down_input(*gate_up(xq, xs, w.w13, w.w13_scale, layout, "fp8-block", "silu", torch.bfloat16,
                                      kcfg.gate_up), "fp8-block")
         rw = batch.weights.float()

@@ -13,13 +13,12 @@ from dataclasses import replace
 import torch
 
 from moeflow.kernels import gate_up_wgmma
-from moeflow.kernels.autotune import graph_time_ms, random_weights
+from moeflow.kernels.autotune import graph_time_ms
 from moeflow.kernels.common import ACT_CODES
 from moeflow.kernels.gate_up import gate_up
-from moeflow.kernels.quant import quantize_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_case import gemm_case  # noqa: E402
+from _gemm_case import fp8_block_case  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 1024), ("mixtral-8x7b", 4096),
          ("mixtral-8x7b", 16384), ("deepseek-v3", 4096), ("deepseek-v3", 16384)]
@@ -33,9 +32,7 @@ def main():
     dev = torch.device("cuda")
     rows = []
     for preset, t in cases:
-        shape, batch, layout, kcfg = gemm_case(preset, "fp8-block", t, dev)
-        w = random_weights(shape, dev)
-        xq, xs = quantize_rows(batch.hidden, "fp8-block", layout)
+        _, batch, layout, kcfg, w, xq, xs = fp8_block_case(preset, t, dev)
         triton_cfg = replace(kcfg.gate_up, scale_overlap=0)
         ref, ref_s = gate_up(xq, xs, w.w13, w.w13_scale, layout, "fp8-block", "silu", torch.bfloat16, triton_cfg)
         base = graph_time_ms([lambda: gate_up(xq, xs, w.w13, w.w13_scale, layout, "fp8-block", "silu", torch.bfloat16,
