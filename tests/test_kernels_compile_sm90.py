@@ -246,3 +246,17 @@ def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
                  const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=bm, GROUP_M=8, STAGES=stages))
             for bm, warps, stages, steps in tiles]
     assert_wgmmas_overlapped("moeflow.kernels.gate_up_wgmma._gate_up_wgmma_kernel", jobs, [0] * len(tiles))
+
+
+def test_wgmma_down_persistent_keeps_its_wgmmas_overlapped():
+    """kernels/down_wgmma_persistent.py compiled for sm_90a at the tiles the tuner offers it (64x128 with 4 warps,
+    128x128 with 8) and Qwen3's and DeepSeek-V3's K loops (6 and 16 steps: bodies of 6 and 8): its loop over
+    tiles keeps the wgmmas overlapped (no C7514 / C7517) and nothing spills at those tiles."""
+    tiles = [(64, 4, 4, 6, True), (64, 4, 3, 6, False), (64, 4, 4, 8, True), (128, 8, 3, 6, True), (128, 8, 3, 8, False)]
+    ptrs = dict(as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16", meta_ptr="*i64")
+    jobs = [dict(descs=dict(a_desc=bm, w_desc=128), ptrs=ptrs, warps=warps,
+                 const=dict(E_POW2=128, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=stages, UNROLL=unroll,
+                            COALESCED_STORE=coalesced))
+            for bm, warps, stages, unroll, coalesced in tiles]
+    assert_wgmmas_overlapped("moeflow.kernels.down_wgmma_persistent._down_wgmma_persistent_kernel", jobs,
+                             [0] * len(tiles))

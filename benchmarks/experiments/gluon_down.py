@@ -1,5 +1,6 @@
 """Experiment (GPU): the Gluon fp8-block down GEMM (kernels/down_wgmma.py, GemmConfig.scale_overlap)
-against the Triton kernel with the shipped tuned configs, on each preset's shape at mid and large T.
+against the Triton kernel with the shipped tuned configs, on each preset's shape at mid and large T; per-tile
+and persistent grids.
 Each output is compared with the Triton kernel's (max abs difference: 0 expected, the same sums in
 the same order).
 
@@ -25,7 +26,9 @@ from _gemm_case import fp8_block_case  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 1024), ("mixtral-8x7b", 4096),
          ("mixtral-8x7b", 16384), ("deepseek-v3", 4096), ("deepseek-v3", 16384)]
-TILES = ((64, 4, 4), (128, 8, 3), (128, 8, 4))  # (block_m, warps, stages), block_n 128, block_k 128
+# (block_m, warps, stages, programs_per_sm), block_n 128, block_k 128; programs_per_sm > 0: the persistent
+# grid (kernels/down_wgmma_persistent.py)
+TILES = ((64, 4, 4, 0), (128, 8, 3, 0), (128, 8, 4, 0), (64, 4, 4, 2), (64, 4, 3, 2), (128, 8, 3, 1), (128, 8, 4, 1))
 
 
 def main():
@@ -43,13 +46,13 @@ def main():
         base = graph_time_ms([lambda: run(triton_cfg)], 40) * 1e3
         res = dict(preset=preset, T=t, triton_cfg=triton_cfg.to_dict(), triton_us=round(base, 1), gluon={})
         line = f"{preset:14} T={t:<6} triton {base:9.1f} us"
-        for bm, warps, stages in TILES:
+        for bm, warps, stages, progs in TILES:
             for mode in (1, 2):
                 cfg = replace(triton_cfg, block_m=bm, block_n=128, block_k=128, num_warps=warps, num_stages=stages,
-                              programs_per_sm=0, split_k=1, scale_overlap=mode)
+                              programs_per_sm=progs, split_k=1, scale_overlap=mode)
                 diff = (run(cfg).float() - ref.float()).abs().max().item()
                 us = graph_time_ms([lambda: run(cfg)], 40) * 1e3
-                key = f"{bm}x128w{warps}s{stages}o{mode}"
+                key = f"{bm}x128w{warps}s{stages}o{mode}" + (f"p{progs}" if progs else "")
                 res["gluon"][key] = dict(us=round(us, 1), diff=diff)
                 line += f" | {key} {us:8.1f} ({base / us:.2f}x)"
         print(line, flush=True)

@@ -64,6 +64,8 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
         dn = [GemmConfig(bm, bn, k, 4, w, s, p) for bm, bn, k, w, s, p in
               ((32, 64, 128, 4, 4, 0), (32, 128, 128, 4, 3, 0), (64, 64, bk, 4, 4, 0), (64, 128, bk, 4, 4, 0),
                (16, 128, 128, 4, 4, 0), (64, 128, bk, 4, 4, 2))]
+        if shape.scheme == "fp8-block":  # the persistent Gluon down (kernels/down_wgmma_persistent.py)
+            dn.append(GemmConfig(64, 128, 128, 4, 4, 4, 2, scale_overlap=2))
     else:  # registers: gate_up holds two accumulators, so its big tiles need 8 warps (ptxas: no spills)
         gu = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
               ((64, 128, bk, 8, 4), (64, 128, bk, 8, 3), (128, 64, bk, 8, 4), (128, 128, 64, 8, 3), (64, 64, bk, 4, 4),
@@ -73,8 +75,9 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
                (128, 64, bk, 4, 4, 0), (64, 128, bk, 4, 4, 2), (128, 128, bk, 8, 4 if bk == 64 else 3, 1))]
         if shape.scheme == "fp8-block":  # the Gluon K loops that overlap the scaling (kernels/*_wgmma.py)
             gu += [GemmConfig(128, 128, 128, 8, 8, s, scale_overlap=1) for s in (3, 4)]
-            dn += [GemmConfig(bm, 128, 128, 8, w, s, scale_overlap=so) for bm, w, s, so in
-                   ((128, 8, 4, 1), (128, 8, 4, 2), (128, 8, 3, 1), (64, 4, 4, 2))]
+            dn += [GemmConfig(bm, 128, 128, 8, w, s, p, scale_overlap=so) for bm, w, s, p, so in
+                   ((128, 8, 4, 0, 1), (128, 8, 4, 0, 2), (128, 8, 3, 0, 1), (64, 4, 4, 0, 2),
+                    (64, 4, 4, 2, 2), (64, 4, 3, 2, 2), (128, 8, 4, 1, 2))]  # p > 0: down_wgmma_persistent.py
     nbytes = 1 if shape.scheme != "none" else shape.dtype.itemsize
 
     def fitted(cfgs, pair, n):

@@ -25,6 +25,9 @@ TMA-addressable, BLOCK_K 128, BLOCK_N dividing 128; kernels/down.py falls back t
 otherwise. Measured on H200 (benchmarks/results/gluon_down_*): 1.17-1.25x on Mixtral's down
 (I = 14336, 112 K steps); with the 16-byte stores about the Triton kernel's time on DeepSeek-V3's
 (16 steps) and slower on Qwen3's (6 steps, where the Triton kernel is persistent).
+GemmConfig.programs_per_sm > 0 runs it as a persistent grid whose loads run on into the next tile
+(kernels/down_wgmma_persistent.py): 1.10-1.13x the persistent Triton kernel on Qwen3's down, 1.12x on
+DeepSeek-V3's at T=4096 (benchmarks/results/persistent_gluon_down_*).
 No PDL here: the kernel is launched plainly and lets the next kernel launch when it ends.
 Imported only when a config asks for it on a CUDA device (down.py): CPU runs never load Gluon.
 """
@@ -194,9 +197,14 @@ def launch(a: Tensor, a_scale: Tensor, w2: Tensor, w2_scale: Tensor, route_w: Te
     per_expert = expert_rows(w2)  # 0 for an expert stride of 0: every expert reads the same rows
     w_desc = TensorDescriptor(w2, [e * h if per_expert else h, i], [w2.stride(1), 1], [bn, bk],
                               gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv))
+    steps = triton.cdiv(i, bk)
+    if cfg.programs_per_sm and cfg.num_stages <= steps:  # a persistent grid (down_wgmma_persistent.py)
+        from .down_wgmma_persistent import launch as launch_persistent
+        launch_persistent(a, a_desc, w_desc, a_scale, w2_scale, route_w, layout, cfg, out, per_expert, unroll(steps))
+        return
     blocks_m = layout.num_row_blocks(bm)
     _down_wgmma_kernel[(blocks_m * triton.cdiv(h, bn),)](
         a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, blocks_m, h, i, per_expert,
         a_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
         E_POW2=layout.e_pow2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        UNROLL=unroll(triton.cdiv(i, bk)), num_warps=cfg.num_warps, COALESCED_STORE=cfg.scale_overlap == 2)
+        UNROLL=unroll(steps), num_warps=cfg.num_warps, COALESCED_STORE=cfg.scale_overlap == 2)

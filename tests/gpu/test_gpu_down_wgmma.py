@@ -2,7 +2,8 @@
 against a float64 reference of the dequantized operands and bit for bit against kernels/down.py's
 Triton kernel, on fresh random data with NaN-poisoned outputs: empty experts, all rows to one
 expert, one row, K loops of 1, 3, 6 and 112 steps (every UNROLL path), I and H off the tiles, weights
-shared by every expert (stride 0), and the masked layout falling back to the Triton kernel.
+shared by every expert (stride 0), and the masked layout falling back to the Triton kernel; the persistent
+grid (kernels/down_wgmma_persistent.py) with few programs, so that each loops over many tiles.
 Run: pytest -m gpu tests/gpu
 """
 import pytest
@@ -24,7 +25,9 @@ if torch.cuda.is_available():  # kernel modules: on CPU (CI) the interpreter tes
 SCH = create_scheme("fp8-block")
 TILES = [GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2),
          GemmConfig(128, 128, 128, 8, 8, 3, scale_overlap=1), GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=2),
-         GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=1), GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=2)]
+         GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=1), GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=2),
+         # persistent grids (kernels/down_wgmma_persistent.py; per-tile where STAGES > the K steps)
+         GemmConfig(64, 128, 128, 8, 4, 4, 2, scale_overlap=2), GemmConfig(128, 128, 128, 8, 8, 3, 1, scale_overlap=1)]
 
 
 def operands(counts, h, i, shared_weights=False):
@@ -51,7 +54,11 @@ def reference(layout, a, a_s, q2, s2, rw):
     return out
 
 
-@pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}o{c.scale_overlap}")
+def tile_id(c):
+    return f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}o{c.scale_overlap}p{c.programs_per_sm}"
+
+
+@pytest.mark.parametrize("cfg", TILES, ids=tile_id)
 @pytest.mark.parametrize("counts,h,i", [
     ([37, 0, 300, 1, 0, 129, 64, 2], 384, 768),   # empty experts, rows off the blocks; 6 K steps (UNROLL 6)
     ([0, 0, 513, 0], 256, 384),                    # every row to one expert; 3 steps (UNROLL 3)
@@ -91,3 +98,36 @@ def test_where_it_does_not_run(poison):
     assert fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).scale_overlap == 2
     assert fit(GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=True), fused_pair=False, scheme="fp8-block", elem_bytes=1,
                n_size=128).scale_overlap == 1  # JSON true
+
+
+@pytest.mark.parametrize("cfg", [GemmConfig(64, 128, 128, 8, 4, 4, 2, scale_overlap=2),
+                                 GemmConfig(64, 128, 128, 4, 4, 3, 1, scale_overlap=1),
+                                 GemmConfig(128, 128, 128, 8, 8, 3, 1, scale_overlap=2)], ids=tile_id)
+@pytest.mark.parametrize("sms", [1, 3])
+@pytest.mark.parametrize("counts,h,i", [
+    ([37, 0, 300, 1, 0, 129, 64, 2], 384, 768),        # 6 K steps: loads reach into the next tile
+    ([0, 0, 513, 0], 256, 384),                         # 3 steps: STAGES 3 reaches a whole tile ahead; 4 falls back
+    ([90, 41, 7], 200, 320),                            # H and I off the tiles
+    ([int(c) for c in torch.randint(0, 60, (128,))], 256, 768),  # 128 experts (Qwen3's), some empty
+])
+def test_persistent_programs_loop_over_many_tiles(cfg, sms, counts, h, i, poison, monkeypatch):
+    """Few programs (num_sms patched to 1 or 3: 1-6 programs), so each runs many tiles and its loads cross
+    from one tile into the next, odd and even tile counts; bit-equal to the per-tile Triton kernel."""
+    from moeflow.kernels import down_wgmma_persistent
+    monkeypatch.setattr(down_wgmma_persistent, "num_sms", lambda device: sms)
+    layout, a, a_s, q2, s2, rw = operands(counts, h, i)
+    assert down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-block", cfg)
+    got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
+    assert not got.isnan().any()
+    assert_close(got, reference(layout, a, a_s, q2, s2, rw), 1e-2, f"persistent wgmma down {len(counts)} experts")
+    plain = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16,
+                 GemmConfig(cfg.block_m, cfg.block_n, 128, cfg.group_m, cfg.num_warps, cfg.num_stages), poison=True)
+    assert torch.equal(got, plain)
+
+
+def test_persistent_empty_batch(poison):
+    """No rows at all: every program finds no tile."""
+    layout, a, a_s, q2, s2, rw = operands([0, 0, 0], 256, 768)
+    got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, GemmConfig(64, 128, 128, 8, 4, 4, 2,
+                                                                                    scale_overlap=2), poison=True)
+    assert got.shape == (0, 256)

@@ -1,0 +1,161 @@
+"""The fp8-block Gluon down GEMM (kernels/down_wgmma.py) as a persistent grid: each program loops over output
+tiles, and its shared-memory slots run on from one tile into the next.
+
+    a [R, I] float8_e4m3fn + a_scale [R, I/128] float32 (sorted layout), w2 down_proj [E, H, I]
+    float8_e4m3fn + w2_scale [E, H/128, I/128] float32, route_w [R] float32 -> out [R, H] layer dtype;
+    the same bits as down_wgmma.py's kernel and down.py's (reference: down.down_torch).
+Why: short K loops. Qwen3's I = 768 is 6 steps of 128: one program per tile waits for its first tiles to
+arrive and then runs its epilogue with nothing loading, which costs about as much as its K loop (the
+Triton kernel has a persistent form for the same reason, down.py). The per-tile Gluon kernel measured
+slower than that persistent Triton kernel on Qwen3 (benchmarks/results/gluon_down_*).
+How: program p takes tiles p, p + P, p + 2P, ... of the real row blocks (counted from the offsets) in
+grouped order. Steps are numbered across its tiles (step g of the program: slot g % STAGES, phase
+(g / STAGES) & 1), so the load issued once a step's product is done, STAGES steps ahead, reaches into the
+next tile's first steps: those are in flight while this tile's epilogue runs. The K loop is down_wgmma.py's
+(two products by turns, the scaling FMA pinned, bodies of UNROLL steps ending with nothing in flight).
+The next tile's coordinates are computed at the start of each tile. Needs STAGES <= the K steps (a load
+then reaches at most one tile ahead); launch() runs the per-tile kernel otherwise.
+Where: GemmConfig.programs_per_sm > 0 with scale_overlap 1 or 2 (down_wgmma.usable decides the rest).
+"""
+from __future__ import annotations
+
+import triton
+from torch import Tensor
+
+from .common import grouped_tile, num_sms
+from .down_wgmma import gluon
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
+
+    from .down_wgmma import _expert_block, _mma_step, _scaled_add
+
+    @gluon.jit
+    def _real_blocks(meta_ptr, num_experts, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr, num_warps: gl.constexpr):
+        """The sorted batch's row blocks: sum over experts of cdiv(rows, BLOCK_M)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        idx = gl.arange(0, E_POW2, layout=lay)
+        lo = gl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
+        hi = gl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0)
+        return gl.sum((hi - lo + BLOCK_M - 1) // BLOCK_M, 0).to(gl.int32)
+
+    @gluon.jit
+    def _tile(j, pid, num_programs, blocks_m, num_pid_n, meta_ptr, num_experts, w_rows_per_expert,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, E_POW2: gl.constexpr,
+              num_warps: gl.constexpr):
+        """The program's j-th tile -> (expert, row_start, row_end, pid_n, weight row). Past the last tile it
+        repeats the last one (its loads are predicated off)."""
+        tile = gl.minimum(pid + j * num_programs, gl.maximum(blocks_m * num_pid_n - 1, 0))
+        pid_m, pid_n = grouped_tile(tile, gl.maximum(blocks_m, 1), num_pid_n, GROUP_M)
+        expert, row_start, row_end = _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
+        return expert, row_start, row_end, pid_n, (expert * w_rows_per_expert + pid_n * BLOCK_N).to(gl.int32)
+
+    @gluon.jit
+    def _load(a_desc, w_desc, a_bufs, w_bufs, bars, g, k, a_row, w_row, STAGES: gl.constexpr,
+              BLOCK_K: gl.constexpr, pred):
+        """Start TMA loads of K step k of the tile at (a_row, w_row) into the slot of the program's step g."""
+        slot = g % STAGES
+        bar = bars.index(slot)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot), pred=pred)
+
+    @gluon.jit
+    def _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, tn, n, a_row, w_row, a_row_next, w_row_next,
+                    has_next, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+        """Load the program's step base + tn: step tn of this tile, or step tn - n of the next one."""
+        here = tn < n
+        _load(a_desc, w_desc, a_bufs, w_bufs, bars, base + tn, gl.where(here, tn, tn - n),
+              gl.where(here, a_row, a_row_next), gl.where(here, w_row, w_row_next), STAGES, BLOCK_K, here | has_next)
+
+    @gluon.jit(do_not_specialize=["num_programs", "w_rows_per_expert"])
+    def _down_wgmma_persistent_kernel(a_desc, w_desc, as_ptr, ws_ptr, rw_ptr, out_ptr, meta_ptr,
+                                      num_experts, num_programs, H, I, w_rows_per_expert,
+                                      stride_as, stride_wse, stride_wsn, stride_out,
+                                      E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                      BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                      UNROLL: gl.constexpr, num_warps: gl.constexpr,
+                                      COALESCED_STORE: gl.constexpr = False):
+        """num_programs programs (the grid) over the real tiles (module docstring). Descriptors as
+        down_wgmma._down_wgmma_kernel's."""
+        pid = gl.program_id(0)
+        blocks_m = _real_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
+        num_pid_n = gl.cdiv(H, BLOCK_N)
+        tiles = blocks_m * num_pid_n
+        my_tiles = gl.where(pid < tiles, (tiles - pid + num_programs - 1) // num_programs, 0)
+        n = gl.cdiv(I, BLOCK_K)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_N, 32])
+        rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        fence_async_shared()
+        expert, row_start, row_end, pid_n, w_row = _tile(0, pid, num_programs, blocks_m, num_pid_n, meta_ptr,
+                                                         num_experts, w_rows_per_expert, BLOCK_M, BLOCK_N, GROUP_M,
+                                                         E_POW2, num_warps)
+        for s in gl.static_range(STAGES):  # STAGES <= n: all in the first tile
+            _load(a_desc, w_desc, a_bufs, w_bufs, bars, s, s, row_start.to(gl.int32), w_row, STAGES, BLOCK_K,
+                  my_tiles > 0)
+        d_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        d_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        for j in range(my_tiles):
+            expert_n, row_start_n, row_end_n, pid_n_n, w_row_n = _tile(
+                j + 1, pid, num_programs, blocks_m, num_pid_n, meta_ptr, num_experts, w_rows_per_expert, BLOCK_M,
+                BLOCK_N, GROUP_M, E_POW2, num_warps)
+            has_next = j + 1 < my_tiles
+            a_row = row_start.to(gl.int32)
+            a_row_n = row_start_n.to(gl.int32)
+            base = j * n
+            rows = row_start + gl.arange(0, BLOCK_M, layout=rows_l)
+            rows_ld = gl.minimum(rows, row_end - 1)
+            as_rows = as_ptr + rows_ld * stride_as
+            ws_tile = (ws_ptr + expert.to(gl.int64) * stride_wse
+                       + gl.minimum(pid_n * BLOCK_N // 128, (H - 1) // 128) * stride_wsn)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            for b in range(0, n // UNROLL):
+                t = b * UNROLL
+                p_a = _mma_step(a_bufs, w_bufs, bars, base + t, d_a, STAGES)
+                s_a = gl.load(as_rows + t) * gl.load(ws_tile + t)
+                for u in gl.static_range(1, UNROLL):  # step t + u runs while step t + u - 1 is scaled
+                    p_b = _mma_step(a_bufs, w_bufs, bars, base + t + u, d_b, STAGES)
+                    s_b = gl.load(as_rows + t + u) * gl.load(ws_tile + t + u)
+                    d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
+                    acc = _scaled_add(d_a, s_a, acc)
+                    _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, t + u - 1 + STAGES, n, a_row, w_row,
+                                a_row_n, w_row_n, has_next, STAGES, BLOCK_K)
+                    p_a, s_a, d_a, p_b, s_b, d_b = p_b, s_b, d_b, p_a, s_a, d_a
+                d_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a,))
+                acc = _scaled_add(d_a, s_a, acc)
+                _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, t + UNROLL - 1 + STAGES, n, a_row, w_row,
+                            a_row_n, w_row_n, has_next, STAGES, BLOCK_K)
+            y = (acc * gl.load(rw_ptr + rows_ld)[:, None]).to(out_ptr.dtype.element_ty)
+            if COALESCED_STORE:  # 16 bytes per thread along a row (down_wgmma.py)
+                st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1],
+                                                    [1, 0])
+                y = gl.convert_layout(y, st)
+                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
+            else:
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
+                     mask=(rows < row_end)[:, None] & (cols < H)[None, :])
+            expert, row_start, row_end, pid_n, w_row = expert_n, row_start_n, row_end_n, pid_n_n, w_row_n
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+
+
+def launch(a: Tensor, a_desc, w_desc, a_scale: Tensor, w2_scale: Tensor, route_w: Tensor, layout, cfg, out: Tensor,
+           per_expert: int, unroll: int) -> None:
+    """Run the persistent kernel (down_wgmma.launch calls it with its descriptors where
+    cfg.programs_per_sm > 0 and STAGES <= the K steps)."""
+    _, h, i = out.shape[0], out.shape[1], a.shape[1]
+    programs = min(cfg.programs_per_sm * num_sms(a.device), layout.num_row_blocks(cfg.block_m) * triton.cdiv(h, cfg.block_n))
+    _down_wgmma_persistent_kernel[(programs,)](
+        a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, programs, h, i, per_expert,
+        a_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
+        E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages, UNROLL=unroll, num_warps=cfg.num_warps, COALESCED_STORE=cfg.scale_overlap == 2)
