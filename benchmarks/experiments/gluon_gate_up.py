@@ -1,6 +1,6 @@
 """Experiment (GPU): the Gluon fp8-block gate_up GEMM (kernels/gate_up_wgmma.py) against the Triton
 kernel with the shipped tuned configs, on each preset's shape at mid and large T, for several tiles
-and loop-body lengths, per-tile and persistent grids. Each output (fp8 intermediate and its group scales) is compared bit for bit
+and loop-body lengths. Each output (fp8 intermediate and its group scales) is compared bit for bit
 with the Triton kernel's (the same sums in the same order).
 
     PYTHONPATH=$PWD python benchmarks/experiments/gluon_gate_up.py [OUT_DIR] [preset:T ...]
@@ -22,10 +22,8 @@ from _gemm_case import fp8_block_case  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 1024), ("mixtral-8x7b", 4096),
          ("mixtral-8x7b", 16384), ("deepseek-v3", 4096), ("deepseek-v3", 16384)]
-VARIANTS = ((128, 8, 3, 8, 0), (128, 8, 4, 8, 0), (128, 8, 3, 1, 1), (128, 8, 4, 1, 1), (128, 8, 3, 2, 1),
-            (128, 8, 4, 2, 1))
-# (block_m, warps, stages, most steps a loop body, programs per SM: > 0 the persistent grid,
-# kernels/gate_up_wgmma_persistent.py). The variants of 256cb47 (64-row tiles, other bodies) are in its record.
+VARIANTS = ((128, 8, 4, 2), (128, 8, 3, 2), (128, 8, 3, 4), (128, 8, 4, 1), (64, 4, 4, 2), (64, 4, 5, 1))
+# (block_m, warps, stages, most steps a loop body)
 
 
 def main():
@@ -41,10 +39,10 @@ def main():
                                               triton_cfg)], 40) * 1e3
         res = dict(preset=preset, T=t, triton_cfg=triton_cfg.to_dict(), triton_us=round(base, 1), gluon={})
         line = f"{preset:14} T={t:<6} triton {base:9.1f} us"
-        for bm, warps, stages, most, progs in VARIANTS:
+        for bm, warps, stages, most in VARIANTS:
             cfg = replace(triton_cfg, block_m=bm, block_n=128, block_k=128, num_warps=warps, num_stages=stages,
-                          programs_per_sm=progs, split_k=1, scale_overlap=1)
-            key = f"{bm}w{warps}s{stages}u{most}" + (f"p{progs}" if progs else "")
+                          split_k=1, scale_overlap=1)
+            key = f"{bm}w{warps}s{stages}u{most}"
             assert gate_up_wgmma.usable(xq, xs, w.w13, w.w13_scale, layout, "fp8-block", cfg)
             inter = torch.full_like(ref, float("nan"))
             sc = torch.full_like(ref_s, float("nan"))

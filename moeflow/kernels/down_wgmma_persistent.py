@@ -52,30 +52,22 @@ if gluon is not None:
         return expert, row_start, row_end, pid_n, (expert * w_rows_per_expert + pid_n * BLOCK_N).to(gl.int32)
 
     @gluon.jit
-    def _load(a_desc, w_desc, a_bufs, w_bufs, bars, g, k, a_row, w_row, up_rows, STAGES: gl.constexpr,
-              BLOCK_K: gl.constexpr, PAIR: gl.constexpr, pred):
-        """Start TMA loads of K step k of the tile at (a_row, w_row) into the slot of the program's step g.
-        PAIR (gate_up_wgmma_persistent.py): two weight tiles a slot, the gate rows' and the up rows' (up_rows
-        further down), into w_bufs 2 * slot and 2 * slot + 1."""
+    def _load(a_desc, w_desc, a_bufs, w_bufs, bars, g, k, a_row, w_row, STAGES: gl.constexpr,
+              BLOCK_K: gl.constexpr, pred):
+        """Start TMA loads of K step k of the tile at (a_row, w_row) into the slot of the program's step g."""
         slot = g % STAGES
         bar = bars.index(slot)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + (2 if PAIR else 1) * w_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot), pred=pred)
-        if PAIR:
-            tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(2 * slot), pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [w_row + up_rows, k * BLOCK_K], bar, w_bufs.index(2 * slot + 1),
-                                            pred=pred)
-        else:
-            tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot), pred=pred)
 
     @gluon.jit
     def _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, tn, n, a_row, w_row, a_row_next, w_row_next,
-                    has_next, up_rows, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, PAIR: gl.constexpr):
+                    has_next, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
         """Load the program's step base + tn: step tn of this tile, or step tn - n of the next one."""
         here = tn < n
         _load(a_desc, w_desc, a_bufs, w_bufs, bars, base + tn, gl.where(here, tn, tn - n),
-              gl.where(here, a_row, a_row_next), gl.where(here, w_row, w_row_next), up_rows, STAGES, BLOCK_K, PAIR,
-              here | has_next)
+              gl.where(here, a_row, a_row_next), gl.where(here, w_row, w_row_next), STAGES, BLOCK_K, here | has_next)
 
     @gluon.jit(do_not_specialize=["num_programs", "w_rows_per_expert"])
     def _down_wgmma_persistent_kernel(a_desc, w_desc, as_ptr, ws_ptr, rw_ptr, out_ptr, meta_ptr,
@@ -106,8 +98,8 @@ if gluon is not None:
                                                          num_experts, w_rows_per_expert, BLOCK_M, BLOCK_N, GROUP_M,
                                                          E_POW2, num_warps)
         for s in gl.static_range(STAGES):  # STAGES <= n: all in the first tile
-            _load(a_desc, w_desc, a_bufs, w_bufs, bars, s, s, row_start.to(gl.int32), w_row, 0, STAGES, BLOCK_K,
-                  False, my_tiles > 0)
+            _load(a_desc, w_desc, a_bufs, w_bufs, bars, s, s, row_start.to(gl.int32), w_row, STAGES, BLOCK_K,
+                  my_tiles > 0)
         d_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
         d_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
         for j in range(my_tiles):
@@ -134,12 +126,12 @@ if gluon is not None:
                     d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
                     acc = _scaled_add(d_a, s_a, acc)
                     _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, t + u - 1 + STAGES, n, a_row, w_row,
-                                a_row_n, w_row_n, has_next, 0, STAGES, BLOCK_K, False)
+                                a_row_n, w_row_n, has_next, STAGES, BLOCK_K)
                     p_a, s_a, d_a, p_b, s_b, d_b = p_b, s_b, d_b, p_a, s_a, d_a
                 d_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a,))
                 acc = _scaled_add(d_a, s_a, acc)
                 _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, t + UNROLL - 1 + STAGES, n, a_row, w_row,
-                            a_row_n, w_row_n, has_next, 0, STAGES, BLOCK_K, False)
+                            a_row_n, w_row_n, has_next, STAGES, BLOCK_K)
             y = (acc * gl.load(rw_ptr + rows_ld)[:, None]).to(out_ptr.dtype.element_ty)
             if COALESCED_STORE:  # 16 bytes per thread along a row (down_wgmma.py)
                 st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1],

@@ -164,10 +164,9 @@ def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | N
 
 
 def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, activation: int, dtype: torch.dtype,
-           cfg, inter: Tensor, scale: Tensor, most_unroll: int | None = None) -> None:
+           cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8) -> None:
     """Write inter [R, I] float8_e4m3fn and scale [R, I/128] (module docstring); usable() must have said True.
-    activation: common.ACT_CODES' code. most_unroll: the most K steps a loop body runs (down_wgmma.unroll);
-    default 8, and 1 for the persistent grid (ptxas: 24-112 bytes of spills at 2-4 steps a body, none at 1)."""
+    activation: common.ACT_CODES' code. most_unroll: the most K steps a loop body runs (down_wgmma.unroll)."""
     r, h = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -179,15 +178,9 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
     per_expert = expert_rows(w13)
     w_desc = TensorDescriptor(w13, [e * two_i if per_expert else two_i, h], [w13.stride(1), 1], [128, 128],
                               gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv))
-    steps = h // 128
-    if cfg.programs_per_sm and cfg.num_stages <= steps:  # a persistent grid (gate_up_wgmma_persistent.py)
-        from .gate_up_wgmma_persistent import launch as launch_persistent
-        launch_persistent(x, x_desc, w_desc, x_scale, w13_scale, layout, activation, dtype, cfg, inter, scale,
-                          per_expert, unroll(steps, most_unroll or 1))
-        return
     blocks_m = layout.num_row_blocks(bm)
     _gate_up_wgmma_kernel[(blocks_m * (i // 128),)](
         x_desc, w_desc, x_scale, w13_scale, inter, scale, layout.meta, layout.num_experts, blocks_m, i, h, per_expert,
         x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), scale.stride(0),
         ACT=activation, INTER_DTYPE=_INTER[dtype], E_POW2=layout.e_pow2, BLOCK_M=bm, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, UNROLL=unroll(steps, most_unroll or 8, cfg.num_stages), num_warps=cfg.num_warps)
+        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages), num_warps=cfg.num_warps)

@@ -3,8 +3,7 @@ on a Hopper GPU: bit for bit against kernels/gate_up.py's Triton kernel (fp8 int
 and, dequantized, against a float64 reference, on fresh random data with NaN-poisoned outputs: empty
 experts, all rows to one expert, one row, K loops of 1, 2, 3, 9, 32 and 56 steps (several loop-body
 lengths), several column tiles, weights shared by every expert (stride 0), and the cases that fall back
-to the Triton kernel (masked layout, other schemes, tiles it cannot run), and rows by index (gathered first);
-the persistent grid (kernels/gate_up_wgmma_persistent.py) with few programs, each looping over many tiles.
+to the Triton kernel (masked layout, other schemes, tiles it cannot run), and rows by index (gathered first).
 Run: pytest -m gpu tests/gpu
 """
 import pytest
@@ -108,28 +107,3 @@ def test_rows_by_index():
     plain, plain_s = run(layout, x, xs, q, s, GemmConfig(128, 128, 128, 8, 8, 4), source_rows=src)
     assert torch.equal(got.view(torch.uint8), plain.view(torch.uint8)) and torch.equal(got_s, plain_s)
     assert_close(SCH.dequantize_activation(got, got_s), reference(layout, x.view(torch.uint8)[src].view(x.dtype), xs[src], q, s), 6e-2, "rows by index")
-
-
-@pytest.mark.parametrize("cfg", [GemmConfig(128, 128, 128, 8, 8, 3, 1, scale_overlap=1),
-                                 GemmConfig(128, 128, 128, 8, 8, 4, 1, scale_overlap=1),
-                                 GemmConfig(64, 128, 128, 4, 4, 4, 2, scale_overlap=1)],
-                         ids=lambda c: f"{c.block_m}w{c.num_warps}s{c.num_stages}p{c.programs_per_sm}")
-@pytest.mark.parametrize("sms", [1, 3])
-@pytest.mark.parametrize("counts,h,i", [
-    ([37, 0, 300, 1, 0, 129, 64, 2], 512, 256),          # 4 K steps: loads reach into the next tile
-    ([0, 0, 513, 0], 384, 128),                           # 3 steps: a whole tile ahead at 3 stages; 4 fall back
-    ([int(c) for c in torch.randint(0, 60, (128,))], 2048, 256),  # Qwen3's 128 experts and 16 steps, some empty
-])
-def test_persistent_programs_loop_over_many_tiles(cfg, sms, counts, h, i, monkeypatch):
-    """The persistent grid (kernels/gate_up_wgmma_persistent.py) with few programs (num_sms patched to 1 or 3),
-    so that each runs many tiles; bit-equal to the Triton kernel, and the reference."""
-    from moeflow.kernels import gate_up_wgmma_persistent
-    monkeypatch.setattr(gate_up_wgmma_persistent, "num_sms", lambda device: sms)
-    layout, x, xs, q, s = operands(counts, h, i)
-    assert gate_up_wgmma.usable(x, xs, q, s, layout, "fp8-block", cfg)
-    got, got_s = run(layout, x, xs, q, s, cfg)
-    assert not got.float().isnan().any() and not got_s.isnan().any()
-    assert_close(SCH.dequantize_activation(got, got_s), reference(layout, x, xs, q, s), 6e-2, "persistent gate_up")
-    plain, plain_s = run(layout, x, xs, q, s, GemmConfig(cfg.block_m, 128, 128, cfg.group_m, cfg.num_warps,
-                                                         cfg.num_stages))
-    assert torch.equal(got.view(torch.uint8), plain.view(torch.uint8)) and torch.equal(got_s, plain_s)
