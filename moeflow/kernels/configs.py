@@ -42,7 +42,8 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     # down GEMM, sorted batches with TMA operands: > 0 runs a persistent grid of this many programs
-    # per SM looping over the tiles (kernels/down.py); 0: one program per tile. gate_up ignores it.
+    # per SM looping over the tiles (kernels/down.py; with scale_overlap, the Gluon kernel's persistent
+    # form, kernels/down_wgmma_persistent.py); 0: one program per tile. gate_up ignores it.
     programs_per_sm: int = 0
     # one program per tile: > 1 splits the K loop (down: I; gate_up: H) over this many programs per
     # tile, whose float32 partial tiles one more launch adds up in a fixed order (kernels/down.py,
