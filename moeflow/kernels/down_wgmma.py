@@ -75,14 +75,25 @@ if gluon is not None:
         return expert, row_start, row_end
 
     @gluon.jit
-    def _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, t, a_row, w_row, STAGES: gl.constexpr,
+    def _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, g, k, a_row, w_row, STAGES: gl.constexpr,
                    BLOCK_K: gl.constexpr, pred):
-        """Start TMA loads of step t's tiles into slot t % STAGES (no-op where pred is False)."""
-        slot = t % STAGES
+        """Start TMA loads of K step k of the tile at (a_row, w_row) into the slot of the program's step g
+        (g % STAGES; g == k but in the persistent kernel, whose steps run on across tiles). No-op where pred
+        is False."""
+        slot = g % STAGES
         bar = bars.index(slot)
         mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(a_desc, [a_row, t * BLOCK_K], bar, a_bufs.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(w_desc, [w_row, t * BLOCK_K], bar, w_bufs.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot), pred=pred)
+
+    @gluon.jit
+    def _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, tn, n, a_row, w_row, a_row_next, w_row_next,
+                    has_next, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+        """Load the program's step base + tn: step tn of this tile, else step tn - n of the next one (if any)."""
+        here = tn < n
+        _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, base + tn, gl.where(here, tn, tn - n),
+                   gl.where(here, a_row, a_row_next), gl.where(here, w_row, w_row_next), STAGES, BLOCK_K,
+                   here | has_next)
 
     @gluon.jit
     def _mma_step(a_bufs, w_bufs, bars, t, d, STAGES: gl.constexpr):
@@ -98,6 +109,48 @@ if gluon is not None:
         return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r",
                                          [d, gl.broadcast(s[:, None], d)[0], acc], dtype=gl.float32,
                                          is_pure=False, pack=1)
+
+    @gluon.jit
+    def _k_loop(a_desc, w_desc, a_bufs, w_bufs, bars, as_rows, ws_tile, acc, d_a, d_b, base, n, a_row, w_row,
+                a_row_next, w_row_next, has_next, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr):
+        """The tile's K loop over the program's steps base .. base + n - 1 (module docstring, How): acc plus
+        every step's product scaled by as_rows[r] + t (the rows' group scales) times ws_tile + t (the weight
+        block's), loading STAGES steps ahead (into the next tile at (a_row_next, w_row_next) where has_next).
+        -> (acc, d_a, d_b): the products' registers carry over to the next tile."""
+        for j in range(0, n // UNROLL):
+            t = j * UNROLL
+            p_a = _mma_step(a_bufs, w_bufs, bars, base + t, d_a, STAGES)
+            s_a = gl.load(as_rows + t) * gl.load(ws_tile + t)
+            for u in gl.static_range(1, UNROLL):  # step t + u runs while step t + u - 1 is scaled
+                p_b = _mma_step(a_bufs, w_bufs, bars, base + t + u, d_b, STAGES)
+                s_b = gl.load(as_rows + t + u) * gl.load(ws_tile + t + u)
+                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
+                acc = _scaled_add(d_a, s_a, acc)
+                _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, t + u - 1 + STAGES, n, a_row, w_row,
+                            a_row_next, w_row_next, has_next, STAGES, BLOCK_K)
+                p_a, s_a, d_a, p_b, s_b, d_b = p_b, s_b, d_b, p_a, s_a, d_a
+            d_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a,))
+            acc = _scaled_add(d_a, s_a, acc)
+            _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, t + UNROLL - 1 + STAGES, n, a_row, w_row,
+                        a_row_next, w_row_next, has_next, STAGES, BLOCK_K)
+        return acc, d_a, d_b
+
+    @gluon.jit
+    def _store_tile(acc, rw_ptr, out_ptr, rows_ld, row_start, row_end, pid_n, H, stride_out, mma: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+                    COALESCED_STORE: gl.constexpr):
+        """out[rows, cols] = acc * route_w[rows], rows row_start .. row_end - 1 (module docstring, Epilogue)."""
+        y = (acc * gl.load(rw_ptr + rows_ld)[:, None]).to(out_ptr.dtype.element_ty)
+        if COALESCED_STORE:  # 16 bytes per thread along a row (the wgmma layout stores 4 bytes)
+            st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1], [1, 0])
+            y = gl.convert_layout(y, st)
+            rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
+        else:
+            rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
+                 mask=(rows < row_end)[:, None] & (cols < H)[None, :])
 
     @gluon.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
     def _down_wgmma_kernel(a_desc, w_desc, as_ptr, ws_ptr, rw_ptr, out_ptr, meta_ptr,
@@ -126,7 +179,7 @@ if gluon is not None:
             w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(gl.int32)  # rows past H: never stored
             n = gl.cdiv(I, BLOCK_K)
             for s in gl.static_range(STAGES):
-                _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, s, a_row, w_row, STAGES, BLOCK_K, s < n)
+                _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, s, s, a_row, w_row, STAGES, BLOCK_K, s < n)
             rows = row_start + gl.arange(0, BLOCK_M, layout=rows_l)
             rows_ld = gl.minimum(rows, row_end - 1)
             as_rows = as_ptr + rows_ld * stride_as  # row r's scale of K group t at as_rows[r] + t (BLOCK_K 128)
@@ -135,34 +188,12 @@ if gluon is not None:
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             d_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             d_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-            for j in range(0, n // UNROLL):
-                t = j * UNROLL
-                p_a = _mma_step(a_bufs, w_bufs, bars, t, d_a, STAGES)
-                s_a = gl.load(as_rows + t) * gl.load(ws_tile + t)
-                for u in gl.static_range(1, UNROLL):  # step t + u runs while step t + u - 1 is scaled
-                    p_b = _mma_step(a_bufs, w_bufs, bars, t + u, d_b, STAGES)
-                    s_b = gl.load(as_rows + t + u) * gl.load(ws_tile + t + u)
-                    d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
-                    acc = _scaled_add(d_a, s_a, acc)
-                    _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, t + u - 1 + STAGES, a_row, w_row, STAGES,
-                               BLOCK_K, t + u - 1 + STAGES < n)
-                    p_a, s_a, d_a, p_b, s_b, d_b = p_b, s_b, d_b, p_a, s_a, d_a
-                d_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a,))
-                acc = _scaled_add(d_a, s_a, acc)
-                _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, t + UNROLL - 1 + STAGES, a_row, w_row, STAGES,
-                           BLOCK_K, t + UNROLL - 1 + STAGES < n)
+            acc, d_a, d_b = _k_loop(a_desc, w_desc, a_bufs, w_bufs, bars, as_rows, ws_tile, acc, d_a, d_b, 0, n, a_row,
+                                    w_row, a_row, w_row, False, BLOCK_K, STAGES, UNROLL)
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
-            y = (acc * gl.load(rw_ptr + rows_ld)[:, None]).to(out_ptr.dtype.element_ty)
-            if COALESCED_STORE:  # 16 bytes per thread along a row (the wgmma layout stores 4 bytes)
-                st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1], [1, 0])
-                y = gl.convert_layout(y, st)
-                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
-                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
-            else:
-                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
-                     mask=(rows < row_end)[:, None] & (cols < H)[None, :])
+            _store_tile(acc, rw_ptr, out_ptr, rows_ld, row_start, row_end, pid_n, H, stride_out, mma, BLOCK_M, BLOCK_N,
+                        num_warps, COALESCED_STORE)
 
 
 def unroll(num_steps: int, most: int = 8, stages: int | None = None) -> int:

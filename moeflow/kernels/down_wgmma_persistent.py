@@ -27,9 +27,9 @@ from .down_wgmma import gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-    from .down_wgmma import _expert_block, _mma_step, _scaled_add
+    from .down_wgmma import _expert_block, _k_loop, _load_step, _store_tile
 
     @gluon.jit
     def _real_blocks(meta_ptr, num_experts, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr, num_warps: gl.constexpr):
@@ -50,24 +50,6 @@ if gluon is not None:
         pid_m, pid_n = grouped_tile(tile, gl.maximum(blocks_m, 1), num_pid_n, GROUP_M)
         expert, row_start, row_end = _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
         return expert, row_start, row_end, pid_n, (expert * w_rows_per_expert + pid_n * BLOCK_N).to(gl.int32)
-
-    @gluon.jit
-    def _load(a_desc, w_desc, a_bufs, w_bufs, bars, g, k, a_row, w_row, STAGES: gl.constexpr,
-              BLOCK_K: gl.constexpr, pred):
-        """Start TMA loads of K step k of the tile at (a_row, w_row) into the slot of the program's step g."""
-        slot = g % STAGES
-        bar = bars.index(slot)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot), pred=pred)
-
-    @gluon.jit
-    def _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, tn, n, a_row, w_row, a_row_next, w_row_next,
-                    has_next, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
-        """Load the program's step base + tn: step tn of this tile, or step tn - n of the next one."""
-        here = tn < n
-        _load(a_desc, w_desc, a_bufs, w_bufs, bars, base + tn, gl.where(here, tn, tn - n),
-              gl.where(here, a_row, a_row_next), gl.where(here, w_row, w_row_next), STAGES, BLOCK_K, here | has_next)
 
     @gluon.jit(do_not_specialize=["num_programs", "w_rows_per_expert"])
     def _down_wgmma_persistent_kernel(a_desc, w_desc, as_ptr, ws_ptr, rw_ptr, out_ptr, meta_ptr,
@@ -98,51 +80,23 @@ if gluon is not None:
                                                          num_experts, w_rows_per_expert, BLOCK_M, BLOCK_N, GROUP_M,
                                                          E_POW2, num_warps)
         for s in gl.static_range(STAGES):  # STAGES <= n: all in the first tile
-            _load(a_desc, w_desc, a_bufs, w_bufs, bars, s, s, row_start.to(gl.int32), w_row, STAGES, BLOCK_K,
-                  my_tiles > 0)
+            _load_step(a_desc, w_desc, a_bufs, w_bufs, bars, s, s, row_start.to(gl.int32), w_row, STAGES, BLOCK_K,
+                       my_tiles > 0)
         d_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
         d_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
         for j in range(my_tiles):
             expert_n, row_start_n, row_end_n, pid_n_n, w_row_n = _tile(
                 j + 1, pid, num_programs, blocks_m, num_pid_n, meta_ptr, num_experts, w_rows_per_expert, BLOCK_M,
                 BLOCK_N, GROUP_M, E_POW2, num_warps)
-            has_next = j + 1 < my_tiles
-            a_row = row_start.to(gl.int32)
-            a_row_n = row_start_n.to(gl.int32)
-            base = j * n
-            rows = row_start + gl.arange(0, BLOCK_M, layout=rows_l)
-            rows_ld = gl.minimum(rows, row_end - 1)
-            as_rows = as_ptr + rows_ld * stride_as
+            rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=rows_l), row_end - 1)
             ws_tile = (ws_ptr + expert.to(gl.int64) * stride_wse
                        + gl.minimum(pid_n * BLOCK_N // 128, (H - 1) // 128) * stride_wsn)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-            for b in range(0, n // UNROLL):
-                t = b * UNROLL
-                p_a = _mma_step(a_bufs, w_bufs, bars, base + t, d_a, STAGES)
-                s_a = gl.load(as_rows + t) * gl.load(ws_tile + t)
-                for u in gl.static_range(1, UNROLL):  # step t + u runs while step t + u - 1 is scaled
-                    p_b = _mma_step(a_bufs, w_bufs, bars, base + t + u, d_b, STAGES)
-                    s_b = gl.load(as_rows + t + u) * gl.load(ws_tile + t + u)
-                    d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
-                    acc = _scaled_add(d_a, s_a, acc)
-                    _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, t + u - 1 + STAGES, n, a_row, w_row,
-                                a_row_n, w_row_n, has_next, STAGES, BLOCK_K)
-                    p_a, s_a, d_a, p_b, s_b, d_b = p_b, s_b, d_b, p_a, s_a, d_a
-                d_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a,))
-                acc = _scaled_add(d_a, s_a, acc)
-                _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, t + UNROLL - 1 + STAGES, n, a_row, w_row,
-                            a_row_n, w_row_n, has_next, STAGES, BLOCK_K)
-            y = (acc * gl.load(rw_ptr + rows_ld)[:, None]).to(out_ptr.dtype.element_ty)
-            if COALESCED_STORE:  # 16 bytes per thread along a row (down_wgmma.py)
-                st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1],
-                                                    [1, 0])
-                y = gl.convert_layout(y, st)
-                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
-                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
-            else:
-                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
-                     mask=(rows < row_end)[:, None] & (cols < H)[None, :])
+            acc, d_a, d_b = _k_loop(a_desc, w_desc, a_bufs, w_bufs, bars, as_ptr + rows_ld * stride_as, ws_tile, acc,
+                                    d_a, d_b, j * n, n, row_start.to(gl.int32), w_row, row_start_n.to(gl.int32),
+                                    w_row_n, j + 1 < my_tiles, BLOCK_K, STAGES, UNROLL)
+            _store_tile(acc, rw_ptr, out_ptr, rows_ld, row_start, row_end, pid_n, H, stride_out, mma, BLOCK_M, BLOCK_N,
+                        num_warps, COALESCED_STORE)
             expert, row_start, row_end, pid_n, w_row = expert_n, row_start_n, row_end_n, pid_n_n, w_row_n
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
@@ -152,8 +106,9 @@ def launch(a: Tensor, a_desc, w_desc, a_scale: Tensor, w2_scale: Tensor, route_w
            per_expert: int, unroll: int) -> None:
     """Run the persistent kernel (down_wgmma.launch calls it with its descriptors where
     cfg.programs_per_sm > 0 and STAGES <= the K steps)."""
-    _, h, i = out.shape[0], out.shape[1], a.shape[1]
-    programs = min(cfg.programs_per_sm * num_sms(a.device), layout.num_row_blocks(cfg.block_m) * triton.cdiv(h, cfg.block_n))
+    h, i = out.shape[1], a.shape[1]
+    tiles = layout.num_row_blocks(cfg.block_m) * triton.cdiv(h, cfg.block_n)  # an upper bound: no device read
+    programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
     _down_wgmma_persistent_kernel[(programs,)](
         a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, programs, h, i, per_expert,
         a_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
