@@ -14,7 +14,7 @@ under moe_sum's time, the fusion does not pay.
     PYTHONPATH=$PWD python benchmarks/experiments/atomic_combine.py [OUT.json]
 """
 import json
-import statistics
+import os
 import sys
 
 import torch
@@ -22,6 +22,9 @@ import triton
 import triton.language as tl
 
 from moeflow.kernels.reduce import moe_sum
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sort_variants import graph_us  # noqa: E402  (a CUDA graph of calls, median of replays, µs per call)
 
 SHAPES = [("qwen3-30b-a3b", 4096, 2048, 8, 128), ("qwen3-30b-a3b", 16384, 2048, 8, 128),
           ("mixtral-8x7b", 4096, 4096, 2, 8), ("deepseek-v3", 4096, 7168, 8, 256)]
@@ -41,24 +44,6 @@ def scatter_add(y, tok, out, block_r=64, block_h=128):
     r, h = y.shape
     _scatter_add_kernel[(triton.cdiv(r, block_r), triton.cdiv(h, block_h))](y, tok, out, r, h, BLOCK_R=block_r,
                                                                              BLOCK_H=block_h, num_warps=4)
-
-
-def graph_us(fn, calls=10, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main():
@@ -84,8 +69,8 @@ def main():
             scatter_add(y, tok, out16)
 
         row = dict(preset=name, T=t, H=h, K=k, y_MB=round(y.numel() * 2 / 1e6, 1),
-                   moe_sum=graph_us(lambda: moe_sum(y, row_of_copy, k)), atomic_f32=graph_us(f32),
-                   atomic_bf16=graph_us(bf16))
+                   moe_sum=graph_us(lambda: moe_sum(y, row_of_copy, k), calls=10),
+                   atomic_f32=graph_us(f32, calls=10), atomic_bf16=graph_us(bf16, calls=10))
         f32()
         bf16()
         torch.cuda.synchronize()
