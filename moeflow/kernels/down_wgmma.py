@@ -111,6 +111,24 @@ if gluon is not None:
                                          is_pure=False, pack=1)
 
     @gluon.jit
+    def _ring(a_desc, w_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr):
+        """The STAGES shared-memory slots of a and weight tiles and their barriers, initialized."""
+        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        fence_async_shared()  # the barriers' initialization seen by the TMA units before they arrive on them
+        return a_bufs, w_bufs, bars
+
+    @gluon.jit
+    def _weight_scales(ws_ptr, expert, pid_n, H, stride_wse, stride_wsn, BLOCK_N: gl.constexpr):
+        """The tile's weight-scale row: one 128-row block of expert's scales (BLOCK_N divides 128)."""
+        block = gl.minimum(pid_n * BLOCK_N // 128, (H - 1) // 128)
+        return ws_ptr + expert.to(gl.int64) * stride_wse + block * stride_wsn
+
+    @gluon.jit
     def _k_loop(a_desc, w_desc, a_bufs, w_bufs, bars, as_rows, ws_tile, acc, d_a, d_b, base, n, a_row, w_row,
                 a_row_next, w_row_next, has_next, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr):
         """The tile's K loop over the program's steps base .. base + n - 1 (module docstring, How): acc plus
@@ -169,12 +187,7 @@ if gluon is not None:
             mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                           instr_shape=[16, BLOCK_N, 32])
             rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-            a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-            w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(bars.index(s), count=1)
-            fence_async_shared()  # the barriers' initialization seen by the TMA units before they arrive on them
+            a_bufs, w_bufs, bars = _ring(a_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
             a_row = row_start.to(gl.int32)
             w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(gl.int32)  # rows past H: never stored
             n = gl.cdiv(I, BLOCK_K)
@@ -183,8 +196,7 @@ if gluon is not None:
             rows = row_start + gl.arange(0, BLOCK_M, layout=rows_l)
             rows_ld = gl.minimum(rows, row_end - 1)
             as_rows = as_ptr + rows_ld * stride_as  # row r's scale of K group t at as_rows[r] + t (BLOCK_K 128)
-            ws_tile = (ws_ptr + expert.to(gl.int64) * stride_wse
-                       + gl.minimum(pid_n * BLOCK_N // 128, (H - 1) // 128) * stride_wsn)  # one 128-row block
+            ws_tile = _weight_scales(ws_ptr, expert, pid_n, H, stride_wse, stride_wsn, BLOCK_N)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             d_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             d_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)

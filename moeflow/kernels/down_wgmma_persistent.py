@@ -27,9 +27,9 @@ from .down_wgmma import gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from .down_wgmma import _expert_block, _k_loop, _load_step, _store_tile
+    from .down_wgmma import _expert_block, _k_loop, _load_step, _ring, _store_tile, _weight_scales
 
     @gluon.jit
     def _real_blocks(meta_ptr, num_experts, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr, num_warps: gl.constexpr):
@@ -70,12 +70,7 @@ if gluon is not None:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_N, 32])
         rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(bars.index(s), count=1)
-        fence_async_shared()
+        a_bufs, w_bufs, bars = _ring(a_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
         expert, row_start, row_end, pid_n, w_row = _tile(0, pid, num_programs, blocks_m, num_pid_n, meta_ptr,
                                                          num_experts, w_rows_per_expert, BLOCK_M, BLOCK_N, GROUP_M,
                                                          E_POW2, num_warps)
@@ -89,8 +84,7 @@ if gluon is not None:
                 j + 1, pid, num_programs, blocks_m, num_pid_n, meta_ptr, num_experts, w_rows_per_expert, BLOCK_M,
                 BLOCK_N, GROUP_M, E_POW2, num_warps)
             rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=rows_l), row_end - 1)
-            ws_tile = (ws_ptr + expert.to(gl.int64) * stride_wse
-                       + gl.minimum(pid_n * BLOCK_N // 128, (H - 1) // 128) * stride_wsn)
+            ws_tile = _weight_scales(ws_ptr, expert, pid_n, H, stride_wse, stride_wsn, BLOCK_N)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             acc, d_a, d_b = _k_loop(a_desc, w_desc, a_bufs, w_bufs, bars, as_ptr + rows_ld * stride_as, ws_tile, acc,
                                     d_a, d_b, j * n, n, row_start.to(gl.int32), w_row, row_start_n.to(gl.int32),
