@@ -55,16 +55,22 @@ if gluon is not None:
         return a + b
 
     @gluon.jit
+    def _block_counts(meta_ptr, num_experts, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr, num_warps: gl.constexpr):
+        """Per expert e (idx, E_POW2 lanes): its rows lo .. hi - 1 from the offsets, and nb = cdiv(rows, BLOCK_M)
+        row blocks (0 past num_experts)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        idx = gl.arange(0, E_POW2, layout=lay)
+        lo = gl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
+        hi = gl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0)
+        return idx, lo, hi, (hi - lo + BLOCK_M - 1) // BLOCK_M
+
+    @gluon.jit
     def _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr,
                       num_warps: gl.constexpr):
         """common.block_rows for the sorted layout: block pid_m -> (expert, row_start, row_end). Written
         again with explicit layouts: Gluon's arange needs one, so block_rows itself does not compile here
         (common.grouped_tile, scalar code, does: the kernel calls it)."""
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        idx = gl.arange(0, E_POW2, layout=lay)
-        lo = gl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
-        hi = gl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0)
-        nb = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        idx, lo, hi, nb = _block_counts(meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
         cum = gl.associative_scan(nb, 0, _add)
         expert = gl.sum((cum <= pid_m).to(gl.int32), 0)
         mine = idx == expert

@@ -29,16 +29,7 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from .down_wgmma import _expert_block, _k_loop, _load_step, _ring, _store_tile, _weight_scales
-
-    @gluon.jit
-    def _real_blocks(meta_ptr, num_experts, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr, num_warps: gl.constexpr):
-        """The sorted batch's row blocks: sum over experts of cdiv(rows, BLOCK_M)."""
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        idx = gl.arange(0, E_POW2, layout=lay)
-        lo = gl.load(meta_ptr + idx, mask=idx < num_experts, other=0)
-        hi = gl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0)
-        return gl.sum((hi - lo + BLOCK_M - 1) // BLOCK_M, 0).to(gl.int32)
+    from .down_wgmma import _block_counts, _expert_block, _k_loop, _load_step, _ring, _store_tile, _weight_scales
 
     @gluon.jit
     def _tile(j, pid, num_programs, blocks_m, num_pid_n, meta_ptr, num_experts, w_rows_per_expert,
@@ -62,7 +53,7 @@ if gluon is not None:
         """num_programs programs (the grid) over the real tiles (module docstring). Descriptors as
         down_wgmma._down_wgmma_kernel's."""
         pid = gl.program_id(0)
-        blocks_m = _real_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
+        blocks_m = gl.sum(_block_counts(meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)[3], 0).to(gl.int32)
         num_pid_n = gl.cdiv(H, BLOCK_N)
         tiles = blocks_m * num_pid_n
         my_tiles = gl.where(pid < tiles, (tiles - pid + num_programs - 1) // num_programs, 0)
