@@ -1,6 +1,7 @@
 """Each Triton kernel against the torch reference beside it, under TRITON_INTERPRET=1, plus the
 kernel-config files (lookup, override directory, defaults, validation)."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ if SKIP_REASON is None:
     from moeflow.kernels.common import RowLayout, rows_operand, weight_operand
     from moeflow.kernels.down import down, down_torch
     from moeflow.kernels.gate_up import gate_up, gate_up_torch
-    from moeflow.kernels.quant import gather_quantized, quantize_activation, quantize_rows, quantize_rows_torch
+    from moeflow.kernels.quant import gather_rows, quantize_activation, quantize_rows, quantize_rows_torch
     from moeflow.kernels.reduce import moe_sum, moe_sum_torch
     from moeflow.layouts import offsets_from_counts
     from moeflow.quant import create_scheme
@@ -121,13 +122,72 @@ def test_quantize_rows(scheme, masked):
 
 
 @pytest.mark.parametrize("rows,k", [(0, 384), (1, 128), (50, 384), (9, 10368)])  # none; one; repeats; two K blocks
-def test_gather_quantized(rows, k):
+def test_gather_rows(rows, k):
     """FP8 rows and their scales by index: the same bytes as torch indexing, every output element written."""
     q, s = quantize_activation(torch.randn(37, k).half(), "fp8-block")
     src = torch.randint(0, 37, (rows,))
-    got_q, got_s = gather_quantized(q, s, src)
+    got_q, got_s = gather_rows(q, s, src)
     assert got_q.shape == (rows, k) and got_s.shape == (rows, s.shape[1])
     assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8)[src]) and torch.equal(got_s, s[src])
+
+
+@pytest.mark.parametrize("dtype,k", [(torch.float16, 200), (torch.float32, 3000), (torch.bfloat16, 8)])
+def test_gather_rows_without_scales(dtype, k):
+    """Rows of any dtype by index (bytes moved, 8192 a step: the fp32 rows take two), no scales."""
+    x = torch.randn(11, k).to(dtype)
+    src = torch.randint(0, 11, (23,))
+    got, none = gather_rows(x, None, src)
+    assert none is None and got.dtype == dtype and torch.equal(got.view(torch.uint8), x[src].view(torch.uint8))
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-channel", torch.float32),
+                                          ("fp8-tensor", torch.float16), ("fp8-block", torch.float16)])
+def test_gate_up_rows_through_tma(scheme, dtype, split, monkeypatch):
+    """GemmConfig.x_tma: rows by index are gathered into a copy in order, then read through a TMA
+    descriptor (blocks whose rows end mid-box, an empty expert, H off the K tile); the same bits as the
+    pointer loads, and the reference's values. A masked layout and MOEFLOW_TRITON_TMA=0 fall back to
+    pointer loads."""
+    from moeflow.kernels import gate_up as gate_up_mod
+    seen = []
+    kernel = gate_up_mod._gate_up_kernel
+    monkeypatch.setattr(gate_up_mod, "_gate_up_kernel", type("Spy", (), {
+        "__getitem__": lambda _, grid: lambda *a, **kw: seen.append(kw["X_TMA"]) or kernel[grid](*a, **kw)})())
+    sch = create_scheme(scheme)
+    layout = sorted_layout([5, 0, 21, 1])
+    e, h, i = 4, 192, 128
+    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).to(dtype))
+    x, xs = sch.quantize_activation(torch.randn(9, h).to(dtype))
+    src = torch.randint(0, 9, (layout.rows,))
+    bk = 128 if scheme == "fp8-block" else 64
+    base = kc.GemmConfig(16, 128, bk, split_k=split)
+    args = (q13, s13, layout, scheme, "silu", dtype)
+    want, want_s = gate_up(x, xs, *args, base, poison=True, source_rows=src)
+    got, got_s = gate_up(x, xs, *args, replace(base, x_tma=1), poison=True, source_rows=src)
+    assert seen == [False, True]
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert (got_s is None and want_s is None) or torch.equal(got_s, want_s)
+    if scheme in ("none", "fp8-channel"):
+        assert_close(got, gate_up_torch(x, xs, *args, src), 1e-3, "gate_up, rows through TMA")
+    monkeypatch.setenv("MOEFLOW_TRITON_TMA", "0")
+    off, _ = gate_up(x, xs, *args, replace(base, x_tma=1), poison=True, source_rows=src)
+    assert seen[-1] is False and torch.equal(off.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_gate_up_rows_through_tma_edges():
+    """x_tma with no rows at all, and on a masked layout (pointer loads: slabs are not a row copy)."""
+    w13 = (torch.randn(2, 128, 64) / 8).half()
+    empty = sorted_layout([0, 0])
+    out, _ = gate_up(torch.randn(3, 64).half(), None, w13, None, empty, "none", "silu", torch.float16,
+                     kc.GemmConfig(16, 64, 64, x_tma=1), source_rows=torch.zeros(0, dtype=torch.int64))
+    assert out.shape == (0, 64)
+    masked = masked_layout([3, 0], capacity=4)
+    xm = torch.randn(8, 64).half()
+    cfg = kc.GemmConfig(16, 64, 64)
+    want, _ = gate_up(xm, None, w13, None, masked, "none", "silu", torch.float16, cfg, poison=True)
+    got, _ = gate_up(xm, None, w13, None, masked, "none", "silu", torch.float16, replace(cfg, x_tma=1), poison=True)
+    v = masked.valid_rows()
+    assert torch.equal(got[v], want[v])
 
 
 @pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel", "fp8-block"])

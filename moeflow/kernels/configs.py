@@ -55,6 +55,11 @@ class GemmConfig:
     # wgmma register layout, 2 in 16-byte stores; gate_up: kernels/gate_up_wgmma.py, 1). JSON true reads
     # as 1. fit() sets 0 where that kernel cannot run the tile.
     scale_overlap: int = 0
+    # gate_up, sorted batches: 1 loads the token rows through a TMA descriptor, rows in layout order (a
+    # batch whose rows come by index is first gathered into such a copy, one launch); 0 loads them by
+    # pointer (by index: in place, no copy). The fp8-block Gluon kernel reads its rows this way always.
+    # down ignores it (its input is in layout order: TMA wherever TMA can address it).
+    x_tma: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +108,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     BLOCK_N of 16-64 (more programs for small batches) leaves that to a separate kernel.
     fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
     an fp8-block tile the Gluon kernel runs (wgmma_gate_up_fits, wgmma_down_fits); gate_up's is 1.
+    x_tma stays (as 0 or 1) on gate_up only.
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
@@ -113,7 +119,8 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     b_tiles = 2 if fused_pair else 1
     while stages > 1 and stages * (bm * bk + b_tiles * bk * bn) * elem_bytes > _SMEM_BUDGET:
         stages -= 1
-    fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
+    fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
+                     x_tma=int(bool(cfg.x_tma)) if fused_pair else 0)
     if fitted.scale_overlap:
         fits = wgmma_gate_up_fits(fitted) if fused_pair else wgmma_down_fits(fitted)
         keep = scheme == "fp8-block" and fits and fitted.scale_overlap in (1, 2)

@@ -19,6 +19,11 @@ tile instead, its K loop scaling each step's products while the next wgmma runs;
 Weight tiles come through a TMA tensor descriptor where the weight allows it (common.weight_operand:
 16-byte aligned rows) and through pointer loads otherwise; TMA frees the address registers and
 measured 1.06-1.3x faster on H200 (benchmarks/results/gemm_variants_*.md).
+Token rows through TMA (GemmConfig.x_tma, sorted layout): the x tiles come through a TMA descriptor at
+the block's first row. Rows given by index (the local dispatcher's) are first gathered into a copy in
+order (quant.gather_rows, one launch). Without row addresses to keep, the 128x128 bf16 tile needs 172
+registers instead of 255; on H200 the tuner picks it for Mixtral's and DeepSeek-V3's largest batches, the
+copy included (benchmarks/results/x_tma_2026-11-30_h200_*.md). A masked layout reads by pointer.
 Split K (GemmConfig.split_k = S > 1): S programs per tile, program s running K steps s·⌈n/S⌉ ..
 of the n, store float32 gate and up partial sums (scales applied: linear) into slab s of a
 [S, R, 2I] workspace; _gate_up_split_sum_kernel adds the slabs in order and runs the epilogue
@@ -39,7 +44,7 @@ from torch import Tensor
 
 from ..quant import FP8_DTYPE
 from .common import (QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, pdl, pdl_launch,
-                     pdl_start, pdl_wait, scale_block, split_steps, tile_ids, to_fp8, weight_operand)
+                     pdl_start, pdl_wait, rows_operand, scale_block, split_steps, tile_ids, to_fp8, weight_operand)
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -53,10 +58,12 @@ def _gate_up_kernel(
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
         ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False,
-        SPLIT_K: tl.constexpr = 1, split_stride=0):
+        SPLIT_K: tl.constexpr = 1, split_stride=0, X_TMA: tl.constexpr = False):
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
     INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r].
+    X_TMA (not INDEXED): x_ptr is a TMA descriptor over x [R, H] with [BLOCK_M, BLOCK_K] boxes, read at
+    the block's first row (rows past the block's end are read, never stored; columns past H are zero).
     SPLIT_K > 1: grid axis 1 is the split, program s runs K steps s * ceil(n / S) .. of the n and
     stores its float32 gate and up partial sums (scales applied) into slab s of the workspace
     out_ptr [S, R, 2I] (slab stride split_stride; gate at columns n, up at I + n); no epilogue."""
@@ -76,7 +83,10 @@ def _gate_up_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ld = cols % I
     rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + x_rows[:, None] * stride_x + rk[None, :] + kb_lo * BLOCK_K
+    if X_TMA:
+        x_row = row_start.to(tl.int32)
+    else:
+        x_ptrs = x_ptr + x_rows[:, None] * stride_x + rk[None, :] + kb_lo * BLOCK_K
     if W_TMA:
         g_row = expert * w_rows_per_expert + pid_n * BLOCK_N  # rows past I are never stored
     else:
@@ -97,7 +107,9 @@ def _gate_up_kernel(
         kg0 = tl.minimum((kb_lo * BLOCK_K) // 128, (H - 1) // 128)  # a split past the last step loads in bounds
         a_s_next, g_s_next, u_s_next = tl.load(xs_rows + kg0), tl.load(gs_ptr + kg0), tl.load(us_ptr + kg0)
     for kb in range(kb_lo, kb_hi):
-        if EVEN_K:
+        if X_TMA:
+            a = x_ptr.load([x_row, kb * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(x_ptrs)
         else:
             a = tl.load(x_ptrs, mask=(rk < H - kb * BLOCK_K)[None, :], other=0.0)
@@ -130,7 +142,8 @@ def _gate_up_kernel(
         else:
             acc_g = tl.dot(a, bg, acc_g)
             acc_u = tl.dot(a, bu, acc_u)
-        x_ptrs += BLOCK_K
+        if not X_TMA:
+            x_ptrs += BLOCK_K
         if not W_TMA:
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -220,7 +233,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     narrower BLOCK_N (more programs for small batches) returns inter in the layer dtype and None:
     the caller quantizes it (kernels/quant.quantize_groups).
     source_rows: [R] int64 or None: row r is x[source_rows[r]] (x [S, H], x_scale [S, G]).
-    cfg: a GemmConfig (configs.py); with split_k > 1 fp8-block always returns the quantized groups.
+    cfg: a GemmConfig (configs.py); with split_k > 1 fp8-block always returns the quantized groups; x_tma
+    gathers rows given by index into a copy first, then reads rows in order through TMA.
     poison: fill outputs (and a split K's workspace) with NaN first (tests)."""
     r, h = layout.rows, x.shape[1]
     e, two_i, _ = w13.shape
@@ -241,10 +255,17 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         from . import gate_up_wgmma  # Gluon: loaded on CUDA only
         if gate_up_wgmma.usable(x, x_scale, w13, w13_scale, layout, scheme, cfg):
             if source_rows is not None:  # it reads rows in order (TMA): one gathered copy of the R rows first
-                from .quant import gather_quantized
-                x, x_scale = gather_quantized(x, x_scale, source_rows)
+                from .quant import gather_rows
+                x, x_scale = gather_rows(x, x_scale, source_rows)
             gate_up_wgmma.launch(x, x_scale, w13, w13_scale, layout, _act_code(activation), dtype, cfg, inter, extra)
             return inter, extra
+    x_arg = x
+    if cfg.x_tma and not layout.masked and r:  # rows in order through TMA (GemmConfig.x_tma)
+        if source_rows is not None:
+            from .quant import gather_rows
+            x, x_scale = gather_rows(x, x_scale, source_rows)
+            source_rows = None
+        x_arg = rows_operand(x, cfg.block_m, cfg.block_k)
     ws = w13_scale if w13_scale is not None else x  # unused pointer when q == 0
     stride_wse, stride_wsn = _scale_strides(ws, q)
     xs = x_scale if x_scale is not None else x
@@ -253,7 +274,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     w_arg, w_rows = weight_operand(w13, cfg.block_n, cfg.block_k)
     part = fill((split, r, two_i), nan, dtype=torch.float32, device=dev) if split > 1 else inter
     _gate_up_kernel[grid + (split,)](
-        x, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, part, extra if fused_groups else inter,
+        x_arg, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, part, extra if fused_groups else inter,
         extra if q in (1, 2) else inter, layout.meta,
         layout.num_experts, max(layout.capacity, 1), blocks_m, i, h, w_rows,
         x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), stride_wse, stride_wsn, inter.stride(0),
@@ -263,7 +284,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
         INDEXED=source_rows is not None, SPLIT_K=split, split_stride=r * two_i if split > 1 else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
+        X_TMA=x_arg is not x, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
     if split > 1:
         block_i = 128 if q == 3 else min(1024, triton.next_power_of_2(i))
         _gate_up_split_sum_kernel[(r, triton.cdiv(i, block_i))](

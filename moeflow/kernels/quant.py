@@ -6,8 +6,8 @@
 
 Rows of empty masked slots are left out of the tensor amax (they may hold garbage) and are
 quantized like any row (nothing reads them). ``quantize_rows_torch`` is the reference.
-``gather_quantized``: FP8 rows and their scales by index, (x[src], scale[src]), in one launch (the Gluon
-gate_up reads rows in order; reference: torch indexing).
+``gather_rows``: rows (any dtype) and their scales by index, (x[src], scale[src]), in one launch (the
+gate_up kernels that read rows in order through TMA take such a copy; reference: torch indexing).
 """
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ def quantize_rows_torch(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tens
 @triton.jit
 def _gather_kernel(x_ptr, xs_ptr, src_ptr, out_ptr, outs_ptr, K, G, stride_x, stride_xs, stride_out, stride_outs,
                    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Program r: out[r] = x[src[r]] (bytes; BLOCK_K at a time) and outs[r] = xs[src[r]] (G float32)."""
+    """Program r: out[r] = x[src[r]] (bytes; BLOCK_K at a time) and outs[r] = xs[src[r]] (G float32;
+    none when G is 0)."""
     r = tl.program_id(0).to(tl.int64)
     src = tl.load(src_ptr + r)
     for k0 in range(0, K, BLOCK_K):
@@ -158,15 +159,19 @@ def _gather_kernel(x_ptr, xs_ptr, src_ptr, out_ptr, outs_ptr, K, G, stride_x, st
     tl.store(outs_ptr + r * stride_outs + g, tl.load(xs_ptr + src * stride_xs + g, mask=g < G), mask=g < G)
 
 
-def gather_quantized(x: Tensor, x_scale: Tensor, source_rows: Tensor) -> tuple[Tensor, Tensor]:
-    """x [S, K] fp8 (last dimension contiguous), x_scale [S, G] float32, source_rows [R] int64
-    -> (x[source_rows] [R, K], x_scale[source_rows] [R, G]), contiguous."""
-    r, (_, k), g = source_rows.numel(), x.shape, x_scale.shape[1]
+def gather_rows(x: Tensor, x_scale: Tensor | None, source_rows: Tensor) -> tuple[Tensor, Tensor | None]:
+    """x [S, K] any dtype (last dimension contiguous), x_scale [S, G] float32 or None, source_rows [R]
+    int64 -> (x[source_rows] [R, K], x_scale[source_rows] [R, G] or None), contiguous."""
+    r, (_, k) = source_rows.numel(), x.shape
+    g = x_scale.shape[1] if x_scale is not None else 0
     out = torch.empty((r, k), dtype=x.dtype, device=x.device)
-    outs = torch.empty((r, g), dtype=x_scale.dtype, device=x.device)
+    outs = torch.empty((r, g), dtype=torch.float32, device=x.device) if x_scale is not None else None
     if r and k:
-        xb, ob = x.view(torch.uint8), out.view(torch.uint8)
-        _gather_kernel[(r,)](xb, x_scale, source_rows, ob, outs, k, g, xb.stride(0), x_scale.stride(0), ob.stride(0),
-                             outs.stride(0), BLOCK_K=min(8192, triton.next_power_of_2(k)),
+        xb, ob = x.view(torch.uint8), out.view(torch.uint8)  # rows as bytes: one kernel for every dtype
+        kb = k * x.element_size()
+        xs = x_scale if x_scale is not None else ob
+        _gather_kernel[(r,)](xb, xs, source_rows, ob, outs if outs is not None else ob, kb, g, xb.stride(0),
+                             xs.stride(0), ob.stride(0), outs.stride(0) if outs is not None else 0,
+                             BLOCK_K=min(8192, triton.next_power_of_2(kb)),
                              BLOCK_G=triton.next_power_of_2(max(g, 1)), num_warps=4)
     return out, outs

@@ -43,8 +43,9 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
         from .gate_up import _gate_up_kernel as fn
         ptrs = dict(x_ptr=act, xs_ptr="fp32", src_ptr="i64", w=act, ws_ptr="fp32", out_ptr=out, outs_ptr="fp32",
                     amax_ptr="fp32", meta_ptr="i64")
-        const = dict(QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype], MASKED=False, E_POW2=256, EVEN_K=True, INDEXED=True,
-                     DOT_IEEE=False, PROMOTE=False, ROUND_IN_FP32=False, W_TMA=tma)
+        const = dict(QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype], MASKED=False, E_POW2=256, EVEN_K=True,
+                     INDEXED=not cfg.x_tma, X_TMA=bool(cfg.x_tma), DOT_IEEE=False, PROMOTE=False, ROUND_IN_FP32=False,
+                     W_TMA=tma)
     else:  # "down", or "down_persistent" (TMA operands only): the same operands
         from .down import _down_kernel, _down_persistent_kernel
         ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64")
@@ -62,6 +63,8 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
             continue
         if tma and name == "w":
             sig[name] = desc
+        elif name == "x_ptr" and const.get("X_TMA"):
+            sig[name] = f"tensordesc<{act}[{cfg.block_m}, {cfg.block_k}]>"
         elif tma and name == "a_src":
             sig[name] = f"tensordesc<{act}[{cfg.block_m}, {cfg.block_k}]>"
         else:

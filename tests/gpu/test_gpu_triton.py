@@ -237,6 +237,37 @@ def test_gate_up_split_k_on_gpu(preset, t, scheme):
             assert torch.equal(got_t[valid].view(torch.uint8), want_t[valid].view(torch.uint8)), "graph replay"
 
 
+@pytest.mark.parametrize("preset,t", [("mixtral-8x7b", 1024), ("deepseek-v3", 300), ("qwen3-30b-a3b", 4096)])
+@pytest.mark.parametrize("scheme", ["none", "fp8-channel"])
+@pytest.mark.parametrize("stages", [3, 4])
+def test_gate_up_rows_through_tma_on_gpu(preset, t, scheme, stages):
+    """GemmConfig.x_tma (token rows gathered in order, then read through TMA) at the tuner's 128x128 tile,
+    bf16, rows by index and in order: bit-equal to the pointer loads, and against the reference."""
+    from moeflow.kernels.autotune import random_batch
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.configs import GemmConfig
+    from moeflow.kernels.gate_up import gate_up, gate_up_torch
+    from moeflow.presets import preset_config
+    from moeflow.quant import create_scheme
+    c = preset_config(preset)
+    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
+    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
+    sch = create_scheme(scheme)
+    lay = RowLayout.of(batch)
+    bk = 64 if scheme == "none" else 128
+    for rows in (torch.randint(0, t, (batch.num_rows,), device="cuda"), None):
+        x = torch.randn(t if rows is not None else lay.rows, c.hidden_size, device="cuda").to(torch.bfloat16)
+        xq, xs = sch.quantize_activation(x) if sch.quantized else (x, None)
+        base = GemmConfig(128, 128, bk, 8, 8, stages)
+        want, want_x = gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, base, True, rows)
+        got, got_x = gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16,
+                             GemmConfig(128, 128, bk, 8, 8, stages, x_tma=1), True, rows)
+        assert torch.equal(got, want), f"{preset} {scheme} T={t} rows {'by index' if rows is not None else 'in order'}"
+        assert (want_x is None and got_x is None) or torch.equal(got_x, want_x)
+        ref = gate_up_torch(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, rows)
+        assert_close(got, ref.float(), rel_tol(scheme, torch.bfloat16), f"{preset} {scheme} T={t}")
+
+
 @pytest.mark.parametrize("layout", ["masked", "sorted"])
 @pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-block"])
 def test_cuda_graph_decode(make_layer, scheme, layout):
