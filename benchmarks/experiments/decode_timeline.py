@@ -68,9 +68,11 @@ def event_us(g):
     return b2b, sorted(single)[25]
 
 
-def main():
-    out, cases = {}, {}
-    for preset, scheme, t in CASES:
+def layer_calls(rows):
+    """(name, whole layer of the triton runner as a call) for each (preset, scheme, T) in rows, one Case
+    (random weights) alive at a time."""
+    cases = {}
+    for preset, scheme, t in rows:
         if (preset, scheme) not in cases:
             cases.clear()
             torch.cuda.empty_cache()
@@ -78,11 +80,15 @@ def main():
         case = cases[(preset, scheme)]
         runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
         x, logits = case.inputs(t, 1)[0]
-        fn = lambda: case.layer(runner, x, logits)  # noqa: E731
+        yield f"{preset} {scheme} T={t}", (lambda c=case, r=runner, a=x, lg=logits: c.layer(r, a, lg))
+
+
+def main():
+    out = {}
+    for name, fn in layer_calls(CASES):
         rows, span, graph = timeline(fn)
         b2b, synced = event_us(graph)
         g = graph_us(fn)
-        name = f"{preset} {scheme} T={t}"
         out[name] = dict(graph_us=round(g, 2), span_us=round(span, 2), b2b_us=round(b2b, 2), synced_us=round(synced, 2),
                          kernels=rows)
         print(f"\n== {name}: graph {g:.1f} us, span {span:.1f} us, b2b {b2b:.1f} us, synced {synced:.1f} us, "

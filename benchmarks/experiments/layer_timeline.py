@@ -7,13 +7,10 @@ import json
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-from bench_layer import Case, graph_us  # noqa: E402
-from decode_timeline import timeline  # noqa: E402
-from moeflow.experts import create_runner  # noqa: E402
+from bench_layer import graph_us  # noqa: E402
+from decode_timeline import layer_calls, timeline  # noqa: E402
 
 CASES = [("deepseek-v3", "fp8-block", 4096), ("deepseek-v3", "fp8-block", 16384), ("qwen3-30b-a3b", "fp8-block", 1024),
          ("qwen3-30b-a3b", "fp8-block", 4096), ("qwen3-30b-a3b", "fp8-block", 16384), ("qwen3-30b-a3b", "none", 4096),
@@ -21,19 +18,10 @@ CASES = [("deepseek-v3", "fp8-block", 4096), ("deepseek-v3", "fp8-block", 16384)
 
 
 def main():
-    out, cases = {}, {}
-    for preset, scheme, t in CASES:
-        if (preset, scheme) not in cases:
-            cases.clear()
-            torch.cuda.empty_cache()
-            cases[(preset, scheme)] = Case(preset, scheme)
-        case = cases[(preset, scheme)]
-        runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
-        x, logits = case.inputs(t, 1)[0]
-        fn = lambda: case.layer(runner, x, logits)  # noqa: E731
+    out = {}
+    for name, fn in layer_calls(CASES):
         rows, span, _ = timeline(fn)
         g = graph_us(fn)
-        name = f"{preset} {scheme} T={t}"
         out[name] = dict(graph_us=round(g, 1), span_us=round(span, 1), kernels=rows)
         print(f"== {name}: graph {g:.0f} us, span {span:.0f} us; " + ", ".join(
             f"{r['kernel'][:22]} {r['dur_us']:.0f}" for r in rows), flush=True)
