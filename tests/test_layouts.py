@@ -302,8 +302,12 @@ def test_indexed_dispatch_is_the_gathered_dispatch(shape):
     indexed, h_indexed = d.dispatch(x, ids, w)
     assert indexed.hidden is x and indexed.source_rows.dtype == torch.int64 and indexed.num_rows == t * k
     assert torch.equal(indexed.source_rows, x[indexed.source_rows, 0].long())  # column 0 tags the token
+    assert plain.copy_rows is None and indexed.copy_rows.shape == (t, k)  # the inverse of source_rows
+    assert torch.equal(indexed.source_rows[indexed.copy_rows],
+                       torch.arange(t, device=x.device)[:, None].expand(t, k))
+    assert torch.equal(indexed.copy_rows.flatten().sort().values, torch.arange(t * k, device=x.device))
     g = indexed.gathered()
-    assert g.source_rows is None and torch.equal(g.hidden, plain.hidden)
+    assert g.source_rows is None and g.copy_rows is None and torch.equal(g.hidden, plain.hidden)
     for name in ("weights", "counts", "offsets"):
         assert torch.equal(getattr(indexed, name), getattr(plain, name)), name
     assert torch.equal(h_indexed.row_of_copy, h_plain.row_of_copy)

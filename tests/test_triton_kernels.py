@@ -605,3 +605,47 @@ def test_tune_times_gate_up_rows_as_the_layer_feeds_them(monkeypatch, tmp_path):
                                                                                            indexed=True)
     assert indexed.hidden.shape == (9, 64) and torch.equal(indexed.hidden[indexed.source_rows], plain.hidden)
     assert torch.equal(indexed.offsets, plain.offsets) and torch.equal(indexed.weights, plain.weights)
+
+
+@pytest.mark.parametrize("dtype,k,copies,g", [(torch.float16, 200, 3, 0), (torch.float32, 3000, 2, 0),
+                                              (torch.float8_e4m3fn, 384, 8, 3), (torch.bfloat16, 8, 1, 0)])
+def test_scatter_rows_equals_gather_rows(dtype, k, copies, g):
+    """The row copy from the inverse map (each source row read once) equals the gather by source rows, every
+    element written (outputs start as garbage: torch.empty), scales included; a source with no rows."""
+    from moeflow.kernels.quant import scatter_rows
+    s = 9
+    x = torch.randn(s, k).to(dtype)
+    xs = torch.rand(s, g) if g else None
+    perm = torch.randperm(s * copies)
+    copy_rows = perm.view(s, copies)
+    src = torch.empty_like(perm)
+    src[perm] = torch.arange(s * copies) // copies
+    got, got_s = scatter_rows(x, xs, copy_rows)
+    want, want_s = gather_rows(x, xs, src)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert (got_s is None and want_s is None) or torch.equal(got_s, want_s)
+    none, _ = scatter_rows(x[:0], None, copy_rows[:0])
+    assert none.shape == (0, k)
+
+
+def test_gate_up_rows_in_order_by_scatter(monkeypatch):
+    """gate_up with x_tma and copy_rows (the local dispatcher's inverse map) scatters the rows into order:
+    the same bits as the gather by source_rows, which it falls back to without copy_rows."""
+    from moeflow.kernels import quant as quant_mod
+    calls = []
+    for name in ("gather_rows", "scatter_rows"):
+        fn = getattr(quant_mod, name)
+        monkeypatch.setattr(quant_mod, name, lambda *a, _f=fn, _n=name: calls.append(_n) or _f(*a))
+    ids = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2], [1, 0]], dtype=torch.int32)
+    offsets, counts, row_of_copy, source, _ = sort_by_expert_torch(ids, torch.rand(5, 2), 3)
+    layout = RowLayout(False, offsets, 3, 0, 10)
+    w13 = (torch.randn(3, 128, 64) / 8).half()
+    x = torch.randn(5, 64).half()
+    cfg = kc.GemmConfig(16, 64, 64, x_tma=1)
+    by_gather, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True, source_rows=source)
+    by_scatter, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True,
+                            source_rows=source, copy_rows=row_of_copy)
+    assert calls == ["gather_rows", "scatter_rows"]
+    assert torch.equal(by_gather, by_scatter)
+    assert_close(by_scatter, gate_up_torch(x, None, w13, None, layout, "none", "silu", torch.float16, source), 1e-3,
+                 "gate_up, rows scattered into order")

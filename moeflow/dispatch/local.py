@@ -55,6 +55,7 @@ class LocalDispatcher(Dispatcher):
             offsets=offsets,
             source_rows=source if self.indexed_rows else None,
             hidden_scale=None if hs is None else hs if self.indexed_rows else hs[source],
+            copy_rows=row_of_copy if self.indexed_rows else None,
         )
         return batch, LocalHandle(row_of_copy)
 

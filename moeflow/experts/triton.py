@@ -75,7 +75,8 @@ class TritonRunner(ExpertRunner):
         xq, xs = unit_stride_rows(xq), None if xs is None else unit_stride_rows(xs)
         inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale,
                                layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison,
-                               source_rows=None if src is None else src.contiguous())
+                               source_rows=None if src is None else src.contiguous(),
+                               copy_rows=None if src is None or batch.copy_rows is None else batch.copy_rows.contiguous())
         a, a_scale = down_input(inter, extra, scheme.name)
         out = down(a, a_scale, weights.w2, weights.w2_scale, batch.weights.reshape(-1).float().contiguous(),
                    layout, scheme.name, config.dtype, kcfg.down, poison)

@@ -118,7 +118,8 @@ def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8):
 
 def random_batch(shape: Shape, tokens: int, device, seed: int = 0, indexed: bool = False) -> ExpertBatch:
     """A sorted batch of tokens * top_k copies, uniform random distinct experts per token; indexed: its rows
-    given by index (hidden the T tokens, source_rows [T * top_k]), as the local dispatcher hands them."""
+    given by index (hidden the T tokens, source_rows [T * top_k], copy_rows [T, top_k]), as the local
+    dispatcher hands them."""
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.rand(tokens, shape.num_experts, generator=gen, device=device).topk(shape.top_k, dim=1).indices
     flat = ids.reshape(-1)
@@ -127,7 +128,10 @@ def random_batch(shape: Shape, tokens: int, device, seed: int = 0, indexed: bool
     x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(shape.dtype)
     w = torch.rand(tokens * shape.top_k, generator=gen, device=device)
     if indexed:
-        return ExpertBatch(SORTED, x, w[order], counts, offsets_from_counts(counts), source_rows=order // shape.top_k)
+        copy_rows = torch.empty_like(order)
+        copy_rows[order] = torch.arange(order.numel(), device=device)
+        return ExpertBatch(SORTED, x, w[order], counts, offsets_from_counts(counts), source_rows=order // shape.top_k,
+                           copy_rows=copy_rows.view(tokens, shape.top_k))
     return ExpertBatch(SORTED, x[order // shape.top_k], w[order], counts, offsets_from_counts(counts))
 
 

@@ -21,7 +21,8 @@ Weight tiles come through a TMA tensor descriptor where the weight allows it (co
 measured 1.06-1.3x faster on H200 (benchmarks/results/gemm_variants_*.md).
 Token rows through TMA (GemmConfig.x_tma, sorted layout): the x tiles come through a TMA descriptor at
 the block's first row. Rows given by index (the local dispatcher's) are first gathered into a copy in
-order (quant.gather_rows, one launch). Without row addresses to keep, the 128x128 bf16 tile needs 172
+order (one launch: quant.scatter_rows where the batch carries the inverse map, ExpertBatch.copy_rows, each
+token row read once; else quant.gather_rows). Without row addresses to keep, the 128x128 bf16 tile needs 172
 registers instead of 255; on H200 the tuner picks it for Mixtral's and DeepSeek-V3's largest batches, the
 copy included (benchmarks/results/x_tma_2026-11-30_h200_*.md). A masked layout reads by pointer.
 Split K (GemmConfig.split_k = S > 1): S programs per tile, program s running K steps s·⌈n/S⌉ ..
@@ -225,7 +226,7 @@ def _gate_up_split_sum_kernel(part_ptr, out_ptr, outs_ptr, amax_ptr, meta_ptr, n
 
 def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
             scheme: str, activation: str, dtype: torch.dtype, cfg, poison: bool = False,
-            source_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+            source_rows: Tensor | None = None, copy_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """x [R, H] (layer dtype, or fp8 with x_scale [R, G]), w13 [E, 2I, H] (+ scheme scale)
     -> (inter [R, I], extra): extra is None (none), amax [R] / [1] float32 (fp8-channel /
     fp8-tensor; inter in layer dtype) or scale [R, I/128] (fp8-block with BLOCK_N a multiple of
@@ -233,6 +234,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     narrower BLOCK_N (more programs for small batches) returns inter in the layer dtype and None:
     the caller quantizes it (kernels/quant.quantize_groups).
     source_rows: [R] int64 or None: row r is x[source_rows[r]] (x [S, H], x_scale [S, G]).
+    copy_rows: [S, C] int64 (S * C == R) or None: with source_rows, its inverse (ExpertBatch.copy_rows); a
+    copy of the rows in order is then scattered by it (each source row read once) instead of gathered.
     cfg: a GemmConfig (configs.py); with split_k > 1 fp8-block always returns the quantized groups; x_tma
     gathers rows given by index into a copy first, then reads rows in order through TMA.
     poison: fill outputs (and a split K's workspace) with NaN first (tests)."""
@@ -254,16 +257,14 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     if fused_groups and split == 1 and cfg.scale_overlap and x.is_cuda:
         from . import gate_up_wgmma  # Gluon: loaded on CUDA only
         if gate_up_wgmma.usable(x, x_scale, w13, w13_scale, layout, scheme, cfg):
-            if source_rows is not None:  # it reads rows in order (TMA): one gathered copy of the R rows first
-                from .quant import gather_rows
-                x, x_scale = gather_rows(x, x_scale, source_rows)
+            if source_rows is not None:  # it reads rows in order (TMA): one copy of the R rows in order first
+                x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
             gate_up_wgmma.launch(x, x_scale, w13, w13_scale, layout, _act_code(activation), dtype, cfg, inter, extra)
             return inter, extra
     x_arg = x
     if cfg.x_tma and not layout.masked and r:  # rows in order through TMA (GemmConfig.x_tma)
         if source_rows is not None:
-            from .quant import gather_rows
-            x, x_scale = gather_rows(x, x_scale, source_rows)
+            x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
             source_rows = None
         x_arg = rows_operand(x, cfg.block_m, cfg.block_k)
     ws = w13_scale if w13_scale is not None else x  # unused pointer when q == 0
@@ -293,6 +294,16 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
             r * two_i, QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
             SPLIT_K=split, BLOCK_I=block_i, ROUND_IN_FP32=interpreting(), **pdl(dev))
     return inter, extra
+
+
+def _rows_in_order(x: Tensor, x_scale: Tensor | None, source_rows: Tensor, copy_rows: Tensor | None):
+    """(x[source_rows], x_scale[source_rows]) as contiguous copies in one launch: scattered by copy_rows when
+    it is given and covers the rows (each source row read once), else gathered by source_rows."""
+    from .quant import gather_rows, scatter_rows
+    if copy_rows is not None and copy_rows.dim() == 2 and copy_rows.shape[0] == x.shape[0] \
+            and copy_rows.numel() == source_rows.numel():
+        return scatter_rows(x, x_scale, copy_rows)
+    return gather_rows(x, x_scale, source_rows)
 
 
 def _act_code(name: str) -> int:

@@ -7,7 +7,8 @@
 Rows of empty masked slots are left out of the tensor amax (they may hold garbage) and are
 quantized like any row (nothing reads them). ``quantize_rows_torch`` is the reference.
 ``gather_rows``: rows (any dtype) and their scales by index, (x[src], scale[src]), in one launch (the
-gate_up kernels that read rows in order through TMA take such a copy; reference: torch indexing).
+gate_up kernels that read rows in order through TMA take such a copy; reference: torch indexing);
+``scatter_rows``: the same copy from the inverse map, each source row read once.
 """
 from __future__ import annotations
 
@@ -157,6 +158,45 @@ def _gather_kernel(x_ptr, xs_ptr, src_ptr, out_ptr, outs_ptr, K, G, stride_x, st
         tl.store(out_ptr + r * stride_out + cols, tl.load(x_ptr + src * stride_x + cols, mask=cols < K), mask=cols < K)
     g = tl.arange(0, BLOCK_G)
     tl.store(outs_ptr + r * stride_outs + g, tl.load(xs_ptr + src * stride_xs + g, mask=g < G), mask=g < G)
+
+
+@triton.jit
+def _scatter_kernel(x_ptr, xs_ptr, dst_ptr, out_ptr, outs_ptr, K, G, stride_x, stride_xs, stride_out, stride_outs,
+                    COPIES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Program s: x[s] (bytes; BLOCK_K at a time) and xs[s] (G float32; none when G is 0), read once, are
+    written to rows dst[s, 0 .. COPIES-1] of out and outs."""
+    s = tl.program_id(0).to(tl.int64)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_ptr + s * stride_x + cols, mask=cols < K)
+        for c in tl.static_range(COPIES):
+            tl.store(out_ptr + tl.load(dst_ptr + s * COPIES + c) * stride_out + cols, v, mask=cols < K)
+    g = tl.arange(0, BLOCK_G)
+    sv = tl.load(xs_ptr + s * stride_xs + g, mask=g < G)
+    for c in tl.static_range(COPIES):
+        tl.store(outs_ptr + tl.load(dst_ptr + s * COPIES + c) * stride_outs + g, sv, mask=g < G)
+
+
+def scatter_rows(x: Tensor, x_scale: Tensor | None, copy_rows: Tensor) -> tuple[Tensor, Tensor | None]:
+    """gather_rows by the inverse map: x [S, K] any dtype (last dimension contiguous), x_scale [S, G] float32
+    or None, copy_rows [S, C] int64 (contiguous), a permutation of 0 .. S*C-1: the rows that copy each
+    source row -> (out [S*C, K], outs [S*C, G] or None) with out[copy_rows[s, c]] = x[s]: the same result
+    as gather_rows(x, x_scale, source_rows) for source_rows[copy_rows[s, c]] = s, but each source row is
+    read once instead of C times."""
+    (s, k), c = x.shape, copy_rows.shape[1]
+    r = s * c
+    g = x_scale.shape[1] if x_scale is not None else 0
+    out = torch.empty((r, k), dtype=x.dtype, device=x.device)
+    outs = torch.empty((r, g), dtype=torch.float32, device=x.device) if x_scale is not None else None
+    if r and k:
+        xb, ob = x.view(torch.uint8), out.view(torch.uint8)  # rows as bytes: one kernel for every dtype
+        kb = k * x.element_size()
+        xs = x_scale if x_scale is not None else ob
+        _scatter_kernel[(s,)](xb, xs, copy_rows, ob, outs if outs is not None else ob, kb, g, xb.stride(0),
+                              xs.stride(0), ob.stride(0), outs.stride(0) if outs is not None else 0, COPIES=c,
+                              BLOCK_K=min(8192, triton.next_power_of_2(kb)),
+                              BLOCK_G=triton.next_power_of_2(max(g, 1)), num_warps=4)
+    return out, outs
 
 
 def gather_rows(x: Tensor, x_scale: Tensor | None, source_rows: Tensor) -> tuple[Tensor, Tensor | None]:
