@@ -183,35 +183,36 @@ def scatter_rows(x: Tensor, x_scale: Tensor | None, copy_rows: Tensor) -> tuple[
     source row -> (out [S*C, K], outs [S*C, G] or None) with out[copy_rows[s, c]] = x[s]: the same result
     as gather_rows(x, x_scale, source_rows) for source_rows[copy_rows[s, c]] = s, but each source row is
     read once instead of C times."""
-    (s, k), c = x.shape, copy_rows.shape[1]
-    r = s * c
-    g = x_scale.shape[1] if x_scale is not None else 0
-    out = torch.empty((r, k), dtype=x.dtype, device=x.device)
-    outs = torch.empty((r, g), dtype=torch.float32, device=x.device) if x_scale is not None else None
-    if r and k:
-        xb, ob = x.view(torch.uint8), out.view(torch.uint8)  # rows as bytes: one kernel for every dtype
-        kb = k * x.element_size()
-        xs = x_scale if x_scale is not None else ob
-        _scatter_kernel[(s,)](xb, xs, copy_rows, ob, outs if outs is not None else ob, kb, g, xb.stride(0),
-                              xs.stride(0), ob.stride(0), outs.stride(0) if outs is not None else 0, COPIES=c,
-                              BLOCK_K=min(8192, triton.next_power_of_2(kb)),
-                              BLOCK_G=triton.next_power_of_2(max(g, 1)), num_warps=4)
+    copies = copy_rows.shape[1]
+    out, outs, args, consts = _row_copy(x, x_scale, x.shape[0] * copies)
+    if args:
+        _scatter_kernel[(x.shape[0],)](args[0], args[1], copy_rows, *args[2:], COPIES=copies, **consts)
     return out, outs
 
 
 def gather_rows(x: Tensor, x_scale: Tensor | None, source_rows: Tensor) -> tuple[Tensor, Tensor | None]:
     """x [S, K] any dtype (last dimension contiguous), x_scale [S, G] float32 or None, source_rows [R]
     int64 -> (x[source_rows] [R, K], x_scale[source_rows] [R, G] or None), contiguous."""
-    r, (_, k) = source_rows.numel(), x.shape
+    out, outs, args, consts = _row_copy(x, x_scale, source_rows.numel())
+    if args:
+        _gather_kernel[(source_rows.numel(),)](args[0], args[1], source_rows, *args[2:], **consts)
+    return out, outs
+
+
+def _row_copy(x: Tensor, x_scale: Tensor | None, r: int):
+    """The outputs of a copy of r rows of x (and x_scale) -> (out [r, K], outs [r, G] or None, the copy kernels'
+    arguments but the index pointer: rows as bytes, one kernel for every dtype; () when nothing is copied,
+    their constexprs)."""
+    k = x.shape[1]
     g = x_scale.shape[1] if x_scale is not None else 0
     out = torch.empty((r, k), dtype=x.dtype, device=x.device)
     outs = torch.empty((r, g), dtype=torch.float32, device=x.device) if x_scale is not None else None
-    if r and k:
-        xb, ob = x.view(torch.uint8), out.view(torch.uint8)  # rows as bytes: one kernel for every dtype
-        kb = k * x.element_size()
-        xs = x_scale if x_scale is not None else ob
-        _gather_kernel[(r,)](xb, xs, source_rows, ob, outs if outs is not None else ob, kb, g, xb.stride(0),
-                             xs.stride(0), ob.stride(0), outs.stride(0) if outs is not None else 0,
-                             BLOCK_K=min(8192, triton.next_power_of_2(kb)),
-                             BLOCK_G=triton.next_power_of_2(max(g, 1)), num_warps=4)
-    return out, outs
+    if not (r and k):
+        return out, outs, (), {}
+    xb, ob = x.view(torch.uint8), out.view(torch.uint8)
+    kb = k * x.element_size()
+    xs = x_scale if x_scale is not None else ob  # unused pointers when G is 0
+    args = (xb, xs, ob, outs if outs is not None else ob, kb, g, xb.stride(0), xs.stride(0), ob.stride(0),
+            outs.stride(0) if outs is not None else 0)
+    consts = dict(BLOCK_K=min(8192, triton.next_power_of_2(kb)), BLOCK_G=triton.next_power_of_2(max(g, 1)), num_warps=4)
+    return out, outs, args, consts
