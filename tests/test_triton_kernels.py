@@ -605,6 +605,7 @@ def test_tune_times_gate_up_rows_as_the_layer_feeds_them(monkeypatch, tmp_path):
                                                                                            indexed=True)
     assert indexed.hidden.shape == (9, 64) and torch.equal(indexed.hidden[indexed.source_rows], plain.hidden)
     assert torch.equal(indexed.offsets, plain.offsets) and torch.equal(indexed.weights, plain.weights)
+    assert torch.equal(indexed.source_rows[indexed.copy_rows], torch.arange(9)[:, None].expand(9, 2))  # its inverse
 
 
 @pytest.mark.parametrize("dtype,k,copies,g", [(torch.float16, 200, 3, 0), (torch.float32, 3000, 2, 0),
