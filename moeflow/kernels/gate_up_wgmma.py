@@ -153,7 +153,7 @@ if gluon is not None:
 
 def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout, scheme: str, cfg) -> bool:
     """Whether gate_up() may run this kernel for the call (module docstring, Where). x: the rows as given
-    (rows by index: gate_up() gathers a contiguous copy first, whose rows are TMA-addressable if these are)."""
+    (rows by index: gate_up() first copies them in order, contiguous: TMA-addressable if these rows are)."""
     if (gluon is None or scheme != "fp8-block" or layout.masked or not x.is_cuda
             or x_scale is None or w13_scale is None or not wgmma_gate_up_fits(cfg) or cfg.split_k > 1
             or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(x.device).major != 9):
