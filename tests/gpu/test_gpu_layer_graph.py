@@ -106,3 +106,49 @@ def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, 
     if runner == "triton":  # the others' accuracy: tests/gpu/test_gpu_runners.py
         ids, w = route_for(cfg, logits, fused.e_score_correction_bias)
         assert_close(out, layer_oracle(fused, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} T={t}")
+
+
+@pytest.mark.parametrize("scheme,gate_up_cfg", [
+    ("none", dict(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, x_tma=1)),
+    ("fp8-block", dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3, scale_overlap=1))])
+def test_rows_copied_into_order_by_scatter(make_layer, scheme, gate_up_cfg, tmp_path, monkeypatch):
+    """Where gate_up reads its rows in order (bf16 with x_tma; fp8-block's Gluon tile), the local dispatcher's
+    inverse map (ExpertBatch.copy_rows) scatters the copy into order: the layer's output is bit-equal to the
+    gather's, close to the oracle, and the same from a CUDA graph. A tuned file in MOEFLOW_KERNEL_CONFIG_DIR
+    makes the runner pick those tiles for this small shape."""
+    from moeflow.kernels import configs as kc
+    from moeflow.kernels import gate_up as gate_up_mod
+    e, h, i, k, t = 8, 256, 256, 2, 300
+    down_k = 128 if scheme != "none" else 64
+    pair = kc.MoEKernelConfig(kc.GemmConfig(**gate_up_cfg), kc.GemmConfig(64, 128, down_k, 8, 4, 3))
+    name = kc.file_name(torch.cuda.get_device_name(), e, i, h, scheme)
+    kc.write_table(tmp_path / name, dict(device=torch.cuda.get_device_name(), E=e, N=i, K=h, scheme=scheme), {t: pair})
+    monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
+    layer = make_layer(num_experts=e, hidden_size=h, intermediate_size=i, top_k=k, quant=scheme,
+                       dtype=torch.bfloat16, device="cuda", runner="triton")
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(t, k, device="cuda") + 0.1
+    calls = []
+    scatter = gate_up_mod._rows_in_order
+    monkeypatch.setattr(gate_up_mod, "_rows_in_order", lambda *a: calls.append(a[3] is not None) or scatter(*a))
+    got = layer.forward_topk(x, ids, w)
+    monkeypatch.setattr(gate_up_mod, "_rows_in_order",
+                        lambda xq, xs, src, _: calls.append(False) or scatter(xq, xs, src, None))
+    want = layer.forward_topk(x, ids, w)
+    assert calls == [True, False], "the runner did not copy rows into order through the tuned tile"
+    assert torch.equal(got, want)
+    assert_close(got, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} rows scattered")
+    monkeypatch.setattr(gate_up_mod, "_rows_in_order", scatter)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer.forward_topk(x, ids, w)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = layer.forward_topk(x, ids, w)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want), "graph replay"
