@@ -76,8 +76,7 @@ class TritonRunner(ExpertRunner):
         inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale,
                                layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison,
                                source_rows=None if src is None else src.contiguous(),
-                               copy_rows=batch.copy_rows.contiguous() if src is not None and batch.copy_rows is not None
-                               else None)
+                               copy_rows=None if batch.copy_rows is None else batch.copy_rows.contiguous())
         a, a_scale = down_input(inter, extra, scheme.name)
         out = down(a, a_scale, weights.w2, weights.w2_scale, batch.weights.reshape(-1).float().contiguous(),
                    layout, scheme.name, config.dtype, kcfg.down, poison)

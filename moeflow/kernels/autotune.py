@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layouts import SORTED, ExpertBatch, offsets_from_counts
+from ..layouts import SORTED, ExpertBatch
 from ..quant import FP8_DTYPE, create_scheme
 from .configs import GemmConfig, MoEKernelConfig, fit
 
@@ -122,17 +122,13 @@ def random_batch(shape: Shape, tokens: int, device, seed: int = 0, indexed: bool
     dispatcher hands them."""
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.rand(tokens, shape.num_experts, generator=gen, device=device).topk(shape.top_k, dim=1).indices
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=shape.num_experts).to(torch.int32)
     x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(shape.dtype)
-    w = torch.rand(tokens * shape.top_k, generator=gen, device=device)
+    w = torch.rand(tokens, shape.top_k, generator=gen, device=device)
+    from ..dispatch.expert_sort import sort_by_expert_torch  # the local dispatcher's sort, in torch
+    offsets, counts, copy_rows, source, sorted_w = sort_by_expert_torch(ids, w, shape.num_experts)
     if indexed:
-        copy_rows = torch.empty_like(order)
-        copy_rows[order] = torch.arange(order.numel(), device=device)
-        return ExpertBatch(SORTED, x, w[order], counts, offsets_from_counts(counts), source_rows=order // shape.top_k,
-                           copy_rows=copy_rows.view(tokens, shape.top_k))
-    return ExpertBatch(SORTED, x[order // shape.top_k], w[order], counts, offsets_from_counts(counts))
+        return ExpertBatch(SORTED, x, sorted_w, counts, offsets, source_rows=source, copy_rows=copy_rows)
+    return ExpertBatch(SORTED, x[source], sorted_w, counts, offsets)
 
 
 def _runner(shape: Shape):

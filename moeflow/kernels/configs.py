@@ -56,7 +56,7 @@ class GemmConfig:
     # as 1. fit() sets 0 where that kernel cannot run the tile.
     scale_overlap: int = 0
     # gate_up, sorted batches: 1 loads the token rows through a TMA descriptor, rows in layout order (a
-    # batch whose rows come by index is first gathered into such a copy, one launch); 0 loads them by
+    # batch whose rows come by index is first copied into that order, one launch); 0 loads them by
     # pointer (by index: in place, no copy). The fp8-block Gluon kernel reads its rows this way always.
     # down ignores it (its input is in layout order: TMA wherever TMA can address it).
     x_tma: int = 0

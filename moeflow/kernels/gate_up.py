@@ -20,7 +20,7 @@ Weight tiles come through a TMA tensor descriptor where the weight allows it (co
 16-byte aligned rows) and through pointer loads otherwise; TMA frees the address registers and
 measured 1.06-1.3x faster on H200 (benchmarks/results/gemm_variants_*.md).
 Token rows through TMA (GemmConfig.x_tma, sorted layout): the x tiles come through a TMA descriptor at
-the block's first row. Rows given by index (the local dispatcher's) are first gathered into a copy in
+the block's first row. Rows given by index (the local dispatcher's) are first copied into layout
 order (one launch: quant.scatter_rows where the batch carries the inverse map, ExpertBatch.copy_rows, each
 token row read once; else quant.gather_rows). Without row addresses to keep, the 128x128 bf16 tile needs 172
 registers instead of 255; on H200 the tuner picks it for Mixtral's and DeepSeek-V3's largest batches, the
@@ -237,7 +237,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     copy_rows: [S, C] int64 (S * C == R) or None: with source_rows, its inverse (ExpertBatch.copy_rows); a
     copy of the rows in order is then scattered by it (each source row read once) instead of gathered.
     cfg: a GemmConfig (configs.py); with split_k > 1 fp8-block always returns the quantized groups; x_tma
-    gathers rows given by index into a copy first, then reads rows in order through TMA.
+    copies rows given by index into order first, then reads rows in order through TMA.
     poison: fill outputs (and a split K's workspace) with NaN first (tests)."""
     r, h = layout.rows, x.shape[1]
     e, two_i, _ = w13.shape

@@ -21,7 +21,8 @@ Where: GemmConfig.scale_overlap on a gate_up config (fit() keeps it where wgmma_
 batches, CUDA compute capability 9.x, operands TMA-addressable, H and I multiples of 128; kernels/gate_up.py
 falls back to its own kernel otherwise. TMA reads rows in order: for rows by index (source_rows, the local
 dispatcher's plan) gate_up() first copies the R rows and their scales in order into a contiguous buffer (one
-launch, gate_up._rows_in_order: scattered from each token once where the batch has copy_rows). A gather inside this kernel by cp.async measured slower (commit 85b447b).
+launch, gate_up._rows_in_order: scattered from each token once where the batch has copy_rows). A gather
+inside this kernel by cp.async measured slower (commit 85b447b).
 Measured on H200 (benchmarks/results/gluon_gate_up_2026-11-30_h200_256cb47.md): 1.09-1.18x the Triton
 kernel alone on Mixtral's and DeepSeek-V3's shapes, 1.14-1.15x on Qwen3's; in the layer, with the copy,
 1.03-1.19x (Mixtral), 1.03-1.07x (DeepSeek-V3 T=4096), about 1.0x (Qwen3, whose table keeps Triton).
