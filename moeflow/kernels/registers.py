@@ -101,16 +101,19 @@ def compile_for_hopper(fn, signature: dict, constexprs: dict, attrs: dict | None
     return regs, spill
 
 
-def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: int):
+def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None):
     """compile_for_hopper for a @gluon.jit kernel (kernels/down_wgmma.py) -> (registers per thread,
     spill-store bytes, ptxas's info lines: C7514 there means it serialized the wgmmas).
     signature: the Triton types of the runtime parameters (a Gluon TensorDescriptor's is
-    triton.runtime.jit.mangle_type(descriptor))."""
+    triton.runtime.jit.mangle_type(descriptor)). maxnreg: the launch's register cap (a warp-specialized
+    kernel's partitions then set their own, kernels/down_ws.py)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    sig, const = _typed(fn, signature, dict(constexprs, num_warps=num_warps))
+    const_in = dict(constexprs, num_warps=num_warps) if "num_warps" in fn.arg_names else dict(constexprs)
+    sig, const = _typed(fn, signature, const_in)
+    options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
     compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs={}),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+                              target=GPUTarget("cuda", 90, 32), options=options)
     return ptxas_report(compiled.asm["ptx"])
 
 

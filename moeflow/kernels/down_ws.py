@@ -1,0 +1,249 @@
+"""bf16/fp16 down GEMM for Hopper in Gluon: persistent, warp-specialized, two consumer warpgroups by turns.
+
+    a [R, I] layer dtype (sorted layout, rows in order), w2 down_proj [E, H, I] layer dtype, route_w [R]
+    float32 -> out [R, H] layer dtype, as kernels/down.py (reference: down.down_torch).
+Why: short K loops. Qwen3's I = 768 is 12 steps of 64; a program that runs one tile at a time idles its
+tensor cores while the tile's first operands arrive and while its epilogue runs, about as long as the K
+loop. Here they overlap.
+How: one program per SM takes tiles p, p + P, ... of the real row blocks in grouped order, from a table
+of the row blocks (block_table: expert, first row, end row of each, written by one small launch first).
+Three partitions (gl.warp_specialize):
+  - a loader warp: TMA loads of every K step of the program's tiles, in order, into a ring of STAGES
+    shared-memory slots (slot g % STAGES for the program's step g), each once its slot is released;
+  - two consumer warpgroups: consumer c takes the program's tiles j = c, c + 2, ...: one wgmma in flight over
+    its tile's steps, releasing each step's slot once the next wgmma is issued, then the epilogue (routing
+    weight, 16-byte stores). A consumer starts a tile's K loop only once the other has issued its own
+    (the `turn` barriers): the K loops run one after the other at the tensor cores' full rate while the
+    other consumer runs its epilogue, and a wait on a slot's barrier is never more than one phase ahead (a
+    parity wait cannot tell phases two apart: without the turns the second consumer read the wrong steps).
+Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
+(consumer 0) the rest, 248 (setmaxnreg). ptxas sm_90a: no spills (tests/test_kernels_compile_sm90.py).
+Where: GemmConfig.warp_specialize on a down config (fit() keeps it on 128 x 128 x 64 tiles, layer dtype
+bf16/fp16), sorted batches, CUDA compute capability 9.x, both operands TMA-addressable; down.py runs its
+own kernels otherwise. Measured on H200 (benchmarks/results/ws_down_*): 1.23-1.30x the tuned Triton down on
+Qwen3's shape at T = 4096-16384, 1.08-1.09x on DeepSeek-V3's at 5 stages, slower than the 128 x 256 Triton
+tile on Mixtral's T = 16384 (the tuner picks per entry).
+Imported only when a config asks for it on a CUDA device (down.py): CPU runs never load Gluon.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import env as moeflow_env
+from .common import RowLayout, _cuda_properties, expert_rows, grouped_tile, num_sms, pdl, pdl_start, tma_rows
+from .configs import ws_down_fits
+
+try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: usable() says False
+    gluon = None
+
+MAXNREG = 168  # registers a thread at launch: 12 warps x 168 x 32 fit the SM's 64K
+CONSUMER_REGS, LOADER_REGS = 232, 24  # the default partition (consumer 0) gets 3 * MAXNREG - these = 248
+
+
+@triton.jit
+def _block_table_kernel(meta_ptr, blk_ptr, nblk_ptr, num_experts, num_blocks,
+                        BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+    """Sorted layout, offsets meta [E + 1] int64 -> blk [3, num_blocks] int32: expert, first row, end row of
+    each row block of BLOCK_M rows (common.block_rows' alignment; blocks past the real ones: an empty range
+    at the last expert's end), and nblk [1] int32: the real row blocks."""
+    pdl_start(PDL)
+    idx = tl.arange(0, E_POW2)
+    lo = tl.load(meta_ptr + idx, mask=idx < num_experts, other=0).to(tl.int32)  # rows < 2^31 (int32 tables)
+    hi = tl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0).to(tl.int32)
+    nb = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(nb, 0)
+    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    expert = tl.sum((cum[None, :] <= b[:, None]).to(tl.int32), 1)  # [BLOCK_B]
+    mine = idx[None, :] == expert[:, None]
+    first = tl.sum(tl.where(mine, (cum - nb)[None, :], 0), 1)
+    end = tl.sum(tl.where(mine, hi[None, :], 0), 1)
+    start = tl.sum(tl.where(mine, lo[None, :], 0), 1) + (b - first) * BLOCK_M
+    last_end = tl.load(meta_ptr + num_experts)
+    real = expert < num_experts
+    ok = b < num_blocks
+    tl.store(blk_ptr + b, tl.where(real, expert, num_experts - 1).to(tl.int32), mask=ok)
+    tl.store(blk_ptr + num_blocks + b, tl.where(real, start, last_end).to(tl.int32), mask=ok)
+    tl.store(blk_ptr + 2 * num_blocks + b, tl.where(real, end, last_end).to(tl.int32), mask=ok)
+    if tl.program_id(0) == 0:
+        tl.store(nblk_ptr, tl.sum(nb, 0).to(tl.int32))
+
+
+def block_table(layout: RowLayout, block_m: int) -> tuple[Tensor, Tensor]:
+    """-> (blk [3, B] int32, nblk [1] int32) of a sorted layout's row blocks (_block_table_kernel), B the host
+    bound layout.num_row_blocks(block_m); one launch, no host synchronization."""
+    b = layout.num_row_blocks(block_m)
+    dev = layout.meta.device
+    blk = torch.empty((3, b), dtype=torch.int32, device=dev)
+    nblk = torch.empty(1, dtype=torch.int32, device=dev)
+    block_b = 16
+    _block_table_kernel[(max(1, triton.cdiv(b, block_b)),)](
+        layout.meta, blk, nblk, layout.num_experts, b, BLOCK_M=block_m, E_POW2=layout.e_pow2, BLOCK_B=block_b,
+        **pdl(dev))
+    return blk, nblk
+
+
+def block_table_torch(layout: RowLayout, block_m: int) -> tuple[Tensor, Tensor]:
+    """Reference of block_table, in torch."""
+    off = layout.meta.to(torch.int64)
+    nb = (off[1:] - off[:-1] + block_m - 1) // block_m
+    cum = torch.cumsum(nb, 0)
+    b = torch.arange(layout.num_row_blocks(block_m), device=off.device)
+    e = torch.searchsorted(cum, b, right=True)
+    real = e < layout.num_experts
+    ec = e.clamp(max=layout.num_experts - 1)
+    start = torch.where(real, off[ec] + (b - (cum[ec] - nb[ec])) * block_m, off[-1])
+    end = torch.where(real, off[ec + 1], off[-1])
+    return torch.stack([ec, start, end]).to(torch.int32), cum[-1:].to(torch.int32)
+
+
+if gluon is not None:
+    @gluon.jit
+    def _tiles(nblk_ptr, num_programs, H, BLOCK_N: gl.constexpr):
+        """-> (real row blocks, column tiles, tiles of this program)."""
+        pid = gl.program_id(0)
+        blocks_m = gl.load(nblk_ptr)
+        num_pid_n = gl.cdiv(H, BLOCK_N)
+        tiles = blocks_m * num_pid_n
+        return blocks_m, num_pid_n, gl.where(pid < tiles, (tiles - pid + num_programs - 1) // num_programs, 0)
+
+    @gluon.jit
+    def _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs, w_rows_per_expert, BLOCK_N: gl.constexpr,
+              GROUP_M: gl.constexpr):
+        """The program's j-th tile -> (first row, end row, column tile, first weight row)."""
+        pid_m, pid_n = grouped_tile(gl.program_id(0) + j * num_programs, blocks_m, num_pid_n, GROUP_M)
+        expert = gl.load(blk_ptr + pid_m)
+        row_start = gl.load(blk_ptr + num_blocks + pid_m)
+        row_end = gl.load(blk_ptr + 2 * num_blocks + pid_m)
+        return row_start, row_end, pid_n, expert * w_rows_per_expert + pid_n * BLOCK_N
+
+    @gluon.jit
+    def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """The loader warp (module docstring, How); c unused (the workers share a signature)."""
+        (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
+         num_programs, H, I, w_rows_per_expert, stride_out) = p
+        blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, H, BLOCK_N)
+        n = gl.cdiv(I, BLOCK_K)
+        for j in range(my_tiles):
+            a_row, _, _, w_row = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs, w_rows_per_expert,
+                                       BLOCK_N, GROUP_M)
+            for k in range(n):
+                g = j * n + k
+                slot = g % STAGES
+                mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot))
+                tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
+
+    @gluon.jit
+    def _consume(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """Consumer warpgroup c: the program's tiles c, c + 2, ... (module docstring, How)."""
+        (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
+         num_programs, H, I, w_rows_per_expert, stride_out) = p
+        blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, H, BLOCK_N)
+        n = gl.cdiv(I, BLOCK_K)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
+        for j in range(c, my_tiles, 2):
+            row_start, row_end, pid_n, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
+                                                 w_rows_per_expert, BLOCK_N, GROUP_M)
+            i = j // 2  # this consumer's i-th tile: wait until the other has issued its K loop before this one
+            mbarrier.wait(turn.index(c), (i - c + 1) & 1, pred=(c == 1) | (i > 0))
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            for k in range(n):
+                g = j * n + k
+                slot = g % STAGES
+                mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+                tok = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
+                mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step g - 1's slot
+            mbarrier.arrive(turn.index(1 - c), count=1)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((j * n + n - 1) % STAGES), count=1)
+            rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
+            y = gl.convert_layout((acc * gl.load(rw_ptr + rows_ld)[:, None]).to(out_ptr.dtype.element_ty), st)
+            rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
+            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
+                     mask=(rows < row_end)[:, None] & (cols < H)[None, :])
+
+    @gluon.jit
+    def _consumer0(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
+
+    @gluon.jit
+    def _consumer1(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
+
+    @gluon.jit(do_not_specialize=["num_blocks", "num_programs", "w_rows_per_expert"])
+    def _down_ws_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks, num_programs, H, I,
+                        w_rows_per_expert, stride_out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """a_desc: TMA descriptor over a [R, I], [BLOCK_M, BLOCK_K] boxes (rows past a block's end are read,
+        never stored); w_desc: over the weight rows [E * H, I] (expert e's from e * w_rows_per_expert),
+        [BLOCK_N, BLOCK_K] boxes; both zero-fill past I. blk_ptr, nblk_ptr: block_table's."""
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        fence_async_shared()
+        p = (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
+             num_programs, H, I, w_rows_per_expert, stride_out)
+        gl.warp_specialize([(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                            (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                            (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES))],
+                           [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+_GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def usable(a: Tensor, a_scale: Tensor | None, w2: Tensor, layout: RowLayout, scheme: str, cfg) -> bool:
+    """Whether down() may run this kernel for the call (module docstring, Where)."""
+    if (gluon is None or scheme != "none" or a_scale is not None or layout.masked or not a.is_cuda
+            or a.dtype not in _GL_DTYPE or w2.dtype != a.dtype or not ws_down_fits(cfg)
+            or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(a.device).major != 9):
+        return False
+    return expert_rows(w2) is not None and tma_rows(a, a.stride(0)) and tma_rows(w2, w2.stride(1))
+
+
+def launch(a: Tensor, w2: Tensor, route_w: Tensor, layout: RowLayout, cfg, out: Tensor) -> None:
+    """Write out [R, H] (module docstring); usable() must have said True."""
+    r, i = a.shape
+    e, h, _ = w2.shape
+    if r == 0 or h == 0:
+        return
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    dt = getattr(gl, _GL_DTYPE[a.dtype])
+    a_desc = TensorDescriptor(a, [r, i], [a.stride(0), 1], [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt))
+    per_expert = expert_rows(w2)  # 0 for an expert stride of 0: every expert reads the same rows
+    w_desc = TensorDescriptor(w2, [e * h if per_expert else h, i], [w2.stride(1), 1], [bn, bk],
+                              gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
+    blk, nblk = block_table(layout, bm)
+    programs = min(num_sms(a.device), blk.shape[1] * triton.cdiv(h, bn))
+    _down_ws_kernel[(programs,)](
+        a_desc, w_desc, route_w, out, blk, nblk, blk.shape[1], programs, h, i, per_expert, out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG)

@@ -1,0 +1,132 @@
+"""kernels/down_ws.py (the warp-specialized bf16/fp16 Gluon down GEMM, GemmConfig.warp_specialize) on a Hopper
+GPU: against a float64 reference on fresh random data with NaN-poisoned outputs: empty experts, every row to one
+expert, one row, no rows, K loops of 1, 2, 12 and 224 steps (a partial last step), H off the tiles, weights
+shared by every expert (stride 0); grids of 1 and 3 programs, so that each program runs many tiles through both
+consumer warpgroups by turns; the layer through a tuned file that picks it. Run: pytest -m gpu tests/gpu
+"""
+import pytest
+import torch
+
+from moeflow.kernels.configs import GemmConfig, fit
+from moeflow.layouts import offsets_from_counts
+from gluon_hopper import MARKS
+from oracle import assert_close
+
+pytestmark = MARKS
+
+if torch.cuda.is_available():
+    from moeflow.kernels import down_ws
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.down import down
+
+TILES = [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (2, 5, 6)]
+
+
+def operands(counts, h, i, dtype=torch.bfloat16, shared_weights=False):
+    counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    e, r = counts.numel(), int(counts.sum())
+    layout = RowLayout(False, offsets_from_counts(counts), e, 0, r)
+    w = (torch.randn(1 if shared_weights else e, h, i, device="cuda") / i ** 0.5).to(dtype)
+    if shared_weights:
+        w = w.expand(e, h, i)
+    return layout, torch.randn(r, i, device="cuda").to(dtype), w, torch.rand(r, device="cuda")
+
+
+def reference(layout, a, w, rw):
+    """float64: route_w * a @ w[e].T per row."""
+    bounds = layout.meta.tolist()
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64, device="cuda")
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        out[lo:hi] = (a[lo:hi].double() @ w[e].double().T) * rw[lo:hi, None].double()
+    return out
+
+
+@pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"s{c.num_stages}")
+@pytest.mark.parametrize("sms", [None, 1, 3])
+@pytest.mark.parametrize("counts,h,i", [
+    ([37, 0, 300, 1, 0, 129, 64, 2], 384, 768),   # empty experts, rows off the blocks; 12 K steps
+    ([0, 0, 513, 0], 256, 128),                    # every row to one expert; 2 steps
+    ([1], 128, 64),                                # one row; one step
+    ([90, 41, 7], 200, 72),                        # H off the N tiles, I off the K steps (a partial step)
+    ([200, 300], 256, 14336),                      # Mixtral's K loop: 224 steps
+])
+def test_matches_reference(cfg, sms, counts, h, i, poison, monkeypatch):
+    if sms is not None:  # few programs: each runs many tiles, its consumers by turns
+        monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
+    layout, a, w, rw = operands(counts, h, i)
+    assert down_ws.usable(a, None, w, layout, "none", cfg)
+    got = down(a, None, w, None, rw, layout, "none", torch.bfloat16, cfg, poison=True)
+    assert not got.isnan().any()
+    assert_close(got, reference(layout, a, w, rw), 1e-2, f"ws down {counts} H={h} I={i} sms={sms}")
+
+
+def test_fp16_and_shared_weights(poison):
+    """fp16, and an expert stride of 0 (the tuner's compile jobs run such weights)."""
+    for dtype, shared in ((torch.float16, False), (torch.bfloat16, True)):
+        layout, a, w, rw = operands([5, 70, 0, 33], 256, 512, dtype, shared)
+        got = down(a, None, w, None, rw, layout, "none", dtype, TILES[1], poison=True)
+        assert_close(got, reference(layout, a, w, rw), 1e-2, f"{dtype} shared={shared}")
+
+
+def test_no_rows(poison):
+    layout, a, w, rw = operands([0, 0, 0], 128, 128)
+    assert down(a, None, w, None, rw, layout, "none", torch.bfloat16, TILES[1], poison=True).shape == (0, 128)
+
+
+def test_block_table_on_gpu():
+    """The row-block table against its torch reference (also checked in the interpreter, tests/test_down_ws.py)."""
+    for counts in ([37, 0, 300, 1, 0, 129, 64, 2], [0] * 256, [513] + [0] * 255, [1] * 128):
+        c = torch.tensor(counts, dtype=torch.int32, device="cuda")
+        layout = RowLayout(False, offsets_from_counts(c), len(counts), 0, int(c.sum()))
+        blk, n = down_ws.block_table(layout, 128)
+        want, n_want = down_ws.block_table_torch(layout, 128)
+        assert torch.equal(blk, want) and torch.equal(n, n_want)
+
+
+def test_where_it_does_not_run():
+    """Masked batches, fp8 schemes, fp32 and tiles it cannot run take the Triton kernels; fit() clears the flag."""
+    layout, a, w, rw = operands([3, 4], 128, 256)
+    masked = RowLayout(True, torch.tensor([3, 4], dtype=torch.int32, device="cuda"), 2, 4, 8)
+    cfg = TILES[1]
+    assert not down_ws.usable(a, None, w, masked, "none", cfg)
+    assert not down_ws.usable(a.float(), None, w.float(), layout, "none", cfg)
+    assert not down_ws.usable(a, None, w, layout, "none", GemmConfig(128, 256, 64, 8, 4, 4, warp_specialize=1))
+    assert not fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).warp_specialize
+    assert fit(cfg, fused_pair=False, scheme="none", elem_bytes=2, n_size=128).warp_specialize == 1
+
+
+def test_layer_through_a_tuned_file(make_layer, tmp_path, monkeypatch):
+    """A layer whose tuned file (MOEFLOW_KERNEL_CONFIG_DIR) picks the kernel for its down: it runs (counted), the
+    output is close to the oracle, and the same from a CUDA graph."""
+    from moeflow.kernels import configs as kc
+    from oracle import layer_oracle
+    from tolerances import rel_tol
+    e, h, i, k, t = 16, 512, 384, 4, 1000
+    pair = kc.MoEKernelConfig(kc.GemmConfig(64, 128, 64, 8, 4, 3), TILES[1])
+    name = kc.file_name(torch.cuda.get_device_name(), e, i, h, "none")
+    kc.write_table(tmp_path / name, dict(device=torch.cuda.get_device_name(), E=e, N=i, K=h, scheme="none"), {t: pair})
+    monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
+    layer = make_layer(num_experts=e, hidden_size=h, intermediate_size=i, top_k=k, quant="none",
+                       dtype=torch.bfloat16, device="cuda", runner="triton")
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(t, k, device="cuda") + 0.1
+    calls = []
+    launch = down_ws.launch
+    monkeypatch.setattr(down_ws, "launch", lambda *a: calls.append(1) or launch(*a))
+    want = layer.forward_topk(x, ids, w)
+    assert calls, "the runner did not run the warp-specialized down through the tuned tile"
+    assert_close(want, layer_oracle(layer, x, ids, w), rel_tol("none", torch.bfloat16), "ws down layer")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer.forward_topk(x, ids, w)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = layer.forward_topk(x, ids, w)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want), "graph replay"

@@ -1,0 +1,51 @@
+"""kernels/down_ws.py's parts that run without a GPU: the row-block table kernel under TRITON_INTERPRET=1
+against its torch reference (edge layouts), and fit()'s rule for GemmConfig.warp_specialize. The Gluon GEMM
+itself needs a Hopper GPU (tests/gpu/test_gpu_down_ws.py); tests/test_kernels_compile_sm90.py compiles it."""
+import pytest
+import torch
+
+from triton_interp import SKIP_REASON
+
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+
+if SKIP_REASON is None:
+    from moeflow.kernels import configs as kc
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.down_ws import block_table, block_table_torch
+    from moeflow.layouts import offsets_from_counts
+
+
+@pytest.mark.parametrize("counts", [
+    [37, 0, 300, 1, 0, 129, 64, 2],  # empty experts, rows off the blocks
+    [0, 0, 513, 0],                  # every row to one expert
+    [1],                             # one row
+    [0, 0, 0],                       # no rows
+    [128, 128, 256],                 # exact blocks
+    [3] * 70 + [0] * 58,             # 128 experts, non-power-of-two in use
+])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_block_table_matches_reference(counts, block_m):
+    c = torch.tensor(counts, dtype=torch.int32)
+    layout = RowLayout(False, offsets_from_counts(c), len(counts), 0, int(c.sum()))
+    blk, n = block_table(layout, block_m)
+    want, n_want = block_table_torch(layout, block_m)
+    assert blk.shape == (3, layout.num_row_blocks(block_m))
+    assert torch.equal(blk, want) and torch.equal(n, n_want)
+    real = [(e, lo, int(layout.meta[e + 1])) for e in range(len(counts))
+            for lo in range(int(layout.meta[e]), int(layout.meta[e + 1]), block_m)]  # the blocks, written out
+    assert [tuple(blk[:, b].tolist()) for b in range(int(n))] == real
+
+
+def test_fit_keeps_warp_specialize_where_the_kernel_runs():
+    ws = lambda cfg, **kw: kc.fit(cfg, **{**dict(fused_pair=False, scheme="none", elem_bytes=2, n_size=2048), **kw})
+    cfg = kc.GemmConfig(128, 128, 64, 8, 4, 6, warp_specialize=1)
+    assert ws(cfg).warp_specialize == 1 and ws(cfg).num_stages == 6  # 6 x 32 KB fits the shared-memory budget
+    assert ws(cfg, elem_bytes=4).warp_specialize == 0  # float32 layers
+    assert ws(cfg, scheme="fp8-block", elem_bytes=1).warp_specialize == 0
+    assert ws(cfg, fused_pair=True).warp_specialize == 0  # gate_up
+    assert ws(kc.GemmConfig(128, 256, 64, 8, 4, 4, warp_specialize=1)).warp_specialize == 0  # 256 accumulator regs
+    assert ws(kc.GemmConfig(128, 128, 64, 8, 8, 4, warp_specialize=1)).warp_specialize == 0  # a consumer is 4 warps
+    assert ws(kc.GemmConfig(128, 128, 64, 8, 4, 4, split_k=2, warp_specialize=1)).warp_specialize == 0
+    assert ws(kc.GemmConfig(128, 128, 64, 8, 4, 4, warp_specialize=True)).warp_specialize == 1  # JSON true
+    assert kc.MoEKernelConfig.from_dict({"gate_up": kc.GemmConfig(64, 64, 64).to_dict(),
+                                         "down": {"block_m": 128, "block_n": 128, "block_k": 64}}).down.warp_specialize == 0
