@@ -1,28 +1,23 @@
-"""The warp-specialized persistent Gluon down GEMM (_ws_down.py) against the shipped bf16 down (tuned table),
-alone, graph-timed as the tuner times it; outputs compared. One H200.
+"""The warp-specialized persistent Gluon down GEMM (kernels/down_ws.py; its prototype and the crash bisect are
+in git history at 478a346) against the shipped bf16 down (tuned table), alone, graph-timed as the tuner times
+it (the row-block table's launch included); outputs compared. One H200.
 
     PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/ws_down.py
 """
-import json, os, sys
+import json, os
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _ws_down import block_table, ws_down  # noqa: E402
 from moeflow.kernels.autotune import Shape, _runner, batches_for, graph_time_ms, random_batch, random_weights  # noqa: E402
 from moeflow.kernels.common import RowLayout  # noqa: E402
+from moeflow.kernels.configs import GemmConfig  # noqa: E402
 from moeflow.kernels.down import down  # noqa: E402
 from moeflow.presets import PRESETS  # noqa: E402
 
 dev = torch.device("cuda")
 ROWS = [("qwen3-30b-a3b", (1024, 4096, 16384)), ("deepseek-v3", (4096, 16384)), ("mixtral-8x7b", (4096, 16384))]
-VARIANTS = [dict(block_m=128, block_n=128, block_k=64, stages=4),
-            dict(block_m=128, block_n=128, block_k=64, stages=5),
-            dict(block_m=128, block_n=128, block_k=64, stages=6),
-            dict(block_m=128, block_n=128, block_k=64, stages=6, mode=3),
-            dict(block_m=64, block_n=128, block_k=64, stages=8),
-            dict(block_m=128, block_n=128, block_k=64, stages=6, group_m=1)]
+VARIANTS = [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (4, 5, 6)]
 res = []
 for preset, ts in ROWS:
     p = PRESETS[preset]
@@ -44,20 +39,15 @@ for preset, ts in ROWS:
         print(row, flush=True)
         res.append(row)
         for v in VARIANTS:
-            kw = dict(v)
             try:
-                out = torch.full_like(ref, float("nan"))
-                ws_down(d_in[0][0], w.w2, d_in[0][1], d_in[0][2], out, **kw)
-                torch.cuda.synchronize()
+                out = down(d_in[0][0], None, w.w2, None, d_in[0][1], d_in[0][2], "none", torch.bfloat16, v, poison=True)
                 valid = d_in[0][2].valid_rows()
                 err = ((out.float() - ref.float())[valid].abs().max() / ref.float()[valid].abs().max()).item()
-                outs = [torch.empty_like(ref) for _ in d_in]
-                tabs = [block_table(d[2], kw["block_m"]) for d in d_in]  # outside the timing (a launch in the library)
-                us = graph_time_ms([lambda d=d, o=o, tb=tb: ws_down(d[0], w.w2, d[1], d[2], o, table=tb, **kw)
-                                    for d, o, tb in zip(d_in, outs, tabs)], 20) * 1e3
+                us = graph_time_ms([lambda d=d, v=v: down(d[0], None, w.w2, None, d[1], d[2], "none", torch.bfloat16, v)
+                                    for d in d_in], 20) * 1e3
             except Exception as exc:
                 us, err = repr(exc)[:200], float("nan")
-            row = dict(preset=preset, T=t, variant=v, us=us if isinstance(us, str) else round(us, 1),
+            row = dict(preset=preset, T=t, variant=str(v), us=us if isinstance(us, str) else round(us, 1),
                        tflops=None if isinstance(us, str) else round(fl / us / 1e6), rel_err=err)
             print(row, flush=True)
             res.append(row)
