@@ -279,26 +279,28 @@ if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon")
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
-from moeflow.kernels import down_ws
+from moeflow.kernels import warp_specialized as ws
 out = []
-for dtype, gdt, name in ((torch.bfloat16, gl.bfloat16, "bf16"), (torch.float16, gl.float16, "fp16")):
+jobs = [(torch.bfloat16, gl.bfloat16, "bf16", gated, stages) for gated in (False, True) for stages in (2, 6)]
+jobs += [(torch.float16, gl.float16, "fp16", gated, 5) for gated in (False, True)]
+for dtype, gdt, name, gated, stages in jobs:
     t = torch.empty(256, 256, dtype=dtype)
     desc = lambda rows: mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [rows, 64],
                                                      gl.NVMMASharedLayout.get_default_for([rows, 64], gdt)))
-    for stages in (2, 6):
-        fn = down_ws._down_ws_kernel
-        sig = dict(a_desc=desc(128), w_desc=desc(128), rw_ptr="*fp32", out_ptr="*" + name, blk_ptr="*i32",
-                   nblk_ptr="*i32")
-        sig.update({n: "i32" for n in fn.arg_names if n not in sig})
-        const = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=stages,
-                     CONSUMER_REGS=down_ws.CONSUMER_REGS, LOADER_REGS=down_ws.LOADER_REGS)
-        out.append(compile_gluon_for_hopper(fn, sig, const, 4, maxnreg=down_ws.MAXNREG))
+    bn = 64 if gated else 128
+    fn = ws._ws_gemm_kernel
+    sig = dict(a_desc=desc(128), w_desc=desc(bn), rw_ptr="*fp32", out_ptr="*" + name, blk_ptr="*i32", nblk_ptr="*i32")
+    sig.update({n: "i32" for n in fn.arg_names if n not in sig})
+    const = dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,
+                 LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0)
+    out.append(compile_gluon_for_hopper(fn, sig, const, 4, maxnreg=ws.MAXNREG))
 print(json.dumps(out))
 """
 
 
-def test_warp_specialized_down_compiles_without_spills():
-    """kernels/down_ws.py compiled for sm_90a (bf16 and fp16, 2 and 6 stages) under its launch's register cap:
+def test_warp_specialized_gemms_compile_without_spills():
+    """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages) under its
+    launch's register cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas
     neither serializes the wgmmas (C7514) nor injects waits (C7517)."""
     for regs, spill, notes in compile_without_interpreter(WS_DOWN_COMPILE):
@@ -312,7 +314,7 @@ import json, sys
 from moeflow.kernels.registers import compile_for_hopper, ptxas_path
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
-from moeflow.kernels.down_ws import _block_table_kernel as k
+from moeflow.kernels.warp_specialized import _block_table_kernel as k
 sig = {n: "i32" for n in k.arg_names}
 sig.update(meta_ptr="*i64", blk_ptr="*i32", nblk_ptr="*i32")
 print(json.dumps(compile_for_hopper(k, sig, dict(BLOCK_M=128, E_POW2=256, BLOCK_B=16, PDL=True))))

@@ -1,4 +1,4 @@
-"""The warp-specialized persistent Gluon down GEMM (kernels/down_ws.py; its prototype and the crash bisect are
+"""The warp-specialized persistent Gluon down GEMM (kernels/warp_specialized.py; its prototype and the crash bisect are
 in git history at 478a346) against the shipped bf16 down (tuned table), alone, graph-timed as the tuner times
 it (the row-block table's launch included); outputs compared. One H200.
 

@@ -66,7 +66,8 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
                (16, 128, 128, 4, 4, 0), (64, 128, bk, 4, 4, 2))]
         if shape.scheme == "fp8-block":  # the persistent Gluon down (kernels/down_wgmma_persistent.py)
             dn.append(GemmConfig(64, 128, 128, 4, 4, 4, 2, scale_overlap=2))
-        if shape.scheme == "none":  # the warp-specialized Gluon down (kernels/down_ws.py)
+        if shape.scheme == "none":  # the warp-specialized Gluon kernels (kernels/warp_specialized.py)
+            gu += [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
             dn += [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
     else:  # registers: gate_up holds two accumulators, so its big tiles need 8 warps (ptxas: no spills)
         gu = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
@@ -77,7 +78,8 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
                (128, 64, bk, 4, 4, 0), (64, 128, bk, 4, 4, 2), (128, 128, bk, 8, 4 if bk == 64 else 3, 1))]
         if shape.scheme == "none":  # token rows through TMA: a gathered copy first, 172 registers instead of 255
             gu += [GemmConfig(128, 128, 64, 8, 8, s, x_tma=1) for s in (3, 4)]
-            dn += [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]  # kernels/down_ws.py
+            gu += [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]  # kernels/warp_specialized.py
+            dn += [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
         if shape.scheme == "fp8-block":  # the Gluon K loops that overlap the scaling (kernels/*_wgmma.py)
             gu += [GemmConfig(128, 128, 128, 8, 8, s, scale_overlap=1) for s in (3, 4)]
             dn += [GemmConfig(bm, 128, 128, 8, w, s, p, scale_overlap=so) for bm, w, s, p, so in

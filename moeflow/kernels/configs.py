@@ -60,9 +60,10 @@ class GemmConfig:
     # pointer (by index: in place, no copy). The fp8-block Gluon kernel reads its rows this way always.
     # down ignores it (its input is in layout order: TMA wherever TMA can address it).
     x_tma: int = 0
-    # down, layer dtype bf16/fp16, sorted batches on Hopper: 1 runs the persistent warp-specialized Gluon kernel
-    # (kernels/down_ws.py: a TMA loader warp and two consumer warpgroups by turns). fit() sets 0 where that
-    # kernel cannot run the tile (ws_down_fits). gate_up ignores it.
+    # layer dtype bf16/fp16, sorted batches on Hopper: 1 runs the persistent warp-specialized Gluon kernel
+    # (kernels/warp_specialized.py: a TMA loader warp and two consumer warpgroups by turns; gate_up reads its rows
+    # in order, copied into order first where they come by index). fit() sets 0 where that kernel cannot run the
+    # tile (ws_down_fits, ws_gate_up_fits).
     warp_specialize: int = 0
 
     def to_dict(self) -> dict:
@@ -112,8 +113,8 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     BLOCK_N of 16-64 (more programs for small batches) leaves that to a separate kernel.
     fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
     an fp8-block tile the Gluon kernel runs (wgmma_gate_up_fits, wgmma_down_fits); gate_up's is 1.
-    x_tma stays (as 0 or 1) on gate_up only. warp_specialize stays (as 1) only on a bf16/fp16 down tile the
-    Gluon kernel runs (ws_down_fits).
+    x_tma stays (as 0 or 1) on gate_up only. warp_specialize stays (as 1) only on a bf16/fp16 tile the
+    Gluon kernel runs (ws_down_fits, ws_gate_up_fits).
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
@@ -126,7 +127,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
         stages -= 1
     fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
                      x_tma=int(bool(cfg.x_tma)) if fused_pair else 0)
-    keep_ws = not fused_pair and scheme == "none" and elem_bytes == 2 and ws_down_fits(fitted)
+    keep_ws = scheme == "none" and elem_bytes == 2 and (ws_gate_up_fits(fitted) if fused_pair else ws_down_fits(fitted))
     fitted = replace(fitted, warp_specialize=int(bool(cfg.warp_specialize) and keep_ws))
     if fitted.scale_overlap:
         fits = wgmma_gate_up_fits(fitted) if fused_pair else wgmma_down_fits(fitted)
@@ -143,9 +144,16 @@ def wgmma_down_fits(cfg: GemmConfig) -> bool:
 
 
 def ws_down_fits(cfg: GemmConfig) -> bool:
-    """Tiles kernels/down_ws.py runs: 128 x 128 x 64 (each consumer warpgroup a whole tile: 128 accumulator
+    """down tiles kernels/warp_specialized.py runs: 128 x 128 x 64 (each consumer warpgroup a whole tile: 128 accumulator
     registers a thread), 4 warps a consumer, 2-6 stages (32 KB each), one program per tile's K loop (no split)."""
     return (cfg.block_m == 128 and cfg.block_n == 128 and cfg.block_k == 64 and cfg.num_warps == 4
+            and 2 <= cfg.num_stages <= 6 and cfg.split_k == 1)
+
+
+def ws_gate_up_fits(cfg: GemmConfig) -> bool:
+    """gate_up tiles kernels/warp_specialized.py runs: 128 x 64 x 64 (each consumer warpgroup a whole tile, gate
+    and up: two 64-register accumulators a thread), 4 warps a consumer, 2-6 stages (32 KB each), no split."""
+    return (cfg.block_m == 128 and cfg.block_n == 64 and cfg.block_k == 64 and cfg.num_warps == 4
             and 2 <= cfg.num_stages <= 6 and cfg.split_k == 1)
 
 

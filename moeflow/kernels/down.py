@@ -11,7 +11,7 @@ persistent grid of programs looping over the tiles (_down_persistent_kernel). Sa
 same results bit for bit. fp8-block on Hopper with GemmConfig.scale_overlap: a Gluon kernel whose
 K loop overlaps each step's scaling with the next step's wgmma (kernels/down_wgmma.py), same bits.
 bf16/fp16 on Hopper with GemmConfig.warp_specialize: a persistent warp-specialized Gluon kernel
-(kernels/down_ws.py: a loader warp, two consumer warpgroups by turns); float32 sums of the same products.
+(kernels/warp_specialized.py: a loader warp, two consumer warpgroups by turns); float32 sums of the same products.
 Split K (GemmConfig.split_k = S > 1, per-tile form only): S programs per tile, program s running K
 steps s·⌈n/S⌉ .. of the n; each stores its float32 partial tile (scales and routing weight applied:
 they are linear) into slab s of a [S, R, H] workspace, and _split_sum_kernel adds the S slabs in
@@ -182,9 +182,9 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     split = min(cfg.split_k, triton.cdiv(i, cfg.block_k))
     if split <= 1 or r == 0 or h == 0:
         if cfg.warp_specialize and a.is_cuda:
-            from . import down_ws  # Gluon: loaded on CUDA only
-            if down_ws.usable(a, a_scale, w2, layout, scheme, cfg):
-                down_ws.launch(a, w2, route_w, layout, cfg, out)
+            from . import warp_specialized  # Gluon: loaded on CUDA only
+            if warp_specialized.usable(a, a_scale, w2, layout, scheme, cfg):
+                warp_specialized.launch(a, w2, route_w, layout, cfg, out)
                 return out
         if cfg.scale_overlap and a.is_cuda:
             from . import down_wgmma  # Gluon: loaded on CUDA only

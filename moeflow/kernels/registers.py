@@ -106,7 +106,7 @@ def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: i
     spill-store bytes, ptxas's info lines: C7514 there means it serialized the wgmmas).
     signature: the Triton types of the runtime parameters (a Gluon TensorDescriptor's is
     triton.runtime.jit.mangle_type(descriptor)). maxnreg: the launch's register cap (a warp-specialized
-    kernel's partitions then set their own, kernels/down_ws.py)."""
+    kernel's partitions then set their own, kernels/warp_specialized.py)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     const_in = dict(constexprs, num_warps=num_warps) if "num_warps" in fn.arg_names else dict(constexprs)

@@ -1,6 +1,6 @@
-"""kernels/down_ws.py's parts that run without a GPU: the row-block table kernel under TRITON_INTERPRET=1
-against its torch reference (edge layouts), and fit()'s rule for GemmConfig.warp_specialize. The Gluon GEMM
-itself needs a Hopper GPU (tests/gpu/test_gpu_down_ws.py); tests/test_kernels_compile_sm90.py compiles it."""
+"""kernels/warp_specialized.py's parts that run without a GPU: the row-block table kernel under TRITON_INTERPRET=1
+against its torch reference (edge layouts), and fit()'s rule for GemmConfig.warp_specialize. The Gluon GEMMs
+themselves need a Hopper GPU (tests/gpu/test_gpu_warp_specialized.py); tests/test_kernels_compile_sm90.py compiles it."""
 import pytest
 import torch
 
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 if SKIP_REASON is None:
     from moeflow.kernels import configs as kc
     from moeflow.kernels.common import RowLayout
-    from moeflow.kernels.down_ws import block_table, block_table_torch
+    from moeflow.kernels.warp_specialized import block_table, block_table_torch
     from moeflow.layouts import offsets_from_counts
 
 
@@ -42,7 +42,11 @@ def test_fit_keeps_warp_specialize_where_the_kernel_runs():
     assert ws(cfg).warp_specialize == 1 and ws(cfg).num_stages == 6  # 6 x 32 KB fits the shared-memory budget
     assert ws(cfg, elem_bytes=4).warp_specialize == 0  # float32 layers
     assert ws(cfg, scheme="fp8-block", elem_bytes=1).warp_specialize == 0
-    assert ws(cfg, fused_pair=True).warp_specialize == 0  # gate_up
+    assert ws(cfg, fused_pair=True).warp_specialize == 0  # gate_up's tile is 128 x 64 (gate and up accumulators)
+    gu = kc.GemmConfig(128, 64, 64, 8, 4, 6, warp_specialize=1)
+    assert ws(gu, fused_pair=True, n_size=768).warp_specialize == 1 and ws(gu, fused_pair=True).num_stages == 6
+    assert ws(gu).warp_specialize == 0  # the down's tile is 128 x 128
+    assert ws(gu, fused_pair=True, scheme="fp8-channel", elem_bytes=1).warp_specialize == 0
     assert ws(kc.GemmConfig(128, 256, 64, 8, 4, 4, warp_specialize=1)).warp_specialize == 0  # 256 accumulator regs
     assert ws(kc.GemmConfig(128, 128, 64, 8, 8, 4, warp_specialize=1)).warp_specialize == 0  # a consumer is 4 warps
     assert ws(kc.GemmConfig(128, 128, 64, 8, 4, 4, split_k=2, warp_specialize=1)).warp_specialize == 0

@@ -33,8 +33,9 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import env as moeflow_env
-from .common import RowLayout, _cuda_properties, expert_rows, grouped_tile, num_sms, pdl, pdl_start, tma_rows
-from .configs import ws_down_fits
+from .common import (RowLayout, _cuda_properties, expert_rows, gated_act, grouped_tile, num_sms, pdl, pdl_start,
+                     tma_rows)
+from .configs import ws_down_fits, ws_gate_up_fits
 
 try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this kernel
     from triton.experimental import gluon
@@ -107,11 +108,11 @@ def block_table_torch(layout: RowLayout, block_m: int) -> tuple[Tensor, Tensor]:
 
 if gluon is not None:
     @gluon.jit
-    def _tiles(nblk_ptr, num_programs, H, BLOCK_N: gl.constexpr):
+    def _tiles(nblk_ptr, num_programs, N, BLOCK_N: gl.constexpr):
         """-> (real row blocks, column tiles, tiles of this program)."""
         pid = gl.program_id(0)
         blocks_m = gl.load(nblk_ptr)
-        num_pid_n = gl.cdiv(H, BLOCK_N)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
         tiles = blocks_m * num_pid_n
         return blocks_m, num_pid_n, gl.where(pid < tiles, (tiles - pid + num_programs - 1) // num_programs, 0)
 
@@ -127,12 +128,14 @@ if gluon is not None:
 
     @gluon.jit
     def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        """The loader warp (module docstring, How); c unused (the workers share a signature)."""
+                GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
+        """The loader warp (module docstring, How); c unused (the workers share a signature). GATED: each step
+        also loads the up rows (N rows after the gate rows) into the slot's second weight buffer."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-         num_programs, H, I, w_rows_per_expert, stride_out) = p
-        blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, H, BLOCK_N)
-        n = gl.cdiv(I, BLOCK_K)
+         num_programs, N, K, w_rows_per_expert, stride_out) = p
+        blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
+        n = gl.cdiv(K, BLOCK_K)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
         for j in range(my_tiles):
             a_row, _, _, w_row = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs, w_rows_per_expert,
                                        BLOCK_N, GROUP_M)
@@ -141,18 +144,49 @@ if gluon is not None:
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
                 bar = ready.index(slot)
-                mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                mbarrier.expect(bar, nbytes)
                 tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot))
-                tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
+                if GATED:
+                    tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(2 * slot))
+                    tma.async_copy_global_to_shared(w_desc, [w_row + N, k * BLOCK_K], bar, w_bufs.index(2 * slot + 1))
+                else:
+                    tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
+
+    @gluon.jit
+    def _k_loop(a_bufs, w_bufs, ready, empty, g0, n, acc, STAGES: gl.constexpr):
+        """acc + the tile's K steps g0 .. g0 + n - 1 (one wgmma in flight; each step's slot released once the next
+        step's wgmma is issued and it is done) -> acc, its wgmmas finished and every slot released."""
+        for k in range(n):
+            g = g0 + k
+            slot = g % STAGES
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            tok = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
+            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step g - 1's slot
+        return acc
+
+    @gluon.jit
+    def _k_loop_gated(a_bufs, w_bufs, ready, empty, g0, n, acc_g, acc_u, STAGES: gl.constexpr):
+        """_k_loop for the gate and up products of each step (two wgmmas a step, one step in flight)."""
+        for k in range(n):
+            g = g0 + k
+            slot = g % STAGES
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            a = a_bufs.index(slot)
+            tok_g = warpgroup_mma(a, w_bufs.index(2 * slot).permute((1, 0)), acc_g, is_async=True)
+            tok_u = warpgroup_mma(a, w_bufs.index(2 * slot + 1).permute((1, 0)), acc_u, is_async=True)
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(tok_g, tok_u))
+            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step g - 1's slot
+        return acc_g, acc_u
 
     @gluon.jit
     def _consume(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
         """Consumer warpgroup c: the program's tiles c, c + 2, ... (module docstring, How)."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-         num_programs, H, I, w_rows_per_expert, stride_out) = p
-        blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, H, BLOCK_N)
-        n = gl.cdiv(I, BLOCK_K)
+         num_programs, N, K, w_rows_per_expert, stride_out) = p
+        blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
+        n = gl.cdiv(K, BLOCK_K)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
@@ -161,45 +195,52 @@ if gluon is not None:
                                                  w_rows_per_expert, BLOCK_N, GROUP_M)
             i = j // 2  # this consumer's i-th tile: wait until the other has issued its K loop before this one
             mbarrier.wait(turn.index(c), (i - c + 1) & 1, pred=(c == 1) | (i > 0))
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-            for k in range(n):
-                g = j * n + k
-                slot = g % STAGES
-                mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-                tok = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
-                mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step g - 1's slot
-            mbarrier.arrive(turn.index(1 - c), count=1)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if GATED:
+                acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                acc_g, acc_u = _k_loop_gated(a_bufs, w_bufs, ready, empty, j * n, n, acc_g, acc_u, STAGES)
+                mbarrier.arrive(turn.index(1 - c), count=1)
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+                y = gated_act(acc_g, acc_u, ACT)
+            else:
+                acc = _k_loop(a_bufs, w_bufs, ready, empty, j * n, n, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma),
+                              STAGES)
+                mbarrier.arrive(turn.index(1 - c), count=1)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
+                y = acc * gl.load(rw_ptr + rows_ld)[:, None]
             mbarrier.arrive(empty.index((j * n + n - 1) % STAGES), count=1)
-            rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
-            y = gl.convert_layout((acc * gl.load(rw_ptr + rows_ld)[:, None]).to(out_ptr.dtype.element_ty), st)
+            y = gl.convert_layout(y.to(out_ptr.dtype.element_ty), st)  # 16-byte stores
             rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
             cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
             gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
-                     mask=(rows < row_end)[:, None] & (cols < H)[None, :])
+                     mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
     @gluon.jit
     def _consumer0(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
+        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT)
 
     @gluon.jit
     def _consumer1(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
+        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT)
 
     @gluon.jit(do_not_specialize=["num_blocks", "num_programs", "w_rows_per_expert"])
-    def _down_ws_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks, num_programs, H, I,
+    def _ws_gemm_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks, num_programs, N, K,
                         w_rows_per_expert, stride_out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-        """a_desc: TMA descriptor over a [R, I], [BLOCK_M, BLOCK_K] boxes (rows past a block's end are read,
-        never stored); w_desc: over the weight rows [E * H, I] (expert e's from e * w_rows_per_expert),
-        [BLOCK_N, BLOCK_K] boxes; both zero-fill past I. blk_ptr, nblk_ptr: block_table's."""
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, GATED: gl.constexpr = False,
+                        ACT: gl.constexpr = 0):
+        """out [R, N] from a [R, K] (a_desc: TMA descriptor, [BLOCK_M, BLOCK_K] boxes; rows past a block's end are
+        read, never stored) and the weight rows [E * W, K] (w_desc, [BLOCK_N, BLOCK_K] boxes; expert e's from
+        e * w_rows_per_expert); both zero-fill past K. down: N = H, K = I, W = H, times rw_ptr's routing weight.
+        GATED (gate_up): N = I, K = H, W = 2I, out = act(gate) * up (ACT: common.ACT_CODES), rw_ptr unused.
+        blk_ptr, nblk_ptr: block_table's."""
         dtype: gl.constexpr = a_desc.dtype
+        WB: gl.constexpr = 2 if GATED else 1
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [WB * STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -210,40 +251,46 @@ if gluon is not None:
         mbarrier.init(turn.index(1), count=1)
         fence_async_shared()
         p = (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-             num_programs, H, I, w_rows_per_expert, stride_out)
-        gl.warp_specialize([(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-                            (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-                            (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES))],
+             num_programs, N, K, w_rows_per_expert, stride_out)
+        gl.warp_specialize([(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT)),
+                            (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT)),
+                            (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 _GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def usable(a: Tensor, a_scale: Tensor | None, w2: Tensor, layout: RowLayout, scheme: str, cfg) -> bool:
-    """Whether down() may run this kernel for the call (module docstring, Where)."""
+def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, scheme: str, cfg, gated: bool = False) -> bool:
+    """Whether down() (or gate_up(), gated) may run this kernel for the call (module docstring, Where): a [R, K]
+    rows in order, w [E, N or 2N, K] of the same dtype."""
+    fits = ws_gate_up_fits(cfg) if gated else ws_down_fits(cfg)
     if (gluon is None or scheme != "none" or a_scale is not None or layout.masked or not a.is_cuda
-            or a.dtype not in _GL_DTYPE or w2.dtype != a.dtype or not ws_down_fits(cfg)
+            or a.dtype not in _GL_DTYPE or w.dtype != a.dtype or not fits
             or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(a.device).major != 9):
         return False
-    return expert_rows(w2) is not None and tma_rows(a, a.stride(0)) and tma_rows(w2, w2.stride(1))
+    return expert_rows(w) is not None and tma_rows(a, a.stride(0)) and tma_rows(w, w.stride(1))
 
 
-def launch(a: Tensor, w2: Tensor, route_w: Tensor, layout: RowLayout, cfg, out: Tensor) -> None:
-    """Write out [R, H] (module docstring); usable() must have said True."""
-    r, i = a.shape
-    e, h, _ = w2.shape
-    if r == 0 or h == 0:
+def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg, out: Tensor, gated: bool = False,
+           act: int = 0) -> None:
+    """Write out [R, N] (module docstring); usable() must have said True. down: w = down_proj [E, H, I], out
+    [R, H], route_w [R] float32. gated (gate_up): w = gate_up_proj [E, 2I, H], out [R, I], act a common.ACT_CODES
+    value, route_w unused."""
+    r, k = a.shape
+    e, w_rows, _ = w.shape
+    n = out.shape[1]
+    if r == 0 or n == 0:
         return
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     dt = getattr(gl, _GL_DTYPE[a.dtype])
-    a_desc = TensorDescriptor(a, [r, i], [a.stride(0), 1], [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt))
-    per_expert = expert_rows(w2)  # 0 for an expert stride of 0: every expert reads the same rows
-    w_desc = TensorDescriptor(w2, [e * h if per_expert else h, i], [w2.stride(1), 1], [bn, bk],
+    a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt))
+    per_expert = expert_rows(w)  # 0 for an expert stride of 0: every expert reads the same rows
+    w_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1], [bn, bk],
                               gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
     blk, nblk = block_table(layout, bm)
-    programs = min(num_sms(a.device), blk.shape[1] * triton.cdiv(h, bn))
-    _down_ws_kernel[(programs,)](
-        a_desc, w_desc, route_w, out, blk, nblk, blk.shape[1], programs, h, i, per_expert, out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAXNREG)
+    programs = min(num_sms(a.device), blk.shape[1] * triton.cdiv(n, bn))
+    _ws_gemm_kernel[(programs,)](
+        a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, blk.shape[1], programs, n, k,
+        per_expert, out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, num_warps=4, maxnreg=MAXNREG)

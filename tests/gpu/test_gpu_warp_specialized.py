@@ -1,8 +1,10 @@
-"""kernels/down_ws.py (the warp-specialized bf16/fp16 Gluon down GEMM, GemmConfig.warp_specialize) on a Hopper
-GPU: against a float64 reference on fresh random data with NaN-poisoned outputs: empty experts, every row to one
+"""kernels/warp_specialized.py (the warp-specialized bf16/fp16 Gluon GEMMs, GemmConfig.warp_specialize) on a Hopper
+GPU. The down: against a float64 reference on fresh random data with NaN-poisoned outputs: empty experts, every row to one
 expert, one row, no rows, K loops of 1, 2, 12 and 224 steps (a partial last step), H off the tiles, weights
 shared by every expert (stride 0); grids of 1 and 3 programs, so that each program runs many tiles through both
-consumer warpgroups by turns; the layer through a tuned file that picks it. Run: pytest -m gpu tests/gpu
+consumer warpgroups by turns; the layer through a tuned file that picks it. The gate_up: against a float64
+reference, rows by index (copied into order first) and in order, every activation, the same edge batches and
+grids. Run: pytest -m gpu tests/gpu
 """
 import pytest
 import torch
@@ -15,11 +17,12 @@ from oracle import assert_close
 pytestmark = MARKS
 
 if torch.cuda.is_available():
-    from moeflow.kernels import down_ws
+    from moeflow.kernels import warp_specialized as down_ws
     from moeflow.kernels.common import RowLayout
     from moeflow.kernels.down import down
 
 TILES = [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (2, 5, 6)]
+GU_TILES = [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (2, 6)]
 
 
 def operands(counts, h, i, dtype=torch.bfloat16, shared_weights=False):
@@ -61,6 +64,41 @@ def test_matches_reference(cfg, sms, counts, h, i, poison, monkeypatch):
     assert_close(got, reference(layout, a, w, rw), 1e-2, f"ws down {counts} H={h} I={i} sms={sms}")
 
 
+@pytest.mark.parametrize("cfg", GU_TILES, ids=lambda c: f"s{c.num_stages}")
+@pytest.mark.parametrize("sms", [None, 3])
+@pytest.mark.parametrize("indexed", [False, True])
+@pytest.mark.parametrize("counts,h,i,act", [
+    ([37, 0, 300, 1, 0, 129, 64, 2], 768, 384, "silu"),  # empty experts; 12 K steps
+    ([0, 0, 513, 0], 128, 256, "gelu"),                   # every row to one expert; 2 steps
+    ([1], 64, 64, "gelu_tanh"),                           # one row; one step
+    ([90, 41, 7], 200, 72, "silu"),                       # I off the N tiles, H off the K steps
+])
+def test_gate_up_matches_reference(cfg, sms, indexed, counts, h, i, act, poison, monkeypatch):
+    from moeflow.experts.base import gated_activation
+    from moeflow.kernels.gate_up import gate_up
+    if sms is not None:
+        monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
+    c = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    e, r = c.numel(), int(c.sum())
+    layout = RowLayout(False, offsets_from_counts(c), e, 0, r)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda") / h ** 0.5).bfloat16()
+    x = torch.randn(max(r, 1), h, device="cuda").bfloat16()
+    src = torch.randperm(r, device="cuda") if indexed else None  # rows by index: x[src[r]]
+    copy_rows = torch.argsort(src).view(r, 1) if indexed else None
+    assert down_ws.usable(x, None, w13, layout, "none", cfg, gated=True)
+    got, extra = gate_up(x if indexed else x[:r], None, w13, None, layout, "none", act, torch.bfloat16, cfg,
+                         poison=True, source_rows=src, copy_rows=copy_rows)
+    assert extra is None and not got.isnan().any()
+    rows = x[src] if indexed else x[:r]
+    bounds = layout.meta.tolist()
+    want = torch.zeros(r, i, dtype=torch.float64, device="cuda")
+    for k in range(e):
+        lo, hi = bounds[k], bounds[k + 1]
+        pre = rows[lo:hi].double() @ w13[k].double().T
+        want[lo:hi] = gated_activation(pre, act)
+    assert_close(got, want, 1e-2, f"ws gate_up {counts} H={h} I={i} {act} indexed={indexed} sms={sms}")
+
+
 def test_fp16_and_shared_weights(poison):
     """fp16, and an expert stride of 0 (the tuner's compile jobs run such weights)."""
     for dtype, shared in ((torch.float16, False), (torch.bfloat16, True)):
@@ -75,7 +113,7 @@ def test_no_rows(poison):
 
 
 def test_block_table_on_gpu():
-    """The row-block table against its torch reference (also checked in the interpreter, tests/test_down_ws.py)."""
+    """The row-block table against its torch reference (also checked in the interpreter, tests/test_warp_specialized.py)."""
     for counts in ([37, 0, 300, 1, 0, 129, 64, 2], [0] * 256, [513] + [0] * 255, [1] * 128):
         c = torch.tensor(counts, dtype=torch.int32, device="cuda")
         layout = RowLayout(False, offsets_from_counts(c), len(counts), 0, int(c.sum()))
