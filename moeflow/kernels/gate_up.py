@@ -263,7 +263,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
                 x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
             gate_up_wgmma.launch(x, x_scale, w13, w13_scale, layout, _act_code(activation), dtype, cfg, inter, extra)
             return inter, extra
-    if cfg.warp_specialize and q == 0 and x.is_cuda:
+    if cfg.warp_specialize and q == 0 and x.is_cuda and r:
         from . import warp_specialized  # Gluon: loaded on CUDA only
         if warp_specialized.usable(x, x_scale, w13, layout, scheme, cfg, gated=True):
             if source_rows is not None:  # it reads rows in order (TMA): one copy of the R rows in order first
