@@ -317,6 +317,6 @@ if ptxas_path() is None:
 from moeflow.kernels.warp_specialized import _block_table_kernel as k
 sig = {n: "i32" for n in k.arg_names}
 sig.update(meta_ptr="*i64", blk_ptr="*i32", nblk_ptr="*i32")
-print(json.dumps(compile_for_hopper(k, sig, dict(BLOCK_M=128, E_POW2=256, BLOCK_B=16, PDL=True))))
+print(json.dumps(compile_for_hopper(k, sig, dict(BLOCK_M=128, E_POW2=256, PDL=True))))
 """)
     assert out[1] == 0

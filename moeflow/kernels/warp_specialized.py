@@ -40,8 +40,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import env as moeflow_env
-from .common import (RowLayout, _cuda_properties, expert_rows, gated_act, grouped_tile, num_sms, pdl, pdl_start,
-                     tma_rows)
+from .common import (RowLayout, _cuda_properties, expert_blocks, expert_rows, gated_act, grouped_tile, num_sms, pdl,
+                     pdl_start, sorted_block, tma_rows)
 from .configs import ws_down_fits, ws_gate_up_fits
 
 try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this kernel
@@ -59,29 +59,22 @@ CONSUMER_REGS, LOADER_REGS = 232, 24  # the default partition (consumer 0) gets 
 
 @triton.jit
 def _block_table_kernel(meta_ptr, blk_ptr, nblk_ptr, num_experts, num_blocks,
-                        BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
-    """Sorted layout, offsets meta [E + 1] int64 -> blk [3, num_blocks] int32: expert, first row, end row of
-    each row block of BLOCK_M rows (common.block_rows' alignment; blocks past the real ones: an empty range
-    at the last expert's end), and nblk [1] int32: the real row blocks."""
+                        BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr = False):
+    """Sorted layout, offsets meta [E + 1] int64 -> blk [3, num_blocks] int32: program b writes row block b's
+    expert, first row and end row, by the alignment every Triton GEMM computes for itself (common.expert_blocks,
+    common.sorted_block); blocks past the real ones: an empty range at the last expert's end. Program 0 also
+    writes nblk [1] int32: the real row blocks."""
     pdl_start(PDL)
-    idx = tl.arange(0, E_POW2)
-    lo = tl.load(meta_ptr + idx, mask=idx < num_experts, other=0).to(tl.int32)  # rows < 2^31 (int32 tables)
-    hi = tl.load(meta_ptr + idx + 1, mask=idx < num_experts, other=0).to(tl.int32)
-    nb = (hi - lo + BLOCK_M - 1) // BLOCK_M
-    cum = tl.cumsum(nb, 0)
-    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    expert = tl.sum((cum[None, :] <= b[:, None]).to(tl.int32), 1)  # [BLOCK_B]
-    mine = idx[None, :] == expert[:, None]
-    first = tl.sum(tl.where(mine, (cum - nb)[None, :], 0), 1)
-    end = tl.sum(tl.where(mine, hi[None, :], 0), 1)
-    start = tl.sum(tl.where(mine, lo[None, :], 0), 1) + (b - first) * BLOCK_M
-    last_end = tl.load(meta_ptr + num_experts)
+    b = tl.program_id(0)
+    idx, lo, hi, nb, cum = expert_blocks(meta_ptr, num_experts, BLOCK_M, E_POW2)
+    expert, row_start, row_end = sorted_block(b, num_experts, idx, lo, hi, nb, cum, BLOCK_M)
     real = expert < num_experts
-    ok = b < num_blocks
+    last_end = tl.load(meta_ptr + num_experts)
+    ok = b < num_blocks  # the grid has one program when there are no blocks, for nblk
     tl.store(blk_ptr + b, tl.where(real, expert, num_experts - 1).to(tl.int32), mask=ok)
-    tl.store(blk_ptr + num_blocks + b, tl.where(real, start, last_end).to(tl.int32), mask=ok)
-    tl.store(blk_ptr + 2 * num_blocks + b, tl.where(real, end, last_end).to(tl.int32), mask=ok)
-    if tl.program_id(0) == 0:
+    tl.store(blk_ptr + num_blocks + b, tl.where(real, row_start, last_end).to(tl.int32), mask=ok)
+    tl.store(blk_ptr + 2 * num_blocks + b, tl.where(real, row_end, last_end).to(tl.int32), mask=ok)
+    if b == 0:
         tl.store(nblk_ptr, tl.sum(nb, 0).to(tl.int32))
 
 
@@ -92,10 +85,8 @@ def block_table(layout: RowLayout, block_m: int) -> tuple[Tensor, Tensor]:
     dev = layout.meta.device
     blk = torch.empty((3, b), dtype=torch.int32, device=dev)
     nblk = torch.empty(1, dtype=torch.int32, device=dev)
-    block_b = 16
-    _block_table_kernel[(max(1, triton.cdiv(b, block_b)),)](
-        layout.meta, blk, nblk, layout.num_experts, b, BLOCK_M=block_m, E_POW2=layout.e_pow2, BLOCK_B=block_b,
-        **pdl(dev))
+    _block_table_kernel[(max(1, b),)](layout.meta, blk, nblk, layout.num_experts, b, BLOCK_M=block_m,
+                                      E_POW2=layout.e_pow2, **pdl(dev))
     return blk, nblk
 
 
