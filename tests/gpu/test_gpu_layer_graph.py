@@ -140,14 +140,10 @@ def test_rows_copied_into_order_by_scatter(make_layer, scheme, gate_up_cfg, tmp_
     assert torch.equal(got, want)
     assert_close(got, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} rows scattered")
     monkeypatch.setattr(gate_up_mod, "_rows_in_order", scatter)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer.forward_topk(x, ids, w)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        out = layer.forward_topk(x, ids, w)
+    from moeflow.kernels.autotune import capture_graph
+    outs = []  # a warm-up call outside the capture, then the captured one: its output is the last
+    graph = capture_graph(lambda: outs.append(layer.forward_topk(x, ids, w)))
+    out = outs[-1]
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

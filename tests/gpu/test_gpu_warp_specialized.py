@@ -156,14 +156,10 @@ def test_layer_through_a_tuned_file(make_layer, tmp_path, monkeypatch):
     want = layer.forward_topk(x, ids, w)
     assert calls, "the runner did not run the warp-specialized down through the tuned tile"
     assert_close(want, layer_oracle(layer, x, ids, w), rel_tol("none", torch.bfloat16), "ws down layer")
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer.forward_topk(x, ids, w)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        out = layer.forward_topk(x, ids, w)
+    from moeflow.kernels.autotune import capture_graph
+    outs = []  # a warm-up call outside the capture, then the captured one: its output is the last
+    graph = capture_graph(lambda: outs.append(layer.forward_topk(x, ids, w)))
+    out = outs[-1]
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
