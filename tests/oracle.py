@@ -48,6 +48,18 @@ def assert_close(out, ref, tol, what=""):
 
 
 # ---------------------------------------------------------------- routing, Hugging Face style
+def replayed(fn):
+    """fn()'s output (a tensor) from a CUDA graph: a warm-up call outside the capture, the capture, then the
+    captured output poisoned with NaN and the graph replayed (every element must be rewritten)."""
+    from moeflow.kernels.autotune import capture_graph
+    outs = []
+    graph = capture_graph(lambda: outs.append(fn()))
+    outs[-1].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return outs[-1]
+
+
 def hf_route(logits, top_k, scoring="softmax", renormalize=True, groups=1, topk_groups=1, bias=None, scale=1.0):
     """Routing as Hugging Face's Mixtral / Qwen3-MoE / DeepSeek-V3 routers do it, float32.
 
