@@ -63,7 +63,7 @@ class GemmConfig:
     # layer dtype bf16/fp16, sorted batches on Hopper: 1 runs the persistent warp-specialized Gluon kernel
     # (kernels/warp_specialized.py: a TMA loader warp and two consumer warpgroups by turns; gate_up reads its rows
     # in order, copied into order first where they come by index). fit() sets 0 where that kernel cannot run the
-    # tile (ws_down_fits, ws_gate_up_fits).
+    # tile (ws_fits).
     warp_specialize: int = 0
 
     def to_dict(self) -> dict:
@@ -114,7 +114,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
     an fp8-block tile the Gluon kernel runs (wgmma_gate_up_fits, wgmma_down_fits); gate_up's is 1.
     x_tma stays (as 0 or 1) on gate_up only. warp_specialize stays (as 1) only on a bf16/fp16 tile the
-    Gluon kernel runs (ws_down_fits, ws_gate_up_fits).
+    Gluon kernel runs (ws_fits).
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
@@ -127,7 +127,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
         stages -= 1
     fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
                      x_tma=int(bool(cfg.x_tma)) if fused_pair else 0)
-    keep_ws = scheme == "none" and elem_bytes == 2 and (ws_gate_up_fits(fitted) if fused_pair else ws_down_fits(fitted))
+    keep_ws = scheme == "none" and elem_bytes == 2 and ws_fits(fitted, gated=fused_pair)
     fitted = replace(fitted, warp_specialize=int(bool(cfg.warp_specialize) and keep_ws))
     if fitted.scale_overlap:
         fits = wgmma_gate_up_fits(fitted) if fused_pair else wgmma_down_fits(fitted)
@@ -143,18 +143,12 @@ def wgmma_down_fits(cfg: GemmConfig) -> bool:
             and cfg.num_warps in (4, 8) and cfg.block_m >= 16 * cfg.num_warps and 2 <= cfg.num_stages <= 6)
 
 
-def ws_down_fits(cfg: GemmConfig) -> bool:
-    """down tiles kernels/warp_specialized.py runs: 128 x 128 x 64 (each consumer warpgroup a whole tile: 128 accumulator
-    registers a thread), 4 warps a consumer, 2-6 stages (32 KB each), one program per tile's K loop (no split)."""
-    return (cfg.block_m == 128 and cfg.block_n == 128 and cfg.block_k == 64 and cfg.num_warps == 4
-            and 2 <= cfg.num_stages <= 6 and cfg.split_k == 1)
-
-
-def ws_gate_up_fits(cfg: GemmConfig) -> bool:
-    """gate_up tiles kernels/warp_specialized.py runs: 128 x 64 x 64 (each consumer warpgroup a whole tile, gate
-    and up: two 64-register accumulators a thread), 4 warps a consumer, 2-6 stages (32 KB each), no split."""
-    return (cfg.block_m == 128 and cfg.block_n == 64 and cfg.block_k == 64 and cfg.num_warps == 4
-            and 2 <= cfg.num_stages <= 6 and cfg.split_k == 1)
+def ws_fits(cfg: GemmConfig, gated: bool) -> bool:
+    """Tiles kernels/warp_specialized.py runs: each consumer warpgroup a whole tile, 128 accumulator registers a
+    thread: down 128 x 128 x 64, gate_up (gated) 128 x 64 x 64 (two accumulators, gate and up); 4 warps a
+    consumer, 2-6 stages (32 KB each), no split K."""
+    return (cfg.block_m == 128 and cfg.block_n == (64 if gated else 128) and cfg.block_k == 64
+            and cfg.num_warps == 4 and 2 <= cfg.num_stages <= 6 and cfg.split_k == 1)
 
 
 def wgmma_gate_up_fits(cfg: GemmConfig) -> bool:

@@ -42,7 +42,7 @@ from torch import Tensor
 from .. import env as moeflow_env
 from .common import (RowLayout, _cuda_properties, expert_blocks, expert_rows, gated_act, grouped_tile, num_sms, pdl,
                      pdl_start, sorted_block, tma_rows)
-from .configs import ws_down_fits, ws_gate_up_fits
+from .configs import ws_fits
 
 try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this kernel
     from triton.experimental import gluon
@@ -262,9 +262,8 @@ _GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, scheme: str, cfg, gated: bool = False) -> bool:
     """Whether down() (or gate_up(), gated) may run this kernel for the call (module docstring, Where): a [R, K]
     rows in order, w [E, N or 2N, K] of the same dtype."""
-    fits = ws_gate_up_fits(cfg) if gated else ws_down_fits(cfg)
     if (gluon is None or scheme != "none" or a_scale is not None or layout.masked or not a.is_cuda
-            or a.dtype not in _GL_DTYPE or w.dtype != a.dtype or not fits
+            or a.dtype not in _GL_DTYPE or w.dtype != a.dtype or not ws_fits(cfg, gated)
             or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(a.device).major != 9):
         return False
     return expert_rows(w) is not None and tma_rows(a, a.stride(0)) and tma_rows(w, w.stride(1))
