@@ -281,26 +281,32 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
 from moeflow.kernels import warp_specialized as ws
 out = []
-jobs = [(torch.bfloat16, gl.bfloat16, "bf16", gated, stages) for gated in (False, True) for stages in (2, 6)]
-jobs += [(torch.float16, gl.float16, "fp16", gated, 5) for gated in (False, True)]
-for dtype, gdt, name, gated, stages in jobs:
+# (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0: not SCALED)
+jobs = [(torch.bfloat16, gated, 128, 64 if gated else 128, 64, stages, 0) for gated in (False, True) for stages in (2, 6)]
+jobs += [(torch.float16, gated, 128, 64 if gated else 128, 64, 5, 0) for gated in (False, True)]
+# fp8-block down: Qwen3's 6 steps, DeepSeek-V3's 16 (bodies of 8), one step, 7 steps; 64 x 128 and 128 x 64
+jobs += [(torch.float8_e4m3fn, False, bm, bn, 128, stages, u) for bm, bn, stages, u in
+         ((64, 128, 4, 6), (64, 128, 8, 8), (64, 128, 3, 1), (128, 64, 6, 7), (128, 64, 4, 8))]
+gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"), torch.float8_e4m3fn: (gl.float8e4nv, "")}
+for dtype, gated, bm, bn, bk, stages, u in jobs:
     t = torch.empty(256, 256, dtype=dtype)
-    desc = lambda rows: mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [rows, 64],
-                                                     gl.NVMMASharedLayout.get_default_for([rows, 64], gdt)))
-    bn = 64 if gated else 128
+    gdt, name = gl_of[dtype]
+    desc = lambda rows: mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [rows, bk],
+                                                     gl.NVMMASharedLayout.get_default_for([rows, bk], gdt)))
     fn = ws._ws_gemm_kernel
-    sig = dict(a_desc=desc(128), w_desc=desc(bn), rw_ptr="*fp32", out_ptr="*" + name, blk_ptr="*i32", nblk_ptr="*i32")
+    sig = dict(a_desc=desc(bm), w_desc=desc(bn), rw_ptr="*fp32", out_ptr="*" + (name or "bf16"), blk_ptr="*i32",
+               nblk_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32")
     sig.update({n: "i32" for n in fn.arg_names if n not in sig})
-    const = dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,
-                 LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0)
+    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,
+                 LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0, SCALED=u > 0, UNROLL=max(u, 1))
     out.append(compile_gluon_for_hopper(fn, sig, const, 4, maxnreg=ws.MAXNREG))
 print(json.dumps(out))
 """
 
 
 def test_warp_specialized_gemms_compile_without_spills():
-    """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages) under its
-    launch's register cap:
+    """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages; the fp8-block
+    down's loop bodies of 1-8 steps, 2-8 stages, both tiles) under its launch's register cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas
     neither serializes the wgmmas (C7514) nor injects waits (C7517)."""
     for regs, spill, notes in compile_without_interpreter(WS_DOWN_COMPILE):

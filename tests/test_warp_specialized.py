@@ -41,7 +41,14 @@ def test_fit_keeps_warp_specialize_where_the_kernel_runs():
     cfg = kc.GemmConfig(128, 128, 64, 8, 4, 6, warp_specialize=1)
     assert ws(cfg).warp_specialize == 1 and ws(cfg).num_stages == 6  # 6 x 32 KB fits the shared-memory budget
     assert ws(cfg, elem_bytes=4).warp_specialize == 0  # float32 layers
-    assert ws(cfg, scheme="fp8-block", elem_bytes=1).warp_specialize == 0
+    assert ws(cfg, scheme="fp8-block", elem_bytes=1).warp_specialize == 0  # fp8-block: 64 x 128 or 128 x 64, K 128
+    for bm, bn in ((64, 128), (128, 64)):
+        f8 = ws(kc.GemmConfig(bm, bn, 128, 8, 4, 8, warp_specialize=1), scheme="fp8-block", elem_bytes=1)
+        assert f8.warp_specialize == 1 and f8.num_stages == 8  # 8 x 24 KB fits the budget
+        assert ws(f8, fused_pair=True, scheme="fp8-block", elem_bytes=1).warp_specialize == 0  # down only
+        assert ws(f8, scheme="fp8-channel", elem_bytes=1).warp_specialize == 0
+    assert ws(kc.GemmConfig(128, 128, 128, 8, 4, 4, warp_specialize=1), scheme="fp8-block",
+              elem_bytes=1).warp_specialize == 0  # 128 x 128: three tiles of 128 registers
     assert ws(cfg, fused_pair=True).warp_specialize == 0  # gate_up's tile is 128 x 64 (gate and up accumulators)
     gu = kc.GemmConfig(128, 64, 64, 8, 4, 6, warp_specialize=1)
     assert ws(gu, fused_pair=True, n_size=768).warp_specialize == 1 and ws(gu, fused_pair=True).num_stages == 6

@@ -60,10 +60,10 @@ class GemmConfig:
     # pointer (by index: in place, no copy). The fp8-block Gluon kernel reads its rows this way always.
     # down ignores it (its input is in layout order: TMA wherever TMA can address it).
     x_tma: int = 0
-    # layer dtype bf16/fp16, sorted batches on Hopper: 1 runs the persistent warp-specialized Gluon kernel
-    # (kernels/warp_specialized.py: a TMA loader warp and two consumer warpgroups by turns; gate_up reads its rows
-    # in order, copied into order first where they come by index). fit() sets 0 where that kernel cannot run the
-    # tile (ws_fits).
+    # sorted batches on Hopper, layer dtype bf16/fp16 or the fp8-block down: 1 runs the persistent
+    # warp-specialized Gluon kernel (kernels/warp_specialized.py: a TMA loader warp and two consumer warpgroups by
+    # turns; gate_up reads its rows in order, copied into order first where they come by index). fit() sets 0
+    # where that kernel cannot run the tile (ws_fits).
     warp_specialize: int = 0
 
     def to_dict(self) -> dict:
@@ -113,8 +113,8 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     BLOCK_N of 16-64 (more programs for small batches) leaves that to a separate kernel.
     fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
     an fp8-block tile the Gluon kernel runs (wgmma_gate_up_fits, wgmma_down_fits); gate_up's is 1.
-    x_tma stays (as 0 or 1) on gate_up only. warp_specialize stays (as 1) only on a bf16/fp16 tile the
-    Gluon kernel runs (ws_fits).
+    x_tma stays (as 0 or 1) on gate_up only. warp_specialize stays (as 1) only on a tile the Gluon kernel
+    runs (ws_fits: bf16/fp16, or an fp8-block down).
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
@@ -127,7 +127,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
         stages -= 1
     fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
                      x_tma=int(bool(cfg.x_tma)) if fused_pair else 0)
-    keep_ws = scheme == "none" and elem_bytes == 2 and ws_fits(fitted, gated=fused_pair)
+    keep_ws = (elem_bytes == 2 or scheme == "fp8-block") and ws_fits(fitted, gated=fused_pair, scheme=scheme)
     fitted = replace(fitted, warp_specialize=int(bool(cfg.warp_specialize) and keep_ws))
     if fitted.scale_overlap:
         fits = wgmma_gate_up_fits(fitted) if fused_pair else wgmma_down_fits(fitted)
@@ -143,12 +143,19 @@ def wgmma_down_fits(cfg: GemmConfig) -> bool:
             and cfg.num_warps in (4, 8) and cfg.block_m >= 16 * cfg.num_warps and 2 <= cfg.num_stages <= 6)
 
 
-def ws_fits(cfg: GemmConfig, gated: bool) -> bool:
-    """Tiles kernels/warp_specialized.py runs: each consumer warpgroup a whole tile, 128 accumulator registers a
-    thread: down 128 x 128 x 64, gate_up (gated) 128 x 64 x 64 (two accumulators, gate and up); 4 warps a
-    consumer, 2-6 stages (32 KB each), no split K."""
-    return (cfg.block_m == 128 and cfg.block_n == (64 if gated else 128) and cfg.block_k == 64
-            and cfg.num_warps == 4 and 2 <= cfg.num_stages <= 6 and cfg.split_k == 1)
+def ws_fits(cfg: GemmConfig, gated: bool, scheme: str = "none") -> bool:
+    """Tiles kernels/warp_specialized.py runs: each consumer warpgroup a whole tile, 4 warps a consumer, no split
+    K. Scheme none: 128 accumulator registers a thread: down 128 x 128 x 64, gate_up (gated) 128 x 64 x 64 (two
+    accumulators, gate and up), 2-6 stages (32 KB each). fp8-block, down only: an accumulator and two products
+    by turns of 64 registers each: 64 x 128 or 128 x 64 tiles, BLOCK_K 128 (one scale group a step), 2-8 stages
+    (24 KB each)."""
+    if cfg.num_warps != 4 or cfg.split_k != 1:
+        return False
+    if scheme == "fp8-block":
+        return (not gated and (cfg.block_m, cfg.block_n) in ((64, 128), (128, 64)) and cfg.block_k == 128
+                and 2 <= cfg.num_stages <= 8)
+    return (scheme == "none" and cfg.block_m == 128 and cfg.block_n == (64 if gated else 128) and cfg.block_k == 64
+            and 2 <= cfg.num_stages <= 6)
 
 
 def wgmma_gate_up_fits(cfg: GemmConfig) -> bool:

@@ -183,8 +183,8 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     if split <= 1 or r == 0 or h == 0:
         if cfg.warp_specialize and a.is_cuda:
             from . import warp_specialized  # Gluon: loaded on CUDA only
-            if warp_specialized.usable(a, a_scale, w2, layout, scheme, cfg):
-                warp_specialized.launch(a, w2, route_w, layout, cfg, out)
+            if warp_specialized.usable(a, a_scale, w2, layout, scheme, cfg, w_scale=w2_scale):
+                warp_specialized.launch(a, w2, route_w, layout, cfg, out, a_scale=a_scale, w_scale=w2_scale)
                 return out
         if cfg.scale_overlap and a.is_cuda:
             from . import down_wgmma  # Gluon: loaded on CUDA only

@@ -50,6 +50,8 @@ try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this ker
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .down_wgmma import _scaled_add, unroll
 except ImportError:  # pragma: no cover - older triton: usable() says False
     gluon = None
 
@@ -117,25 +119,26 @@ if gluon is not None:
     @gluon.jit
     def _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs, w_rows_per_expert, BLOCK_N: gl.constexpr,
               GROUP_M: gl.constexpr):
-        """The program's j-th tile -> (first row, end row, column tile, first weight row)."""
+        """The program's j-th tile -> (first row, end row, column tile, first weight row, expert)."""
         pid_m, pid_n = grouped_tile(gl.program_id(0) + j * num_programs, blocks_m, num_pid_n, GROUP_M)
         expert = gl.load(blk_ptr + pid_m)
         row_start = gl.load(blk_ptr + num_blocks + pid_m)
         row_end = gl.load(blk_ptr + 2 * num_blocks + pid_m)
-        return row_start, row_end, pid_n, expert * w_rows_per_expert + pid_n * BLOCK_N
+        return row_start, row_end, pid_n, expert * w_rows_per_expert + pid_n * BLOCK_N, expert
 
     @gluon.jit
     def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
+                GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+                SCALED: gl.constexpr, UNROLL: gl.constexpr):
         """The loader warp (module docstring, How); c unused (the workers share a signature). GATED: each step
         also loads the up rows (N rows after the gate rows) into the slot's second weight buffer."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-         num_programs, N, K, w_rows_per_expert, stride_out) = p
+         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
         nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
         for j in range(my_tiles):
-            a_row, _, _, w_row = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs, w_rows_per_expert,
+            a_row, _, _, w_row, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs, w_rows_per_expert,
                                        BLOCK_N, GROUP_M)
             for k in range(n):
                 g = j * n + k
@@ -178,19 +181,59 @@ if gluon is not None:
         return acc_g, acc_u
 
     @gluon.jit
+    def _issue(a_bufs, w_bufs, ready, g, d, STAGES: gl.constexpr):
+        """Wait for step g's tiles and start its wgmma into d's registers (d's values unused)."""
+        slot = g % STAGES
+        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+        return warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), d, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, d_a, d_b, as_rows, ws_tile,
+                       STAGES: gl.constexpr, UNROLL: gl.constexpr):
+        """fp8-block: acc + every step's product scaled by its row and weight-block scales (as_rows + t, ws_tile
+        + t), the products by turns (kernels/down_wgmma.py's K loop: step t + 1's wgmma runs while step t's product
+        is scaled; UNROLL steps a body, nothing in flight across its back edge). Each step's slot is released once
+        its wgmma is done; turn_bar gets the other consumer's turn once the last step's wgmma is issued.
+        -> (acc, d_a, d_b): the products' registers carry over to the next tile."""
+        bodies = n // UNROLL
+        for b in range(bodies):
+            t = b * UNROLL
+            last = b == bodies - 1
+            p_a = _issue(a_bufs, w_bufs, ready, g0 + t, d_a, STAGES)
+            s_a = gl.load(as_rows + t) * gl.load(ws_tile + t)
+            if UNROLL == 1:
+                mbarrier.arrive(turn_bar, count=1, pred=last)
+            for u in gl.static_range(1, UNROLL):
+                p_b = _issue(a_bufs, w_bufs, ready, g0 + t + u, d_b, STAGES)
+                s_b = gl.load(as_rows + t + u) * gl.load(ws_tile + t + u)
+                if u == UNROLL - 1:
+                    mbarrier.arrive(turn_bar, count=1, pred=last)
+                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
+                mbarrier.arrive(empty.index((g0 + t + u - 1) % STAGES), count=1)
+                acc = _scaled_add(d_a, s_a, acc)
+                p_a, s_a, d_a, p_b, s_b, d_b = p_b, s_b, d_b, p_a, s_a, d_a
+            d_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a,))
+            mbarrier.arrive(empty.index((g0 + t + UNROLL - 1) % STAGES), count=1)
+            acc = _scaled_add(d_a, s_a, acc)
+        return acc, d_a, d_b
+
+    @gluon.jit
     def _consume(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+                 SCALED: gl.constexpr, UNROLL: gl.constexpr):
         """Consumer warpgroup c: the program's tiles c, c + 2, ... (module docstring, How)."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-         num_programs, N, K, w_rows_per_expert, stride_out) = p
+         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_N, 16])
+                                                      instr_shape=[16, BLOCK_N, 32 if SCALED else 16])
         st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
+        d_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)  # SCALED: the two products by turns
+        d_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
         for j in range(c, my_tiles, 2):
-            row_start, row_end, pid_n, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
-                                                 w_rows_per_expert, BLOCK_N, GROUP_M)
+            row_start, row_end, pid_n, _, expert = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
+                                                         w_rows_per_expert, BLOCK_N, GROUP_M)
             i = j // 2  # this consumer's i-th tile: wait until the other has issued its K loop before this one
             mbarrier.wait(turn.index(c), (i - c + 1) & 1, pred=(c == 1) | (i > 0))
             if GATED:
@@ -200,14 +243,22 @@ if gluon is not None:
                 mbarrier.arrive(turn.index(1 - c), count=1)
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
                 y = gated_act(acc_g, acc_u, ACT)
+                mbarrier.arrive(empty.index((j * n + n - 1) % STAGES), count=1)
             else:
-                acc = _k_loop(a_bufs, w_bufs, ready, empty, j * n, n, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma),
-                              STAGES)
-                mbarrier.arrive(turn.index(1 - c), count=1)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
+                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                if SCALED:  # row r's group scale of step t at as_rows[r] + t; the weight block's at ws_tile + t
+                    as_rows = as_ptr + rows_ld * stride_as
+                    ws_tile = (ws_ptr + expert.to(gl.int64) * stride_wse
+                               + gl.minimum(pid_n * BLOCK_N // 128, (N - 1) // 128) * stride_wsn)
+                    acc, d_a, d_b = _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, d_a,
+                                                   d_b, as_rows, ws_tile, STAGES, UNROLL)
+                else:
+                    acc = _k_loop(a_bufs, w_bufs, ready, empty, j * n, n, acc, STAGES)
+                    mbarrier.arrive(turn.index(1 - c), count=1)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index((j * n + n - 1) % STAGES), count=1)
                 y = acc * gl.load(rw_ptr + rows_ld)[:, None]
-            mbarrier.arrive(empty.index((j * n + n - 1) % STAGES), count=1)
             y = gl.convert_layout(y.to(out_ptr.dtype.element_ty), st)  # 16-byte stores
             rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
             cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
@@ -216,25 +267,29 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer0(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
-        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT)
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr):
+        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)
 
     @gluon.jit
     def _consumer1(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
-        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT)
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr):
+        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)
 
     @gluon.jit(do_not_specialize=["num_blocks", "num_programs", "w_rows_per_expert"])
-    def _ws_gemm_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks, num_programs, N, K,
-                        w_rows_per_expert, stride_out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    def _ws_gemm_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, as_ptr, ws_ptr, num_blocks, num_programs,
+                        N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, GATED: gl.constexpr = False,
-                        ACT: gl.constexpr = 0):
+                        ACT: gl.constexpr = 0, SCALED: gl.constexpr = False, UNROLL: gl.constexpr = 1):
         """out [R, N] from a [R, K] (a_desc: TMA descriptor, [BLOCK_M, BLOCK_K] boxes; rows past a block's end are
         read, never stored) and the weight rows [E * W, K] (w_desc, [BLOCK_N, BLOCK_K] boxes; expert e's from
         e * w_rows_per_expert); both zero-fill past K. down: N = H, K = I, W = H, times rw_ptr's routing weight.
         GATED (gate_up): N = I, K = H, W = 2I, out = act(gate) * up (ACT: common.ACT_CODES), rw_ptr unused.
-        blk_ptr, nblk_ptr: block_table's."""
+        blk_ptr, nblk_ptr: block_table's. SCALED (fp8-block down, BLOCK_K 128): every step's product times the rows'
+        group scales (as_ptr [R, K / 128] float32, row stride stride_as) and the weight block's (ws_ptr
+        [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body."""
         dtype: gl.constexpr = a_desc.dtype
         WB: gl.constexpr = 2 if GATED else 1
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -249,31 +304,40 @@ if gluon is not None:
         mbarrier.init(turn.index(1), count=1)
         fence_async_shared()
         p = (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-             num_programs, N, K, w_rows_per_expert, stride_out)
-        gl.warp_specialize([(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT)),
-                            (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT)),
-                            (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT))],
+             num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn)
+        gl.warp_specialize([(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
+                            (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
+                            (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-_GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
 
 
-def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, scheme: str, cfg, gated: bool = False) -> bool:
+def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, scheme: str, cfg, gated: bool = False,
+           w_scale: Tensor | None = None) -> bool:
     """Whether down() (or gate_up(), gated) may run this kernel for the call (module docstring, Where): a [R, K]
-    rows in order, w [E, N or 2N, K] of the same dtype."""
-    if (gluon is None or scheme != "none" or a_scale is not None or layout.masked or not a.is_cuda
-            or a.dtype not in _GL_DTYPE or w.dtype != a.dtype or not ws_fits(cfg, gated)
+    rows in order, w [E, N or 2N, K] of the same dtype; scheme none in bf16/fp16, or fp8-block (down only) with
+    a_scale [R, K / 128] and w_scale [E, N / 128, K / 128], both unit stride along K."""
+    fp8 = scheme == "fp8-block"
+    if (gluon is None or layout.masked or not a.is_cuda or w.dtype != a.dtype or not ws_fits(cfg, gated, scheme)
             or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(a.device).major != 9):
+        return False
+    if fp8:
+        if (a.dtype != torch.float8_e4m3fn or a_scale is None or w_scale is None or a_scale.stride(1) != 1
+                or w_scale.stride(2) != 1):
+            return False
+    elif scheme != "none" or a_scale is not None or a.dtype not in (torch.bfloat16, torch.float16):
         return False
     return expert_rows(w) is not None and tma_rows(a, a.stride(0)) and tma_rows(w, w.stride(1))
 
 
 def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg, out: Tensor, gated: bool = False,
-           act: int = 0) -> None:
+           act: int = 0, a_scale: Tensor | None = None, w_scale: Tensor | None = None) -> None:
     """Write out [R, N] (module docstring); usable() must have said True. down: w = down_proj [E, H, I], out
-    [R, H], route_w [R] float32. gated (gate_up): w = gate_up_proj [E, 2I, H], out [R, I], act a common.ACT_CODES
-    value, route_w unused."""
+    [R, H], route_w [R] float32; fp8-block: with a_scale [R, I / 128] and w_scale (down_proj_scale_inv)
+    [E, H / 128, I / 128] float32. gated (gate_up): w = gate_up_proj [E, 2I, H], out [R, I], act a
+    common.ACT_CODES value, route_w unused."""
     r, k = a.shape
     e, w_rows, _ = w.shape
     n = out.shape[1]
@@ -287,7 +351,12 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
                               gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
     blk, nblk = block_table(layout, bm)
     programs = min(num_sms(a.device), blk.shape[1] * triton.cdiv(n, bn))
+    scaled = a_scale is not None
+    steps = triton.cdiv(k, bk)
+    as_, ws_ = (a_scale, w_scale) if scaled else (out, out)
     _ws_gemm_kernel[(programs,)](
-        a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, blk.shape[1], programs, n, k,
-        per_expert, out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, num_warps=4, maxnreg=MAXNREG)
+        a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1], programs, n,
+        k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0, ws_.stride(1) if scaled else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, CONSUMER_REGS=CONSUMER_REGS,
+        LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled, UNROLL=unroll(steps) if scaled else 1,
+        num_warps=4, maxnreg=MAXNREG)

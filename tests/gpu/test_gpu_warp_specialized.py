@@ -1,10 +1,12 @@
-"""kernels/warp_specialized.py (the warp-specialized bf16/fp16 Gluon GEMMs, GemmConfig.warp_specialize) on a Hopper
-GPU. The down: against a float64 reference on fresh random data with NaN-poisoned outputs: empty experts, every row to one
+"""kernels/warp_specialized.py (the warp-specialized Gluon GEMMs, GemmConfig.warp_specialize) on a Hopper GPU.
+The down: against a float64 reference on fresh random data with NaN-poisoned outputs: empty experts, every row to one
 expert, one row, no rows, K loops of 1, 2, 12 and 224 steps (a partial last step), H off the tiles, weights
 shared by every expert (stride 0); grids of 1 and 3 programs, so that each program runs many tiles through both
 consumer warpgroups by turns; the layer through a tuned file that picks it. The gate_up: against a float64
 reference, rows by index (copied into order first) and in order, every activation, the same edge batches and
-grids. Run: pytest -m gpu tests/gpu
+grids. The fp8-block down: against the float64 reference of the dequantized operands and bit for bit against the
+Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches and grids.
+Run: pytest -m gpu tests/gpu
 """
 import pytest
 import torch
@@ -13,6 +15,7 @@ from moeflow.kernels.configs import GemmConfig, fit
 from moeflow.layouts import offsets_from_counts
 from gluon_hopper import MARKS
 from oracle import assert_close, replayed
+from test_gpu_down_wgmma import operands as fp8_operands, reference as fp8_reference
 
 pytestmark = MARKS
 
@@ -99,6 +102,35 @@ def test_gate_up_matches_reference(cfg, sms, indexed, counts, h, i, act, poison,
     assert_close(got, want, 1e-2, f"ws gate_up {counts} H={h} I={i} {act} indexed={indexed} sms={sms}")
 
 
+FP8_TILES = [GemmConfig(64, 128, 128, 8, 4, 4, warp_specialize=1), GemmConfig(64, 128, 128, 8, 4, 8, warp_specialize=1),
+             GemmConfig(128, 64, 128, 8, 4, 3, warp_specialize=1)]
+
+
+@pytest.mark.parametrize("cfg", FP8_TILES, ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}")
+@pytest.mark.parametrize("sms", [None, 1, 3])
+@pytest.mark.parametrize("counts,h,i", [
+    ([37, 0, 300, 1, 0, 129, 64, 2], 384, 768),   # empty experts, rows off the blocks; 6 K steps (a body of 6)
+    ([0, 0, 513, 0], 256, 384),                    # every row to one expert; 3 steps
+    ([1], 128, 128),                               # one row; one step (a body of 1)
+    ([90, 41, 7], 200, 320),                       # H off the N tiles, I off the K steps (a partial last step)
+    ([200, 300], 256, 14336),                      # Mixtral's K loop: 112 steps (bodies of 8)
+    ([3, 5], 384, 896),                            # 7 steps: bodies of 7
+])
+def test_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, counts, h, i, poison, monkeypatch):
+    """fp8-block (SCALED): close to the float64 reference of the dequantized operands, and bit for bit the Triton
+    kernel's output (the same float32 sums in the same order: each step's product times its scales, added)."""
+    if sms is not None:
+        monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
+    layout, a, a_s, q2, s2, rw = fp8_operands(counts, h, i)
+    assert down_ws.usable(a, a_s, q2, layout, "fp8-block", cfg, w_scale=s2)
+    got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
+    assert not got.isnan().any()
+    assert_close(got, fp8_reference(layout, a, a_s, q2, s2, rw), 1e-2, f"ws fp8 down {counts} H={h} I={i} sms={sms}")
+    plain = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, GemmConfig(64, 128, 128, 8, 4, 3),
+                 poison=True)
+    assert torch.equal(got, plain)
+
+
 def test_fp16_and_shared_weights(poison):
     """fp16, and an expert stride of 0 (the tuner's compile jobs run such weights)."""
     for dtype, shared in ((torch.float16, False), (torch.bfloat16, True)):
@@ -130,8 +162,14 @@ def test_where_it_does_not_run():
     assert not down_ws.usable(a, None, w, masked, "none", cfg)
     assert not down_ws.usable(a.float(), None, w.float(), layout, "none", cfg)
     assert not down_ws.usable(a, None, w, layout, "none", GemmConfig(128, 256, 64, 8, 4, 4, warp_specialize=1))
-    assert not fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).warp_specialize
+    assert not fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).warp_specialize  # 128x128
     assert fit(cfg, fused_pair=False, scheme="none", elem_bytes=2, n_size=128).warp_specialize == 1
+    layout8, a8, a8_s, q2, s2, _ = fp8_operands([3, 4], 128, 256)
+    f8 = FP8_TILES[0]
+    assert down_ws.usable(a8, a8_s, q2, layout8, "fp8-block", f8, w_scale=s2)
+    assert not down_ws.usable(a8, a8_s, q2, masked, "fp8-block", f8, w_scale=s2)
+    assert not down_ws.usable(a8, a8_s, q2, layout8, "fp8-channel", f8, w_scale=s2)
+    assert not down_ws.usable(a8, None, q2, layout8, "fp8-block", f8, w_scale=s2)
 
 
 def test_layer_through_a_tuned_file(make_layer, tmp_path, monkeypatch):
