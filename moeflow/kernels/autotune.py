@@ -38,6 +38,12 @@ class Shape:
     dtype: torch.dtype = torch.bfloat16
 
 
+# the warp-specialized fp8-block down (kernels/warp_specialized.py): 64 x 128 tiles; 5-7 stages, none a divisor of
+# the K-loop bodies of 6 or 8 steps (4 and 8 stages measured 1.1-1.4x slower than 6 at DeepSeek-V3's and Mixtral's
+# 16-step and 112-step loops: benchmarks/results/ws_fp8_down_*)
+WS_FP8_DOWN = [GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (5, 6, 7)]
+
+
 def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmConfig]]:
     """(gate_up candidates, down candidates) for T = tokens, fitted and deduplicated.
     Rows per expert m = T * top_k / E picks the family: weight streaming (m <= 16), middle, large tiles.
@@ -66,6 +72,7 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
                (16, 128, 128, 4, 4, 0), (64, 128, bk, 4, 4, 2))]
         if shape.scheme == "fp8-block":  # the persistent Gluon down (kernels/down_wgmma_persistent.py)
             dn.append(GemmConfig(64, 128, 128, 4, 4, 4, 2, scale_overlap=2))
+            dn += WS_FP8_DOWN
         if shape.scheme == "none":  # the warp-specialized Gluon kernels (kernels/warp_specialized.py)
             gu += [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
             dn += [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
@@ -85,6 +92,7 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
             dn += [GemmConfig(bm, 128, 128, 8, w, s, p, scale_overlap=so) for bm, w, s, p, so in
                    ((128, 8, 4, 0, 1), (128, 8, 4, 0, 2), (128, 8, 3, 0, 1), (64, 4, 4, 0, 2),
                     (64, 4, 4, 2, 2), (64, 4, 3, 2, 2), (128, 8, 4, 1, 2))]  # p > 0: down_wgmma_persistent.py
+            dn += WS_FP8_DOWN
     nbytes = 1 if shape.scheme != "none" else shape.dtype.itemsize
 
     def fitted(cfgs, pair, n):
