@@ -1,7 +1,10 @@
-"""bf16/fp16 grouped GEMMs for Hopper in Gluon: persistent, warp-specialized, two consumer warpgroups by turns.
+"""Grouped GEMMs for Hopper in Gluon: persistent, warp-specialized, two consumer warpgroups by turns.
 
     down:    a [R, I] layer dtype (sorted layout, rows in order), w2 down_proj [E, H, I], route_w [R] float32
              -> out [R, H] = route_w * (a @ w2[e].T), as kernels/down.py (reference: down.down_torch);
+             fp8-block (SCALED): a float8_e4m3fn + a_scale [R, I/128] float32, w2 float8_e4m3fn + w2_scale
+             [E, H/128, I/128] float32, each 128-deep step's product scaled as kernels/down_wgmma.py scales it
+             (the same bits as down.py's kernel);
     gate_up: x [R, H] (rows in order), w13 gate_up_proj [E, 2I, H] -> inter [R, I] = act(x @ gate.T) * (x @ up.T),
              as kernels/gate_up.py (reference: gate_up.gate_up_torch), the GATED form of the same kernel.
 Why: short K loops. Qwen3's I = 768 is 12 steps of 64; a program that runs one tile at a time idles its
@@ -15,21 +18,27 @@ Three partitions (gl.warp_specialize):
     slot's two weight buffers), each once its slot is released;
   - two consumer warpgroups: consumer c takes the program's tiles j = c, c + 2, ...: one K step's wgmmas in
     flight over its tile's steps, releasing each step's slot once the next step's are issued and it is done,
-    then the epilogue (down: the routing weight; gate_up: act(gate) * up), 16-byte stores. A consumer starts a
+    then the epilogue (down: the routing weight; gate_up: act(gate) * up), 16-byte stores. SCALED: two products
+    by turns (down_wgmma.py's loop: step t + 1's wgmma runs while step t's product is scaled, UNROLL steps a body),
+    each step's slot released once its wgmma is done, the turn handed over once the last is issued. A consumer starts a
     tile's K loop only once the other has issued its own (the `turn` barriers): the K loops run one after the
     other at the tensor cores' full rate while the other consumer runs its epilogue, and a wait on a slot's
     barrier is never more than one phase ahead (a parity wait cannot tell phases two apart: without the turns
     the second consumer read the wrong steps and the kernel faulted).
 Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
 (consumer 0) the rest, 248 (setmaxnreg). A consumer's accumulators: down one 128 x 128 tile, gate_up two
-128 x 64. ptxas sm_90a: no spills (tests/test_kernels_compile_sm90.py).
+128 x 64; SCALED an accumulator and two products of 64 x 128 (or 128 x 64). ptxas sm_90a: no spills
+(tests/test_kernels_compile_sm90.py).
 Where: GemmConfig.warp_specialize (fit() keeps it on 128 x 128 x 64 down tiles and 128 x 64 x 64 gate_up tiles,
-layer dtype bf16/fp16), sorted batches, CUDA compute capability 9.x, operands TMA-addressable; rows that come by
-index are copied into order first (gate_up.py, as for x_tma); down.py and gate_up.py run their own kernels
-otherwise. Measured on H200 (benchmarks/results/ws_down_2026-12-01_h200.md), alone: the down 1.23-1.30x the
+layer dtype bf16/fp16, and on fp8-block down tiles of 64 x 128 x 128 or 128 x 64 x 128: configs.ws_fits),
+sorted batches, CUDA compute capability 9.x, operands TMA-addressable; rows that come by index are copied into
+order first (gate_up.py, as for x_tma); down.py and gate_up.py run their own kernels otherwise.
+Measured on H200 (benchmarks/results/ws_down_2026-12-01_h200.md), alone: the down 1.23-1.30x the
 tuned Triton down on Qwen3's shape at T = 4096-16384, 1.08-1.09x on DeepSeek-V3's, slower than the 128 x 256
 Triton tile on Mixtral's T = 16384; the gate_up 1.07-1.10x on Qwen3's (the copy included), slower on
-DeepSeek-V3's. The tuner picks per entry.
+DeepSeek-V3's. The fp8-block down (benchmarks/results/ws_fp8_down_2026-12-01_h200.md), 64 x 128 at 6 stages:
+1.06-1.17x the shipped Gluon down on Qwen3's and DeepSeek-V3's shapes at T = 1024-16384, 0.90x on Mixtral's
+T = 16384; 1.01-1.035x on those layers. The tuner picks per entry.
 Imported only when a config asks for it on a CUDA device: CPU runs never load Gluon.
 """
 from __future__ import annotations
