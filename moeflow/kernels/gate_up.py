@@ -263,13 +263,12 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
                 x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
             gate_up_wgmma.launch(x, x_scale, w13, w13_scale, layout, _act_code(activation), dtype, cfg, inter, extra)
             return inter, extra
-    if cfg.warp_specialize and (q == 0 or (fused_groups and split == 1)) and x.is_cuda and r:
+    if cfg.warp_specialize and q == 0 and x.is_cuda and r:
         from . import warp_specialized  # Gluon: loaded on CUDA only
-        if warp_specialized.usable(x, x_scale, w13, layout, scheme, cfg, gated=True, w_scale=w13_scale):
+        if warp_specialized.usable(x, x_scale, w13, layout, scheme, cfg, gated=True):
             if source_rows is not None:  # it reads rows in order (TMA): one copy of the R rows in order first
-                x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
-            warp_specialized.launch(x, w13, None, layout, cfg, inter, gated=True, act=_act_code(activation),
-                                    a_scale=x_scale, w_scale=w13_scale, out_scale=extra, inter_dtype=dtype)
+                x, _ = _rows_in_order(x, None, source_rows, copy_rows)
+            warp_specialized.launch(x, w13, None, layout, cfg, inter, gated=True, act=_act_code(activation))
             return inter, extra
     x_arg = x
     if cfg.x_tma and not layout.masked and r:  # rows in order through TMA (GemmConfig.x_tma)

@@ -49,8 +49,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import env as moeflow_env
-from .common import (RowLayout, _cuda_properties, expert_blocks, expert_rows, fp8_scale, gated_act, grouped_tile,
-                     num_sms, pdl, pdl_start, sorted_block, tma_rows, to_fp8)
+from .common import (RowLayout, _cuda_properties, expert_blocks, expert_rows, gated_act, grouped_tile, num_sms, pdl,
+                     pdl_start, sorted_block, tma_rows)
 from .configs import ws_fits
 
 try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this kernel
@@ -138,12 +138,11 @@ if gluon is not None:
     @gluon.jit
     def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER: gl.constexpr):
+                SCALED: gl.constexpr, UNROLL: gl.constexpr):
         """The loader warp (module docstring, How); c unused (the workers share a signature). GATED: each step
         also loads the up rows (N rows after the gate rows) into the slot's second weight buffer."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn, outs_ptr,
-         stride_outs) = p
+         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
         nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
@@ -230,11 +229,10 @@ if gluon is not None:
     @gluon.jit
     def _consume(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                 SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER: gl.constexpr):
+                 SCALED: gl.constexpr, UNROLL: gl.constexpr):
         """Consumer warpgroup c: the program's tiles c, c + 2, ... (module docstring, How)."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn, outs_ptr,
-         stride_outs) = p
+         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -277,125 +275,30 @@ if gluon is not None:
                      mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
     @gluon.jit
-    def _quarter(a, w_bufs, slot, q: gl.constexpr, d):
-        """Start the wgmma of quarter q of a step (0 gate 0-63, 1 gate 64-127, 2 up 0-63, 3 up 64-127) of this
-        consumer's rows a into d's registers (d's values unused)."""
-        w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * 64, 64, dim=0)
-        return warpgroup_mma(a, w.permute((1, 0)), d, use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _k_loop_quarters(a_bufs, w_bufs, ready, empty, g0, n, c: gl.constexpr, acc0, acc1, acc2, acc3, d_a, d_b,
-                         xs_rows, gs, us, STAGES: gl.constexpr, UNROLL: gl.constexpr):
-        """fp8-block gate_up, consumer c's 64 rows of the tile: the four quarter products of each step by turns
-        (kernels/gate_up_wgmma.py's loop), each scaled into its accumulator (gate 0-63, 64-127, up 0-63, 64-127)
-        while the next runs; a step's slot released (one of its two arrivals) once its last quarter is done.
-        -> the accumulators and the products' registers."""
-        for b in range(n // UNROLL):
-            for u in gl.static_range(UNROLL):
-                t = b * UNROLL + u
-                slot = (g0 + t) % STAGES
-                mbarrier.wait(ready.index(slot), ((g0 + t) // STAGES) & 1)
-                a = a_bufs.index(slot).slice(c * 64, 64, dim=0)
-                s_x = gl.load(xs_rows + t)
-                s_g = s_x * gl.load(gs + t)
-                s_u_next = s_x * gl.load(us + t)
-                p_a = _quarter(a, w_bufs, slot, 0, d_a)
-                if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this body)
-                    d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
-                    acc3 = _scaled_add(d_b, s_u, acc3)  # noqa: F821
-                    mbarrier.arrive(empty.index((g0 + t - 1) % STAGES), count=1)
-                s_u = s_u_next
-                p_b = _quarter(a, w_bufs, slot, 1, d_b)
-                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
-                acc0 = _scaled_add(d_a, s_g, acc0)
-                p_a = _quarter(a, w_bufs, slot, 2, d_a)
-                d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))
-                acc1 = _scaled_add(d_b, s_g, acc1)
-                p_b = _quarter(a, w_bufs, slot, 3, d_b)
-                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
-                acc2 = _scaled_add(d_a, s_u, acc2)
-            d_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b,))
-            acc3 = _scaled_add(d_b, s_u, acc3)
-            mbarrier.arrive(empty.index((g0 + b * UNROLL + UNROLL - 1) % STAGES), count=1)
-        return acc0, acc1, acc2, acc3, d_a, d_b
-
-    @gluon.jit
-    def _cooperate(p, c: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                   STAGES: gl.constexpr, ACT: gl.constexpr, UNROLL: gl.constexpr, INTER: gl.constexpr):
-        """fp8-block gate_up (GATED and SCALED): consumer c takes rows c * 64 .. c * 64 + 63 of every tile of the
-        program (128 x 128 of the intermediate), the two consumers side by side on the same slots (module docstring,
-        How); epilogue as kernels/gate_up_wgmma.py's: act(gate) * up rounded to INTER, one amax per row over the
-        tile's 128 columns (the group), quantized, the group's scale stored."""
-        (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn, outs_ptr,
-         stride_outs) = p
-        blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
-        n = gl.cdiv(K, BLOCK_K)
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-        st: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        d_a = gl.zeros([64, 64], gl.float32, mma)
-        d_b = gl.zeros([64, 64], gl.float32, mma)
-        for j in range(my_tiles):
-            row_start, row_end, pid_n, _, expert = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
-                                                         w_rows_per_expert, BLOCK_N, GROUP_M)
-            rows = row_start + c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-            xs_rows = as_ptr + gl.minimum(rows, row_end - 1) * stride_as  # row r's group scale of step t: + t
-            gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn  # the gate block's weight scales
-            us = gs + (N // 128) * stride_wsn  # the up block's
-            acc0 = gl.zeros([64, 64], gl.float32, mma)
-            acc1 = gl.zeros([64, 64], gl.float32, mma)
-            acc2 = gl.zeros([64, 64], gl.float32, mma)
-            acc3 = gl.zeros([64, 64], gl.float32, mma)
-            acc0, acc1, acc2, acc3, d_a, d_b = _k_loop_quarters(a_bufs, w_bufs, ready, empty, j * n, n, c, acc0, acc1,
-                                                                acc2, acc3, d_a, d_b, xs_rows, gs, us, STAGES, UNROLL)
-            h0 = gated_act(acc0, acc2, ACT).to(INTER).to(gl.float32)
-            h1 = gated_act(acc1, acc3, ACT).to(INTER).to(gl.float32)
-            scale = fp8_scale(gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1)))
-            q0 = gl.convert_layout(to_fp8(h0, scale[:, None], False), st)
-            q1 = gl.convert_layout(to_fp8(h1, scale[:, None], False), st)
-            rows_st = row_start + c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, st))
-            cols = pid_n * 128 + gl.arange(0, 64, layout=gl.SliceLayout(0, st))
-            ptrs = out_ptr + rows_st[:, None] * stride_out + cols[None, :]
-            ok = (rows_st < row_end)[:, None]
-            gl.store(ptrs, q0, mask=ok)
-            gl.store(ptrs + 64, q1, mask=ok)
-            gl.store(outs_ptr + rows * stride_outs + pid_n, scale, mask=rows < row_end)
-
-    @gluon.jit
     def _consumer0(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                   SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER: gl.constexpr):
-        if GATED and SCALED:
-            _cooperate(p, 0, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ACT, UNROLL, INTER)
-        else:
-            _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER)
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr):
+        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)
 
     @gluon.jit
     def _consumer1(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                   SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER: gl.constexpr):
-        if GATED and SCALED:
-            _cooperate(p, 1, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ACT, UNROLL, INTER)
-        else:
-            _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER)
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr):
+        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)
 
     @gluon.jit(do_not_specialize=["num_blocks", "num_programs", "w_rows_per_expert"])
-    def _ws_gemm_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, as_ptr, ws_ptr, outs_ptr, num_blocks,
-                        num_programs, N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn, stride_outs,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                        GATED: gl.constexpr = False, ACT: gl.constexpr = 0, SCALED: gl.constexpr = False,
-                        UNROLL: gl.constexpr = 1, INTER: gl.constexpr = gl.bfloat16):
+    def _ws_gemm_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, as_ptr, ws_ptr, num_blocks, num_programs,
+                        N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, GATED: gl.constexpr = False,
+                        ACT: gl.constexpr = 0, SCALED: gl.constexpr = False, UNROLL: gl.constexpr = 1):
         """out [R, N] from a [R, K] (a_desc: TMA descriptor, [BLOCK_M, BLOCK_K] boxes; rows past a block's end are
         read, never stored) and the weight rows [E * W, K] (w_desc, [BLOCK_N, BLOCK_K] boxes; expert e's from
         e * w_rows_per_expert); both zero-fill past K. down: N = H, K = I, W = H, times rw_ptr's routing weight.
         GATED (gate_up): N = I, K = H, W = 2I, out = act(gate) * up (ACT: common.ACT_CODES), rw_ptr unused.
         blk_ptr, nblk_ptr: block_table's. SCALED (fp8-block down, BLOCK_K 128): every step's product times the rows'
         group scales (as_ptr [R, K / 128] float32, row stride stride_as) and the weight block's (ws_ptr
-        [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body. GATED and SCALED
-        (the fp8-block gate_up, BLOCK_M, BLOCK_N, BLOCK_K 128): the two consumers cooperate on each tile (64 rows
-        each); out [R, N] float8_e4m3fn and outs_ptr [R, N / 128] float32 (row stride stride_outs): the
-        intermediate rounded to INTER (the layer dtype), quantized in 1 x 128 groups."""
+        [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body."""
         dtype: gl.constexpr = a_desc.dtype
         WB: gl.constexpr = 2 if GATED else 1
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -405,35 +308,33 @@ if gluon is not None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2 if GATED and SCALED else 1)  # cooperating consumers: both release
+            mbarrier.init(empty.index(s), count=1)
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
         fence_async_shared()
         p = (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-             num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn, outs_ptr,
-             stride_outs)
-        gl.warp_specialize(
-            [(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER)),
-             (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER)),
-             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER))],
-            [4, 1], [CONSUMER_REGS, LOADER_REGS])
+             num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn)
+        gl.warp_specialize([(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
+                            (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
+                            (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL))],
+                           [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-_GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32", torch.float8_e4m3fn: "float8e4nv"}
+_GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
 
 
 def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, scheme: str, cfg, gated: bool = False,
            w_scale: Tensor | None = None) -> bool:
     """Whether down() (or gate_up(), gated) may run this kernel for the call (module docstring, Where): a [R, K]
-    rows in order, w [E, N or 2N, K] of the same dtype; scheme none in bf16/fp16, or fp8-block with a_scale
-    [R, K / 128] and w_scale [E, N / 128 or 2N / 128, K / 128], both unit stride along K (gated: N and K
-    multiples of 128)."""
+    rows in order, w [E, N or 2N, K] of the same dtype; scheme none in bf16/fp16, or fp8-block (down only) with
+    a_scale [R, K / 128] and w_scale [E, N / 128, K / 128], both unit stride along K."""
+    fp8 = scheme == "fp8-block"
     if (gluon is None or layout.masked or not a.is_cuda or w.dtype != a.dtype or not ws_fits(cfg, gated, scheme)
             or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(a.device).major != 9):
         return False
-    if scheme == "fp8-block":
+    if fp8:
         if (a.dtype != torch.float8_e4m3fn or a_scale is None or w_scale is None or a_scale.stride(1) != 1
-                or w_scale.stride(2) != 1 or (gated and (w.shape[1] % 256 or w.shape[2] % 128))):
+                or w_scale.stride(2) != 1):
             return False
     elif scheme != "none" or a_scale is not None or a.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -441,13 +342,11 @@ def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, sche
 
 
 def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg, out: Tensor, gated: bool = False,
-           act: int = 0, a_scale: Tensor | None = None, w_scale: Tensor | None = None, out_scale: Tensor | None = None,
-           inter_dtype: torch.dtype = torch.bfloat16) -> None:
+           act: int = 0, a_scale: Tensor | None = None, w_scale: Tensor | None = None) -> None:
     """Write out [R, N] (module docstring); usable() must have said True. down: w = down_proj [E, H, I], out
     [R, H], route_w [R] float32; fp8-block: with a_scale [R, I / 128] and w_scale (down_proj_scale_inv)
     [E, H / 128, I / 128] float32. gated (gate_up): w = gate_up_proj [E, 2I, H], out [R, I], act a
-    common.ACT_CODES value, route_w unused; fp8-block: a_scale [R, H / 128], w_scale [E, 2I / 128, H / 128], out
-    [R, I] float8_e4m3fn and out_scale [R, I / 128] float32, the intermediate rounded to inter_dtype first."""
+    common.ACT_CODES value, route_w unused."""
     r, k = a.shape
     e, w_rows, _ = w.shape
     n = out.shape[1]
@@ -462,12 +361,11 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     blk, nblk = block_table(layout, bm)
     programs = min(num_sms(a.device), blk.shape[1] * triton.cdiv(n, bn))
     scaled = a_scale is not None
+    steps = triton.cdiv(k, bk)
     as_, ws_ = (a_scale, w_scale) if scaled else (out, out)
-    os_ = out_scale if out_scale is not None else out
     _ws_gemm_kernel[(programs,)](
-        a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, os_, blk.shape[1], programs,
-        n, k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0, ws_.stride(1) if scaled else 0,
-        os_.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled,
-        UNROLL=unroll(triton.cdiv(k, bk)) if scaled else 1, INTER=getattr(gl, _GL_DTYPE[inter_dtype]), num_warps=4,
-        maxnreg=MAXNREG)
+        a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1], programs, n,
+        k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0, ws_.stride(1) if scaled else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, CONSUMER_REGS=CONSUMER_REGS,
+        LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled, UNROLL=unroll(steps) if scaled else 1,
+        num_warps=4, maxnreg=MAXNREG)

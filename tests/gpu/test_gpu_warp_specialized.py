@@ -5,9 +5,7 @@ shared by every expert (stride 0); grids of 1 and 3 programs, so that each progr
 consumer warpgroups by turns; the layer through a tuned file that picks it. The gate_up: against a float64
 reference, rows by index (copied into order first) and in order, every activation, the same edge batches and
 grids. The fp8-block down: against the float64 reference of the dequantized operands and bit for bit against the
-Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches and grids. The
-fp8-block gate_up (the consumers cooperating on each tile): bit for bit the Triton kernel's fp8 intermediate and
-scales and, dequantized, close to the float64 reference; rows by index and in order, K loops of 1-56 steps.
+Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches and grids.
 Run: pytest -m gpu tests/gpu
 """
 import pytest
@@ -18,7 +16,6 @@ from moeflow.layouts import offsets_from_counts
 from gluon_hopper import MARKS
 from oracle import assert_close, replayed
 from test_gpu_down_wgmma import operands as fp8_operands, reference as fp8_reference
-import test_gpu_gate_up_wgmma as fp8_gu
 
 pytestmark = MARKS
 
@@ -134,39 +131,6 @@ def test_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, counts
     assert torch.equal(got, plain)
 
 
-FP8_GU_TILES = [GemmConfig(128, 128, 128, 8, 4, 4, warp_specialize=1), GemmConfig(128, 128, 128, 8, 4, 2, warp_specialize=1)]
-
-
-@pytest.mark.parametrize("cfg", FP8_GU_TILES, ids=lambda c: f"s{c.num_stages}")
-@pytest.mark.parametrize("sms", [None, 1, 3])
-@pytest.mark.parametrize("indexed", [False, True])
-@pytest.mark.parametrize("counts,h,i", [
-    ([37, 0, 300, 1, 0, 129, 64, 2], 384, 256),  # empty experts, rows off the blocks (and off a consumer's 64); 3 steps
-    ([0, 0, 513, 0], 256, 128),                   # every row to one expert; 2 steps
-    ([1], 128, 384),                              # one row (the second consumer's rows all past the end); one step
-    ([90, 41, 7], 1152, 128),                     # 9 steps
-    ([5, 260], 7168, 128),                        # DeepSeek-V3's: 56 steps (bodies of 8)
-])
-def test_fp8_block_gate_up_matches_reference_and_the_triton_kernel(cfg, sms, indexed, counts, h, i, monkeypatch):
-    """fp8-block gate_up (GATED and SCALED, the consumers cooperating on each tile): the fp8 intermediate and its
-    group scales bit for bit the Triton kernel's, and dequantized close to the float64 reference; rows by index are
-    copied into order first."""
-    if sms is not None:
-        monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
-    layout, x, xs, q, s = fp8_gu.operands(counts, h, i)
-    assert down_ws.usable(x, xs, q, layout, "fp8-block", cfg, gated=True, w_scale=s)
-    r = x.shape[0]
-    src = torch.randperm(r, device="cuda") if indexed else None  # rows by index: x[src[r]]
-    x_in, xs_in = (x[torch.argsort(src)], xs[torch.argsort(src)]) if indexed else (x, xs)
-    copy_rows = torch.argsort(src).view(r, 1) if indexed else None
-    got, got_s = fp8_gu.run(layout, x_in, xs_in, q, s, cfg, source_rows=src, copy_rows=copy_rows)
-    assert got.dtype == torch.float8_e4m3fn and not got.float().isnan().any() and not got_s.isnan().any()
-    deq = fp8_gu.SCH.dequantize_activation(got, got_s)
-    assert_close(deq, fp8_gu.reference(layout, x, xs, q, s), 6e-2, f"ws fp8 gate_up {counts} H={h} I={i} sms={sms}")
-    plain, plain_s = fp8_gu.run(layout, x, xs, q, s, GemmConfig(128, 128, 128, 8, 8, 3))
-    assert torch.equal(got.view(torch.uint8), plain.view(torch.uint8)) and torch.equal(got_s, plain_s)
-
-
 def test_fp16_and_shared_weights(poison):
     """fp16, and an expert stride of 0 (the tuner's compile jobs run such weights)."""
     for dtype, shared in ((torch.float16, False), (torch.bfloat16, True)):
@@ -206,9 +170,6 @@ def test_where_it_does_not_run():
     assert not down_ws.usable(a8, a8_s, q2, masked, "fp8-block", f8, w_scale=s2)
     assert not down_ws.usable(a8, a8_s, q2, layout8, "fp8-channel", f8, w_scale=s2)
     assert not down_ws.usable(a8, None, q2, layout8, "fp8-block", f8, w_scale=s2)
-    layout_g, x, xs, q, s = fp8_gu.operands([3, 4], 256, 192)  # I = 192: not whole 128-column tiles
-    assert not down_ws.usable(x, xs, q, layout_g, "fp8-block", FP8_GU_TILES[0], gated=True, w_scale=s)
-    assert not down_ws.usable(x, xs, q, layout_g, "fp8-block", f8, gated=True, w_scale=s)  # the down's tile
 
 
 def test_layer_through_a_tuned_file(make_layer, tmp_path, monkeypatch):
