@@ -282,12 +282,14 @@ from triton.runtime.jit import mangle_type
 from moeflow.kernels import warp_specialized as ws
 out = []
 # (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0: not SCALED)
-jobs = [(torch.bfloat16, gated, 128, 64 if gated else 128, 64, stages, 0) for gated in (False, True) for stages in (2, 6)]
+jobs = [(torch.bfloat16, gated, 128, 64 if gated else 128, 64, stages, 0)
+        for gated in (False, True) for stages in (2, 6)]
 jobs += [(torch.float16, gated, 128, 64 if gated else 128, 64, 5, 0) for gated in (False, True)]
 # fp8-block down: Qwen3's 6 steps, DeepSeek-V3's 16 (bodies of 8), one step, 7 steps; 64 x 128 and 128 x 64
 jobs += [(torch.float8_e4m3fn, False, bm, bn, 128, stages, u) for bm, bn, stages, u in
          ((64, 128, 4, 6), (64, 128, 8, 8), (64, 128, 3, 1), (128, 64, 6, 7), (128, 64, 4, 8))]
-gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"), torch.float8_e4m3fn: (gl.float8e4nv, "")}
+gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"),
+         torch.float8_e4m3fn: (gl.float8e4nv, "")}
 for dtype, gated, bm, bn, bk, stages, u in jobs:
     t = torch.empty(256, 256, dtype=dtype)
     gdt, name = gl_of[dtype]

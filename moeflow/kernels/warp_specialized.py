@@ -314,10 +314,11 @@ if gluon is not None:
         fence_async_shared()
         p = (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
              num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn)
-        gl.warp_specialize([(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
-                            (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
-                            (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL))],
-                           [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        gl.warp_specialize(
+            [(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
+             (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
+             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL))],
+            [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 _GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}

@@ -172,26 +172,29 @@ def test_where_it_does_not_run():
     assert not down_ws.usable(a8, None, q2, layout8, "fp8-block", f8, w_scale=s2)
 
 
-def test_layer_through_a_tuned_file(make_layer, tmp_path, monkeypatch):
-    """A layer whose tuned file (MOEFLOW_KERNEL_CONFIG_DIR) picks the kernel for its down: it runs (counted), the
-    output is close to the oracle, and the same from a CUDA graph."""
+@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+def test_layer_through_a_tuned_file(make_layer, tmp_path, monkeypatch, scheme):
+    """A layer whose tuned file (MOEFLOW_KERNEL_CONFIG_DIR) picks the kernel for its down (bf16, and fp8-block's
+    SCALED form): it runs (counted), the output is close to the oracle, and the same from a CUDA graph."""
     from moeflow.kernels import configs as kc
     from oracle import layer_oracle
     from tolerances import rel_tol
     e, h, i, k, t = 16, 512, 384, 4, 1000
-    pair = kc.MoEKernelConfig(kc.GemmConfig(64, 128, 64, 8, 4, 3), TILES[1])
-    name = kc.file_name(torch.cuda.get_device_name(), e, i, h, "none")
-    kc.write_table(tmp_path / name, dict(device=torch.cuda.get_device_name(), E=e, N=i, K=h, scheme="none"), {t: pair})
+    pair = (kc.MoEKernelConfig(kc.GemmConfig(64, 128, 64, 8, 4, 3), TILES[1]) if scheme == "none" else
+            kc.MoEKernelConfig(kc.GemmConfig(64, 128, 128, 8, 4, 3), FP8_TILES[0]))
+    name = kc.file_name(torch.cuda.get_device_name(), e, i, h, scheme)
+    kc.write_table(tmp_path / name, dict(device=torch.cuda.get_device_name(), E=e, N=i, K=h, scheme=scheme), {t: pair})
     monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
-    layer = make_layer(num_experts=e, hidden_size=h, intermediate_size=i, top_k=k, quant="none",
+    layer = make_layer(num_experts=e, hidden_size=h, intermediate_size=i, top_k=k, quant=scheme,
                        dtype=torch.bfloat16, device="cuda", runner="triton")
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
     w = torch.rand(t, k, device="cuda") + 0.1
     calls = []
     launch = down_ws.launch
-    monkeypatch.setattr(down_ws, "launch", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(down_ws, "launch",
+                        lambda *a, **kw: calls.append(kw.get("a_scale") is not None) or launch(*a, **kw))
     want = layer.forward_topk(x, ids, w)
-    assert calls, "the runner did not run the warp-specialized down through the tuned tile"
-    assert_close(want, layer_oracle(layer, x, ids, w), rel_tol("none", torch.bfloat16), "ws down layer")
+    assert calls == [scheme == "fp8-block"], "the runner did not run the warp-specialized down through the tuned tile"
+    assert_close(want, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"ws down layer {scheme}")
     assert torch.equal(replayed(lambda: layer.forward_topk(x, ids, w)), want), "graph replay"
