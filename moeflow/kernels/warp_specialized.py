@@ -147,8 +147,8 @@ if gluon is not None:
         n = gl.cdiv(K, BLOCK_K)
         nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
         for j in range(my_tiles):
-            a_row, _, _, w_row, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs, w_rows_per_expert,
-                                       BLOCK_N, GROUP_M)
+            a_row, _, _, w_row, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
+                                          w_rows_per_expert, BLOCK_N, GROUP_M)
             for k in range(n):
                 g = j * n + k
                 slot = g % STAGES
@@ -331,6 +331,7 @@ def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, sche
     a_scale [R, K / 128] and w_scale [E, N / 128, K / 128], both unit stride along K."""
     fp8 = scheme == "fp8-block"
     if (gluon is None or layout.masked or not a.is_cuda or w.dtype != a.dtype or not ws_fits(cfg, gated, scheme)
+            or a.shape[1] == 0  # no K steps: the consumers would never hand each other the turn
             or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(a.device).major != 9):
         return False
     if fp8:
