@@ -60,7 +60,7 @@ try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this ker
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .down_wgmma import _scaled_add, unroll
+    from .down_wgmma import _mma_step, _scaled_add, _weight_scales, unroll
 except ImportError:  # pragma: no cover - older triton: usable() says False
     gluon = None
 
@@ -190,13 +190,6 @@ if gluon is not None:
         return acc_g, acc_u
 
     @gluon.jit
-    def _issue(a_bufs, w_bufs, ready, g, d, STAGES: gl.constexpr):
-        """Wait for step g's tiles and start its wgmma into d's registers (d's values unused)."""
-        slot = g % STAGES
-        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-        return warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), d, use_acc=False, is_async=True)
-
-    @gluon.jit
     def _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, d_a, d_b, as_rows, ws_tile,
                        STAGES: gl.constexpr, UNROLL: gl.constexpr):
         """fp8-block: acc + every step's product scaled by its row and weight-block scales (as_rows + t, ws_tile
@@ -208,12 +201,12 @@ if gluon is not None:
         for b in range(bodies):
             t = b * UNROLL
             last = b == bodies - 1
-            p_a = _issue(a_bufs, w_bufs, ready, g0 + t, d_a, STAGES)
+            p_a = _mma_step(a_bufs, w_bufs, ready, g0 + t, d_a, STAGES)
             s_a = gl.load(as_rows + t) * gl.load(ws_tile + t)
             if UNROLL == 1:
                 mbarrier.arrive(turn_bar, count=1, pred=last)
             for u in gl.static_range(1, UNROLL):
-                p_b = _issue(a_bufs, w_bufs, ready, g0 + t + u, d_b, STAGES)
+                p_b = _mma_step(a_bufs, w_bufs, ready, g0 + t + u, d_b, STAGES)
                 s_b = gl.load(as_rows + t + u) * gl.load(ws_tile + t + u)
                 if u == UNROLL - 1:
                     mbarrier.arrive(turn_bar, count=1, pred=last)
@@ -258,8 +251,7 @@ if gluon is not None:
                 acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
                 if SCALED:  # row r's group scale of step t at as_rows[r] + t; the weight block's at ws_tile + t
                     as_rows = as_ptr + rows_ld * stride_as
-                    ws_tile = (ws_ptr + expert.to(gl.int64) * stride_wse
-                               + gl.minimum(pid_n * BLOCK_N // 128, (N - 1) // 128) * stride_wsn)
+                    ws_tile = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
                     acc, d_a, d_b = _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, d_a,
                                                    d_b, as_rows, ws_tile, STAGES, UNROLL)
                 else:
@@ -329,12 +321,11 @@ def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, sche
     """Whether down() (or gate_up(), gated) may run this kernel for the call (module docstring, Where): a [R, K]
     rows in order, w [E, N or 2N, K] of the same dtype; scheme none in bf16/fp16, or fp8-block (down only) with
     a_scale [R, K / 128] and w_scale [E, N / 128, K / 128], both unit stride along K."""
-    fp8 = scheme == "fp8-block"
     if (gluon is None or layout.masked or not a.is_cuda or w.dtype != a.dtype or not ws_fits(cfg, gated, scheme)
             or a.shape[1] == 0  # no K steps: the consumers would never hand each other the turn
             or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(a.device).major != 9):
         return False
-    if fp8:
+    if scheme == "fp8-block":
         if (a.dtype != torch.float8_e4m3fn or a_scale is None or w_scale is None or a_scale.stride(1) != 1
                 or w_scale.stride(2) != 1):
             return False
