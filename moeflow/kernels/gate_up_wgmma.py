@@ -60,12 +60,12 @@ if gluon is not None:
         tma.async_copy_global_to_shared(w_desc, [g_row + I, k], bar, w_bufs.index(2 * slot + 1), pred=pred)
 
     @gluon.jit
-    def _quarter(a, w_bufs, t, q: gl.constexpr, d, STAGES: gl.constexpr):
+    def _quarter(x_bufs, w_bufs, t, q: gl.constexpr, d, STAGES: gl.constexpr):
         """Start step t's wgmma of quarter q (0 gate 0-63, 1 gate 64-127, 2 up 0-63, 3 up 64-127) into d's
-        registers (d's values unused); a: the step's x tile (its shared-memory slot, or in registers); the
-        caller has waited for the step's tiles."""
-        w = w_bufs.index(2 * (t % STAGES) + q // 2).slice((q % 2) * 64, 64, dim=0)
-        return warpgroup_mma(a, w.permute((1, 0)), d, use_acc=False, is_async=True)
+        registers (d's values unused); the caller has waited for the step's tiles."""
+        slot = t % STAGES
+        w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * 64, 64, dim=0)
+        return warpgroup_mma(x_bufs.index(slot), w.permute((1, 0)), d, use_acc=False, is_async=True)
 
     @gluon.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
     def _gate_up_wgmma_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, meta_ptr,
@@ -73,7 +73,7 @@ if gluon is not None:
                               stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
                               ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
                               BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                              UNROLL: gl.constexpr, A_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              UNROLL: gl.constexpr, num_warps: gl.constexpr):
         """One program per [BLOCK_M, 128] tile of the intermediate over the grid's row blocks.
         x_desc: TMA descriptor over x [R, H], [BLOCK_M, 128] boxes (rows past the block's end are read,
         never stored); w_desc: over the weight rows [E * 2I, H] (expert e's from e * w_rows_per_expert),
@@ -84,7 +84,6 @@ if gluon is not None:
             mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                           instr_shape=[16, 64, 32])
             rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-            a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
             x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, 128], x_desc.layout)
             w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 128, 128], w_desc.layout)
             bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -112,29 +111,23 @@ if gluon is not None:
                     t = j * UNROLL + u
                     slot = t % STAGES
                     mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
-                    if A_REGS == 1:
-                        a = x_bufs.index(slot).load(a_l)
-                    else:
-                        a = x_bufs.index(slot)
                     s_x = gl.load(xs_rows + t)
                     s_g = s_x * gl.load(gs + t)
                     s_u_next = s_x * gl.load(us + t)
-                    p_a = _quarter(a, w_bufs, t, 0, d_a, STAGES)
+                    p_a = _quarter(x_bufs, w_bufs, t, 0, d_a, STAGES)
                     if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this unrolled body)
                         d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
                         acc3 = _scaled_add(d_b, s_u, acc3)  # noqa: F821
                         _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t - 1 + STAGES, x_row, g_row, I, STAGES,
                                    t - 1 + STAGES < n)
                     s_u = s_u_next
-                    if A_REGS == 2:  # the previous step's x registers are free now
-                        a = x_bufs.index(slot).load(a_l)
-                    p_b = _quarter(a, w_bufs, t, 1, d_b, STAGES)
+                    p_b = _quarter(x_bufs, w_bufs, t, 1, d_b, STAGES)
                     d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
                     acc0 = _scaled_add(d_a, s_g, acc0)
-                    p_a = _quarter(a, w_bufs, t, 2, d_a, STAGES)
+                    p_a = _quarter(x_bufs, w_bufs, t, 2, d_a, STAGES)
                     d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))
                     acc1 = _scaled_add(d_b, s_g, acc1)
-                    p_b = _quarter(a, w_bufs, t, 3, d_b, STAGES)
+                    p_b = _quarter(x_bufs, w_bufs, t, 3, d_b, STAGES)
                     d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
                     acc2 = _scaled_add(d_a, s_u, acc2)
                 d_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b,))
@@ -172,7 +165,7 @@ def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | N
 
 
 def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, activation: int, dtype: torch.dtype,
-           cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8, a_regs: int = 0) -> None:
+           cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8) -> None:
     """Write inter [R, I] float8_e4m3fn and scale [R, I/128] (module docstring); usable() must have said True.
     activation: common.ACT_CODES' code. most_unroll: the most K steps a loop body runs (down_wgmma.unroll)."""
     r, h = x.shape
@@ -191,4 +184,4 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
         x_desc, w_desc, x_scale, w13_scale, inter, scale, layout.meta, layout.num_experts, blocks_m, i, h, per_expert,
         x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), scale.stride(0),
         ACT=activation, INTER_DTYPE=_INTER[dtype], E_POW2=layout.e_pow2, BLOCK_M=bm, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages), A_REGS=a_regs, num_warps=cfg.num_warps)
+        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages), num_warps=cfg.num_warps)
