@@ -73,7 +73,7 @@ if gluon is not None:
                               stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
                               ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
                               BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                              UNROLL: gl.constexpr, num_warps: gl.constexpr, PREFETCH: gl.constexpr = False):
+                              UNROLL: gl.constexpr, num_warps: gl.constexpr):
         """One program per [BLOCK_M, 128] tile of the intermediate over the grid's row blocks.
         x_desc: TMA descriptor over x [R, H], [BLOCK_M, 128] boxes (rows past the block's end are read,
         never stored); w_desc: over the weight rows [E * 2I, H] (expert e's from e * w_rows_per_expert),
@@ -106,26 +106,14 @@ if gluon is not None:
             acc3 = gl.zeros([BLOCK_M, 64], gl.float32, mma)  # up 64-127
             d_a = gl.zeros([BLOCK_M, 64], gl.float32, mma)
             d_b = gl.zeros([BLOCK_M, 64], gl.float32, mma)
-            if PREFETCH:  # step t's scales, loaded during step t - 1 (their use then waits on no load)
-                x_n = gl.load(xs_rows)
-                g_n = gl.load(gs)
-                u_n = gl.load(us)
             for j in range(0, n // UNROLL):
                 for u in gl.static_range(UNROLL):
                     t = j * UNROLL + u
                     slot = t % STAGES
                     mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
-                    if PREFETCH:
-                        s_g = x_n * g_n
-                        s_u_next = x_n * u_n
-                        t_n = gl.minimum(t + 1, n - 1)
-                        x_n = gl.load(xs_rows + t_n)
-                        g_n = gl.load(gs + t_n)
-                        u_n = gl.load(us + t_n)
-                    else:
-                        s_x = gl.load(xs_rows + t)
-                        s_g = s_x * gl.load(gs + t)
-                        s_u_next = s_x * gl.load(us + t)
+                    s_x = gl.load(xs_rows + t)
+                    s_g = s_x * gl.load(gs + t)
+                    s_u_next = s_x * gl.load(us + t)
                     p_a = _quarter(x_bufs, w_bufs, t, 0, d_a, STAGES)
                     if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this unrolled body)
                         d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
@@ -177,7 +165,7 @@ def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | N
 
 
 def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, activation: int, dtype: torch.dtype,
-           cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8, prefetch: bool = False) -> None:
+           cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8) -> None:
     """Write inter [R, I] float8_e4m3fn and scale [R, I/128] (module docstring); usable() must have said True.
     activation: common.ACT_CODES' code. most_unroll: the most K steps a loop body runs (down_wgmma.unroll)."""
     r, h = x.shape
@@ -196,4 +184,4 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
         x_desc, w_desc, x_scale, w13_scale, inter, scale, layout.meta, layout.num_experts, blocks_m, i, h, per_expert,
         x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), scale.stride(0),
         ACT=activation, INTER_DTYPE=_INTER[dtype], E_POW2=layout.e_pow2, BLOCK_M=bm, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages), num_warps=cfg.num_warps, PREFETCH=prefetch)
+        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages), num_warps=cfg.num_warps)
