@@ -73,7 +73,7 @@ if gluon is not None:
                               stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
                               ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
                               BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                              UNROLL: gl.constexpr, num_warps: gl.constexpr, LOAD_LATE: gl.constexpr = False):
+                              UNROLL: gl.constexpr, num_warps: gl.constexpr):
         """One program per [BLOCK_M, 128] tile of the intermediate over the grid's row blocks.
         x_desc: TMA descriptor over x [R, H], [BLOCK_M, 128] boxes (rows past the block's end are read,
         never stored); w_desc: over the weight rows [E * 2I, H] (expert e's from e * w_rows_per_expert),
@@ -118,14 +118,10 @@ if gluon is not None:
                     if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this unrolled body)
                         d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
                         acc3 = _scaled_add(d_b, s_u, acc3)  # noqa: F821
-                        if not LOAD_LATE:
-                            _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t - 1 + STAGES, x_row, g_row, I, STAGES,
-                                       t - 1 + STAGES < n)
-                    s_u = s_u_next
-                    p_b = _quarter(x_bufs, w_bufs, t, 1, d_b, STAGES)
-                    if LOAD_LATE and u > 0:  # two quarters run meanwhile
                         _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t - 1 + STAGES, x_row, g_row, I, STAGES,
                                    t - 1 + STAGES < n)
+                    s_u = s_u_next
+                    p_b = _quarter(x_bufs, w_bufs, t, 1, d_b, STAGES)
                     d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
                     acc0 = _scaled_add(d_a, s_g, acc0)
                     p_a = _quarter(x_bufs, w_bufs, t, 2, d_a, STAGES)
@@ -169,7 +165,7 @@ def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | N
 
 
 def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, activation: int, dtype: torch.dtype,
-           cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8, load_late: bool = False) -> None:
+           cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8) -> None:
     """Write inter [R, I] float8_e4m3fn and scale [R, I/128] (module docstring); usable() must have said True.
     activation: common.ACT_CODES' code. most_unroll: the most K steps a loop body runs (down_wgmma.unroll)."""
     r, h = x.shape
@@ -188,4 +184,4 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
         x_desc, w_desc, x_scale, w13_scale, inter, scale, layout.meta, layout.num_experts, blocks_m, i, h, per_expert,
         x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), scale.stride(0),
         ACT=activation, INTER_DTYPE=_INTER[dtype], E_POW2=layout.e_pow2, BLOCK_M=bm, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages), num_warps=cfg.num_warps, LOAD_LATE=load_late)
+        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages), num_warps=cfg.num_warps)
