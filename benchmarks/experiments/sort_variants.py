@@ -1,12 +1,16 @@
-"""Sort token copies by expert (the local dispatcher's glue) on the GPU: three ways, each replayed
+"""Sort token copies by expert (the local dispatcher's glue) on the GPU, each way replayed
 from a CUDA graph (20 calls per graph, median of 5 replays), µs per call.
 
     PYTHONPATH=$PWD python benchmarks/experiments/sort_variants.py [OUT.json]
 
   torch     dispatch/expert_sort.sort_by_expert_torch (torch.sort + searchsorted + index kernels)
   one       kernels/align.sort_copies: one launch, O(copies^2) comparisons (copies <= 2048 only)
-  segment   kernels/ep_sort.sort_copies_by_expert: two launches, a histogram per segment of copies,
-            then each segment sorted in registers (alltoall's receiver sort; the same stable order)
+  segment   kernels/ep_sort.sort_copies_by_expert: a histogram per segment of copies, then each segment
+            sorted in registers (alltoall's receiver sort; the same stable order); past segment_size's
+            table a scan launch between the two
+  equal     whether the segment sort's outputs equal torch's, all five, exactly
+  segment_table  the same in its two-launch form at every size (one histogram table read by every
+            place program, segments lengthened to cap it): the form before the scan launch
 At 323572f a third way ran beside them ("scan": one program per (expert, segment) reading every
 copy of its segment, work growing with E; sort_variants_2026-11-30_h200_323572f.json): it lost to
 "segment" from 1024 copies up and was removed.
@@ -18,8 +22,9 @@ import sys
 
 import torch
 
-from moeflow.dispatch.expert_sort import sort_by_expert_torch
+from moeflow.dispatch.expert_sort import sort_by_expert_torch, sort_by_segments
 from moeflow.kernels.align import MAX_FUSED_COPIES, sort_copies
+from moeflow.kernels import ep_sort
 from moeflow.kernels.ep_sort import sort_copies_by_expert
 
 
@@ -44,7 +49,7 @@ def graph_us(fn, calls=20, reps=5):
 def main():
     rows = []
     for e, k in ((8, 2), (128, 8), (256, 8)):
-        for t in (16, 128, 256, 1024, 2048, 4096, 8192, 16384):
+        for t in (16, 128, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
             ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32).contiguous()
             w = torch.rand(t, k, device="cuda")
             bounds = torch.arange(e + 1, dtype=ids.dtype, device="cuda")
@@ -52,6 +57,12 @@ def main():
             row = dict(E=e, K=k, T=t, copies=n,
                        torch=graph_us(lambda: sort_by_expert_torch(ids, w, e, bounds)),
                        segment=graph_us(lambda: sort_copies_by_expert(ids, w, e, n)))
+            row["equal"] = all(torch.equal(a, b) for a, b in zip(sort_by_segments(ids, w, e),
+                                                                 sort_by_expert_torch(ids, w, e, bounds)))
+            if n <= 131072:  # past that its segments grow to 16384+ copies sorted in registers
+                scan_seg, ep_sort._SCAN_SEG = ep_sort._SCAN_SEG, 1 << 40  # the two-launch form at every size
+                row["segment_table"] = graph_us(lambda: sort_copies_by_expert(ids, w, e, n))
+                ep_sort._SCAN_SEG = scan_seg
             if n <= MAX_FUSED_COPIES:
                 row["one"] = graph_us(lambda: sort_copies(ids, w, e))
             rows.append(row)

@@ -12,10 +12,16 @@ sort_copies_by_expert(ids, weights, e_local, n)
 The same values, bit for bit, as the torch reference (dispatch/_ep_reference.sort_copies_by_expert_torch:
 a stable argsort of ``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert,
 copies keep j order.
-Two launches, no host synchronization: a histogram of keys per segment of copies; then each segment
-sorts its (key, j) pairs in registers and places them from the histograms' prefix sums. The work
+Two or three launches, no host synchronization: a histogram of keys per segment of copies; then each
+segment sorts its (key, j) pairs in registers and places them from the histograms' prefix sums. The work
 does not grow with E_local (an earlier version scanned all copies once per expert: 95 µs at 65536
 copies over 128 experts where this takes 33, sort_variants_2026-11-30_h200_323572f.json).
+The prefix sums: where the whole table of (segment, key) counts is small (segment_size), every place
+program reads all of it and sums what it needs (two launches); past that a scan launch between the two
+writes each segment's counts of earlier segments and the totals, one program per block of keys, and a
+place program reads one row of each, so segments stay 256 copies long however many there are (one
+table read by every program grows as segments squared: with it capped, 32768 copies over 256 experts
+made 32 segments of 1024 and took 33 µs).
 """
 from __future__ import annotations
 
@@ -50,21 +56,42 @@ def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num
 
 
 @triton.jit
+def _segment_scan_kernel(hist_ptr, before_ptr, totals_ptr, num_segs, BINS: tl.constexpr, KB: tl.constexpr,
+                         S_POW2: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p, keys p*KB .. p*KB + KB - 1: before[s, key] = copies of key in segments before s, totals[key]
+    = in all of them (hist, before [num_segs, BINS] int32, totals [BINS] int32)."""
+    pdl_start(PDL)
+    keys = tl.program_id(0) * KB + tl.arange(0, KB)
+    segs = tl.arange(0, S_POW2)
+    ok = (segs < num_segs)[:, None]
+    cells = segs[:, None] * BINS + keys[None, :]
+    tile = tl.load(hist_ptr + cells, mask=ok, other=0)
+    tl.store(before_ptr + cells, tl.cumsum(tile, axis=0) - tile, mask=ok)
+    tl.store(totals_ptr + keys, tl.sum(tile, axis=0))
+
+
+@triton.jit
 def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr,
-                          num_copies, n, e_local, num_segs, stride_ids, stride_w,
+                          before_ptr, totals_ptr, num_copies, n, e_local, num_segs, stride_ids, stride_w,
                           TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, S_POW2: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          SCANNED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program s: its copies sorted by (key, j) in registers; copy i of the sorted segment goes to
-    offsets[key] + (copies of key in earlier segments) + (i - first index of key in the segment)."""
+    offsets[key] + (copies of key in earlier segments) + (i - first index of key in the segment). The counts
+    of earlier segments come from the whole histogram table (S_POW2 rows), or SCANNED from
+    _segment_scan_kernel's before and totals (one row each; before_ptr, totals_ptr unused otherwise)."""
     pdl_start(PDL)
     s = tl.program_id(0)
     bins = tl.arange(0, BINS)
-    segs = tl.arange(0, S_POW2)
-    table = tl.load(hist_ptr + segs[:, None] * BINS + bins[None, :], mask=(segs < num_segs)[:, None], other=0)
-    total = tl.sum(table, axis=0).to(tl.int64)  # [BINS] copies of each key
+    mine = tl.load(hist_ptr + s * BINS + bins).to(tl.int64)
+    if SCANNED:
+        total = tl.load(totals_ptr + bins).to(tl.int64)
+        before = tl.load(before_ptr + s * BINS + bins).to(tl.int64)
+    else:
+        segs = tl.arange(0, S_POW2)
+        table = tl.load(hist_ptr + segs[:, None] * BINS + bins[None, :], mask=(segs < num_segs)[:, None], other=0)
+        total = tl.sum(table, axis=0).to(tl.int64)  # [BINS] copies of each key
+        before = tl.sum(tl.where((segs < s)[:, None], table, 0), axis=0).to(tl.int64)
     offsets = tl.cumsum(total, axis=0) - total
-    before = tl.sum(tl.where((segs < s)[:, None], table, 0), axis=0).to(tl.int64)
-    mine = tl.sum(tl.where((segs == s)[:, None], table, 0), axis=0).to(tl.int64)
     start = offsets + before - (tl.cumsum(mine, axis=0) - mine)  # + sorted index = position
     if s == 0:
         tl.store(offsets_ptr + bins, offsets, mask=bins <= e_local)
@@ -86,7 +113,21 @@ def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, sou
     tl.store(sorted_w_ptr + pos, tl.load(w_ptr + r * stride_w + sj % TOP_K, mask=kept), mask=kept)
 
 
-_SEGMENT_TABLE = 8192  # most (segment, key) histogram cells one program loads
+_SEGMENT_TABLE = 8192  # most (segment, key) histogram cells one place program loads (the one-table form)
+_SCAN_SEG = 256  # copies a segment in the scanned form
+_SCAN_CELLS = 8192  # most (segment, key) cells one scan program loads
+
+
+def segment_size(copies: int, bins: int) -> tuple[int, bool]:
+    """-> (copies a segment, scanned) for sort_copies_by_expert. Two launches while every place program can load
+    the whole histogram table (at most _SEGMENT_TABLE cells) with segments of _SCAN_SEG copies or fewer; past that,
+    segments of _SCAN_SEG copies (more where even one key's column would exceed _SCAN_CELLS segments) and a scan
+    launch between them, so the segments stay short and many instead of long and few."""
+    seg = max(256, triton.next_power_of_2(triton.cdiv(copies, max(1, _SEGMENT_TABLE // bins))))
+    seg = min(seg, max(256, triton.next_power_of_2(copies)))
+    if seg <= _SCAN_SEG:
+        return seg, False
+    return max(_SCAN_SEG, triton.next_power_of_2(triton.cdiv(copies, _SCAN_CELLS))), True
 
 
 def sort_pays(copies: int, e_local: int) -> bool:
@@ -129,8 +170,7 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     copies = r * k
     dev = ids.device
     bins = triton.next_power_of_2(e_local + 1)
-    seg = max(256, triton.next_power_of_2(triton.cdiv(copies, max(1, _SEGMENT_TABLE // bins))))
-    seg = min(seg, max(256, triton.next_power_of_2(copies)))
+    seg, scanned = segment_size(copies, bins)
     segs = max(1, triton.cdiv(copies, seg))
     warps = min(16, max(4, seg // 256))  # the in-register sort: 8192 copies spill at 8 warps (ptxas)
     fresh = torch.zeros if padded else torch.empty
@@ -143,8 +183,17 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, hist)
     _segment_hist_kernel[(segs + parts,)](ids, hist, copies, e_local, ids.stride(0), segs, *quant_args,
                                           TOP_K=k, SEG=seg, BINS=bins, **quant_consts, num_warps=warps, **pdl(dev))
-    _segment_place_kernel[(segs,)](ids, weights, hist, counts, offsets, source, sorted_w, copy_pos,
+    s_pow2 = triton.next_power_of_2(segs)
+    before, totals = hist, hist  # unused by the one-table form
+    if scanned:
+        before = torch.empty_like(hist)
+        totals = torch.empty(bins, dtype=torch.int32, device=dev)
+        kb = max(1, min(bins, _SCAN_CELLS // s_pow2))
+        scan_warps = max(4, min(16, kb * s_pow2 // 512))  # 8192 cells spill at 8 warps (ptxas)
+        _segment_scan_kernel[(bins // kb,)](hist, before, totals, segs, BINS=bins, KB=kb, S_POW2=s_pow2,
+                                            num_warps=scan_warps, **pdl(dev))
+    _segment_place_kernel[(segs,)](ids, weights, hist, counts, offsets, source, sorted_w, copy_pos, before, totals,
                                    copies, n, e_local, segs, ids.stride(0), weights.stride(0),
-                                   TOP_K=k, SEG=seg, BINS=bins, S_POW2=triton.next_power_of_2(segs), num_warps=warps,
+                                   TOP_K=k, SEG=seg, BINS=bins, S_POW2=s_pow2, SCANNED=scanned, num_warps=warps,
                                    **pdl(dev))
     return (source, sorted_w, counts, offsets, copy_pos, *quantized)
