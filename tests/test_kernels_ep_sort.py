@@ -121,11 +121,12 @@ def test_sort_by_segment_many_segments(monkeypatch, poison_empty):
                                                (7, 8, 5, "none here"), (1, 3, 5, "random"), (0, 8, 5, "random"),
                                                (97, 8, 33, "random")], ids=str)
 def test_sort_copies_scanned(r, k, e_local, case, monkeypatch, poison_empty):
-    """The three-launch form (a scan launch between histogram and placement, segment_size): forced here with
-    segments of 64 copies and scan programs of at most 256 cells (1200 copies: 19 segments, a part-filled last
+    """The three-launch form (a scan launch between histogram and placement, segment_size): forced here (no
+    one-table form) with segments of 64 copies and scan programs of at most 256 cells (1200 copies: 19 segments, a part-filled last
     one; 776 copies over 64 bins: 13 segments, scanned in four blocks of 16 keys), bit for bit the torch
     reference."""
     from moeflow.kernels import ep_sort
+    monkeypatch.setattr(ep_sort, "_TABLE_SEG", 0)
     monkeypatch.setattr(ep_sort, "_SCAN_SEG", 64)
     monkeypatch.setattr(ep_sort, "_SCAN_CELLS", 256)
     ids, weights = received(r, k, e_local, case)
@@ -138,15 +139,17 @@ def test_sort_copies_scanned(r, k, e_local, case, monkeypatch, poison_empty):
 
 
 def test_segment_size():
-    """Two launches while the whole table fits every place program at 256-copy segments, else three with
-    256-copy segments (more where one key's column of segments would pass _SCAN_CELLS)."""
-    from moeflow.kernels.ep_sort import segment_size
+    """Two launches while the whole table fits every place program at segments of 512 copies or fewer, else three
+    with 256-copy segments (more where one key's column of segments would pass _SCAN_CELLS)."""
+    from moeflow.kernels.ep_sort import segment_size, sort_pays
     assert segment_size(0, 16) == (256, False)
     assert segment_size(8192, 256) == (256, False)  # Qwen3 T=1024: 32 segments x 256 bins
-    assert segment_size(32768, 16) == (256, False)  # Mixtral T=16384: 128 x 16
-    assert segment_size(16384, 256) == (256, True)  # Qwen3 T=2048
+    assert segment_size(16384, 256) == (512, False)  # Qwen3 T=2048
+    assert segment_size(131072, 16) == (256, False)  # Mixtral T=65536: 512 x 16
+    assert segment_size(32768, 256) == (256, True)  # Qwen3 T=4096: 128 segments, scanned
     assert segment_size(131072, 512) == (256, True)  # DeepSeek-V3 T=16384: 512 segments
     assert segment_size(1 << 22, 512) == (512, True)  # 8192 segments at most
+    assert sort_pays(131072, 256) and sort_pays(1 << 19, 256) and not sort_pays((1 << 19) + 1, 8)
 
 
 @pytest.mark.parametrize("r,k,e_local,case", [(7, 3, 6, "random"), (7, 8, 5, "none here"), (400, 4, 6, "one expert")],

@@ -60,9 +60,9 @@ def main():
             row["equal"] = all(torch.equal(a, b) for a, b in zip(sort_by_segments(ids, w, e),
                                                                  sort_by_expert_torch(ids, w, e, bounds)))
             if n <= 131072:  # past that its segments grow to 16384+ copies sorted in registers
-                scan_seg, ep_sort._SCAN_SEG = ep_sort._SCAN_SEG, 1 << 40  # the two-launch form at every size
+                table_seg, ep_sort._TABLE_SEG = ep_sort._TABLE_SEG, 1 << 40  # the two-launch form at every size
                 row["segment_table"] = graph_us(lambda: sort_copies_by_expert(ids, w, e, n))
-                ep_sort._SCAN_SEG = scan_seg
+                ep_sort._TABLE_SEG = table_seg
             if n <= MAX_FUSED_COPIES:
                 row["one"] = graph_us(lambda: sort_copies(ids, w, e))
             rows.append(row)

@@ -15,10 +15,10 @@ from torch import Tensor
 
 
 # Which sort a CUDA batch of T*K copies takes (benchmarks/experiments/sort_variants.py on one H200,
-# benchmarks/results/sort_variants_2026-11-30_h200_323572f.json, µs per call in a CUDA graph): the
-# one-launch comparison sort (kernels/align) up to ONE_LAUNCH_COPIES (2.1-2.8 at 32-128 copies, where
-# the segment sort takes 3.7-5.6; 12 vs 5.6 at 1024); then kernels/ep_sort's segment sort while
-# ep_sort.sort_pays (5-33 µs where torch takes 35-60); torch's radix sort beyond.
+# benchmarks/results/sort_variants_2026-11-30_h200_323572f.json and sort_variants_2026-12-01_h200_1c1c8bc.json,
+# µs per call in a CUDA graph): the one-launch comparison sort (kernels/align) up to ONE_LAUNCH_COPIES (2.1-2.8
+# at 32-128 copies, where the segment sort takes 3.7-5.6; 12 vs 5.6 at 1024); then kernels/ep_sort's segment
+# sort while ep_sort.sort_pays (up to 524288 copies: 3-38 µs where torch takes 16-91); torch's radix sort beyond.
 ONE_LAUNCH_COPIES = 128
 # schemes sort_and_quantize quantizes tokens for (per token): kernels/align.SORT_QUANT_CODES' keys, named
 # here without importing triton (tests/test_triton_kernels.py checks they agree)
@@ -26,8 +26,8 @@ SORT_QUANTIZES = ("fp8-channel", "fp8-block")
 
 
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
-    """On CUDA: the smallest batches in one Triton launch (kernels/align.sort_copies), mid-sized
-    ones in two (kernels/ep_sort's segment sort), instead of a sort, a searchsorted and four index
+    """On CUDA: the smallest batches in one Triton launch (kernels/align.sort_copies), larger ones in
+    two or three (kernels/ep_sort's segment sort), instead of a sort, a searchsorted and four index
     kernels; torch otherwise (the same values; thresholds above). bounds: 0 .. E in topk_ids' dtype
     and device, when the caller keeps one (torch path)."""
     out = _triton_sort(topk_ids, topk_weights, num_experts)

@@ -114,34 +114,34 @@ def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, sou
 
 
 _SEGMENT_TABLE = 8192  # most (segment, key) histogram cells one place program loads (the one-table form)
+_TABLE_SEG = 512  # longest segments the one-table form takes; past them the scanned form
 _SCAN_SEG = 256  # copies a segment in the scanned form
 _SCAN_CELLS = 8192  # most (segment, key) cells one scan program loads
 
 
 def segment_size(copies: int, bins: int) -> tuple[int, bool]:
     """-> (copies a segment, scanned) for sort_copies_by_expert. Two launches while every place program can load
-    the whole histogram table (at most _SEGMENT_TABLE cells) with segments of _SCAN_SEG copies or fewer; past that,
-    segments of _SCAN_SEG copies (more where even one key's column would exceed _SCAN_CELLS segments) and a scan
-    launch between them, so the segments stay short and many instead of long and few."""
+    the whole histogram table (at most _SEGMENT_TABLE cells) with segments of _TABLE_SEG copies or fewer; past that,
+    segments of _SCAN_SEG copies (more where one key's column would pass _SCAN_CELLS segments) with a scan launch
+    between the two. On H200 (sort_variants_2026-12-01_h200_*.json, µs in a CUDA graph) the third launch costs more
+    than it saves at 512-copy segments (E=128, 16384 copies: 7.0 two launches, 10.2 three; E=256, 8192: 6.4, 9.7)
+    and less at 1024 (E=128, 32768: 14.5, 9.9; E=256, 16384: 14.9, 11.0) and beyond (E=256, 131072: 266, 21)."""
     seg = max(256, triton.next_power_of_2(triton.cdiv(copies, max(1, _SEGMENT_TABLE // bins))))
     seg = min(seg, max(256, triton.next_power_of_2(copies)))
-    if seg <= _SCAN_SEG:
+    if seg <= _TABLE_SEG:
         return seg, False
     return max(_SCAN_SEG, triton.next_power_of_2(triton.cdiv(copies, _SCAN_CELLS))), True
 
 
 def sort_pays(copies: int, e_local: int) -> bool:
-    """Whether sort_copies_by_expert beats torch's sort for this many copies over E_local experts
-    (benchmarks/results/sort_variants_2026-11-30_h200_323572f.json, µs in a CUDA graph on H200:
-    E=128: 33 vs 59 at 65536 copies, 78 vs 63 at 131072; E=256: 33 vs 57 at 32768, 77 vs 60 at
-    65536; E=8: ~5 vs 35-58 up to 32768). Past copies x bins = 2^24 the histogram table caps the
-    number of segments, so each program sorts more copies and the sort loses."""
-    return copies * triton.next_power_of_2(e_local + 1) <= _SORT_WORK
+    """Whether sort_copies_by_expert beats torch's sort for this many copies over E_local experts: measured
+    everywhere up to _SORT_COPIES (sort_variants_2026-12-01_h200_*.json, µs in a CUDA graph on H200, this sort
+    against torch's: E=8 3-7 against 16-64; E=128 4-25 against 20-90; E=256 5-38 against 20-91, at 32 to 524288
+    copies). e_local: unused since the scanned form (segment_size) keeps every size's segments short."""
+    return copies <= _SORT_COPIES
 
 
-_SORT_WORK = 1 << 24
-
-
+_SORT_COPIES = 1 << 19
 def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, padded: bool = False,
                           x: Tensor | None = None, scheme: str = "none") -> tuple[Tensor, ...]:
     """ids [R, K] int32 (may be a strided view: row stride != K, columns contiguous): local expert of
@@ -154,7 +154,7 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
         counts [E_local] int32,
         offsets [E_local + 1] int64 (exclusive prefix of counts, offsets[E_local] == n),
         copy_pos [R * K] int64: the sorted position of copy j, -1 for copies that are not here)
-    Two launches, no host synchronization (module docstring).
+    Two or three launches, no host synchronization (module docstring).
     x [R, H] (layer dtype, unit column stride) with scheme "fp8-channel" or "fp8-block": the first
     launch also quantizes the tokens, and the tuple gains (xq [R, H] float8_e4m3fn, xs [R, G]
     float32), bit for bit kernels/quant.quantize_activation(x, scheme) (the local dispatcher).
