@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moeflow.kernels.autotune import Shape, _runner, random_batch
+from moeflow.kernels.autotune import Shape, _runner, graph_time_ms, random_batch
 from moeflow.kernels.common import RowLayout
 from moeflow.presets import PRESETS
 
@@ -29,3 +29,19 @@ def fp8_block_case(preset: str, tokens: int, device):
     shape, batch, layout, kcfg = gemm_case(preset, "fp8-block", tokens, device)
     xq, xs = quantize_rows(batch.hidden, "fp8-block", layout)
     return shape, batch, layout, kcfg, random_weights(shape, device), xq, xs
+
+
+def time_variant(run, layout, got, want):
+    """Run a GEMM variant once (run: no arguments; it writes the tensors of got, poisoned by the caller), compare
+    got's valid rows bit for bit with want's (tensors of the same shapes: fp8 compared as bytes), then time it in a
+    CUDA graph -> (dict(us, bit_equal), what run returned), or (dict(error), None) where it does not compile or run
+    (recorded, not fatal)."""
+    try:
+        handle = run()
+        torch.cuda.synchronize()
+        valid = layout.valid_rows()
+        as_bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t
+        bits = all(torch.equal(as_bits(g)[valid], as_bits(w)[valid]) for g, w in zip(got, want, strict=True))
+        return dict(us=round(graph_time_ms([run], 40) * 1e3, 1), bit_equal=bits), handle
+    except Exception as exc:
+        return dict(error=repr(exc)[:300]), None

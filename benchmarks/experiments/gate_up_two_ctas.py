@@ -22,7 +22,7 @@ from moeflow.kernels.common import ACT_CODES, expert_rows
 from moeflow.kernels.gate_up import gate_up
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_case import fp8_block_case  # noqa: E402
+from _gemm_case import fp8_block_case, time_variant  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 1024),
          ("mixtral-8x7b", 16384), ("deepseek-v3", 4096), ("deepseek-v3", 16384)]
@@ -69,20 +69,13 @@ def main():
             inter = torch.full_like(ref, float("nan"))
             sc = torch.full_like(ref_s, float("nan"))
             run = lambda: launch(xq, xs, w.w13, w.w13_scale, layout, cfg, inter, sc, u)
-            try:
-                k = run()
-                torch.cuda.synchronize()
-                occ = f"{k.n_regs}r/{k.metadata.shared // 1024}KB"
-                valid = layout.valid_rows()
-                bits = bool((inter.view(torch.uint8)[valid] == ref.view(torch.uint8)[valid]).all()
-                            and torch.equal(sc[valid], ref_s[valid]))
-                us = graph_time_ms([run], 40) * 1e3
-            except Exception as exc:  # a variant that does not compile or run: recorded, not fatal
-                res["variants"][key] = dict(error=repr(exc)[:300])
-                line += f" | {key} error"
-                continue
-            res["variants"][key] = dict(us=round(us, 1), bit_equal=bits, regs=k.n_regs, shared=k.metadata.shared)
-            line += f" | {key} {occ} {us:7.1f} ({base / us:.2f}x{'' if bits else ' DIFF'})"
+            rec, k = time_variant(run, layout, (inter, sc), (ref, ref_s))
+            if k is not None:
+                rec.update(regs=k.n_regs, shared=k.metadata.shared)
+            res["variants"][key] = rec
+            line += (f" | {key} {k.n_regs}r/{k.metadata.shared // 1024}KB {rec['us']:7.1f} "
+                     f"({base / rec['us']:.2f}x{'' if rec['bit_equal'] else ' DIFF'})" if "us" in rec
+                     else f" | {key} error")
         print(line, flush=True)
         rows.append(res)
     json.dump(dict(device=torch.cuda.get_device_name(), rows=rows),

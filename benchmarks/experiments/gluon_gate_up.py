@@ -18,7 +18,7 @@ from moeflow.kernels.common import ACT_CODES
 from moeflow.kernels.gate_up import gate_up
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_case import fp8_block_case  # noqa: E402
+from _gemm_case import fp8_block_case, time_variant  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("mixtral-8x7b", 1024), ("mixtral-8x7b", 4096),
          ("mixtral-8x7b", 16384), ("deepseek-v3", 4096), ("deepseek-v3", 16384)]
@@ -48,19 +48,10 @@ def main():
             sc = torch.full_like(ref_s, float("nan"))
             run = lambda: gate_up_wgmma.launch(xq, xs, w.w13, w.w13_scale, layout, ACT_CODES["silu"], torch.bfloat16,
                                                cfg, inter, sc, most)
-            try:
-                run()
-                torch.cuda.synchronize()
-                valid = layout.valid_rows()
-                bits = bool((inter.view(torch.uint8)[valid] == ref.view(torch.uint8)[valid]).all()
-                            and torch.equal(sc[valid], ref_s[valid]))
-                us = graph_time_ms([run], 40) * 1e3
-            except Exception as exc:  # a variant that does not compile or run: recorded, not fatal
-                res["gluon"][key] = dict(error=repr(exc)[:300])
-                line += f" | {key} error"
-                continue
-            res["gluon"][key] = dict(us=round(us, 1), bit_equal=bits)
-            line += f" | {key} {us:8.1f} ({base / us:.2f}x{'' if bits else ' DIFF'})"
+            rec, _ = time_variant(run, layout, (inter, sc), (ref, ref_s))
+            res["gluon"][key] = rec
+            line += (f" | {key} {rec['us']:8.1f} ({base / rec['us']:.2f}x{'' if rec['bit_equal'] else ' DIFF'})"
+                     if "us" in rec else f" | {key} error")
         print(line, flush=True)
         rows.append(res)
     json.dump(dict(device=torch.cuda.get_device_name(), rows=rows),
