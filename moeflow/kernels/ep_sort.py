@@ -142,6 +142,8 @@ def sort_pays(copies: int, e_local: int) -> bool:
 
 
 _SORT_COPIES = 1 << 19
+
+
 def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, padded: bool = False,
                           x: Tensor | None = None, scheme: str = "none") -> tuple[Tensor, ...]:
     """ids [R, K] int32 (may be a strided view: row stride != K, columns contiguous): local expert of
