@@ -163,31 +163,24 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
 
     @gluon.jit
-    def _k_loop(a_bufs, w_bufs, ready, empty, g0, n, acc, STAGES: gl.constexpr):
-        """acc + the tile's K steps g0 .. g0 + n - 1 (one wgmma in flight; each step's slot released once the next
-        step's wgmma is issued and it is done) -> acc, its wgmmas finished and every slot released."""
+    def _k_loop(a_bufs, w_bufs, ready, empty, g0, n, acc, acc_u, STAGES: gl.constexpr, GATED: gl.constexpr):
+        """acc + the tile's K steps g0 .. g0 + n - 1 (GATED: acc the gate's product and acc_u the up's, two wgmmas a
+        step; acc_u unused otherwise), one step's wgmmas in flight, each step's slot released once the next step's
+        are issued and it is done -> (acc, acc_u), the last step's wgmmas still running and its slot held."""
         for k in range(n):
             g = g0 + k
             slot = g % STAGES
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            tok = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
+            if GATED:
+                a = a_bufs.index(slot)
+                tok_g = warpgroup_mma(a, w_bufs.index(2 * slot).permute((1, 0)), acc, is_async=True)
+                tok_u = warpgroup_mma(a, w_bufs.index(2 * slot + 1).permute((1, 0)), acc_u, is_async=True)
+                acc, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(tok_g, tok_u))
+            else:
+                tok = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step g - 1's slot
-        return acc
-
-    @gluon.jit
-    def _k_loop_gated(a_bufs, w_bufs, ready, empty, g0, n, acc_g, acc_u, STAGES: gl.constexpr):
-        """_k_loop for the gate and up products of each step (two wgmmas a step, one step in flight)."""
-        for k in range(n):
-            g = g0 + k
-            slot = g % STAGES
-            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            a = a_bufs.index(slot)
-            tok_g = warpgroup_mma(a, w_bufs.index(2 * slot).permute((1, 0)), acc_g, is_async=True)
-            tok_u = warpgroup_mma(a, w_bufs.index(2 * slot + 1).permute((1, 0)), acc_u, is_async=True)
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(tok_g, tok_u))
-            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step g - 1's slot
-        return acc_g, acc_u
+        return acc, acc_u
 
     @gluon.jit
     def _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, d_a, d_b, as_rows, ws_tile,
@@ -241,7 +234,7 @@ if gluon is not None:
             if GATED:
                 acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
                 acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-                acc_g, acc_u = _k_loop_gated(a_bufs, w_bufs, ready, empty, j * n, n, acc_g, acc_u, STAGES)
+                acc_g, acc_u = _k_loop(a_bufs, w_bufs, ready, empty, j * n, n, acc_g, acc_u, STAGES, True)
                 mbarrier.arrive(turn.index(1 - c), count=1)
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
                 y = gated_act(acc_g, acc_u, ACT)
@@ -255,7 +248,7 @@ if gluon is not None:
                     acc, d_a, d_b = _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, d_a,
                                                    d_b, as_rows, ws_tile, STAGES, UNROLL)
                 else:
-                    acc = _k_loop(a_bufs, w_bufs, ready, empty, j * n, n, acc, STAGES)
+                    acc, _ = _k_loop(a_bufs, w_bufs, ready, empty, j * n, n, acc, acc, STAGES, False)
                     mbarrier.arrive(turn.index(1 - c), count=1)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                     mbarrier.arrive(empty.index((j * n + n - 1) % STAGES), count=1)
