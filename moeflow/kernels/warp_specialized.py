@@ -163,10 +163,11 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
 
     @gluon.jit
-    def _k_loop(a_bufs, w_bufs, ready, empty, g0, n, acc, acc_u, STAGES: gl.constexpr, GATED: gl.constexpr):
+    def _k_loop(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, acc_u, STAGES: gl.constexpr, GATED: gl.constexpr):
         """acc + the tile's K steps g0 .. g0 + n - 1 (GATED: acc the gate's product and acc_u the up's, two wgmmas a
         step; acc_u unused otherwise), one step's wgmmas in flight, each step's slot released once the next step's
-        are issued and it is done -> (acc, acc_u), the last step's wgmmas still running and its slot held."""
+        are issued and it is done; turn_bar gets the other consumer's turn once the last step's are issued
+        -> (acc, acc_u), every wgmma finished and every slot released."""
         for k in range(n):
             g = g0 + k
             slot = g % STAGES
@@ -180,6 +181,12 @@ if gluon is not None:
                 tok = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step g - 1's slot
+        mbarrier.arrive(turn_bar, count=1)
+        if GATED:
+            acc, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_u))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((g0 + n - 1) % STAGES), count=1)
         return acc, acc_u
 
     @gluon.jit
@@ -234,11 +241,9 @@ if gluon is not None:
             if GATED:
                 acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
                 acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-                acc_g, acc_u = _k_loop(a_bufs, w_bufs, ready, empty, j * n, n, acc_g, acc_u, STAGES, True)
-                mbarrier.arrive(turn.index(1 - c), count=1)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+                acc_g, acc_u = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc_g, acc_u,
+                                       STAGES, True)
                 y = gated_act(acc_g, acc_u, ACT)
-                mbarrier.arrive(empty.index((j * n + n - 1) % STAGES), count=1)
             else:
                 rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
                 acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
@@ -248,10 +253,7 @@ if gluon is not None:
                     acc, d_a, d_b = _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, d_a,
                                                    d_b, as_rows, ws_tile, STAGES, UNROLL)
                 else:
-                    acc, _ = _k_loop(a_bufs, w_bufs, ready, empty, j * n, n, acc, acc, STAGES, False)
-                    mbarrier.arrive(turn.index(1 - c), count=1)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(empty.index((j * n + n - 1) % STAGES), count=1)
+                    acc, _ = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, acc, STAGES, False)
                 y = acc * gl.load(rw_ptr + rows_ld)[:, None]
             y = gl.convert_layout(y.to(out_ptr.dtype.element_ty), st)  # 16-byte stores
             rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
