@@ -32,7 +32,7 @@ from moeflow.capabilities import Environment
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import create_runner
 from moeflow.kernels.autotune import Shape, capture_graph, expanded_weights, precompile, random_batch, random_weights
-from moeflow.layouts import run_in_layout
+from moeflow.layer import routed_experts
 from moeflow.planner import check_runner
 from moeflow.planner import plan as make_plan
 from moeflow.presets import preset_config
@@ -86,24 +86,25 @@ class Case:
         self.router = create_router(c, make_plan(c, self.env).router)  # the layer's router (planner)
         self.bias = (torch.rand(c.num_experts, device="cuda") - 0.5) * 0.1 if c.use_correction_bias else None
         self.dispatcher = create_dispatcher("local", c, self.scheme)
-        self._indexed = {}  # runner name -> Plan.indexed_rows of (local, that runner)
+        self._plans = {}  # runner name -> the Plan of (local, that runner)
 
     def inputs(self, t: int, n: int = 4):
         c = self.cfg
         return [(torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16),
                  torch.randn(t, c.num_experts, device="cuda")) for _ in range(n)]
 
-    def use(self, runner) -> None:
-        """Hand rows the way a layer planned with this runner would (Plan.indexed_rows)."""
-        if runner.name not in self._indexed:
-            self._indexed[runner.name] = make_plan(self.cfg.replace(runner=runner.name), self.env).indexed_rows
-        self.dispatcher.indexed_rows = self._indexed[runner.name]
+    def use(self, runner):
+        """Hand rows the way a layer planned with this runner would (Plan.indexed_rows) -> that Plan."""
+        if runner.name not in self._plans:
+            self._plans[runner.name] = make_plan(self.cfg.replace(runner=runner.name), self.env)
+        self.dispatcher.indexed_rows = self._plans[runner.name].indexed_rows
+        return self._plans[runner.name]
 
     def layer(self, runner, x, logits):
-        self.use(runner)
+        """MoE._run's path after this router: the runner's one launch where the plan and its table say so."""
+        plan = self.use(runner)
         ids, w = self.router(logits, self.bias)
-        batch, handle = self.dispatcher.dispatch(x, ids, w)
-        return self.dispatcher.combine(run_in_layout(runner, batch, self.weights), handle)
+        return routed_experts(plan, self.dispatcher, runner, x, ids, w, self.weights)[0]
 
 
 def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:

@@ -44,6 +44,9 @@ class RunnerCaps:
     priority: int = 0  # "auto" picks the valid runner of highest priority
     note: str = ""
     indexed_rows: bool = False  # reads sorted rows through ExpertBatch.source_rows itself (no gathered copy)
+    # schemes for which it can run a single-process layer's dispatch, experts and combine together (one launch
+    # for small batches: ExpertRunner.fused_config / run_fused), where the dispatcher declares ``fusable``
+    fused_layer: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class DispatcherCaps:
     priority: int = 0
     note: str = ""
     indexed_rows: bool = False  # can hand sorted rows by index (ExpertBatch.source_rows) when asked
+    # its dispatch and combine are local bookkeeping only (one process, no transfer): a runner declaring the
+    # scheme in ``RunnerCaps.fused_layer`` may do them inside its own launch
+    fusable: bool = False
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,14 @@ TRITON_PDL = EnvVar(
     "(routing, sort, quantization, top-k sum) are launched while the kernel before finishes and wait on "
     "griddepcontrol.wait before touching memory, which hides launch gaps at small batches; the GEMMs are "
     "launched plainly. Set 0 for plain launches everywhere.")
+TRITON_FUSED = EnvVar(
+    "MOEFLOW_TRITON_FUSED", "1",
+    "Triton runner, single-process layers: run a small batch's dispatch, experts and combine in one launch where "
+    "the tuned table (or the T=1 default) gives tiles for it (kernels/fused_layer.py). Set 0 for the separate "
+    "launches (sort, gate_up, down, top-k sum) at every batch size (comparisons, debugging).")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
-ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_PDL, TRITON_INTERPRET)
+ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_PDL, TRITON_FUSED,
+       TRITON_INTERPRET)

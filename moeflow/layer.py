@@ -152,12 +152,8 @@ class MoE(nn.Module):
         return self._run(hidden_states, topk_ids.to(torch.int32), topk_weights.float())
 
     def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        d = self.dispatcher
-        pending = d.dispatch_start(hidden, topk_ids, topk_weights)
-        shared = self._shared(hidden)  # overlaps the dispatch exchange under expert parallelism
-        batch, handle = d.dispatch_wait(pending)
-        expert_out = run_in_layout(self.runner, batch, self.expert_weights())
-        out = d.combine_wait(d.combine_start(expert_out, handle))
+        out, shared = routed_experts(self.plan, self.dispatcher, self.runner, hidden, topk_ids, topk_weights,
+                                     self.expert_weights(), lambda: self._shared(hidden))
         if shared is not None:
             out = (out.float() + shared).to(self.config.dtype)
         return out
@@ -176,6 +172,25 @@ class MoE(nn.Module):
         return (f"E={c.num_experts} (local {len(self.local_experts)}), H={c.hidden_size}, I={c.intermediate_size}, "
                 f"K={c.top_k}, quant={self.plan.scheme}, runner={self.plan.runner}, dispatcher={self.plan.dispatcher}, "
                 f"dtype={str(c.dtype).removeprefix('torch.')}, device={c.device}")
+
+
+def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                   weights: ExpertWeights, between=None) -> tuple[Tensor, object]:
+    """The layer after routing -> (out [T, H] layer dtype, between()'s result or None).
+
+    Where the plan allows it (Plan.fused_layer) and the runner's tuned data has a one-launch config for T
+    tokens, the runner runs dispatch, experts and combine together; else dispatch -> experts (in the
+    runner's layout) -> combine. between (no arguments): work to overlap with the dispatch exchange (the
+    shared experts), called once either way."""
+    fused = runner.fused_config(hidden.shape[0], weights) if plan.fused_layer else None
+    if fused is not None:
+        out = runner.run_fused(hidden, topk_ids, topk_weights, weights, fused)
+        return out, between() if between else None
+    pending = dispatcher.dispatch_start(hidden, topk_ids, topk_weights)
+    extra = between() if between else None
+    batch, handle = dispatcher.dispatch_wait(pending)
+    expert_out = run_in_layout(runner, batch, weights)
+    return dispatcher.combine_wait(dispatcher.combine_start(expert_out, handle)), extra
 
 
 class _SharedMLP(nn.Module):

@@ -31,6 +31,9 @@ class Plan:
     reasons: tuple[str, ...]
     indexed_rows: bool = False  # the dispatcher hands rows by index and the runner gathers them itself
     router: str = "torch"
+    # the runner may run dispatch, experts and combine together (RunnerCaps.fused_layer, DispatcherCaps.fusable);
+    # for which batch sizes it does is the runner's tuned data (ExpertRunner.fused_config)
+    fused_layer: bool = False
 
     @property
     def converted(self) -> bool:
@@ -169,8 +172,13 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
                                         else f"converted to {runner_layout!r} for the runner"))
     if indexed:
         reasons += ("rows by index: the runner reads each token's row in place (no permuted copy of hidden)",)
+    fused = DISPATCHERS.get(dispatcher).caps.fusable and cfg.quant in RUNNERS.get(runner).caps.fused_layer
+    if fused:
+        reasons += (f"small batches: dispatch, experts and combine in one {runner!r} launch where its tuned "
+                    f"configs say so (dispatcher {dispatcher!r} only sorts and sums)",)
     reasons += (why_t,)
-    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router)
+    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router,
+                fused)
 
 
 def cell_status(cfg: MoEConfig, env: Environment) -> str:

@@ -199,6 +199,37 @@ def test_large_tiles_fit_in_registers():
         assert regs <= most, f"{kernel} {scheme} {tile}: {regs} registers > {most}"
 
 
+FUSED = """
+import json, sys, torch
+from moeflow.kernels.configs import FusedConfig
+from moeflow.kernels.registers import fused_layer_usage, ptxas_path
+if ptxas_path() is None:
+    print(json.dumps(None)); sys.exit(0)
+dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+print(json.dumps([fused_layer_usage(s, dt[d], FusedConfig(*c), tma, k) for s, d, c, tma, k, _ in json.loads(sys.argv[1])]))
+"""
+FUSED_CASES = [  # (scheme, dtype, FusedConfig fields, TMA, top-k, wgmma expected)
+    ("fp8-block", "bf16", (128, 128, 128, 128, 4, 3, 2, 8), True, 8, True),  # the H200 tables' fp8 tiles
+    ("fp8-block", "bf16", (128, 128, 64, 128, 4, 3, 2, 8), True, 8, True),  # gate_up and down tiles unequal
+    ("fp8-block", "fp16", (64, 128, 128, 128, 4, 4, 1, 8), False, 2, True),
+    ("none", "bf16", (64, 128, 128, 128, 4, 3, 2, 8), True, 8, True),  # the tables' bf16 tiles
+    ("none", "bf16", (32, 64, 64, 64, 4, 4, 1, 1), False, 3, None),  # 32-row gate_up tiles: mma.sync there
+    ("fp8-block", "bf16", (32, 128, 32, 128, 4, 4, 1, 1), True, 8, False),  # no 64-row tile: no wgmma
+    ("none", "fp32", (16, 32, 16, 32, 4, 2, 2, 2), False, 3, False),  # IEEE float32 dots
+]
+
+
+def test_fused_layer_compiles_for_sm90():
+    """The one-launch layer builds for sm_90a at its table tiles, unequal gate_up and down tiles, pointer and TMA
+    weights and every dtype, without spills; its 64-row tiles run as wgmma (the weight tile is the dot's M)."""
+    usage = compile_without_interpreter(FUSED, json.dumps(FUSED_CASES))
+    for (scheme, dtype, cfg, tma, k, wgmma), (regs, spill, has_wgmma) in zip(FUSED_CASES, usage):
+        what = f"{scheme} {dtype} {cfg} tma={tma}"
+        assert 0 < regs <= 255 and spill == 0, (what, regs, spill)
+        if wgmma is not None:
+            assert has_wgmma == wgmma, what
+
+
 GLUON_COMPILE = """
 import importlib, importlib.util, json, sys, torch
 from moeflow.kernels.registers import compile_gluon_for_hopper, ptxas_path

@@ -9,6 +9,7 @@ file the "triton" runner looks up (moeflow/kernels/configs.py names and reads it
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -61,7 +62,10 @@ def run(args) -> int:
     kept, kept_us = kc.read_table(path) if args.merge and path.is_file() else ({}, {})
 
     def save(table, measured):  # after every T, so a stopped search keeps what it found
-        kc.write_table(path, meta, {**kept, **table}, {**kept_us, **measured})
+        # the one-launch layer's tiles are not searched here (benchmarks/experiments/fused_layer.py measures them):
+        # an entry re-tuned with --merge keeps the ones it had
+        carried = {t: replace(c, fused=kept[t].fused) if t in kept and c.fused is None else c for t, c in table.items()}
+        kc.write_table(path, meta, {**kept, **carried}, {**kept_us, **measured})
 
     tune(shape, tokens, rep_ms=args.rep_ms, log=lambda s: print(s, file=sys.stderr), on_result=save,
          indexed_rows=indexed)

@@ -64,6 +64,18 @@ class ExpertRunner(ABC):
         """batch in a layout listed in ``caps.layouts`` -> outputs [N, H] (sorted) or
         [E_local, C, H] (masked, zeros in empty slots), layer dtype, routing weights applied."""
 
+    def fused_config(self, tokens: int, weights: ExpertWeights):
+        """The config of a one-launch layer (dispatch, experts, combine) for ``tokens`` tokens, or None where
+        that does not pay or the runner has none (the default). Asked only where the plan allows it
+        (Plan.fused_layer: the runner declares the scheme in ``caps.fused_layer``)."""
+        return None
+
+    def run_fused(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+                  fused_config) -> Tensor:
+        """hidden [T, H], topk_ids [T, K] int32, topk_weights [T, K] float32 -> [T, H] layer dtype: the whole
+        single-process layer after routing, with a config ``fused_config`` returned."""
+        raise TypeError(f"runner {self.name!r} declares no fused layer")  # unreachable: the plan never asks
+
     def input_activations(self, batch_hidden: Tensor, batch_scale: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The GEMM input for the first GEMM: the dispatcher's quantized payload as is, or the
         layer-dtype rows quantized now by the scheme. [M, H] -> (q [M, H], scale [M, G] | None)."""

@@ -5,6 +5,8 @@
       -> gate_up + act     kernels/gate_up.py (block alignment in-kernel; FP8-block output quant fused)
       -> [quantize inter]  kernels/quant.py   (fp8-tensor / fp8-channel, from the amax gate_up wrote)
       -> down + route w    kernels/down.py    -> [N, H] / [E, C, H] layer dtype
+Small single-process batches, where the tuned table says so (MoEKernelConfig.fused): route's ids and weights
+straight into kernels/fused_layer.py, one launch for the local dispatcher's sort, both GEMMs and its top-k sum.
 No host synchronization and no data-dependent shape anywhere: a call can be captured in a CUDA
 graph (the decode path). Kernel configs come from tuned JSON files (kernels/configs.py).
 This module imports triton lazily: the registry lists the runner where triton is absent and
@@ -15,11 +17,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import env as moeflow_env
 from ..capabilities import ALL_FLOAT, RunnerCaps, Support
 from ..layouts import MASKED, SORTED, ExpertBatch
 from .base import ExpertRunner, ExpertWeights, empty_output
 
 _FP8 = frozenset({"fp8-tensor", "fp8-channel", "fp8-block"})
+# kernels/fused_layer.FUSED_SCHEMES, named here without importing triton (tests/test_fused_layer.py checks they agree)
+_FUSED = frozenset({"none", "fp8-block"})
+FUSED_MAX_TOKENS = 64  # the one-launch layer's largest batch (it sizes the layer's counters)
 
 
 class TritonRunner(ExpertRunner):
@@ -37,12 +43,14 @@ class TritonRunner(ExpertRunner):
         priority=30,
         note="fused Triton GEMMs (activation, routing weight and FP8 quantization fused)",
         indexed_rows=True,  # gate_up loads each sorted row from its token's row (ExpertBatch.source_rows)
+        fused_layer=_FUSED,
     )
 
     def __init__(self, config, scheme):
         super().__init__(config, scheme)
         self._table = None  # tuned configs of this shape: {tokens: MoEKernelConfig}, or {} for defaults
         self._fitted = {}  # (layout, tokens) -> fitted MoEKernelConfig: no per-call lookup cost
+        self._sync = {}  # device -> the fused layer's int32 counters, zero between launches
 
     def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
         return self.run_with(batch, weights, self.kernel_config(batch, weights))
@@ -93,14 +101,57 @@ class TritonRunner(ExpertRunner):
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
         tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.num_rows // cfg.top_k, 1)
         key = (batch.layout, tokens, e)
-        if key in self._fitted:
-            return self._fitted[key]
-        if self._table is None:
-            device = torch.cuda.get_device_name(batch.hidden.device) if batch.hidden.is_cuda else "cpu"
-            self._table = kc.find_table(device, e, i, h, self.scheme.name) or {}
-        chosen = kc.nearest(self._table, tokens) if self._table else kc.default_config(tokens, cfg.top_k, e, self.scheme.name)
-        nbytes = 1 if self.scheme.quantized else cfg.dtype.itemsize
-        self._fitted[key] = kc.MoEKernelConfig(
-            kc.fit(chosen.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
-            kc.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
+        if key not in self._fitted:
+            chosen = self._entry(tokens, weights, batch.hidden.device)
+            nbytes = 1 if self.scheme.quantized else cfg.dtype.itemsize
+            self._fitted[key] = kc.MoEKernelConfig(
+                kc.fit(chosen.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
+                kc.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
         return self._fitted[key]
+
+    def fused_config(self, tokens: int, weights: ExpertWeights):
+        """The tuned entry's FusedConfig for ``tokens`` (fitted), or None: no fused entry, an empty batch, more
+        than FUSED_MAX_TOKENS tokens, or MOEFLOW_TRITON_FUSED=0."""
+        from ..kernels import configs as kc
+        if not 0 < tokens <= FUSED_MAX_TOKENS or not moeflow_env.TRITON_FUSED.get_bool():
+            return None
+        key = ("fused", tokens, weights.w13.shape[0])
+        if key not in self._fitted:
+            chosen = self._entry(tokens, weights, weights.w13.device).fused
+            self._fitted[key] = None if chosen is None else kc.fit_fused(chosen, self.scheme.name)
+        return self._fitted[key]
+
+    def run_fused(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+                  fused_config) -> Tensor:
+        """The whole layer after routing in one launch (kernels/fused_layer.py) -> [T, H] layer dtype."""
+        from ..kernels.common import unit_stride_rows
+        from ..kernels.fused_layer import fused_layer
+        cfg = self.config
+        return fused_layer(unit_stride_rows(hidden), topk_ids.to(torch.int32).contiguous(),
+                           topk_weights.float().contiguous(), weights.w13, weights.w13_scale, weights.w2,
+                           weights.w2_scale, self.scheme.name, cfg.activation, cfg.dtype, fused_config,
+                           self._counters(hidden.device, weights))
+
+    def _counters(self, device: torch.device, weights: ExpertWeights) -> Tensor:
+        """This layer's fused-launch counters on ``device``, made (zeroed) at the first call, as many as any
+        batch and tile set may need; each launch leaves them zero for the next. Launches of one layer must
+        therefore not overlap: calls (or graph replays) of the same layer on two streams at once are not
+        supported. Made once, not per call: a per-call zeroing would be one more node in a captured graph."""
+        if device not in self._sync:
+            from ..kernels.configs import FusedConfig
+            from ..kernels.fused_layer import counters_size
+            most = FusedConfig(block_n1=16, block_n2=16, split1=2, split2=2)  # the narrowest tiles, split
+            n = counters_size(FUSED_MAX_TOKENS, self.config.top_k, weights.w2.shape[1], weights.w2.shape[2], most)
+            self._sync[device] = torch.zeros(n, dtype=torch.int32, device=device)
+        return self._sync[device]
+
+    def _entry(self, tokens: int, weights: ExpertWeights, device: torch.device):
+        """The tuned table's entry nearest ``tokens`` (the table read once), or the documented defaults."""
+        from ..kernels import configs as kc
+        e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
+        if self._table is None:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            self._table = kc.find_table(name, e, i, h, self.scheme.name) or {}
+        if self._table:
+            return kc.nearest(self._table, tokens)
+        return kc.default_config(tokens, self.config.top_k, e, self.scheme.name)

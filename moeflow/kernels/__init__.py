@@ -17,6 +17,8 @@ each JIT kernel above its launcher and a torch reference (``*_torch``) beside it
                 low-latency masked slab (references: dispatch/_ep_reference.py)
     ep_sort.py  received copies grouped by local expert (alltoall's sorted batch)
     reduce.py   the top-k reduction: sum of each token's K weighted copies (for dispatchers)
+    fused_layer.py  a small batch's whole single-process layer after routing in one launch: gate_up and down
+                work items by ticket, down waiting per copy, no sort or top-k sum (reference: fused_layer_torch)
     configs.py  tuned configs (JSON under configs/) and documented defaults
     registers.py registers and spills of the GEMMs for sm_90a, from ptxas, without a GPU
 

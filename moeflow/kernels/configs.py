@@ -71,16 +71,47 @@ class GemmConfig:
 
 
 @dataclass(frozen=True)
+class FusedConfig:
+    """Tiles of the one-launch small-batch layer (kernels/fused_layer.py): gate_up items of BLOCK_N1 intermediate
+    columns of one copy, K steps of BLOCK_K1 along H, the steps split over SPLIT1 programs; down items of BLOCK_N2
+    output columns of one token, steps of BLOCK_K2 along I (all K copies' steps in one loop), split over SPLIT2
+    programs (the last of a tile's programs to finish adds the float32 partials in split order). fp8-block: both
+    BLOCK_K 128 (one activation group a step), both BLOCK_N dividing 128. BLOCK_N of 64 or more runs Hopper wgmma
+    (the weight tile is the dot's M), narrower tiles mma.sync."""
+
+    block_n1: int = 64
+    block_k1: int = 128
+    block_n2: int = 64
+    block_k2: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    split1: int = 1
+    split2: int = 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class MoEKernelConfig:
     gate_up: GemmConfig
     down: GemmConfig
+    # a single-process layer of this many tokens runs dispatch, both GEMMs and the combine in one launch with these
+    # tiles (kernels/fused_layer.py) where the runner and dispatcher allow it (Plan.fused_layer); None: separate
+    # launches (sort, gate_up, down, top-k sum) with the two configs above. Tuned entries set it where it measured
+    # faster (`moeflow tune`: small T).
+    fused: FusedConfig | None = None
 
     def to_dict(self) -> dict:
-        return {"gate_up": self.gate_up.to_dict(), "down": self.down.to_dict()}
+        d = {"gate_up": self.gate_up.to_dict(), "down": self.down.to_dict()}
+        if self.fused is not None:
+            d["fused"] = self.fused.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEKernelConfig":
-        return cls(GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]))
+        return cls(GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]),
+                   FusedConfig(**d["fused"]) if d.get("fused") else None)
 
 
 def file_name(device: str, e: int, n: int, k: int, scheme: str) -> str:
@@ -92,13 +123,17 @@ def default_config(tokens: int, top_k: int, num_experts: int, scheme: str) -> Mo
     m <= 16: BLOCK_M 16, narrow N tiles (64) and deep K (128): weight streaming, many programs;
     m <= 128: BLOCK_M 64, 64-wide tiles, grouped order (row blocks of one expert share weight tiles in L2);
     larger: gate_up 64 x 128 with 8 warps (its two accumulators; larger tiles spill), down 64 x 256.
+    One token: the one-launch layer too (kernels/fused_layer.py, where the plan allows it), with the tiles that
+    won most of the six T=1 layers measured on H200 (benchmarks/results/fused_layer_2026-12-01_h200.json): down
+    programs of one copy each (SPLIT2 8), gate_up's K steps in two halves; fp8-block 128-wide tiles, bf16 64/128.
     """
     fp8 = scheme != "none"
     bk = 128 if fp8 else 64
     m = tokens * top_k / max(num_experts, 1)
     if m <= 16:  # (fp8-block: gate_up 128 wide, its groups quantized in the epilogue)
+        fused = FusedConfig(128 if fp8 else 64, 128, 128, 128, 4, 3, 2, 8) if tokens == 1 else None
         return MoEKernelConfig(GemmConfig(16, 128 if scheme == "fp8-block" else 64, 128, 1, 4, 4),
-                               GemmConfig(16, 64, 128, 1, 4, 4))
+                               GemmConfig(16, 64, 128, 1, 4, 4), fused)
     if m <= 128:
         return MoEKernelConfig(GemmConfig(64, 128 if scheme == "fp8-block" else 64, bk, 4, 4, 3),
                                GemmConfig(64, 128, bk, 4, 4, 3))
@@ -134,6 +169,18 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
         keep = scheme == "fp8-block" and fits and fitted.scale_overlap in (1, 2)
         fitted = replace(fitted, scale_overlap=(1 if fused_pair else int(fitted.scale_overlap)) if keep else 0)
     return fitted
+
+
+def fit_fused(cfg: FusedConfig, scheme: str) -> FusedConfig:
+    """Make ``cfg`` valid for the scheme: tiles of 16 columns at least (the dots' N), BLOCK_K of 16 at least
+    (fp8: 32); fp8-block: BLOCK_K 128 and BLOCK_N at most 128 (powers of two, so dividing 128)."""
+    bn1, bn2 = max(cfg.block_n1, 16), max(cfg.block_n2, 16)
+    bk_min = 32 if scheme != "none" else 16
+    bk1, bk2 = max(cfg.block_k1, bk_min), max(cfg.block_k2, bk_min)
+    if scheme == "fp8-block":
+        bn1, bn2, bk1, bk2 = min(bn1, 128), min(bn2, 128), 128, 128
+    return replace(cfg, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, num_stages=max(cfg.num_stages, 1),
+                   split1=max(cfg.split1, 1), split2=max(cfg.split2, 1))
 
 
 def wgmma_down_fits(cfg: GemmConfig) -> bool:

@@ -81,6 +81,32 @@ def register_usage(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig
     return compile_for_hopper(fn, sig, const, attrs, cfg.num_warps, cfg.num_stages)
 
 
+def fused_layer_usage(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, top_k: int = 8):
+    """kernels/fused_layer.py compiled for sm_90a with FusedConfig ``cfg`` -> (registers per thread, spill-store
+    bytes, whether its dots run as wgmma)."""
+    from .fused_layer import _fused_layer_kernel as fn
+    q = QUANT_CODES[scheme]
+    act = "fp8e4nv" if q else _ELEM[dtype]
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update({n: "*" + _ELEM[dtype] for n in ("x_ptr", "inter_ptr", "out_ptr")})
+    sig.update(ids_ptr="*i32", sync_ptr="*i32", rw_ptr="*fp32", w13s_ptr="*fp32", w2s_ptr="*fp32", part1_ptr="*fp32",
+               part2_ptr="*fp32")
+    for name, rows, k in (("w13", cfg.block_n1, cfg.block_k1), ("w2", cfg.block_n2, cfg.block_k2)):
+        sig[name] = f"tensordesc<{act}[{rows}, {k}]>" if tma else "*" + act
+    const = dict(TOP_K=top_k, K_POW2=max(2, triton.next_power_of_2(top_k)), QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype],
+                 BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1, BLOCK_N2=cfg.block_n2,
+                 BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=tma, W2_TMA=tma,
+                 DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=False, PDL=True)
+    aligned = {"H", "I", "stride_x", "stride_out", "stride_w13e", "stride_w13n", "stride_w2e", "stride_w2n",
+               "w13_rows", "w2_rows"}  # specialized as multiples of 16
+    sig = {n: t for n, t in sig.items() if n not in const}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n in aligned}
+    ptx = _compile_ptx(fn, sig, const, attrs, cfg.num_warps, cfg.num_stages)
+    regs, spill, _ = ptxas_report(ptx)
+    return regs, spill, "wgmma.mma_async" in ptx
+
+
 def compile_for_hopper(fn, signature: dict, constexprs: dict, attrs: dict | None = None, num_warps: int = 4,
                        num_stages: int = 3):
     """Compile a @triton.jit kernel for sm_90a here (no GPU) -> (registers per thread, spill-store bytes).
@@ -89,6 +115,12 @@ def compile_for_hopper(fn, signature: dict, constexprs: dict, attrs: dict | None
     "tensordesc<fp8e4nv[128, 128]>"); constexprs: the constexpr values (defaults fill the rest).
     Raises triton's CompilationError for code only the CPU interpreter accepts.
     """
+    regs, spill, _ = ptxas_report(_compile_ptx(fn, signature, constexprs, attrs, num_warps, num_stages))
+    return regs, spill
+
+
+def _compile_ptx(fn, signature: dict, constexprs: dict, attrs: dict | None, num_warps: int, num_stages: int) -> str:
+    """compile_for_hopper's compilation -> the PTX for sm_90a."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     if ptxas_path() is None:
@@ -97,8 +129,7 @@ def compile_for_hopper(fn, signature: dict, constexprs: dict, attrs: dict | None
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs or {}),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
-    regs, spill, _ = ptxas_report(compiled.asm["ptx"])
-    return regs, spill
+    return compiled.asm["ptx"]
 
 
 def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None):
