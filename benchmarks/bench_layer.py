@@ -8,7 +8,8 @@ Per preset, scheme (none = bf16, fp8-channel, fp8-block), runner and T:
     layer_graph_us  the same whole layer captured once as a CUDA graph and replayed (do_bench, L2
                 flushed): PERF.md's method; the headline figure (runners whose call syncs the host
                 cannot be captured: then "-" and the eager time counts)
-    experts_us  the runner alone on a ready batch;  graph_us: the same replayed as a CUDA graph (T <= 128)
+    experts_us  the runner alone on a ready batch;  graph_us: the same replayed as a CUDA graph (T <= 128); both
+                the separate launches (a batch the one-launch small-batch layer takes has no such stage)
     tflops, gbs, roof_pct  FLOPs and bytes (experts actually hit x 3HI weights + activations in/out)
                 over the headline time; roof_pct = floor / time with ceilings re-measured in this run
     rel_err     layer output vs the layer with the reference runner on the same weights and input

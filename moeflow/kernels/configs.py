@@ -98,8 +98,8 @@ class MoEKernelConfig:
     down: GemmConfig
     # a single-process layer of this many tokens runs dispatch, both GEMMs and the combine in one launch with these
     # tiles (kernels/fused_layer.py) where the runner and dispatcher allow it (Plan.fused_layer); None: separate
-    # launches (sort, gate_up, down, top-k sum) with the two configs above. Tuned entries set it where it measured
-    # faster (`moeflow tune`: small T).
+    # launches (sort, gate_up, down, top-k sum) with the two configs above. The H200 tables set it where it measured
+    # faster (benchmarks/experiments/fused_layer.py); `moeflow tune` does not search it, and --merge keeps it.
     fused: FusedConfig | None = None
 
     def to_dict(self) -> dict:

@@ -21,9 +21,10 @@ the weight tile is the A operand, so tiles of 64 rows or more run as Hopper wgmm
 (fp8 included; a 16-row A of tokens would run as mma.sync, whose fp8 operands Triton converts to fp16 first), and
 the dots run on the tensor cores, which a CUDA-core GEMV of FP8 weights could not match
 (benchmarks/results/decode_gemv_*).
-Where it pays (T = 1 on H200: the whole layer after routing in one launch instead of five), the tuned
-tables say: MoEKernelConfig.fused (configs.py). Tokens whose copies share an expert read its weights once per
-copy, so it is for batches of about one copy per expert hit.
+Where it pays the tuned tables say (MoEKernelConfig.fused, configs.py): on H200 every preset at T = 1 (1.04-1.11x
+the separate launches, whole layer; benchmarks/results/fused_layer_2026-12-01_h200.md) and some at T = 2-4.
+Tokens whose copies share an expert read its weights once per copy, so it is for batches of about one copy per
+expert hit (at T >= 8 it lost on every preset).
 ``fused_layer_torch`` is the reference.
 """
 from __future__ import annotations
