@@ -17,52 +17,13 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 if SKIP_REASON is None:
     from moeflow.kernels.configs import FusedConfig, GemmConfig, MoEKernelConfig, fit_fused
     from moeflow.kernels.fused_layer import FUSED_SCHEMES, counters_size, fused_layer, fused_layer_torch
+    from fused_cases import check_fused as check, routing, weights
 
 from moeflow import MoEConfig
 from moeflow.capabilities import Environment
 from moeflow.planner import plan
 from moeflow.quant import create_scheme
-from oracle import assert_close, oracle_moe
-from tolerances import rel_tol
-
-
-def weights(scheme, dtype, e, h, i):
-    """Random expert weights scaled like nn.Linear, quantized by the scheme -> (w13, s13, w2, s2)."""
-    sch = create_scheme(scheme)
-    w13 = (torch.rand(e, 2 * i, h) * 2 - 1) / h ** 0.5
-    w2 = (torch.rand(e, h, i) * 2 - 1) / i ** 0.5
-    if sch.quantized:
-        (w13, s13), (w2, s2) = sch.quantize_weight(w13), sch.quantize_weight(w2)
-        return w13, s13, w2, s2
-    return w13.to(dtype), None, w2.to(dtype), None
-
-
-def routing(t, e, k, one_expert=None):
-    """Distinct ids per token [T, K] int32 and weights [T, K] float32; one_expert=j: expert j in every token."""
-    ids = torch.rand(t, e).argsort(dim=1)[:, :k]
-    if one_expert is not None:
-        ids = torch.rand(t, e).add(2 * (torch.arange(e) == one_expert)).argsort(dim=1, descending=True)[:, :k]
-    return ids.to(torch.int32).contiguous(), (torch.rand(t, k) + 0.1).contiguous()
-
-
-def check(scheme, dtype, t, e, h, i, k, cfg, one_expert=None, activation="silu"):
-    w13, s13, w2, s2 = weights(scheme, dtype, e, h, i)
-    x = torch.randn(t, h).to(dtype)
-    ids, w = routing(t, e, k, one_expert)
-    cfg = fit_fused(cfg, scheme)
-    sync = torch.zeros(counters_size(t, k, h, i, cfg), dtype=torch.int32)
-    out = fused_layer(x, ids, w, w13, s13, w2, s2, scheme, activation, dtype, cfg, sync, poison=True)
-    assert out.shape == (t, h) and out.dtype == dtype
-    assert torch.equal(sync, torch.zeros_like(sync)), "the launch must leave its counters zero"
-    ref = fused_layer_torch(x, ids, w, w13, s13, w2, s2, scheme, activation, dtype)
-    # float32 sums in another order; fp8-block: an intermediate value may round to the neighbouring fp8 step
-    tight = 1e-6 if scheme == "none" else 1e-4
-    assert_close(out, ref, tight if dtype == torch.float32 else 2e-3, f"{scheme} {dtype} vs its torch reference")
-    sch = create_scheme(scheme)
-    oracle = oracle_moe(x, ids, w, sch.dequantize_weight(w13, s13), sch.dequantize_weight(w2, s2), activation, sch,
-                        dtype)
-    assert_close(out, oracle, rel_tol(scheme, dtype), f"{scheme} {dtype} vs the float64 oracle")
-    return out
+from oracle import assert_close
 
 
 CASES = [("none", torch.float32), ("none", torch.float16), ("fp8-block", torch.float16), ("fp8-block", torch.float32)]

@@ -4,60 +4,20 @@ shapes; its down items really wait here (programs run side by side), so repeated
 replays must give the same bits every time (a missing release/acquire would show as a moving result).
 Run: pytest -m gpu tests/gpu/test_gpu_fused_layer.py
 """
+import functools
 
 import pytest
 import torch
 
-from oracle import assert_close, layer_oracle, oracle_moe, replayed, route_for
+from fused_cases import check_fused
+from moeflow.kernels.configs import FusedConfig, GemmConfig, MoEKernelConfig, file_name, write_table
+from oracle import assert_close, layer_oracle, replayed, route_for
 from tolerances import rel_tol
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from moeflow.kernels.configs import FusedConfig, GemmConfig, MoEKernelConfig, file_name, fit_fused, write_table
-
-if torch.cuda.is_available():
-    from moeflow.kernels.fused_layer import counters_size, fused_layer, fused_layer_torch
-    from moeflow.quant import create_scheme
-
 DEV = "cuda"
-
-
-def weights(scheme, dtype, e, h, i):
-    sch = create_scheme(scheme)
-    w13 = (torch.rand(e, 2 * i, h, device=DEV) * 2 - 1) / h ** 0.5
-    w2 = (torch.rand(e, h, i, device=DEV) * 2 - 1) / i ** 0.5
-    if sch.quantized:
-        (w13, s13), (w2, s2) = sch.quantize_weight(w13), sch.quantize_weight(w2)
-        return w13, s13, w2, s2
-    return w13.to(dtype), None, w2.to(dtype), None
-
-
-def routing(t, e, k, one_expert=None):
-    score = torch.rand(t, e, device=DEV)
-    if one_expert is not None:
-        score[:, one_expert] += 2
-    ids = score.argsort(dim=1, descending=True)[:, :k]
-    return ids.to(torch.int32).contiguous(), (torch.rand(t, k, device=DEV) + 0.1).contiguous()
-
-
-def run(scheme, dtype, t, e, h, i, k, cfg, one_expert=None, repeats=1):
-    w13, s13, w2, s2 = weights(scheme, dtype, e, h, i)
-    x = torch.randn(t, h, device=DEV).to(dtype)
-    ids, w = routing(t, e, k, one_expert)
-    cfg = fit_fused(cfg, scheme)
-    sync = torch.zeros(counters_size(t, k, h, i, cfg), dtype=torch.int32, device=DEV)
-    out = fused_layer(x, ids, w, w13, s13, w2, s2, scheme, "silu", dtype, cfg, sync, poison=True)
-    for _ in range(repeats - 1):  # the same bits every launch: no race between the items
-        again = fused_layer(x, ids, w, w13, s13, w2, s2, scheme, "silu", dtype, cfg, sync, poison=True)
-        assert torch.equal(again, out), f"{scheme} {dtype} T={t}: a repeated launch differs"
-    torch.cuda.synchronize()
-    assert torch.equal(sync, torch.zeros_like(sync)), "the launch must leave its counters zero"
-    ref = fused_layer_torch(x, ids, w, w13, s13, w2, s2, scheme, "silu", dtype)
-    tight = {torch.float16: 2e-3, torch.bfloat16: 6e-3}[dtype] * (3 if scheme == "fp8-block" else 1)
-    assert_close(out, ref, tight, f"{scheme} {dtype} T={t} vs its torch reference")
-    sch = create_scheme(scheme)
-    oracle = oracle_moe(x, ids, w, sch.dequantize_weight(w13, s13), sch.dequantize_weight(w2, s2), "silu", sch, dtype)
-    assert_close(out, oracle, rel_tol(scheme, dtype), f"{scheme} {dtype} T={t} vs the float64 oracle")
+run = functools.partial(check_fused, device=DEV)
 
 
 @pytest.mark.parametrize("t", [1, 2, 7, 64])
