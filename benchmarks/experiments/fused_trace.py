@@ -1,0 +1,114 @@
+"""Timeline of one launch of the one-launch layer (kernels/fused_layer.py): per work item, when its program took
+the ticket, when a down item's wait ended, when it finished and on which SM (%globaltimer, %smid). One H200.
+
+    PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/fused_trace.py [preset:scheme:T[:prefetch] ...]
+
+The kernel is traced from a patched copy of fused_layer.py written next to it at run time (the shipped kernel has
+no trace stores); the patched copy's output is checked equal to the shipped one's. Launches are made after a
+flush of L2, 5 times; the last is reported. Writes fused_trace.json (every item) under OUT; prints per-phase
+summaries last.
+"""
+import importlib
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+CASES = ["qwen3-30b-a3b:none:1", "qwen3-30b-a3b:fp8-block:1", "deepseek-v3:fp8-block:1"]
+
+GTIME = '''
+@triton.jit
+def _gtime(x):
+    """(%globaltimer ns, %smid) of the calling program; x: any int32 scalar (inline asm needs an operand)."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+    return t, sm
+
+'''
+PATCHES = [  # (old, new), each old text must occur exactly once
+    ("@triton.jit\ndef _row_operand", GTIME + "@triton.jit\ndef _row_operand"),
+    ("    acc = tl.zeros((BLOCK_N2, 16), dtype=tl.float32)  # transposed, as gate_up's",
+     "    tw, _sm = _gtime(t)\n    acc = tl.zeros((BLOCK_N2, 16), dtype=tl.float32)  # transposed, as gate_up's"),
+    ("                tl.store(sync_ptr + 2 + cc, tl.zeros((128,), dtype=tl.int32), mask=cc < T * TOP_K)",
+     "                tl.store(sync_ptr + 2 + cc, tl.zeros((128,), dtype=tl.int32), mask=cc < T * TOP_K)\n    return tw"),
+    ("out_ptr,\n        sync_ptr, T, H, I,", "out_ptr,\n        sync_ptr, trace_ptr, T, H, I,"),
+    ("    item = tl.atomic_add(sync_ptr, 1, sem=\"relaxed\")\n",
+     "    item = tl.atomic_add(sync_ptr, 1, sem=\"relaxed\")\n    t0, sm = _gtime(item)\n    tw = t0\n"),
+    ("        _down_item(item - items1,", "        tw = _down_item(item - items1,"),
+    ("    pdl_launch(PDL)\n\n\ndef counters_size",
+     "    t1, _sm = _gtime(item)\n    tl.store(trace_ptr + item * 4, t0)\n    tl.store(trace_ptr + item * 4 + 1, tw)\n"
+     "    tl.store(trace_ptr + item * 4 + 2, t1)\n    tl.store(trace_ptr + item * 4 + 3, sm.to(tl.int64))\n"
+     "    pdl_launch(PDL)\n\n\ndef counters_size"),
+    ("                poison: bool = False) -> Tensor:", "                poison: bool = False, trace=None) -> Tensor:"),
+    ("x, topk_ids, topk_weights, w13_arg, w13, s13, w2_arg, w2, s2, inter, part1, part2, out, sync,",
+     "x, topk_ids, topk_weights, w13_arg, w13, s13, w2_arg, w2, s2, inter, part1, part2, out, sync, trace,"),
+]
+
+
+def traced_module():
+    import moeflow.kernels.fused_layer as shipped
+    src = open(shipped.__file__).read()
+    for old, new in PATCHES:
+        if src.count(old) != 1:
+            raise SystemExit(f"patch target found {src.count(old)} times: {old[:60]!r}")
+        src = src.replace(old, new)
+    path = os.path.join(os.path.dirname(shipped.__file__), "_fused_trace_tmp.py")
+    with open(path, "w") as f:
+        f.write(src)
+    return importlib.import_module("moeflow.kernels._fused_trace_tmp")
+
+
+def summary(tr, items1):
+    """tr [items, 4] int64 (start, wait end, end, sm) -> text lines (µs from the first start)."""
+    t = tr[:, :3].double()
+    t0 = t[:, 0].min()
+    t = (t - t0) / 1e3
+    g, d = t[:items1], t[items1:]
+    q = lambda v: " ".join(f"{v.quantile(p).item():6.1f}" for p in (0.0, 0.1, 0.5, 0.9, 1.0))
+    lines = [f"   gate_up {items1:4d} items: start [min p10 p50 p90 max] {q(g[:, 0])} | end {q(g[:, 2])}",
+             f"   down    {len(d):4d} items: start {q(d[:, 0])} | wait end {q(d[:, 1])} | end {q(d[:, 2])}",
+             f"   down run (end - wait end) {q(d[:, 2] - d[:, 1])}; gate_up run {q(g[:, 2] - g[:, 0])}",
+             f"   SMs used {tr[:, 3].unique().numel()}, kernel span {t[:, 2].max().item():.1f} us"]
+    return lines
+
+
+def main():
+    from bench_layer import Case
+    from moeflow.experts import create_runner
+    mod = traced_module()
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    out, text = {}, []
+    for spec in [a for a in sys.argv[1:]] or CASES:
+        preset, scheme, t, *pf = spec.split(":")
+        case = Case(preset, scheme)
+        runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
+        x, logits = case.inputs(int(t), 1)[0]
+        ids, w = case.router(logits, case.bias)
+        cfg = runner.fused_config(int(t), case.weights)
+        if pf:  # preset:scheme:T:prefetch, the table's tiles with that FusedConfig.prefetch
+            cfg = replace(cfg, prefetch=int(pf[0]))
+        ref = runner.run_fused(x, ids, w, case.weights, cfg)
+        wt = case.weights
+        items = mod.counters_size(int(t), ids.shape[1], wt.w2.shape[1], wt.w2.shape[2], cfg)  # more than enough
+        tiles1 = int(t) * ids.shape[1] * -(-wt.w2.shape[2] // cfg.block_n1)
+        n_items = tiles1 * cfg.split1 + int(t) * -(-wt.w2.shape[1] // cfg.block_n2) * cfg.split2
+        trace = torch.zeros(n_items, 4, dtype=torch.int64, device="cuda")
+        sync = torch.zeros(items, dtype=torch.int32, device="cuda")
+        for _ in range(5):
+            flush.zero_()
+            got = mod.fused_layer(x, ids.int(), w.float(), wt.w13, wt.w13_scale, wt.w2, wt.w2_scale, scheme, "silu",
+                                  torch.bfloat16, cfg, sync, trace=trace)
+        torch.cuda.synchronize()
+        same = torch.equal(got, ref)
+        tr = trace.cpu()
+        out[spec] = dict(cfg=str(cfg), items1=tiles1 * cfg.split1, equal_to_shipped=same, trace=tr.tolist())
+        text += [f"== {spec} {cfg} (output equal to shipped: {same})"] + summary(tr, tiles1 * cfg.split1)
+    json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "fused_trace.json"), "w"))
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
