@@ -1,7 +1,7 @@
 """Timeline of one launch of the one-launch layer (kernels/fused_layer.py): per work item, when its program took
 the ticket, when a down item's wait ended, when it finished and on which SM (%globaltimer, %smid). One H200.
 
-    PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/fused_trace.py [preset:scheme:T[:prefetch] ...]
+    PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/fused_trace.py [preset:scheme:T ...]
 
 The kernel is traced from a patched copy of fused_layer.py written next to it at run time (the shipped kernel has
 no trace stores); the patched copy's output is checked equal to the shipped one's. Launches are made after a
@@ -12,7 +12,6 @@ import importlib
 import json
 import os
 import sys
-from dataclasses import replace
 
 import torch
 
@@ -34,7 +33,7 @@ PATCHES = [  # (old, new), each old text must occur exactly once
      "    tw, _sm = _gtime(t)\n    acc = tl.zeros((BLOCK_N2, 16), dtype=tl.float32)  # transposed, as gate_up's"),
     ("                tl.store(sync_ptr + 2 + cc, tl.zeros((128,), dtype=tl.int32), mask=cc < T * TOP_K)",
      "                tl.store(sync_ptr + 2 + cc, tl.zeros((128,), dtype=tl.int32), mask=cc < T * TOP_K)\n    return tw"),
-    ("out_ptr,\n        sync_ptr, T, H, I,", "out_ptr,\n        sync_ptr, trace_ptr, T, H, I,"),
+    ("out_ptr, sync_ptr,\n        T, H, I,", "out_ptr, sync_ptr, trace_ptr,\n        T, H, I,"),
     ("    item = tl.atomic_add(sync_ptr, 1, sem=\"relaxed\")\n",
      "    item = tl.atomic_add(sync_ptr, 1, sem=\"relaxed\")\n    t0, sm = _gtime(item)\n    tw = t0\n"),
     ("        _down_item(item - items1,", "        tw = _down_item(item - items1,"),
@@ -43,8 +42,8 @@ PATCHES = [  # (old, new), each old text must occur exactly once
      "    tl.store(trace_ptr + item * 4 + 2, t1)\n    tl.store(trace_ptr + item * 4 + 3, sm.to(tl.int64))\n"
      "    pdl_launch(PDL)\n\n\ndef counters_size"),
     ("                poison: bool = False) -> Tensor:", "                poison: bool = False, trace=None) -> Tensor:"),
-    ("x, topk_ids, topk_weights, w13_arg, w13, s13, w2_arg, w2, s2, inter, part1, part2, out, sync,",
-     "x, topk_ids, topk_weights, w13_arg, w13, s13, w2_arg, w2, s2, inter, part1, part2, out, sync, trace,"),
+    ("x, topk_ids, topk_weights, w13_arg, s13, w2_arg, s2, inter, part1, part2, out, sync,",
+     "x, topk_ids, topk_weights, w13_arg, s13, w2_arg, s2, inter, part1, part2, out, sync, trace,"),
 ]
 
 
@@ -82,14 +81,12 @@ def main():
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     out, text = {}, []
     for spec in [a for a in sys.argv[1:]] or CASES:
-        preset, scheme, t, *pf = spec.split(":")
+        preset, scheme, t = spec.split(":")
         case = Case(preset, scheme)
         runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
         x, logits = case.inputs(int(t), 1)[0]
         ids, w = case.router(logits, case.bias)
         cfg = runner.fused_config(int(t), case.weights)
-        if pf:  # preset:scheme:T:prefetch, the table's tiles with that FusedConfig.prefetch
-            cfg = replace(cfg, prefetch=int(pf[0]))
         ref = runner.run_fused(x, ids, w, case.weights, cfg)
         wt = case.weights
         items = mod.counters_size(int(t), ids.shape[1], wt.w2.shape[1], wt.w2.shape[2], cfg)  # more than enough

@@ -115,28 +115,6 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
-def l2_prefetch(ptrs, nbytes, EVICT_LAST: tl.constexpr):
-    """Ask the L2 for nbytes [R] int32 bytes from each of ptrs [R] (any element type; one Hopper bulk prefetch,
-    cp.async.bulk.prefetch.L2, per element): a hint, nothing is loaded into registers or shared memory, so it
-    costs no pipeline stage. The start is rounded down and the size down to 16 bytes (the instruction's unit);
-    sizes <= 0 ask for nothing. EVICT_LAST: the lines are kept over normal ones (an L2 cache-hint policy).
-    sm_90 and later only, not in the interpreter: callers guard it with a constexpr."""
-    addr = ptrs.to(tl.pointer_type(tl.int8)).to(tl.int64, bitcast=True)
-    lo = addr & -16
-    size = ((addr + nbytes) - lo) & -16
-    if EVICT_LAST:
-        done = tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-            "=r,l,r", [lo, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        done = tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [lo, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    return done
-
-
-@triton.jit
 def tile_ids(num_blocks_m, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """1-D program id -> (pid_m, pid_n), GROUP_M row blocks side by side so their weight tiles
     are read while still in L2."""

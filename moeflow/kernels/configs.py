@@ -87,10 +87,6 @@ class FusedConfig:
     num_stages: int = 4
     split1: int = 1
     split2: int = 1
-    # 1: each work item first asks the L2 for its whole weight range (a down item before it waits for its copies'
-    # gate_up tiles), 2: the same with the down weights kept over other lines (evict-last); 0: no prefetch.
-    # Hopper and later (cp.async.bulk.prefetch.L2); elsewhere the kernel runs without
-    prefetch: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +180,7 @@ def fit_fused(cfg: FusedConfig, scheme: str) -> FusedConfig:
     if scheme == "fp8-block":
         bn1, bn2, bk1, bk2 = min(bn1, 128), min(bn2, 128), 128, 128
     return replace(cfg, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, num_stages=max(cfg.num_stages, 1),
-                   split1=max(cfg.split1, 1), split2=max(cfg.split2, 1), prefetch=min(max(cfg.prefetch, 0), 2))
+                   split1=max(cfg.split1, 1), split2=max(cfg.split2, 1))
 
 
 def wgmma_down_fits(cfg: GemmConfig) -> bool:

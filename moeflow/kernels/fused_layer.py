@@ -34,8 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import (QUANT_CODES, fp8_scale, gated_act, interpreting, l2_prefetch, pdl, pdl_launch, pdl_wait, to_fp8,
-                     weight_operand)
+from .common import QUANT_CODES, fp8_scale, gated_act, interpreting, pdl, pdl_launch, pdl_wait, to_fp8, weight_operand
 
 FUSED_SCHEMES = ("none", "fp8-block")  # QUANT codes 0 and 3 below; TritonRunner declares the same
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -140,11 +139,11 @@ def _inter_step(inter_ptr, ws_tile, stride_w2se, ids, wts, kk, t, st, steps, I, 
 
 
 @triton.jit
-def _gate_up_item(item, x_ptr, ids_ptr, w13, w13p, w13s_ptr, inter_ptr, part1_ptr, sync_ptr, split1_counts, T, H, I,
+def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, sync_ptr, split1_counts, T, H, I,
                   w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn,
                   TOP_K: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr,
                   BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr, W13_TMA: tl.constexpr,
-                  DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PREFETCH: tl.constexpr):
+                  DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """Gate_up work item ``item``: copy c, columns j * BLOCK_N1 .., K steps of split s (_fused_layer_kernel)."""
     tiles1 = tl.cdiv(I, BLOCK_N1)
     tile = item // SPLIT1
@@ -163,13 +162,6 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13p, w13s_ptr, inter_ptr, part1_pt
     g_row0 = (e * w13_rows + j * BLOCK_N1).to(tl.int32)  # TMA: rows past I are never stored
     steps = tl.cdiv(H, BLOCK_K1)
     per = tl.cdiv(steps, SPLIT1)
-    if PREFETCH:  # the item's whole weight range, gate rows and up rows, asked of the L2 at once
-        k_lo = s * per * BLOCK_K1
-        k_hi = tl.minimum(tl.minimum((s + 1) * per, steps) * BLOCK_K1, H)
-        nbytes = (k_hi - k_lo) * (w13p.dtype.element_ty.primitive_bitwidth // 8)
-        w_rows = w13p + e.to(tl.int64) * stride_w13e + k_lo
-        l2_prefetch(w_rows + g_rows.to(tl.int64) * stride_w13n, nbytes, False)
-        l2_prefetch(w_rows + (g_rows + I).to(tl.int64) * stride_w13n, nbytes, False)
     # the x values and scales each step needs are loaded one step ahead: Triton pipelines the weight tiles (the
     # dots' operands) but not these, which each step would otherwise wait on from L2
     x_next, gs_next, us_next = _x_step(x_row, gs_ptr, us_ptr, tl.minimum(s * per, steps - 1), H, QUANT, BLOCK_K1)
@@ -201,11 +193,11 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13p, w13s_ptr, inter_ptr, part1_pt
 
 
 @triton.jit
-def _down_item(d, ids_ptr, rw_ptr, w2, w2p, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, split2_counts, T, H,
-               I, w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out,
+def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, split2_counts, T, H, I,
+               w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out,
                TOP_K: tl.constexpr, K_POW2: tl.constexpr, QUANT: tl.constexpr, BLOCK_N1: tl.constexpr,
                BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W2_TMA: tl.constexpr,
-               DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PREFETCH: tl.constexpr):
+               DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """Down work item ``d`` (counted from the first down item): token t, columns j * BLOCK_N2 .., split s of the K
     copies' steps (k-major) (_fused_layer_kernel)."""
     tiles1 = tl.cdiv(I, BLOCK_N1)
@@ -223,14 +215,6 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2p, w2s_ptr, inter_ptr, part2_ptr, out_p
     per = tl.cdiv(TOP_K * steps, SPLIT2)
     k_lo = tl.minimum(s * per, TOP_K * steps - 1) // steps
     k_hi = tl.minimum((s + 1) * per, TOP_K * steps) - 1
-    if PREFETCH:  # the weights of the copies this split reads, asked of the L2 before waiting (they don't wait)
-        elem = w2p.dtype.element_ty.primitive_bitwidth // 8
-        for k in range(k_lo, tl.maximum(k_hi // steps + 1, k_lo)):
-            e_k = tl.sum(tl.where(kk == k, ids, 0), axis=0)
-            lo = (tl.maximum(s * per, k * steps) - k * steps) * BLOCK_K2
-            hi = tl.minimum((tl.minimum((s + 1) * per, (k + 1) * steps) - k * steps) * BLOCK_K2, I)
-            l2_prefetch(w2p + e_k.to(tl.int64) * stride_w2e + n_rows.to(tl.int64) * stride_w2n + lo, (hi - lo) * elem,
-                        PREFETCH == 2)
     for k in range(k_lo, tl.maximum(k_hi // steps + 1, k_lo)):  # the copies this split reads: each one's gate_up done
         ready = tl.atomic_add(sync_ptr + 2 + t * TOP_K + k, 0, sem="acquire")
         while ready < tiles1:
@@ -271,15 +255,14 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2p, w2s_ptr, inter_ptr, part2_ptr, out_p
 
 @triton.jit(do_not_specialize=["T"])
 def _fused_layer_kernel(
-        x_ptr, ids_ptr, rw_ptr, w13, w13p, w13s_ptr, w2, w2p, w2s_ptr, inter_ptr, part1_ptr, part2_ptr, out_ptr,
-        sync_ptr, T, H, I, w13_rows, w2_rows,
+        x_ptr, ids_ptr, rw_ptr, w13, w13s_ptr, w2, w2s_ptr, inter_ptr, part1_ptr, part2_ptr, out_ptr, sync_ptr,
+        T, H, I, w13_rows, w2_rows,
         stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn, stride_w2e, stride_w2n, stride_w2se,
         stride_w2sn, stride_out,
         TOP_K: tl.constexpr, K_POW2: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr,
         INTER_DTYPE: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr,
         BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W13_TMA: tl.constexpr,
-        W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PREFETCH: tl.constexpr = 0,
-        PDL: tl.constexpr = False):
+        W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """sync_ptr int32, zero at launch (counters_size): [0] tickets taken, [1] down tiles done, [2 + c] copy c's
     finished gate_up tiles, then (SPLIT1 > 1) one count per gate_up tile, then (SPLIT2 > 1) one per down tile.
     inter_ptr [T * K, I] scratch in the layer dtype; part1_ptr [gate_up tiles, SPLIT1, 2 * BLOCK_N1] and part2_ptr
@@ -292,23 +275,14 @@ def _fused_layer_kernel(
     split2_counts = split1_counts + (T * TOP_K * tiles1 if SPLIT1 > 1 else 0)
     item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     if item < items1:
-        _gate_up_item(item, x_ptr, ids_ptr, w13, w13p, w13s_ptr, inter_ptr, part1_ptr, sync_ptr, split1_counts, T, H,
-                      I, w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn, TOP_K, QUANT, ACT,
-                      INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, DOT_IEEE, ROUND_IN_FP32, PREFETCH)
+        _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, sync_ptr, split1_counts, T, H, I,
+                      w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn, TOP_K, QUANT, ACT,
+                      INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, DOT_IEEE, ROUND_IN_FP32)
     else:
-        _down_item(item - items1, ids_ptr, rw_ptr, w2, w2p, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr,
-                   split2_counts, T, H, I, w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out, TOP_K,
-                   K_POW2, QUANT, BLOCK_N1, BLOCK_N2, BLOCK_K2, SPLIT2, W2_TMA, DOT_IEEE, ROUND_IN_FP32, PREFETCH)
+        _down_item(item - items1, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, split2_counts,
+                   T, H, I, w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out, TOP_K, K_POW2, QUANT,
+                   BLOCK_N1, BLOCK_N2, BLOCK_K2, SPLIT2, W2_TMA, DOT_IEEE, ROUND_IN_FP32)
     pdl_launch(PDL)
-
-
-def prefetch_mode(device: torch.device, cfg) -> int:
-    """The kernel's PREFETCH: cfg.prefetch where the GPU has the bulk L2 prefetch (compute capability 9.0 or
-    later), else 0 (other GPUs, the CPU interpreter)."""
-    from .common import _cuda_properties
-    if device.type != "cuda" or interpreting() or _cuda_properties(device).major < 9:
-        return 0
-    return cfg.prefetch
 
 
 def counters_size(tokens: int, top_k: int, hidden: int, inter: int, cfg) -> int:
@@ -351,7 +325,7 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     s13 = w13_scale if w13_scale is not None else w13
     s2 = w2_scale if w2_scale is not None else w2
     _fused_layer_kernel[(tiles1 * cfg.split1 + tiles2 * cfg.split2,)](
-        x, topk_ids, topk_weights, w13_arg, w13, s13, w2_arg, w2, s2, inter, part1, part2, out, sync,
+        x, topk_ids, topk_weights, w13_arg, s13, w2_arg, s2, inter, part1, part2, out, sync,
         t, h, i, w13_rows, w2_rows,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if q else 0, s13.stride(1) if q else 0,
         w2.stride(0), w2.stride(1), s2.stride(0) if q else 0, s2.stride(1) if q else 0, out.stride(0),
@@ -359,7 +333,6 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         INTER_DTYPE=_TL_DTYPE[dtype], BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1,
         BLOCK_N2=cfg.block_n2, BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=w13_arg is not w13,
         W2_TMA=w2_arg is not w2, DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=interpreting(),
-        PREFETCH=prefetch_mode(x.device, cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device, early_start=False))
     return out
 
