@@ -1,10 +1,10 @@
 """Timeline of one launch of the one-launch layer (kernels/fused_layer.py): per work item, when its program took
 the ticket, when a down item's wait ended, when it finished and on which SM (%globaltimer, %smid). One H200.
 
-    PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/fused_trace.py [preset:scheme:T ...]
+    PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/fused_trace.py [preset:scheme:T[:field=value,...] ...]
 
 The kernel is traced from a patched copy of fused_layer.py written next to it at run time (the shipped kernel has
-no trace stores); the patched copy's output is checked equal to the shipped one's. Launches are made after a
+no trace stores); the patched copy's output is checked equal to the runner's one launch with the same tiles. Launches are made after a
 flush of L2, 5 times; the last is reported. Writes fused_trace.json (every item) under OUT; prints per-phase
 summaries last.
 """
@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -47,17 +48,36 @@ PATCHES = [  # (old, new), each old text must occur exactly once
 ]
 
 
-def traced_module():
+def traced_module(extra=(), name="trace"):
+    """fused_layer.py with the trace PATCHES and ``extra`` (old, new) pairs applied, written beside it as
+    _fused_<name>_tmp.py (Triton reads a kernel's source from its file) and imported."""
     import moeflow.kernels.fused_layer as shipped
     src = open(shipped.__file__).read()
-    for old, new in PATCHES:
+    for old, new in [*PATCHES, *extra]:
         if src.count(old) != 1:
             raise SystemExit(f"patch target found {src.count(old)} times: {old[:60]!r}")
         src = src.replace(old, new)
-    path = os.path.join(os.path.dirname(shipped.__file__), "_fused_trace_tmp.py")
+    path = os.path.join(os.path.dirname(shipped.__file__), f"_fused_{name}_tmp.py")
     with open(path, "w") as f:
         f.write(src)
-    return importlib.import_module("moeflow.kernels._fused_trace_tmp")
+    return importlib.import_module(f"moeflow.kernels._fused_{name}_tmp")
+
+
+def traced_launch(mod, runner, case, x, ids, w, cfg, flush, repeats=5):
+    """-> (output of the last of ``repeats`` launches of mod.fused_layer, each after an L2 flush, its trace
+    [items, 4] int64 on the CPU, the number of gate_up items)."""
+    wt = case.weights
+    t, k = ids.shape
+    tiles1 = t * k * -(-wt.w2.shape[2] // cfg.block_n1)
+    n_items = tiles1 * cfg.split1 + t * -(-wt.w2.shape[1] // cfg.block_n2) * cfg.split2
+    trace = torch.zeros(n_items, 4, dtype=torch.int64, device="cuda")
+    sync = torch.zeros(mod.counters_size(t, k, wt.w2.shape[1], wt.w2.shape[2], cfg), dtype=torch.int32, device="cuda")
+    for _ in range(repeats):
+        flush.zero_()
+        got = mod.fused_layer(x, ids.int(), w.float(), wt.w13, wt.w13_scale, wt.w2, wt.w2_scale, case.scheme.name,
+                              case.cfg.activation, torch.bfloat16, cfg, sync, trace=trace)
+    torch.cuda.synchronize()
+    return got, trace.cpu(), tiles1 * cfg.split1
 
 
 def summary(tr, items1):
@@ -81,28 +101,19 @@ def main():
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     out, text = {}, []
     for spec in [a for a in sys.argv[1:]] or CASES:
-        preset, scheme, t = spec.split(":")
+        preset, scheme, t, *over = spec.split(":")
         case = Case(preset, scheme)
         runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
         x, logits = case.inputs(int(t), 1)[0]
         ids, w = case.router(logits, case.bias)
         cfg = runner.fused_config(int(t), case.weights)
+        if over:  # preset:scheme:T:field=value,...: the table's FusedConfig with those fields replaced
+            cfg = replace(cfg, **{k: int(v) for k, v in (f.split("=") for f in over[0].split(","))})
         ref = runner.run_fused(x, ids, w, case.weights, cfg)
-        wt = case.weights
-        items = mod.counters_size(int(t), ids.shape[1], wt.w2.shape[1], wt.w2.shape[2], cfg)  # more than enough
-        tiles1 = int(t) * ids.shape[1] * -(-wt.w2.shape[2] // cfg.block_n1)
-        n_items = tiles1 * cfg.split1 + int(t) * -(-wt.w2.shape[1] // cfg.block_n2) * cfg.split2
-        trace = torch.zeros(n_items, 4, dtype=torch.int64, device="cuda")
-        sync = torch.zeros(items, dtype=torch.int32, device="cuda")
-        for _ in range(5):
-            flush.zero_()
-            got = mod.fused_layer(x, ids.int(), w.float(), wt.w13, wt.w13_scale, wt.w2, wt.w2_scale, scheme, "silu",
-                                  torch.bfloat16, cfg, sync, trace=trace)
-        torch.cuda.synchronize()
+        got, tr, items1 = traced_launch(mod, runner, case, x, ids, w, cfg, flush)
         same = torch.equal(got, ref)
-        tr = trace.cpu()
-        out[spec] = dict(cfg=str(cfg), items1=tiles1 * cfg.split1, equal_to_shipped=same, trace=tr.tolist())
-        text += [f"== {spec} {cfg} (output equal to shipped: {same})"] + summary(tr, tiles1 * cfg.split1)
+        out[spec] = dict(cfg=str(cfg), items1=items1, equal_to_shipped=same, trace=tr.tolist())
+        text += [f"== {spec} {cfg} (output equal to shipped: {same})"] + summary(tr, items1)
     json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "fused_trace.json"), "w"))
     print("\n".join(text))
 
