@@ -8,6 +8,9 @@ Per preset, scheme (none = bf16, fp8-channel, fp8-block), runner and T:
     layer_graph_us  the same whole layer captured once as a CUDA graph and replayed (do_bench, L2
                 flushed): PERF.md's method; the headline figure (runners whose call syncs the host
                 cannot be captured: then "-" and the eager time counts)
+    layer_clean_us  the same graph, median of 100 replays, each after a 1 GiB read instead of do_bench's
+                256 MB zeroing: the L2 holds clean lines, so the layer writes back nobody's dirty data
+                (do_bench's flush costs a row 3-9 µs of write-back: benchmarks/results/t1_bounds_*.md)
     experts_us  the runner alone on a ready batch;  graph_us: the same replayed as a CUDA graph (T <= 128); both
                 the separate launches (a batch the one-launch small-batch layer takes has no such stage)
     tflops, gbs, roof_pct  FLOPs and bytes (experts actually hit x 3HI weights + activations in/out)
@@ -46,7 +49,8 @@ ANCHORS = {("qwen3-30b-a3b", 1): (35, 27), ("qwen3-30b-a3b", 128): (300, 169), (
            ("deepseek-v3", 4096): (10239, 5741), ("deepseek-v3", 16384): (22764, 15453),
            ("mixtral-8x7b", 1): (188, 144), ("mixtral-8x7b", 128): (677, 376), ("mixtral-8x7b", 4096): (5088, 3325),
            ("mixtral-8x7b", 16384): (18283, 12092)}
-FIELDS = ["preset", "scheme", "runner", "T", "layer_us", "layer_graph_us", "experts_us", "graph_us", "tflops", "gbs",
+FIELDS = ["preset", "scheme", "runner", "T", "layer_us", "layer_graph_us", "layer_clean_us", "experts_us", "graph_us",
+          "tflops", "gbs",
           "roof_pct", "floor_us", "experts_hit", "rel_err", "anchor_us", "note"]
 
 
@@ -70,6 +74,28 @@ def ceilings() -> dict:
 
 def graph_us(fn):
     return bench(capture_graph(fn, warmups=2).replay)
+
+
+_CLEAN = []  # the 1 GiB buffer clean_graph_us reads, made once
+
+
+def clean_graph_us(fn, reps: int = 100) -> float:
+    """fn captured as a CUDA graph; median µs of ``reps`` replays, each after reading 1 GiB (the L2 then holds
+    clean lines: unlike do_bench's zeroing, nothing is left for the timed replay to write back)."""
+    if not _CLEAN:
+        _CLEAN.append(torch.ones(1 << 27, dtype=torch.int64, device="cuda"))
+    graph = capture_graph(fn, warmups=2)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for _ in range(3):
+        _CLEAN[0].amax()
+        graph.replay()
+    for a, b in ev:
+        _CLEAN[0].amax()
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
 
 
 class Case:
@@ -121,16 +147,18 @@ def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
     err = rel(case.layer(runner, *ins[0]))
     try:
         layer_graph_us = graph_us(lambda: case.layer(runner, *ins[0]))
+        layer_clean_us = clean_graph_us(lambda: case.layer(runner, *ins[0]))
     except RuntimeError:  # the runner synchronizes with the host: not capturable
         torch.cuda.synchronize()
-        layer_graph_us = None
+        layer_graph_us = layer_clean_us = None
     best_us = layer_graph_us or layer_us
     hit = int(case.router(ins[0][1], case.bias)[0].unique().numel())
     fp8 = c.quant != "none"
     flops, nbytes = layer_flops(c, t), layer_bytes(c, t, hit)
     floor_s = roofline_seconds(c, t, Ceilings(**ceil), hit)
     anchor = ANCHORS.get((case.preset, t))
-    return dict(runner=name, T=t, layer_us=layer_us, layer_graph_us=layer_graph_us, experts_us=experts_us,
+    return dict(runner=name, T=t, layer_us=layer_us, layer_graph_us=layer_graph_us, layer_clean_us=layer_clean_us,
+                experts_us=experts_us,
                 graph_us=g_us, tflops=flops / best_us / 1e6, gbs=nbytes / best_us / 1e3,
                 roof_pct=100 * floor_s * 1e6 / best_us,
                 floor_us=floor_s * 1e6, experts_hit=hit, rel_err=err, anchor_us=anchor and anchor[1 if fp8 else 0])
@@ -208,9 +236,11 @@ def _fmt(r) -> str:
         return f"{r['preset']:>14} {r['scheme']:>11} {r['runner']:>10} T={r['T']:>5}  {r.get('note')}"
     g = f"{r['graph_us']:8.1f}" if r.get("graph_us") else "       -"
     f = f"{r['layer_graph_us']:9.1f}" if r.get("layer_graph_us") else "        -"
+    c = f"{r['layer_clean_us']:9.1f}" if r.get("layer_clean_us") else "        -"
     a = f"{r['anchor_us']:>6}" if r.get("anchor_us") else "     -"
     return (f"{r['preset']:>14} {r['scheme']:>11} {r['runner']:>10} T={r['T']:>5} layer {r['layer_us']:9.1f}us "
-            f"layer-graph {f} experts {r['experts_us']:9.1f} graph {g} {r['tflops']:7.1f}TF {r['gbs']:7.0f}GB/s "
+            f"layer-graph {f} clean {c} experts {r['experts_us']:9.1f} graph {g} {r['tflops']:7.1f}TF "
+            f"{r['gbs']:7.0f}GB/s "
             f"roof {r['roof_pct']:5.1f}% anchor {a} err {r['rel_err']:.1e}")
 
 
