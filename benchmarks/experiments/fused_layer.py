@@ -14,53 +14,25 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-# (BLOCK_N1, BLOCK_N2, stages, SPLIT1, SPLIT2), BLOCK_K 128: tiles of 64 rows or more run wgmma; SPLIT2 a multiple
-# of top-k: each down program reads one copy (or part of one), so it waits for that copy's gate_up tiles only
-FP8 = [(64, 64, 4, 1, 8), (64, 64, 4, 2, 8), (128, 128, 3, 2, 8), (64, 128, 4, 1, 8), (64, 64, 4, 4, 8),
-       (128, 64, 3, 2, 8), (64, 64, 4, 2, 4), (128, 128, 3, 2, 4), (64, 64, 6, 2, 16), (128, 128, 3, 1, 16)]
-# (BN1, BK1, BN2, BK2, stages, SPLIT1, SPLIT2)
-BF16 = [(64, 128, 64, 128, 3, 2, 8), (64, 128, 64, 128, 3, 1, 8), (64, 64, 64, 64, 4, 2, 8), (64, 128, 128, 128, 3, 2, 8),
-        (128, 64, 64, 64, 4, 2, 8), (64, 128, 64, 128, 3, 2, 4), (64, 64, 64, 64, 4, 4, 8), (64, 128, 64, 128, 3, 2, 16),
-        (64, 128, 128, 64, 4, 1, 16), (64, 64, 64, 64, 6, 2, 8)]
 
 
-def candidates(scheme):
-    from moeflow.kernels.configs import FusedConfig, fit_fused
-    if scheme == "fp8-block":
-        return [fit_fused(FusedConfig(n1, 128, n2, 128, 4, s, s1, s2), scheme) for n1, n2, s, s1, s2 in FP8]
-    return [fit_fused(FusedConfig(n1, k1, n2, k2, 4, s, s1, s2), scheme) for n1, k1, n2, k2, s, s1, s2 in BF16]
-
-
-def _compile(jobs):
-    """Worker: one launch of each (preset, scheme, FusedConfig) on expanded weights (Triton's disk cache)."""
-    from moeflow.kernels.autotune import Shape, expanded_weights
-    from moeflow.kernels.fused_layer import counters_size, fused_layer
+def _shape(preset, scheme):
+    from moeflow.kernels.autotune import Shape
     from moeflow.presets import PRESETS
-    for preset, scheme, cfg in jobs:
-        p = PRESETS[preset]
-        shape = Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], scheme)
-        w = expanded_weights(shape, "cuda")
-        x = torch.randn(1, shape.hidden, device="cuda", dtype=torch.bfloat16)
-        ids = torch.arange(shape.top_k, device="cuda", dtype=torch.int32)[None]
-        rw = torch.rand(1, shape.top_k, device="cuda")
-        sync = torch.zeros(counters_size(1, shape.top_k, shape.hidden, shape.inter, cfg), dtype=torch.int32,
-                           device="cuda")
-        fused_layer(x, ids, rw, w.w13, w.w13_scale, w.w2, w.w2_scale, scheme, "silu", torch.bfloat16, cfg, sync)
-    torch.cuda.synchronize()
-    return len(jobs)
+    p = PRESETS[preset]
+    return Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], scheme)
 
 
 def main():
-    import multiprocessing as mp
     from bench_layer import Case, ceilings, graph_us
     from moeflow.benchmark import Ceilings, roofline_seconds
     from moeflow.experts import create_runner
+    from moeflow.kernels.autotune import fused_candidates, precompile
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,2,4,8,16")
     p.add_argument("presets", nargs="*", default=["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"])
@@ -68,9 +40,9 @@ def main():
     tokens = [int(t) for t in args.tokens.split(",")]
     out_dir = os.environ.get("OUT", ".")
     start = time.time()
-    jobs = [(pr, s, c) for pr in args.presets for s in ("none", "fp8-block") for c in candidates(s)]
-    with ProcessPoolExecutor(12, mp_context=mp.get_context("spawn")) as pool:
-        list(pool.map(_compile, [jobs[i::12] for i in range(12)]))
+    shapes = [_shape(pr, s) for pr in args.presets for s in ("none", "fp8-block")]
+    jobs = {(sh, c, True) for sh in shapes for t in tokens for c in fused_candidates(sh, t)}
+    precompile(list(jobs))
     print(f"compiled {len(jobs)} in {time.time() - start:.0f}s", file=sys.stderr, flush=True)
     ceil = ceilings()
     rows = []
@@ -86,7 +58,7 @@ def main():
                 floor = roofline_seconds(case.cfg, t, Ceilings(**ceil), hit) * 1e6
                 base = graph_us(lambda: case.layer(runner, *ins[0]))
                 res = []
-                for cfg in candidates(scheme):
+                for cfg in fused_candidates(case.shape, t):
                     runner._fitted[("fused", t, e)] = cfg
                     err = ((case.layer(runner, *ins[0]).double() - want.double()).norm() / want.double().norm()).item()
                     res.append((graph_us(lambda: case.layer(runner, *ins[0])), err, cfg))

@@ -5,6 +5,11 @@ file the "triton" runner looks up (moeflow/kernels/configs.py names and reads it
     moeflow tune --preset deepseek-v3 --quant fp8-block --tokens 4096,16384 --merge --out ./configs
                                           # re-tune two token counts of an existing file, keep the rest
     MOEFLOW_KERNEL_CONFIG_DIR=./configs python app.py      # the runner finds the file there
+
+Per token count: the gate_up and down GEMM configs; for a single-process layer (every expert local) of a scheme
+the one-launch layer runs (none, fp8-block) at T <= 16 also its tiles (kernels/fused_layer.py), recorded only where
+the whole layer after routing measured faster in one launch than in the separate launches (--no-fused: not
+searched).
 """
 from __future__ import annotations
 
@@ -29,7 +34,11 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="directory to write into (default: $MOEFLOW_KERNEL_CONFIG_DIR, else .)")
     p.add_argument("--rep-ms", type=float, default=15.0, help="timing budget per candidate, ms (replays of its CUDA graph)")
     p.add_argument("--merge", action="store_true",
-                   help="keep the entries an existing file in --out has for the token counts not tuned now")
+                   help="keep the entries an existing file in --out has for the token counts not tuned now, and "
+                        "a re-tuned entry's one-launch tiles where this run does not search them")
+    p.add_argument("--no-fused", action="store_true",
+                   help="do not search the one-launch small-batch layer's tiles (kernels/fused_layer.py; by default "
+                        "searched for a single-process layer, scheme none or fp8-block, T <= 16)")
     p.set_defaults(func=run)
 
 
@@ -44,7 +53,7 @@ def run(args) -> int:
     import triton
 
     from ..kernels import configs as kc
-    from ..kernels.autotune import Shape, tune
+    from ..kernels.autotune import Shape, fused_searched, tune
 
     cfg = config_from_args(args, device="cuda")
     e = args.local_experts or cfg.num_experts
@@ -60,14 +69,16 @@ def run(args) -> int:
                 dtype=str(cfg.dtype).removeprefix("torch."), top_k=cfg.top_k, triton_version=triton.__version__,
                 torch_version=torch.__version__, gate_up_rows="by index" if indexed else "in order")
     kept, kept_us = kc.read_table(path) if args.merge and path.is_file() else ({}, {})
+    searched = set() if args.no_fused else {t for t in tokens if fused_searched(shape, t, indexed)}
 
     def save(table, measured):  # after every T, so a stopped search keeps what it found
-        # the one-launch layer's tiles are not searched here (benchmarks/experiments/fused_layer.py measures them):
-        # an entry re-tuned with --merge keeps the ones it had
-        carried = {t: replace(c, fused=kept[t].fused) if t in kept and c.fused is None else c for t, c in table.items()}
+        # an entry re-tuned with --merge keeps its one-launch tiles where this run did not search them (--no-fused,
+        # or a T, scheme or layer tune does not search); where it did, the search's answer stands, None included
+        carried = {t: replace(c, fused=kept[t].fused) if t in kept and t not in searched else c
+                   for t, c in table.items()}
         kc.write_table(path, meta, {**kept, **carried}, {**kept_us, **measured})
 
     tune(shape, tokens, rep_ms=args.rep_ms, log=lambda s: print(s, file=sys.stderr), on_result=save,
-         indexed_rows=indexed)
+         indexed_rows=indexed, fused=not args.no_fused)
     print(path)
     return 0

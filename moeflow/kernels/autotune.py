@@ -11,6 +11,11 @@ as the layer runs them: from a graph, weights cold (the batches route to differe
 small T no expert's weights stay in L2 from the launch before). Host-side launch time is not in it;
 with a plain event-timed launch it was: at T=1 it measured 46-93 us against the 10-22 us the
 kernels take inside the layer's graph, so decode configs were picked on noise.
+Small single-process batches (T <= FUSED_TUNE_MAX_TOKENS, rows by index, a scheme kernels/fused_layer.py
+runs): then the whole layer after routing is timed both ways on the same routings, from a graph as above, as
+layer.routed_experts runs it: the separate launches (the local dispatcher's sort, the runner with the chosen
+gate_up and down, the top-k sum) and each one-launch tile set (``fused_candidates``); the entry gets the fastest
+tile set only where it beat the separate launches (``pick_fused``).
 Candidates are compiled first in parallel worker processes (Triton's on-disk cache is shared),
 so compilation does not serialize the search.
 """
@@ -25,7 +30,7 @@ import torch
 
 from ..layouts import SORTED, ExpertBatch
 from ..quant import FP8_DTYPE, create_scheme
-from .configs import GemmConfig, MoEKernelConfig, fit
+from .configs import FusedConfig, GemmConfig, MoEKernelConfig, fit, fit_fused
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,60 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
     return fitted(gu, True, shape.inter), fitted(dn, False, shape.hidden)
 
 
+# the one launch lost at T >= 8 on every H200 preset (benchmarks/results/fused_layer_2026-12-01_h200.md: each copy
+# reads its expert's weights, T tokens over few experts up to T * K / experts hit times): larger T is not searched
+FUSED_TUNE_MAX_TOKENS = 16
+# fp8-block (BLOCK_N1, BLOCK_N2, stages, SPLIT1, SPLIT2), BLOCK_K 128: tiles of 64 rows or more run wgmma; SPLIT2 a
+# multiple of top-k: each down program reads one copy (or part of one), so it waits for that copy's gate_up tiles only
+FUSED_FP8 = [(64, 64, 4, 1, 8), (64, 64, 4, 2, 8), (128, 128, 3, 2, 8), (64, 128, 4, 1, 8), (64, 64, 4, 4, 8),
+             (128, 64, 3, 2, 8), (64, 64, 4, 2, 4), (128, 128, 3, 2, 4), (64, 64, 6, 2, 16), (128, 128, 3, 1, 16)]
+# scheme none, 2-byte layers (BN1, BK1, BN2, BK2, stages, SPLIT1, SPLIT2)
+FUSED_BF16 = [(64, 128, 64, 128, 3, 2, 8), (64, 128, 64, 128, 3, 1, 8), (64, 64, 64, 64, 4, 2, 8),
+              (64, 128, 128, 128, 3, 2, 8), (128, 64, 64, 64, 4, 2, 8), (64, 128, 64, 128, 3, 2, 4),
+              (64, 64, 64, 64, 4, 4, 8), (64, 128, 64, 128, 3, 2, 16), (64, 128, 128, 64, 4, 1, 16),
+              (64, 64, 64, 64, 6, 2, 8)]
+
+
+def fused_candidates(shape: Shape, tokens: int) -> list[FusedConfig]:
+    """One-launch tile sets (kernels/fused_layer.py) for T = tokens, fitted (configs.fit_fused) and deduplicated;
+    [] where the runner never runs the one launch: a scheme outside fused_layer.FUSED_SCHEMES, T outside
+    1 .. FUSED_MAX_TOKENS, or a float32 layer (the tiles were sized for 2-byte weights: a stage of 64 x 128 gate
+    and up tiles is 64 KB in float32, and fit_fused does not fit stages to shared memory)."""
+    from ..experts.triton import FUSED_MAX_TOKENS
+    from .fused_layer import FUSED_SCHEMES
+    if shape.scheme not in FUSED_SCHEMES or not 0 < tokens <= FUSED_MAX_TOKENS:
+        return []
+    if shape.scheme == "fp8-block":
+        tiles = [dict(block_n1=n1, block_k1=128, block_n2=n2, block_k2=128, num_stages=s, split1=s1, split2=s2)
+                 for n1, n2, s, s1, s2 in FUSED_FP8]
+    elif shape.dtype.itemsize == 2:
+        tiles = [dict(block_n1=n1, block_k1=k1, block_n2=n2, block_k2=k2, num_stages=s, split1=s1, split2=s2)
+                 for n1, k1, n2, k2, s, s1, s2 in FUSED_BF16]
+    else:
+        return []
+    out = []
+    for t in tiles:
+        f = fit_fused(FusedConfig(num_warps=4, **t), shape.scheme)
+        if f not in out:
+            out.append(f)
+    return out
+
+
+def fused_searched(shape: Shape, tokens: int, indexed_rows: bool) -> bool:
+    """Whether tune() times the one launch at T = tokens: a single-process layer (indexed_rows: expert
+    parallelism always runs the separate launches), T <= FUSED_TUNE_MAX_TOKENS, and tile sets that run it."""
+    return indexed_rows and tokens <= FUSED_TUNE_MAX_TOKENS and bool(fused_candidates(shape, tokens))
+
+
+def pick_fused(separate_ms: float, timed: list[tuple[FusedConfig, float]]) -> FusedConfig | None:
+    """The fastest of ``timed`` [(tile set, ms)] if it is faster than ``separate_ms`` (the separate launches on the
+    same routings), else None (a tie keeps the separate launches)."""
+    if not timed:
+        return None
+    best, ms = min(timed, key=lambda c: c[1])
+    return best if ms < separate_ms else None
+
+
 def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8):
     """ExpertWeights of random values (uniform ±1/sqrt(fan_in), as MoE.reset_parameters), quantized
     by the scheme a few experts at a time (whole-tensor FP8 quantization of DeepSeek-V3's
@@ -129,27 +188,41 @@ def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8):
     return ExpertWeights(out[0], out[2], out[1], out[3])
 
 
-def random_batch(shape: Shape, tokens: int, device, seed: int = 0, indexed: bool = False) -> ExpertBatch:
-    """A sorted batch of tokens * top_k copies, uniform random distinct experts per token; indexed: its rows
-    given by index (hidden the T tokens, source_rows [T * top_k], copy_rows [T, top_k]), as the local
-    dispatcher hands them."""
+def random_routing(shape: Shape, tokens: int, device, seed: int = 0):
+    """-> (x [T, H] shape.dtype, topk_ids [T, top_k] int32: distinct experts, uniform at random, topk_weights
+    [T, top_k] float32 uniform in [0, 1)), as a router hands them to the layer."""
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.rand(tokens, shape.num_experts, generator=gen, device=device).topk(shape.top_k, dim=1).indices
     x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(shape.dtype)
     w = torch.rand(tokens, shape.top_k, generator=gen, device=device)
+    return x, ids.to(torch.int32), w
+
+
+def sorted_batch(shape: Shape, x, topk_ids, topk_weights, indexed: bool = False) -> ExpertBatch:
+    """The sorted batch of a routing's T * top_k copies (x [T, H], topk_ids [T, top_k], topk_weights [T, top_k]);
+    indexed: its rows given by index (hidden the T tokens, source_rows [T * top_k], copy_rows [T, top_k]), as the
+    local dispatcher hands them."""
     from ..dispatch.expert_sort import sort_by_expert_torch  # the local dispatcher's sort, in torch
-    offsets, counts, copy_rows, source, sorted_w = sort_by_expert_torch(ids, w, shape.num_experts)
+    offsets, counts, copy_rows, source, sorted_w = sort_by_expert_torch(topk_ids, topk_weights, shape.num_experts)
     if indexed:
         return ExpertBatch(SORTED, x, sorted_w, counts, offsets, source_rows=source, copy_rows=copy_rows)
     return ExpertBatch(SORTED, x[source], sorted_w, counts, offsets)
 
 
-def _runner(shape: Shape):
+def random_batch(shape: Shape, tokens: int, device, seed: int = 0, indexed: bool = False) -> ExpertBatch:
+    """sorted_batch of random_routing(shape, tokens, device, seed)."""
+    return sorted_batch(shape, *random_routing(shape, tokens, device, seed), indexed=indexed)
+
+
+def _layer_parts(shape: Shape):
+    """-> (the local dispatcher handing rows by index, the triton runner) of a single-process layer of this shape."""
     from ..config import MoEConfig
+    from ..dispatch import create_dispatcher
     from ..experts.triton import TritonRunner
     cfg = MoEConfig(num_experts=shape.num_experts, hidden_size=shape.hidden, intermediate_size=shape.inter,
                     top_k=shape.top_k, quant=shape.scheme, dtype=shape.dtype)
-    return TritonRunner(cfg, create_scheme(shape.scheme))
+    scheme = create_scheme(shape.scheme)
+    return create_dispatcher("local", cfg, scheme, indexed_rows=True), TritonRunner(cfg, scheme)
 
 
 def expanded_weights(shape: Shape, device):
@@ -162,22 +235,28 @@ def expanded_weights(shape: Shape, device):
                            for t in (one.w13, one.w2, one.w13_scale, one.w2_scale)))
 
 
-def _compile_job(jobs: list[tuple[Shape, MoEKernelConfig, bool]]) -> int:
-    """Worker: run each (shape, config pair, rows by index) once on a 1-token batch routed to expert 0."""
+def _compile_job(jobs: list[tuple[Shape, MoEKernelConfig | FusedConfig, bool]]) -> int:
+    """Worker: run each (shape, configs, rows by index) once on a 1-token batch: a MoEKernelConfig's GEMMs with
+    every copy routed to expert 0, a FusedConfig's one launch (rows by index always) on a random routing."""
     dev = torch.device("cuda")
-    for shape, pair, indexed in jobs:
+    for shape, cfg, indexed in jobs:
         w = expanded_weights(shape, dev)
+        runner = _layer_parts(shape)[1]
+        if isinstance(cfg, FusedConfig):
+            x, ids, rw = random_routing(shape, 1, dev)
+            runner.run_fused(x, ids, rw, w, cfg)
+            continue
         batch = random_batch(shape, 1, dev, indexed=indexed)
         batch.offsets = torch.zeros_like(batch.offsets)
         batch.offsets[1:] = batch.weights.numel()  # every copy to expert 0, the only real one
-        _runner(shape).run_with(batch, w, pair)
+        runner.run_with(batch, w, cfg)
     torch.cuda.synchronize()
     return len(jobs)
 
 
-def precompile(jobs: list[tuple[Shape, MoEKernelConfig, bool]], workers: int | None = None) -> None:
-    """Compile the kernels of every (shape, config pair, rows by index) in worker processes (fills Triton's
-    on-disk cache, which the timing process then reads)."""
+def precompile(jobs: list[tuple[Shape, MoEKernelConfig | FusedConfig, bool]], workers: int | None = None) -> None:
+    """Compile the kernels of every (shape, configs, rows by index) in worker processes (fills Triton's on-disk
+    cache, which the timing process then reads): a MoEKernelConfig's two GEMMs, a FusedConfig's one launch."""
     import multiprocessing as mp
     jobs = sorted(set(jobs), key=str)
     if not jobs:
@@ -232,11 +311,28 @@ def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int =
     return times[n // 2] / len(calls)
 
 
+def layer_times(parts, weights, routings, pair: MoEKernelConfig, fused: list[FusedConfig], rep_ms: float):
+    """The layer after routing, each way a single-process layer runs it (layer.routed_experts), timed on the same
+    routings [(x [T, H], topk_ids [T, K] int32, topk_weights [T, K] float32)] -> (ms of the separate launches: the
+    local dispatcher's sort, the runner's GEMMs with ``pair``, the top-k sum; [(tile set, ms of its one launch)]
+    for each of ``fused``). parts: _layer_parts(shape), made once (the runner's fused counters with it)."""
+    dispatcher, runner = parts
+
+    def separate(x, ids, w):
+        batch, handle = dispatcher.dispatch(x, ids, w)
+        return dispatcher.combine(runner.run_with(batch, weights, pair), handle)
+
+    sep = graph_time_ms([lambda r=r: separate(*r) for r in routings], rep_ms)
+    return sep, [(f, graph_time_ms([lambda f=f, r=r: runner.run_fused(*r, weights, f) for r in routings], rep_ms))
+                 for f in fused]
+
+
 def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, on_result=None,
-         indexed_rows: bool = False):
-    """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us}}) for the current GPU (module docstring).
-    on_result(table, measured) is called after each T (so a stopped search keeps what it found).
-    indexed_rows: gate_up reads its rows by index (a single-process layer), else in order."""
+         indexed_rows: bool = False, fused: bool = True):
+    """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us[, "layer_separate": us, "layer_fused": us]}}) for
+    the current GPU (module docstring). on_result(table, measured) is called after each T (so a stopped search
+    keeps what it found). indexed_rows: gate_up reads its rows by index (a single-process layer), else in order.
+    fused: also time the one-launch layer where fused_searched (the two layer figures are measured there only)."""
     from .common import RowLayout
     from .gate_up import gate_up
     from .quant import down_input, quantize_activation, quantize_rows
@@ -244,16 +340,21 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
     dev = torch.device("cuda")
     weights = random_weights(shape, dev)
     plans = {t: candidates(shape, t) for t in token_counts}
+    fused_plans = {t: fused_candidates(shape, t) if fused and fused_searched(shape, t, indexed_rows) else []
+                   for t in token_counts}
     pairs = set()  # every candidate of either GEMM appears in at least one pair
     for gu, dn in plans.values():
         for j in range(max(len(gu), len(dn))):
             pairs.add(MoEKernelConfig(gu[min(j, len(gu) - 1)], dn[min(j, len(dn) - 1)]))
-    precompile([(shape, p, indexed_rows) for p in pairs])
+    tile_sets = {f for fs in fused_plans.values() for f in fs}
+    precompile([(shape, p, indexed_rows) for p in pairs] + [(shape, f, True) for f in tile_sets])
+    parts = _layer_parts(shape)
     table, measured = {}, {}
     for t in token_counts:
+        routings = [random_routing(shape, t, dev, seed=t * 1000 + b) for b in range(batches_for(t))]
         inputs = []  # per batch: (batch, layout, x, x scale)
-        for b in range(batches_for(t)):
-            batch = random_batch(shape, t, dev, seed=t * 1000 + b, indexed=indexed_rows)
+        for r in routings:
+            batch = sorted_batch(shape, *r, indexed=indexed_rows)
             layout = RowLayout.of(batch)
             if shape.scheme == "none":
                 xq, xs = batch.hidden, None
@@ -284,7 +385,16 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
         best_dn = dn_c[min(range(len(dn_c)), key=dn_t.__getitem__)]
         table[t] = MoEKernelConfig(best_gu, best_dn)
         measured[str(t)] = {"gate_up": round(min(gu_t) * 1e3, 2), "down": round(min(dn_t) * 1e3, 2)}
-        log(f"  T={t:>6}: gate_up {min(gu_t) * 1e3:9.1f} us {best_gu}  down {min(dn_t) * 1e3:9.1f} us {best_dn}")
+        line = f"  T={t:>6}: gate_up {min(gu_t) * 1e3:9.1f} us {best_gu}  down {min(dn_t) * 1e3:9.1f} us {best_dn}"
+        if fused_plans[t]:
+            sep, timed = layer_times(parts, weights, routings, table[t], fused_plans[t], rep_ms)
+            best = pick_fused(sep, timed)
+            table[t] = MoEKernelConfig(best_gu, best_dn, fused=best)
+            fz = min(ms for _, ms in timed)
+            measured[str(t)].update(layer_separate=round(sep * 1e3, 2), layer_fused=round(fz * 1e3, 2))
+            line += (f"  layer: separate {sep * 1e3:.1f} us, fused {fz * 1e3:.1f} us -> "
+                     f"{'separate' if best is None else best}")
+        log(line)
         if on_result:
             on_result(table, measured)
     return table, measured

@@ -394,7 +394,26 @@ def test_tune_small_shape_on_gpu():
     shape = Shape(8, 256, 128, 2, "fp8-block")
     table, measured = tune(shape, [1, 300], rep_ms=2, log=lambda s: None)
     assert set(table) == {1, 300} and all(v["gate_up"] > 0 and v["down"] > 0 for v in measured.values())
+    assert all(c.fused is None for c in table.values())  # rows in order (expert parallelism): never searched
     cycles = 2_000_000  # ~1 ms at H200's ~2 GHz; the measurement must be per call, not per graph
     per_call = graph_time_ms([lambda: torch.cuda._sleep(cycles)] * 3, rep_ms=5)
     whole = graph_time_ms([lambda: torch.cuda._sleep(3 * cycles)], rep_ms=5)
     assert 0.25 < per_call / whole < 0.42, (per_call, whole)
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+def test_tune_searches_one_launch_tiles_on_gpu(scheme):
+    """A single-process shape (rows by index): at T <= FUSED_TUNE_MAX_TOKENS tune times the whole layer after
+    routing both ways and records fused tiles exactly where the one launch measured faster; a recorded tile set
+    runs, poisoned, to the reference's output; above the limit nothing is searched."""
+    from moeflow.kernels.autotune import FUSED_TUNE_MAX_TOKENS, tune
+    shape = Shape(16, 256, 128, 4, scheme)
+    big = FUSED_TUNE_MAX_TOKENS * 2
+    table, measured = tune(shape, [1, big], rep_ms=2, log=lambda s: None, indexed_rows=True)
+    m = measured["1"]
+    assert m["layer_separate"] > 0 and m["layer_fused"] > 0
+    assert (table[1].fused is not None) == (m["layer_fused"] < m["layer_separate"])
+    assert table[big].fused is None and "layer_fused" not in measured[str(big)]
+    if table[1].fused is not None:  # the recorded tiles run right (fresh weights, poisoned, repeated, oracle)
+        from fused_cases import check_fused
+        check_fused(scheme, torch.bfloat16, 3, 16, 256, 128, 4, table[1].fused, repeats=3, device="cuda")

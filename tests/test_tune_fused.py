@@ -1,0 +1,98 @@
+"""`moeflow tune`'s search of the one-launch layer's tiles, the parts that run without a GPU: the candidate tile
+sets, which T are searched, the pick (fused only where faster), and what --merge / --no-fused write."""
+import argparse
+
+import pytest
+import torch
+
+from moeflow.kernels import autotune
+from moeflow.kernels import configs as kc
+
+QWEN3 = dict(num_experts=128, hidden=2048, inter=768, top_k=8)
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+def test_fused_candidates_are_valid_tiles(scheme):
+    """Non-empty, already fitted (fit_fused leaves each unchanged), no duplicates; fp8-block: BLOCK_K 128 and
+    BLOCK_N dividing 128 (one weight-scale block and one activation group a step)."""
+    got = autotune.fused_candidates(autotune.Shape(scheme=scheme, **QWEN3), 1)
+    assert got and len(set(got)) == len(got)
+    assert all(isinstance(c, kc.FusedConfig) and kc.fit_fused(c, scheme) == c for c in got)
+    if scheme == "fp8-block":
+        assert all(c.block_k1 == c.block_k2 == 128 and 128 % c.block_n1 == 0 and 128 % c.block_n2 == 0 for c in got)
+    assert autotune.fused_candidates(autotune.Shape(scheme=scheme, **QWEN3), 16) == got  # the same set at every T
+
+
+@pytest.mark.parametrize("shape,tokens,why", [
+    (autotune.Shape(scheme="fp8-tensor", **QWEN3), 1, "a scheme the kernel does not run"),
+    (autotune.Shape(scheme="fp8-channel", **QWEN3), 1, "a scheme the kernel does not run"),
+    (autotune.Shape(scheme="none", dtype=torch.float32, **QWEN3), 1, "float32: tiles sized for 2-byte weights"),
+    (autotune.Shape(scheme="none", **QWEN3), 0, "an empty batch"),
+    (autotune.Shape(scheme="none", **QWEN3), 65, "more tokens than the runner's counters hold"),
+])
+def test_no_fused_candidates_where_the_runner_never_runs_it(shape, tokens, why):
+    assert autotune.fused_candidates(shape, tokens) == [], why
+
+
+def test_fused_searched_only_for_small_single_process_batches():
+    shape = autotune.Shape(scheme="fp8-block", **QWEN3)
+    limit = autotune.FUSED_TUNE_MAX_TOKENS
+    assert autotune.fused_searched(shape, 1, True) and autotune.fused_searched(shape, limit, True)
+    assert not autotune.fused_searched(shape, limit + 1, True)  # candidates exist there, but it is not searched
+    assert autotune.fused_candidates(shape, limit + 1)
+    assert not autotune.fused_searched(shape, 1, False)  # expert parallelism: separate launches always
+    assert not autotune.fused_searched(autotune.Shape(scheme="fp8-tensor", **QWEN3), 1, True)
+
+
+def test_pick_fused_only_where_faster():
+    a, b, c = (kc.FusedConfig(block_n1=n) for n in (16, 64, 128))
+    assert autotune.pick_fused(10.0, []) is None
+    assert autotune.pick_fused(10.0, [(a, 12.0), (b, 11.0)]) is None  # slower
+    assert autotune.pick_fused(10.0, [(a, 10.0), (b, 12.0)]) is None  # a tie keeps the separate launches
+    assert autotune.pick_fused(10.0, [(a, 9.5), (b, 8.0), (c, 10.5)]) == b  # the fastest, not the first faster
+    assert autotune.pick_fused(10.0, [(a, 8.0), (b, 8.0)]) == a  # equal fused times: the earlier candidate
+
+
+def _run_cli(monkeypatch, out, extra, tuned):
+    """`moeflow tune` on a fake GPU with the search replaced: it writes ``tuned`` ({T: MoEKernelConfig}) ->
+    the fused flag tune was called with."""
+    from moeflow.cli import tune as tune_cli
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(autotune, "tune", lambda shape, tokens, on_result, fused, **kw:
+                        (seen.append(fused), on_result(dict(tuned), {str(t): {"gate_up": 1.0} for t in tuned})))
+    parser = argparse.ArgumentParser()
+    tune_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["tune", "--experts", "8", "--inter", "256", "--hidden", "256", "--topk", "2",
+                              "--quant", "fp8-block", "--tokens", ",".join(map(str, tuned)), "--device", "cpu",
+                              "--out", str(out), "--merge"] + extra)
+    assert args.func(args) == 0
+    return seen[-1]
+
+
+@pytest.mark.parametrize("extra,e,carried_at", [
+    ([], 8, {64}),  # T=1 searched now: its answer (None) stands; T=64 above the search limit: its tiles kept
+    (["--no-fused"], 8, {1, 64}),  # nothing searched: both keep their tiles
+    (["--local-experts", "4"], 4, {1, 64}),  # expert parallelism: nothing searched
+])
+def test_merge_keeps_old_fused_tiles_only_where_not_searched(monkeypatch, tmp_path, extra, e, carried_at):
+    gemm = kc.GemmConfig(16, 64, 128)
+    old_f, other_f = kc.FusedConfig(block_n1=128, split1=2), kc.FusedConfig(block_n2=128, split2=16)
+    old = kc.MoEKernelConfig(gemm, gemm, fused=old_f)
+    new = kc.MoEKernelConfig(kc.GemmConfig(32, 64, 128), kc.GemmConfig(32, 64, 128))
+    path = tmp_path / kc.file_name("GPU X", e, 256, 256, "fp8-block")
+    kc.write_table(path, {}, {1: old, 2: old, 64: old}, {"2": {"gate_up": 5.0}})
+    fused = _run_cli(monkeypatch, tmp_path, extra, {1: new, 64: new})
+    assert fused == ("--no-fused" not in extra)
+    table, measured = kc.read_table(path)
+    assert table[2] == old  # not re-tuned: kept whole
+    for t in (1, 64):
+        assert table[t].gate_up == new.gate_up and table[t].fused == (old_f if t in carried_at else None), t
+    assert set(measured) == {"1", "2", "64"}
+    if not extra:  # a tile set the search found for a searched T is written as found, not replaced by the old one
+        again = tmp_path / "again"  # another file: the table cache is keyed by path and modification time
+        again.mkdir()
+        kc.write_table(again / path.name, {}, {1: old}, {})
+        _run_cli(monkeypatch, again, extra, {1: kc.MoEKernelConfig(gemm, gemm, fused=other_f)})
+        assert kc.read_table(again / path.name)[0][1].fused == other_f
