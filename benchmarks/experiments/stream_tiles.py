@@ -2,7 +2,8 @@
 [BLOCK_N, BLOCK_K] of a [rows, K] matrix, pipelined over num_stages, each multiplied into a [BLOCK_N, 16]
 accumulator on the tensor cores): bytes / time for a grid of P programs, one row block each. One H200.
 
-    PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/stream_tiles.py
+    PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/stream_tiles.py [--ptr]
+--ptr: TMA against pointer loads (cp.async) at the Qwen3 sizes only.
 
 do_bench with L2 flushed, median; the matrix is re-made per shape so rows of one program are contiguous
 (rows * K * 2 bytes in all). Prints GB/s per (dtype, P, BLOCK_N, BLOCK_K, K, stages, warps); writes
@@ -17,6 +18,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
+LOADS, KS, TILES, PROGRAMS = ("tma",), (2048, 7168), ((64, 128), (128, 128), (64, 256)), (96, 132, 192, 264, 528)
+
+
 @triton.jit
 def _stream(w, out_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -29,36 +33,54 @@ def _stream(w, out_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tl.store(out_ptr + rows, tl.sum(acc, axis=1))
 
 
+@triton.jit
+def _stream_ptr(w_ptr, out_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_stream with pointer loads (cp.async pipelined by Triton) instead of TMA."""
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    b = tl.full((BLOCK_K, 16), 1.0, tl.float32).to(w_ptr.dtype.element_ty)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    for k0 in range(0, K, BLOCK_K):
+        tile = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + k0 + tl.arange(0, BLOCK_K)[None, :])
+        acc = tl.dot(tile, b, acc)
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1))
+
+
 def main():
+    import sys
     from triton.testing import do_bench
+    global LOADS, KS, TILES, PROGRAMS
+    if "--ptr" in sys.argv:  # TMA against pointer loads at the one-launch layer's Qwen3 sizes
+        LOADS, KS, TILES, PROGRAMS = ("tma", "ptr"), (2048,), ((64, 128), (128, 128)), (96, 192, 264)
 
     def alloc(size, align, stream):
         return torch.empty(size, dtype=torch.int8, device="cuda")
     triton.set_allocator(alloc)
     rows_out = []
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        for k in (2048, 7168):
-            for bn, bk in ((64, 128), (128, 128), (64, 256)):
-                for p in (96, 132, 192, 264, 528):
+        for k in KS:
+            for bn, bk in TILES:
+                for p in PROGRAMS:
                     rows = p * bn
                     w = torch.randn(rows, k, device="cuda").to(dtype)
                     out = torch.empty(rows, device="cuda", dtype=torch.float32)
                     desc = TensorDescriptor.from_tensor(w, [bn, bk])
-                    for stages in (2, 3, 4, 6):
+                    for loads, stages in [(ld, st) for ld in LOADS for st in (2, 3, 4, 6)]:
                         if stages * bn * bk * w.element_size() > 200 * 1024:
                             continue
-                        fn = lambda: _stream[(p,)](desc, out, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
-                                                   num_stages=stages)
+                        kern, arg = (_stream, desc) if loads == "tma" else (_stream_ptr, w)
+                        fn = lambda: kern[(p,)](arg, out, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=stages)
                         try:
                             us = do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
                         except Exception as e:  # noqa: BLE001 - a tile set the compiler refuses
                             print(f"skip {dtype} {p} {bn}x{bk} s{stages}: {type(e).__name__}")
                             continue
                         gbs = w.numel() * w.element_size() / us / 1e3
-                        r = dict(dtype=str(dtype).removeprefix("torch."), programs=p, block_n=bn, block_k=bk, K=k,
+                        r = dict(loads=loads, dtype=str(dtype).removeprefix("torch."), programs=p, block_n=bn,
+                                 block_k=bk, K=k,
                                  stages=stages, MB=w.numel() * w.element_size() / 2 ** 20, us=us, GBs=gbs)
                         rows_out.append(r)
-                        print(f"{r['dtype']:14} K={k:5} P={p:4} {bn:3}x{bk:3} st={stages} {r['MB']:6.1f} MB "
+                        print(f"{loads:4} {r['dtype']:14} K={k:5} P={p:4} {bn:3}x{bk:3} st={stages} {r['MB']:6.1f} MB "
                               f"{us:7.1f} us {gbs:7.0f} GB/s", flush=True)
                     del w
     json.dump(rows_out, open(os.path.join(os.environ.get("OUT", "."), "stream_tiles.json"), "w"), indent=1)
