@@ -5,7 +5,7 @@ import argparse
 import pytest
 import torch
 
-from moeflow.kernels import autotune
+from moeflow.kernels import autotune, tune_fused
 from moeflow.kernels import configs as kc
 
 QWEN3 = dict(num_experts=128, hidden=2048, inter=768, top_k=8)
@@ -15,12 +15,12 @@ QWEN3 = dict(num_experts=128, hidden=2048, inter=768, top_k=8)
 def test_fused_candidates_are_valid_tiles(scheme):
     """Non-empty, already fitted (fit_fused leaves each unchanged), no duplicates; fp8-block: BLOCK_K 128 and
     BLOCK_N dividing 128 (one weight-scale block and one activation group a step)."""
-    got = autotune.fused_candidates(autotune.Shape(scheme=scheme, **QWEN3), 1)
+    got = tune_fused.fused_candidates(autotune.Shape(scheme=scheme, **QWEN3), 1)
     assert got and len(set(got)) == len(got)
     assert all(isinstance(c, kc.FusedConfig) and kc.fit_fused(c, scheme) == c for c in got)
     if scheme == "fp8-block":
         assert all(c.block_k1 == c.block_k2 == 128 and 128 % c.block_n1 == 0 and 128 % c.block_n2 == 0 for c in got)
-    assert autotune.fused_candidates(autotune.Shape(scheme=scheme, **QWEN3), 16) == got  # the same set at every T
+    assert tune_fused.fused_candidates(autotune.Shape(scheme=scheme, **QWEN3), 16) == got  # the same set at every T
 
 
 @pytest.mark.parametrize("shape,tokens,why", [
@@ -31,26 +31,26 @@ def test_fused_candidates_are_valid_tiles(scheme):
     (autotune.Shape(scheme="none", **QWEN3), 65, "more tokens than the runner's counters hold"),
 ])
 def test_no_fused_candidates_where_the_runner_never_runs_it(shape, tokens, why):
-    assert autotune.fused_candidates(shape, tokens) == [], why
+    assert tune_fused.fused_candidates(shape, tokens) == [], why
 
 
 def test_fused_searched_only_for_small_single_process_batches():
     shape = autotune.Shape(scheme="fp8-block", **QWEN3)
-    limit = autotune.FUSED_TUNE_MAX_TOKENS
-    assert autotune.fused_searched(shape, 1, True) and autotune.fused_searched(shape, limit, True)
-    assert not autotune.fused_searched(shape, limit + 1, True)  # candidates exist there, but it is not searched
-    assert autotune.fused_candidates(shape, limit + 1)
-    assert not autotune.fused_searched(shape, 1, False)  # expert parallelism: separate launches always
-    assert not autotune.fused_searched(autotune.Shape(scheme="fp8-tensor", **QWEN3), 1, True)
+    limit = tune_fused.FUSED_TUNE_MAX_TOKENS
+    assert tune_fused.fused_searched(shape, 1, True) and tune_fused.fused_searched(shape, limit, True)
+    assert not tune_fused.fused_searched(shape, limit + 1, True)  # candidates exist there, but it is not searched
+    assert tune_fused.fused_candidates(shape, limit + 1)
+    assert not tune_fused.fused_searched(shape, 1, False)  # expert parallelism: separate launches always
+    assert not tune_fused.fused_searched(autotune.Shape(scheme="fp8-tensor", **QWEN3), 1, True)
 
 
 def test_pick_fused_only_where_faster():
     a, b, c = (kc.FusedConfig(block_n1=n) for n in (16, 64, 128))
-    assert autotune.pick_fused(10.0, []) is None
-    assert autotune.pick_fused(10.0, [(a, 12.0), (b, 11.0)]) is None  # slower
-    assert autotune.pick_fused(10.0, [(a, 10.0), (b, 12.0)]) is None  # a tie keeps the separate launches
-    assert autotune.pick_fused(10.0, [(a, 9.5), (b, 8.0), (c, 10.5)]) == b  # the fastest, not the first faster
-    assert autotune.pick_fused(10.0, [(a, 8.0), (b, 8.0)]) == a  # equal fused times: the earlier candidate
+    assert tune_fused.pick_fused(10.0, []) is None
+    assert tune_fused.pick_fused(10.0, [(a, 12.0), (b, 11.0)]) is None  # slower
+    assert tune_fused.pick_fused(10.0, [(a, 10.0), (b, 12.0)]) is None  # a tie keeps the separate launches
+    assert tune_fused.pick_fused(10.0, [(a, 9.5), (b, 8.0), (c, 10.5)]) == b  # the fastest, not the first faster
+    assert tune_fused.pick_fused(10.0, [(a, 8.0), (b, 8.0)]) == a  # equal fused times: the earlier candidate
 
 
 def _run_cli(monkeypatch, out, extra, tuned):

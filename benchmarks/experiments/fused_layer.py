@@ -32,7 +32,8 @@ def main():
     from bench_layer import Case, ceilings, graph_us
     from moeflow.benchmark import Ceilings, roofline_seconds
     from moeflow.experts import create_runner
-    from moeflow.kernels.autotune import fused_candidates, precompile
+    from moeflow.kernels.autotune import precompile
+    from moeflow.kernels.tune_fused import fused_candidates
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,2,4,8,16")
     p.add_argument("presets", nargs="*", default=["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"])

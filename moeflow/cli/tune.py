@@ -53,7 +53,8 @@ def run(args) -> int:
     import triton
 
     from ..kernels import configs as kc
-    from ..kernels.autotune import Shape, fused_searched, tune
+    from ..kernels.autotune import Shape, tune
+    from ..kernels.tune_fused import fused_searched
 
     cfg = config_from_args(args, device="cuda")
     e = args.local_experts or cfg.num_experts

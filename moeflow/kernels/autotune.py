@@ -11,11 +11,10 @@ as the layer runs them: from a graph, weights cold (the batches route to differe
 small T no expert's weights stay in L2 from the launch before). Host-side launch time is not in it;
 with a plain event-timed launch it was: at T=1 it measured 46-93 us against the 10-22 us the
 kernels take inside the layer's graph, so decode configs were picked on noise.
-Small single-process batches (T <= FUSED_TUNE_MAX_TOKENS, rows by index, a scheme kernels/fused_layer.py
-runs): then the whole layer after routing is timed both ways on the same routings, from a graph as above, as
-layer.routed_experts runs it: the separate launches (the local dispatcher's sort, the runner with the chosen
-gate_up and down, the top-k sum) and each one-launch tile set (``fused_candidates``); the entry gets the fastest
-tile set only where it beat the separate launches (``pick_fused``).
+Small single-process batches (kernels/tune_fused.py: T <= FUSED_TUNE_MAX_TOKENS, rows by index, a scheme
+kernels/fused_layer.py runs): then the whole layer after routing is also timed both ways on the same routings, the
+separate launches with the chosen gate_up and down against each one-launch tile set; the entry gets the fastest
+tile set only where it beat the separate launches.
 Candidates are compiled first in parallel worker processes (Triton's on-disk cache is shared),
 so compilation does not serialize the search.
 """
@@ -30,7 +29,8 @@ import torch
 
 from ..layouts import SORTED, ExpertBatch
 from ..quant import FP8_DTYPE, create_scheme
-from .configs import FusedConfig, GemmConfig, MoEKernelConfig, fit, fit_fused
+from .configs import FusedConfig, GemmConfig, MoEKernelConfig, fit
+from .tune_fused import fused_candidates, fused_searched, layer_times, pick_fused
 
 
 @dataclass(frozen=True)
@@ -109,60 +109,6 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
         return out
 
     return fitted(gu, True, shape.inter), fitted(dn, False, shape.hidden)
-
-
-# the one launch lost at T >= 8 on every H200 preset (benchmarks/results/fused_layer_2026-12-01_h200.md: each copy
-# reads its expert's weights, T tokens over few experts up to T * K / experts hit times): larger T is not searched
-FUSED_TUNE_MAX_TOKENS = 16
-# fp8-block (BLOCK_N1, BLOCK_N2, stages, SPLIT1, SPLIT2), BLOCK_K 128: tiles of 64 rows or more run wgmma; SPLIT2 a
-# multiple of top-k: each down program reads one copy (or part of one), so it waits for that copy's gate_up tiles only
-FUSED_FP8 = [(64, 64, 4, 1, 8), (64, 64, 4, 2, 8), (128, 128, 3, 2, 8), (64, 128, 4, 1, 8), (64, 64, 4, 4, 8),
-             (128, 64, 3, 2, 8), (64, 64, 4, 2, 4), (128, 128, 3, 2, 4), (64, 64, 6, 2, 16), (128, 128, 3, 1, 16)]
-# scheme none, 2-byte layers (BN1, BK1, BN2, BK2, stages, SPLIT1, SPLIT2)
-FUSED_BF16 = [(64, 128, 64, 128, 3, 2, 8), (64, 128, 64, 128, 3, 1, 8), (64, 64, 64, 64, 4, 2, 8),
-              (64, 128, 128, 128, 3, 2, 8), (128, 64, 64, 64, 4, 2, 8), (64, 128, 64, 128, 3, 2, 4),
-              (64, 64, 64, 64, 4, 4, 8), (64, 128, 64, 128, 3, 2, 16), (64, 128, 128, 64, 4, 1, 16),
-              (64, 64, 64, 64, 6, 2, 8)]
-
-
-def fused_candidates(shape: Shape, tokens: int) -> list[FusedConfig]:
-    """One-launch tile sets (kernels/fused_layer.py) for T = tokens, fitted (configs.fit_fused) and deduplicated;
-    [] where the runner never runs the one launch: a scheme outside fused_layer.FUSED_SCHEMES, T outside
-    1 .. FUSED_MAX_TOKENS, or a float32 layer (the tiles were sized for 2-byte weights: a stage of 64 x 128 gate
-    and up tiles is 64 KB in float32, and fit_fused does not fit stages to shared memory)."""
-    from ..experts.triton import FUSED_MAX_TOKENS
-    from .fused_layer import FUSED_SCHEMES
-    if shape.scheme not in FUSED_SCHEMES or not 0 < tokens <= FUSED_MAX_TOKENS:
-        return []
-    if shape.scheme == "fp8-block":
-        tiles = [dict(block_n1=n1, block_k1=128, block_n2=n2, block_k2=128, num_stages=s, split1=s1, split2=s2)
-                 for n1, n2, s, s1, s2 in FUSED_FP8]
-    elif shape.dtype.itemsize == 2:
-        tiles = [dict(block_n1=n1, block_k1=k1, block_n2=n2, block_k2=k2, num_stages=s, split1=s1, split2=s2)
-                 for n1, k1, n2, k2, s, s1, s2 in FUSED_BF16]
-    else:
-        return []
-    out = []
-    for t in tiles:
-        f = fit_fused(FusedConfig(num_warps=4, **t), shape.scheme)
-        if f not in out:
-            out.append(f)
-    return out
-
-
-def fused_searched(shape: Shape, tokens: int, indexed_rows: bool) -> bool:
-    """Whether tune() times the one launch at T = tokens: a single-process layer (indexed_rows: expert
-    parallelism always runs the separate launches), T <= FUSED_TUNE_MAX_TOKENS, and tile sets that run it."""
-    return indexed_rows and tokens <= FUSED_TUNE_MAX_TOKENS and bool(fused_candidates(shape, tokens))
-
-
-def pick_fused(separate_ms: float, timed: list[tuple[FusedConfig, float]]) -> FusedConfig | None:
-    """The fastest of ``timed`` [(tile set, ms)] if it is faster than ``separate_ms`` (the separate launches on the
-    same routings), else None (a tie keeps the separate launches)."""
-    if not timed:
-        return None
-    best, ms = min(timed, key=lambda c: c[1])
-    return best if ms < separate_ms else None
 
 
 def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8):
@@ -309,22 +255,6 @@ def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int =
     times = sorted(a.elapsed_time(b) for a, b in ev)
     del graph
     return times[n // 2] / len(calls)
-
-
-def layer_times(parts, weights, routings, pair: MoEKernelConfig, fused: list[FusedConfig], rep_ms: float):
-    """The layer after routing, each way a single-process layer runs it (layer.routed_experts), timed on the same
-    routings [(x [T, H], topk_ids [T, K] int32, topk_weights [T, K] float32)] -> (ms of the separate launches: the
-    local dispatcher's sort, the runner's GEMMs with ``pair``, the top-k sum; [(tile set, ms of its one launch)]
-    for each of ``fused``). parts: _layer_parts(shape), made once (the runner's fused counters with it)."""
-    dispatcher, runner = parts
-
-    def separate(x, ids, w):
-        batch, handle = dispatcher.dispatch(x, ids, w)
-        return dispatcher.combine(runner.run_with(batch, weights, pair), handle)
-
-    sep = graph_time_ms([lambda r=r: separate(*r) for r in routings], rep_ms)
-    return sep, [(f, graph_time_ms([lambda f=f, r=r: runner.run_fused(*r, weights, f) for r in routings], rep_ms))
-                 for f in fused]
 
 
 def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, on_result=None,

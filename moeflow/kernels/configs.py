@@ -100,7 +100,7 @@ class MoEKernelConfig:
     # tiles (kernels/fused_layer.py) where the runner and dispatcher allow it (Plan.fused_layer); None: separate
     # launches (sort, gate_up, down, top-k sum) with the two configs above. `moeflow tune` sets it where the one launch
     # measured faster than the separate launches on the same routings (single-process layers, T <=
-    # autotune.FUSED_TUNE_MAX_TOKENS; --no-fused skips the search; --merge keeps an entry's old tiles where the run
+    # tune_fused.FUSED_TUNE_MAX_TOKENS; --no-fused skips the search; --merge keeps an entry's old tiles where the run
     # did not search them). The shipped H200 tables' entries came from benchmarks/experiments/fused_layer.py.
     fused: FusedConfig | None = None
 

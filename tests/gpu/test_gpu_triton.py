@@ -406,7 +406,8 @@ def test_tune_searches_one_launch_tiles_on_gpu(scheme):
     """A single-process shape (rows by index): at T <= FUSED_TUNE_MAX_TOKENS tune times the whole layer after
     routing both ways and records fused tiles exactly where the one launch measured faster; a recorded tile set
     runs, poisoned, to the reference's output; above the limit nothing is searched."""
-    from moeflow.kernels.autotune import FUSED_TUNE_MAX_TOKENS, tune
+    from moeflow.kernels.autotune import tune
+    from moeflow.kernels.tune_fused import FUSED_TUNE_MAX_TOKENS
     shape = Shape(16, 256, 128, 4, scheme)
     big = FUSED_TUNE_MAX_TOKENS * 2
     table, measured = tune(shape, [1, big], rep_ms=2, log=lambda s: None, indexed_rows=True)
