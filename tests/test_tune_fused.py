@@ -44,13 +44,18 @@ def test_fused_searched_only_for_small_single_process_batches():
     assert not tune_fused.fused_searched(autotune.Shape(scheme="fp8-tensor", **QWEN3), 1, True)
 
 
-def test_pick_fused_only_where_faster():
+def test_pick_fused_only_where_faster_and_right():
     a, b, c = (kc.FusedConfig(block_n1=n) for n in (16, 64, 128))
+    ok = tune_fused.FUSED_MAX_REL_ERR / 10
     assert tune_fused.pick_fused(10.0, []) is None
-    assert tune_fused.pick_fused(10.0, [(a, 12.0), (b, 11.0)]) is None  # slower
-    assert tune_fused.pick_fused(10.0, [(a, 10.0), (b, 12.0)]) is None  # a tie keeps the separate launches
-    assert tune_fused.pick_fused(10.0, [(a, 9.5), (b, 8.0), (c, 10.5)]) == b  # the fastest, not the first faster
-    assert tune_fused.pick_fused(10.0, [(a, 8.0), (b, 8.0)]) == a  # equal fused times: the earlier candidate
+    assert tune_fused.pick_fused(10.0, [(a, 12.0, ok), (b, 11.0, ok)]) is None  # slower
+    assert tune_fused.pick_fused(10.0, [(a, 10.0, ok), (b, 12.0, ok)]) is None  # a tie keeps the separate launches
+    assert tune_fused.pick_fused(10.0, [(a, 9.5, ok), (b, 8.0, ok), (c, 10.5, ok)]) == b  # the fastest, not the first
+    assert tune_fused.pick_fused(10.0, [(a, 8.0, ok), (b, 8.0, ok)]) == a  # equal fused times: the earlier candidate
+    # a wrong output is never picked, however fast: over the limit, or NaN
+    assert tune_fused.pick_fused(10.0, [(a, 5.0, 0.5), (b, 9.0, ok)]) == b
+    assert tune_fused.pick_fused(10.0, [(a, 5.0, float("nan")), (b, 11.0, ok)]) is None
+    assert tune_fused.pick_fused(10.0, [(a, 5.0, tune_fused.FUSED_MAX_REL_ERR)]) == a  # the limit itself passes
 
 
 def _run_cli(monkeypatch, out, extra, tuned):
