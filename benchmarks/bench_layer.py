@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from moeflow.benchmark import Ceilings, layer_bytes, layer_flops, roofline_seconds
+from moeflow.benchmark import Ceilings, clean_graph_us, graph_us, layer_bytes, layer_flops, roofline_seconds
 from moeflow.capabilities import Environment
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import create_runner
-from moeflow.kernels.autotune import Shape, capture_graph, expanded_weights, precompile, random_batch, random_weights
+from moeflow.kernels.autotune import Shape, expanded_weights, precompile, random_batch, random_weights
 from moeflow.layer import routed_experts
 from moeflow.planner import check_runner
 from moeflow.planner import plan as make_plan
@@ -70,32 +70,6 @@ def ceilings() -> dict:
     f8_us = bench(lambda: torch._scaled_mm(f8, f8.t(), one, one, out_dtype=torch.bfloat16))
     flops = 2 * 8192 ** 3
     return dict(bandwidth=2 * 2 ** 30 / (copy_us * 1e-6), bf16_flops=flops / (mm_us * 1e-6), fp8_flops=flops / (f8_us * 1e-6))
-
-
-def graph_us(fn):
-    return bench(capture_graph(fn, warmups=2).replay)
-
-
-_CLEAN = []  # the 1 GiB buffer clean_graph_us reads, made once
-
-
-def clean_graph_us(fn, reps: int = 100) -> float:
-    """fn captured as a CUDA graph; median µs of ``reps`` replays, each after reading 1 GiB (the L2 then holds
-    clean lines: unlike do_bench's zeroing, nothing is left for the timed replay to write back)."""
-    if not _CLEAN:
-        _CLEAN.append(torch.ones(1 << 27, dtype=torch.int64, device="cuda"))
-    graph = capture_graph(fn, warmups=2)
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for _ in range(3):
-        _CLEAN[0].amax()
-        graph.replay()
-    for a, b in ev:
-        _CLEAN[0].amax()
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
 
 
 class Case:

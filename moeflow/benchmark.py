@@ -4,6 +4,11 @@
     bytes ≥ hit · 3 · H · I · bytes_per_weight + T · H · 2 · bytes_per_act
     hit    = expected distinct experts touched by random routing, E · (1 − (1 − K/E)^T)
     floor  = max(FLOPs / matrix peak, bytes / memory bandwidth)
+
+Timing: ``time_fn`` (host-timed, synchronized calls: any device), ``graph_us`` (CUDA: the calls captured once as a
+CUDA graph and replayed with the L2 flushed, triton's do_bench median: PERF.md's method) and ``clean_graph_us``
+(the same graph, each replay after a 1 GiB read instead of do_bench's zeroing, which leaves dirty lines the timed
+replay must write back: 3-9 µs a layer on H200, benchmarks/results/t1_bounds_2026-12-01_h200.md).
 """
 from __future__ import annotations
 
@@ -61,3 +66,35 @@ def time_fn(fn, device: torch.device, min_seconds: float = 0.2, max_reps: int = 
         sync()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def graph_us(fn, rep_ms: float = 50) -> float:
+    """fn (no arguments, CUDA work) captured as a CUDA graph -> median µs of its replays, L2 flushed before each
+    (triton.testing.do_bench). Raises RuntimeError where fn cannot be captured (it synchronizes with the host)."""
+    from triton.testing import do_bench
+
+    from .kernels.autotune import capture_graph
+    return do_bench(capture_graph(fn, warmups=2).replay, warmup=10, rep=rep_ms, return_mode="median") * 1e3
+
+
+_CLEAN: list = []  # the 1 GiB buffer clean_graph_us reads, made once
+
+
+def clean_graph_us(fn, reps: int = 100) -> float:
+    """fn captured as a CUDA graph -> median µs of ``reps`` replays, each after reading 1 GiB (the L2 then holds
+    clean lines: unlike do_bench's zeroing, nothing is left for the timed replay to write back)."""
+    from .kernels.autotune import capture_graph
+    if not _CLEAN:
+        _CLEAN.append(torch.ones(1 << 27, dtype=torch.int64, device="cuda"))
+    graph = capture_graph(fn, warmups=2)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for _ in range(3):
+        _CLEAN[0].amax()
+        graph.replay()
+    for a, b in ev:
+        _CLEAN[0].amax()
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3

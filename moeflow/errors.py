@@ -433,6 +433,14 @@ When: moeflow bench with a large preset (deepseek-v3 holds 22.5 GB of bf16 exper
 Fix: benchmark fewer experts with the same shapes (--experts), a smaller preset, or a GPU with more memory.
 Example: moeflow bench --preset deepseek-v3 --experts 16 --device cpu
 """)
+_spec("MF606", ToolError, "plotting needs matplotlib",
+      "moeflow bench --png cannot plot here: {why}",
+      """
+What: `moeflow bench --png` draws its plot with matplotlib, an optional package moeflow does not require.
+When: moeflow bench --png on a machine without matplotlib (checked before the benchmark runs).
+Fix: pip install 'moeflow[plot]' (or matplotlib), or leave --png out and plot the --csv / --json rows elsewhere.
+Example: pip install 'moeflow[plot]' && moeflow bench --png bench.png
+""")
 # ---------------------------------------------------------------- MF7xx: model integration (transformers)
 _spec("MF701", UnsupportedError, "transformers is not installed",
       "{what} needs the optional package 'transformers': {why}",

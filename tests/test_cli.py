@@ -50,8 +50,10 @@ def test_bench_small_runs_and_checks(tmp_path, capsys, quant):
     ran = [r for r in rows if r["status"] == "ok"]
     assert {r["T"] for r in ran} == {3, 17}
     for r in ran:
-        assert r["us"] > 0
+        assert r["us"] > 0 and r["timing"] == "eager"  # the CPU: host timing (CUDA: graph replay)
         assert r["rel_err"] is None or r["rel_err"] < 2e-2  # bf16 vs the reference runner
+        # GB/s: the fewest bytes the layer moves (moeflow.benchmark.layer_bytes) over its time
+        assert r["gbs"] == pytest.approx(r["tflops"] * 1e3 * _bytes_per_flop(quant, r["T"]), rel=1e-9)
     refused = [r for r in rows if r["status"] != "ok"]
     assert all(r["status"] in CATALOGUE for r in refused)
 
@@ -62,3 +64,33 @@ def test_bench_refuses_a_preset_that_does_not_fit(capsys, monkeypatch):
     assert main(["bench", "--preset", "deepseek-v3", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "MF605" in err and "45.1 GB" in err
+
+
+def _bytes_per_flop(quant, tokens):
+    """The small preset's layer_bytes / layer_flops at T = tokens (bf16 layer)."""
+    from moeflow.benchmark import layer_bytes, layer_flops
+    from moeflow.presets import preset_config
+    cfg = preset_config("small", quant=quant)
+    return layer_bytes(cfg, tokens) / layer_flops(cfg, tokens)
+
+
+def test_bench_png_plots_every_scheme(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert main(["bench", "--quant", "none,fp8-block", "--tokens", "1,5", "--device", "cpu", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_png_without_matplotlib_is_refused_up_front(tmp_path, capsys, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_matplotlib(name, *a, **kw):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert main(["bench", "--tokens", "1", "--device", "cpu", "--png", str(tmp_path / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert "MF606" in captured.err and "moeflow bench:" not in captured.out  # nothing was benchmarked
+    assert not (tmp_path / "x.png").exists()

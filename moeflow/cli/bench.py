@@ -1,6 +1,11 @@
 """`moeflow bench` — the main job: build a layer for a preset, check every valid runner against
-the reference runner on the same weights and inputs, print latency and error per runner and T.
+the reference runner on the same weights and inputs, print latency, TFLOP/s, GB/s and error per runner and T
+(on CUDA also % of roofline), with a progress bar; --json / --csv write the rows, --png plots time against T per
+runner (on CUDA with the roofline floor).
 
+Timing: on CUDA the layer is captured as one CUDA graph and replayed with the L2 flushed (PERF.md's method,
+moeflow.benchmark.graph_us); a layer whose call cannot be captured (its runner synchronizes with the host) is
+timed eagerly, and the row says which ("timing"). On the CPU, synchronized host timing.
 On a CPU-only machine the defaults (preset "small", all schemes) finish in seconds.
 """
 from __future__ import annotations
@@ -12,7 +17,7 @@ import sys
 
 import torch
 
-from ..benchmark import layer_flops, roofline_seconds, time_fn
+from ..benchmark import graph_us, layer_bytes, layer_flops, roofline_seconds, time_fn
 from ..errors import MoeflowError, error
 from ..experts import RUNNERS
 from ..layer import MoE
@@ -30,6 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", help="write the rows as JSON here")
     p.add_argument("--csv", dest="csv_path", help="write the rows as CSV here")
+    p.add_argument("--png", dest="png_path", help="plot µs against T per runner here (needs matplotlib: moeflow[plot])")
     p.set_defaults(func=run)
 
 
@@ -37,6 +43,8 @@ def run(args) -> int:
     schemes = SCHEMES.names() if args.quant == "all" else args.quant.split(",")
     runners = [r for r in RUNNERS.names() if r != "reference"] if args.runners == "all" else args.runners.split(",")
     base = config_from_args(args, quant="none", runner="reference")
+    if args.png_path:
+        _plotting()  # MF606 before the benchmark runs, not after
     tokens = [int(t) for t in (args.tokens or ("1,16,128,1024,4096,16384" if base.device.type == "cuda" else "1,16,128")).split(",")]
     _check_memory(base)
     jobs = [(s, r) for s in schemes for r in ["reference", *runners]]
@@ -68,6 +76,8 @@ def run(args) -> int:
     print(file=sys.stderr)
     _print_table(base, rows)
     _write(rows, args)
+    if args.png_path:
+        _plot(base, rows, args.png_path)
     return 0
 
 
@@ -88,14 +98,27 @@ def _measure(layer: MoE, x, logits, want) -> dict:
     with torch.no_grad():
         got = layer(x, logits)
         err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
-        seconds = time_fn(lambda: layer(x, logits), cfg.device)
+        seconds, timing = _time(layer, x, logits)
     oracle = layer.plan.runner == "reference"  # the comparand itself: no error to report
     row = dict(quant=cfg.quant, runner=layer.plan.runner, dtype=str(cfg.dtype).removeprefix("torch."), T=t,
-               us=seconds * 1e6, tflops=layer_flops(cfg, t) / seconds / 1e12, rel_err=None if oracle else err,
-               status="ok")
+               us=seconds * 1e6, tflops=layer_flops(cfg, t) / seconds / 1e12, gbs=layer_bytes(cfg, t) / seconds / 1e9,
+               rel_err=None if oracle else err, status="ok", timing=timing)
     if cfg.device.type == "cuda":
         row["pct_roofline"] = 100 * roofline_seconds(cfg, t) / seconds
     return row
+
+
+def _time(layer: MoE, x, logits) -> tuple[float, str]:
+    """-> (seconds a call of the layer takes, "graph" or "eager"): module docstring."""
+    def call():
+        with torch.no_grad():
+            return layer(x, logits)
+    if x.device.type == "cuda":
+        try:
+            return graph_us(call) * 1e-6, "graph"
+        except (RuntimeError, ImportError):  # not capturable (a host synchronization), or no triton for do_bench
+            torch.cuda.synchronize()
+    return time_fn(call, x.device), "eager"
 
 
 def _refused(cfg, scheme: str, runner: str, exc: MoeflowError) -> dict:
@@ -113,13 +136,15 @@ def _print_table(cfg, rows: list[dict]) -> None:
     print(f"moeflow bench: E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size} K={cfg.top_k} "
           f"dtype={str(cfg.dtype).removeprefix('torch.')} device={cfg.device} (error: ‖out−ref‖/‖ref‖ vs the reference runner)")
     roof = any("pct_roofline" in r for r in rows)
-    print(f"{'quant':<12} {'runner':<11} {'T':>6} {'µs':>10} {'TFLOP/s':>8} {'rel err':>9}" + ("  %roof" if roof else ""))
+    print(f"{'quant':<12} {'runner':<11} {'T':>6} {'µs':>10} {'TFLOP/s':>8} {'GB/s':>8} {'rel err':>9}"
+          + ("  %roof" if roof else ""))
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['quant']:<12} {r['runner']:<11} {'-':>6} refused with {r['status']} (moeflow explain {r['status']})")
             continue
         err = "(oracle)" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
-        line = f"{r['quant']:<12} {r['runner']:<11} {r['T']:>6} {r['us']:>10.1f} {r['tflops']:>8.3g} {err:>9}"
+        line = (f"{r['quant']:<12} {r['runner']:<11} {r['T']:>6} {r['us']:>10.1f} {r['tflops']:>8.3g} "
+                f"{r['gbs']:>8.4g} {err:>9}")
         print(line + (f"  {r['pct_roofline']:5.1f}" if "pct_roofline" in r else ""))
 
 
@@ -133,3 +158,37 @@ def _write(rows: list[dict], args) -> None:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(rows)
+
+
+def _plotting():
+    """matplotlib's pyplot on a file backend, or MF606."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise error("MF606", why=str(exc)) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _plot(cfg, rows: list[dict], path: str) -> None:
+    """One panel per scheme: µs against T (log-log) per runner; on CUDA also the roofline floor (PERF.md's
+    ceilings, moeflow.benchmark.Ceilings)."""
+    plt = _plotting()
+    schemes = sorted({r["quant"] for r in rows if r["status"] == "ok"})
+    fig, axes = plt.subplots(1, max(len(schemes), 1), figsize=(4 * max(len(schemes), 1), 3.5), squeeze=False)
+    for ax, scheme in zip(axes[0], schemes):
+        sel = [r for r in rows if r["quant"] == scheme and r["status"] == "ok"]
+        for name in sorted({r["runner"] for r in sel}):
+            pts = sorted((r["T"], r["us"]) for r in sel if r["runner"] == name)
+            ax.loglog(*zip(*pts), marker="o", label=name)
+        if cfg.device.type == "cuda":
+            ts = sorted({r["T"] for r in sel})
+            ax.loglog(ts, [roofline_seconds(cfg.replace(quant=scheme), t) * 1e6 for t in ts], "k--", label="roofline")
+        ax.set_title(f"{scheme}  E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size}", fontsize=9)
+        ax.set_xlabel("T (tokens)")
+        ax.set_ylabel("µs")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
