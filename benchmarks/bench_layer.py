@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from moeflow.benchmark import Ceilings, clean_graph_us, graph_us, layer_bytes, layer_flops, roofline_seconds
+from moeflow.benchmark import (Ceilings, clean_graph_us, graph_us, layer_bytes, layer_flops, plot_panels,
+                               roofline_seconds)
 from moeflow.capabilities import Environment
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import create_runner
@@ -219,28 +220,21 @@ def _fmt(r) -> str:
 
 
 def _plot(rows, path) -> None:
+    """bench.png: per (preset, scheme) the headline µs against T per runner and the floor (skipped without
+    matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    keys = sorted({(r["preset"], r["scheme"]) for r in rows})
-    fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4 * max(len(keys), 1), 3.5), squeeze=False)
-    for ax, (preset, scheme) in zip(axes[0], keys):
+    panels = []
+    for preset, scheme in sorted({(r["preset"], r["scheme"]) for r in rows}):
         sel = [r for r in rows if (r["preset"], r["scheme"]) == (preset, scheme) and "layer_us" in r]
-        for name in sorted({r["runner"] for r in sel}):
-            pts = [(r["T"], r.get("layer_graph_us") or r["layer_us"]) for r in sel if r["runner"] == name]
-            ax.loglog(*zip(*pts), marker="o", label=name)
-        floor = sorted({(r["T"], r["floor_us"]) for r in sel})
-        if floor:
-            ax.loglog(*zip(*floor), "k--", label="roofline")
-        ax.set_title(f"{preset} {scheme}", fontsize=9)
-        ax.set_xlabel("T")
-        ax.set_ylabel("µs")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+        lines = {n: [(r["T"], r.get("layer_graph_us") or r["layer_us"]) for r in sel if r["runner"] == n]
+                 for n in {r["runner"] for r in sel}}
+        panels.append((f"{preset} {scheme}", lines, sorted({(r["T"], r["floor_us"]) for r in sel})))
+    plot_panels(plt, panels, path)
 
 
 if __name__ == "__main__":

@@ -98,3 +98,22 @@ def clean_graph_us(fn, reps: int = 100) -> float:
         b.record()
     torch.cuda.synchronize()
     return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
+
+
+def plot_panels(plt, panels: list[tuple[str, dict, list]], path: str) -> None:
+    """Write a PNG of one log-log panel per (title, {runner: [(T, µs)]}, floor [(T, µs)], empty for none):
+    time against T per runner, the roofline floor dashed. plt: matplotlib.pyplot on a file backend."""
+    n = max(len(panels), 1)
+    fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
+    for ax, (title, lines, floor) in zip(axes[0], panels):
+        for name, pts in sorted(lines.items()):
+            ax.loglog(*zip(*sorted(pts)), marker="o", label=name)
+        if floor:
+            ax.loglog(*zip(*sorted(floor)), "k--", label="roofline")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("T (tokens)")
+        ax.set_ylabel("µs")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

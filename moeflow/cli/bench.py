@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from ..benchmark import graph_us, layer_bytes, layer_flops, roofline_seconds, time_fn
+from ..benchmark import graph_us, layer_bytes, layer_flops, plot_panels, roofline_seconds, time_fn
 from ..errors import MoeflowError, error
 from ..experts import RUNNERS
 from ..layer import MoE
@@ -172,23 +172,14 @@ def _plotting():
 
 
 def _plot(cfg, rows: list[dict], path: str) -> None:
-    """One panel per scheme: µs against T (log-log) per runner; on CUDA also the roofline floor (PERF.md's
-    ceilings, moeflow.benchmark.Ceilings)."""
-    plt = _plotting()
-    schemes = sorted({r["quant"] for r in rows if r["status"] == "ok"})
-    fig, axes = plt.subplots(1, max(len(schemes), 1), figsize=(4 * max(len(schemes), 1), 3.5), squeeze=False)
-    for ax, scheme in zip(axes[0], schemes):
+    """One panel per scheme: µs against T per runner; on CUDA also the roofline floor (PERF.md's ceilings,
+    moeflow.benchmark.Ceilings)."""
+    panels = []
+    for scheme in sorted({r["quant"] for r in rows if r["status"] == "ok"}):
         sel = [r for r in rows if r["quant"] == scheme and r["status"] == "ok"]
-        for name in sorted({r["runner"] for r in sel}):
-            pts = sorted((r["T"], r["us"]) for r in sel if r["runner"] == name)
-            ax.loglog(*zip(*pts), marker="o", label=name)
-        if cfg.device.type == "cuda":
-            ts = sorted({r["T"] for r in sel})
-            ax.loglog(ts, [roofline_seconds(cfg.replace(quant=scheme), t) * 1e6 for t in ts], "k--", label="roofline")
-        ax.set_title(f"{scheme}  E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size}", fontsize=9)
-        ax.set_xlabel("T (tokens)")
-        ax.set_ylabel("µs")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+        lines = {name: [(r["T"], r["us"]) for r in sel if r["runner"] == name] for name in {r["runner"] for r in sel}}
+        ts = sorted({r["T"] for r in sel})
+        floor = [(t, roofline_seconds(cfg.replace(quant=scheme), t) * 1e6) for t in ts] if cfg.device.type == "cuda" \
+            else []
+        panels.append((f"{scheme}  E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size}", lines, floor))
+    plot_panels(_plotting(), panels, path)
