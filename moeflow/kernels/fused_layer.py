@@ -176,7 +176,8 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
                   w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn,
                   TOP_K: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr,
                   BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr, W13_TMA: tl.constexpr,
-                  DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr):
+                  DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr,
+                  LOOP_STAGES: tl.constexpr):
     """Gate_up work item ``item``: copy c, columns j * BLOCK_N1 .., K steps of split s (_fused_layer_kernel)."""
     tiles1 = tl.cdiv(I, BLOCK_N1)
     tile = item // SPLIT1
@@ -198,7 +199,7 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
     # the x values and scales each step needs are loaded one step ahead: Triton pipelines the weight tiles (the
     # dots' operands) but not these, which each step would otherwise wait on from L2
     x_next, gs_next, us_next = _x_step(x_row, gs_ptr, us_ptr, tl.minimum(s * per, steps - 1), H, QUANT, BLOCK_K1)
-    for kb in range(s * per, tl.minimum((s + 1) * per, steps)):
+    for kb in tl.range(s * per, tl.minimum((s + 1) * per, steps), num_stages=LOOP_STAGES):
         x_cur, gs, us = x_next, gs_next, us_next
         x_next, gs_next, us_next = _x_step(x_row, gs_ptr, us_ptr, tl.minimum(kb + 1, steps - 1), H, QUANT, BLOCK_K1)
         k0 = kb * BLOCK_K1
@@ -230,7 +231,8 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
                w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out,
                TOP_K: tl.constexpr, K_POW2: tl.constexpr, QUANT: tl.constexpr, BLOCK_N1: tl.constexpr,
                BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W2_TMA: tl.constexpr,
-               DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr):
+               DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr,
+               LOOP_STAGES: tl.constexpr):
     """Down work item ``d`` (counted from the first down item): token t, columns j * BLOCK_N2 .., split s of the K
     copies' steps (k-major) (_fused_layer_kernel)."""
     tiles1 = tl.cdiv(I, BLOCK_N1)
@@ -258,7 +260,7 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
     # copy st // steps, its K step st % steps; its inter values and weight scale loaded one step ahead (as gate_up's)
     e_next, w_next, v_next, ws_next = _inter_step(inter_ptr, ws_tile, stride_w2se, ids, wts, kk, t, tl.minimum(
         s * per, last), steps, I, TOP_K, QUANT, BLOCK_K2)
-    for st in range(s * per, tl.minimum((s + 1) * per, last + 1)):
+    for st in tl.range(s * per, tl.minimum((s + 1) * per, last + 1), num_stages=LOOP_STAGES):
         e, w_k, vals, ws = e_next, w_next, v_next, ws_next
         e_next, w_next, v_next, ws_next = _inter_step(inter_ptr, ws_tile, stride_w2se, ids, wts, kk, t,
                                                       tl.minimum(st + 1, last), steps, I, TOP_K, QUANT, BLOCK_K2)
@@ -296,7 +298,7 @@ def _fused_layer_kernel(
         INTER_DTYPE: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr,
         BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W13_TMA: tl.constexpr,
         W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr = False,
-        PDL: tl.constexpr = False):
+        LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False):
     """sync_ptr int32, zero at launch (counters_size): [0] tickets taken, [1] down tiles done, [2 + c] copy c's
     finished gate_up tiles, then (SPLIT1 > 1) one count per gate_up tile, then (SPLIT2 > 1) one per down tile.
     inter_ptr [T * K, I] scratch in the layer dtype; part1_ptr [gate_up tiles, SPLIT1, 2 * BLOCK_N1] and part2_ptr
@@ -311,12 +313,21 @@ def _fused_layer_kernel(
     if item < items1:
         _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, sync_ptr, split1_counts, T, H, I,
                       w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn, TOP_K, QUANT, ACT,
-                      INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, DOT_IEEE, ROUND_IN_FP32, FMA)
+                      INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, DOT_IEEE, ROUND_IN_FP32, FMA,
+                      LOOP_STAGES)
     else:
         _down_item(item - items1, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, split2_counts,
                    T, H, I, w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out, TOP_K, K_POW2, QUANT,
-                   BLOCK_N1, BLOCK_N2, BLOCK_K2, SPLIT2, W2_TMA, DOT_IEEE, ROUND_IN_FP32, FMA)
+                   BLOCK_N1, BLOCK_N2, BLOCK_K2, SPLIT2, W2_TMA, DOT_IEEE, ROUND_IN_FP32, FMA,
+                   LOOP_STAGES)
     pdl_launch(PDL)
+
+
+def loop_stages(cfg):
+    """The K loops' num_stages: the launch's (cfg.num_stages) asked of the loops themselves where they multiply on
+    the CUDA cores (Triton pipelines only a dot's loads unless the loop asks: without it, each step's TMA tile
+    was a synchronous copy, sm_90a SASS), else None (the launch's num_stages, as before)."""
+    return cfg.num_stages if cfg.fma else None
 
 
 def counters_size(tokens: int, top_k: int, hidden: int, inter: int, cfg) -> int:
@@ -367,7 +378,7 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         INTER_DTYPE=_TL_DTYPE[dtype], BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1,
         BLOCK_N2=cfg.block_n2, BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=w13_arg is not w13,
         W2_TMA=w2_arg is not w2, DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=interpreting(),
-        FMA=bool(cfg.fma),
+        FMA=bool(cfg.fma), LOOP_STAGES=loop_stages(cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device, early_start=False))
     return out
 
