@@ -29,15 +29,15 @@ from oracle import assert_close
 CASES = [("none", torch.float32), ("none", torch.float16), ("fp8-block", torch.float16), ("fp8-block", torch.float32)]
 
 
-@pytest.mark.parametrize("fma", [0, 1], ids=["dots", "fma"])
+@pytest.mark.parametrize("fma", [0, 1, 2], ids=["dots", "fma", "fma-tile"])
 @pytest.mark.parametrize("scheme,dtype", CASES, ids=lambda v: str(v).removeprefix("torch."))
 @pytest.mark.parametrize("t", [1, 3])
 def test_against_references(scheme, dtype, t, fma):
-    """fma: the K loops on the CUDA cores (FusedConfig.fma) instead of transposed dots."""
+    """fma: the K loops on the CUDA cores (FusedConfig.fma; 2: a product tile summed at the end), not dots."""
     check(scheme, dtype, t, e=5, h=256, i=128, k=2, cfg=FusedConfig(32, 64, 64, 64, num_stages=2, fma=fma))
 
 
-@pytest.mark.parametrize("fma", [0, 1], ids=["dots", "fma"])
+@pytest.mark.parametrize("fma", [0, 1, 2], ids=["dots", "fma", "fma-tile"])
 @pytest.mark.parametrize("splits", [(2, 3), (3, 1), (1, 5)])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16)],
                          ids=["none", "fp8-block"])
@@ -48,7 +48,7 @@ def test_split_k(scheme, dtype, splits, fma):
                                                                       split2=splits[1], fma=fma))
 
 
-@pytest.mark.parametrize("fma", [0, 1], ids=["dots", "fma"])
+@pytest.mark.parametrize("fma", [0, 1, 2], ids=["dots", "fma", "fma-tile"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 def test_odd_sizes_with_k_tails(dtype, fma):
     """H = 48, I = 40 (not multiples of the 32-wide K steps or 16-wide tiles), 3 experts of 7, top-3."""

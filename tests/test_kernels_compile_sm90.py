@@ -221,6 +221,8 @@ FUSED_CASES = [  # (scheme, dtype, FusedConfig fields, TMA, top-k, wgmma expecte
     ("none", "fp16", (32, 256, 32, 256, 4, 3, 1, 8, 1), False, 2, False),
     ("fp8-block", "bf16", (128, 128, 64, 128, 4, 3, 2, 8, 1), True, 8, False),
     ("fp8-block", "bf16", (32, 128, 32, 128, 4, 4, 2, 8, 1), True, 8, False),
+    ("none", "bf16", (32, 128, 32, 128, 4, 4, 1, 8, 2), True, 8, False),  # fma 2: a product tile a GEMM
+    ("fp8-block", "bf16", (32, 128, 32, 128, 4, 4, 1, 8, 2), True, 8, False),
 ]
 
 

@@ -87,10 +87,11 @@ class FusedConfig:
     num_stages: int = 4
     split1: int = 1
     split2: int = 1
-    # 1: the K loops multiply on the CUDA cores (each step's products summed in float32, no wgmma): the transposed
-    # dots' per-step chain (the row stored to shared memory, a barrier, each wgmma group waited for) bounds a
-    # program's streaming rate at T=1 (benchmarks/results/t1_bounds_2026-12-01_h200.md, section 6). Not yet
-    # measured on a GPU; `moeflow tune` times it among its candidates
+    # 1: the K loops multiply on the CUDA cores (each step's products summed over K in float32, no wgmma); 2: the
+    # same, the products added into a [BLOCK_N, BLOCK_K] float32 tile summed once at the end (no per-step sums,
+    # more registers). The transposed dots' per-step chain (the row stored to shared memory, barriers, each wgmma
+    # group waited for) bounds a program's streaming rate at T=1 (benchmarks/results/t1_bounds_2026-12-01_h200.md,
+    # section 6). Not yet measured on a GPU; `moeflow tune` times both among its candidates
     fma: int = 0
 
     def to_dict(self) -> dict:
@@ -187,7 +188,7 @@ def fit_fused(cfg: FusedConfig, scheme: str) -> FusedConfig:
     if scheme == "fp8-block":
         bn1, bn2, bk1, bk2 = min(bn1, 128), min(bn2, 128), 128, 128
     return replace(cfg, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, num_stages=max(cfg.num_stages, 1),
-                   split1=max(cfg.split1, 1), split2=max(cfg.split2, 1), fma=1 if cfg.fma else 0)
+                   split1=max(cfg.split1, 1), split2=max(cfg.split2, 1), fma=min(max(cfg.fma, 0), 2))
 
 
 def wgmma_down_fits(cfg: GemmConfig) -> bool:

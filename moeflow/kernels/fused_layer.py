@@ -20,11 +20,12 @@ Each dot is transposed, weights [BLOCK_N, BLOCK_K] times the token's row broadca
 the weight tile is the A operand, so tiles of 64 rows or more run as Hopper wgmma straight from shared memory
 (fp8 included; a 16-row A of tokens would run as mma.sync, whose fp8 operands Triton converts to fp16 first), and
 the dots run on the tensor cores, which a CUDA-core GEMV of FP8 weights could not match
-(benchmarks/results/decode_gemv_*). FusedConfig.fma runs the K loops on the CUDA cores instead: each step's
-weight tile times the row in float32, summed over the step's K (fp8-block: the row's fp8 values times its scales):
-the transposed dots' step stores the row to shared memory, waits at barriers and waits for each wgmma group
+(benchmarks/results/decode_gemv_*). FusedConfig.fma runs the K loops on the CUDA cores instead, their loads
+pipelined (tl.range num_stages): each step's weight tile times the row in float32 (fp8-block: the row's fp8 values
+times its scales), summed over the step's K (fma 1) or added into a float32 tile summed once per item (fma 2).
+Why: a transposed dot's step stores the row to shared memory, waits at barriers and waits out each wgmma group
 (sm_90a SASS: two `WARPGROUP.DEPBAR.LE gsb0, 0x0` a gate_up step), which bounds a program's streaming rate at T=1
-(benchmarks/results/t1_bounds_2026-12-01_h200.md); not yet measured on a GPU, `moeflow tune` times both.
+(benchmarks/results/t1_bounds_2026-12-01_h200.md). Not yet measured on a GPU; `moeflow tune` times both forms.
 Where it pays the tuned tables say (MoEKernelConfig.fused, configs.py): on H200 every preset at T = 1 (1.04-1.11x
 the separate launches, whole layer; benchmarks/results/fused_layer_2026-12-01_h200.md) and some at T = 2-4.
 Tokens whose copies share an expert read its weights once per copy, so it is for batches of about one copy per
@@ -84,12 +85,15 @@ def _weight_tile(w, row0, rows, stride_we, stride_wn, e, k0, K_SIZE, W_TMA: tl.c
 @triton.jit
 def _step(acc, a, b, s, SCALED: tl.constexpr, DOT_IEEE: tl.constexpr, FMA: tl.constexpr):
     """acc + s * (a @ b) (SCALED) or acc + a @ b; float32 layers dot in IEEE float32. FMA: a [BLOCK_N, BLOCK_K]
-    times the row b [BLOCK_K] on the CUDA cores, float32, summed over K this step -> acc [BLOCK_N] (b scaled first
-    where SCALED)."""
+    times the row b [BLOCK_K] on the CUDA cores in float32 (b scaled first where SCALED), summed over K this step
+    into acc [BLOCK_N] (FMA 1) or added into acc [BLOCK_N, BLOCK_K] (FMA 2: summed once, at the end)."""
     if FMA:
         if SCALED:
             b = b * s
-        acc = acc + tl.sum(a.to(tl.float32) * b[None, :], axis=1)
+        if FMA == 2:
+            acc = acc + a.to(tl.float32) * b[None, :]
+        else:
+            acc = acc + tl.sum(a.to(tl.float32) * b[None, :], axis=1)
     elif SCALED:
         if DOT_IEEE:
             acc = acc + tl.dot(a, b, input_precision="ieee") * s
@@ -103,10 +107,12 @@ def _step(acc, a, b, s, SCALED: tl.constexpr, DOT_IEEE: tl.constexpr, FMA: tl.co
 
 
 @triton.jit
-def _acc_zeros(BLOCK_N: tl.constexpr, FMA: tl.constexpr):
-    """A zero float32 accumulator: [BLOCK_N, 16] (transposed dots: the weight rows are the dot's M) or (FMA)
-    [BLOCK_N]."""
-    if FMA:
+def _acc_zeros(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA: tl.constexpr):
+    """A zero float32 accumulator: [BLOCK_N, 16] (transposed dots: the weight rows are the dot's M), [BLOCK_N]
+    (FMA 1) or [BLOCK_N, BLOCK_K] (FMA 2)."""
+    if FMA == 2:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    elif FMA:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
@@ -115,8 +121,11 @@ def _acc_zeros(BLOCK_N: tl.constexpr, FMA: tl.constexpr):
 
 @triton.jit
 def _column0(acc, FMA: tl.constexpr):
-    """[BLOCK_N, 16] transposed product (16 equal columns) -> its first column [BLOCK_N], exactly; FMA: acc."""
-    if FMA:
+    """The accumulator -> its row sums [BLOCK_N]: the first of the transposed product's 16 equal columns (exactly),
+    acc itself (FMA 1), or its sum over K (FMA 2)."""
+    if FMA == 2:
+        out = tl.sum(acc, axis=1)
+    elif FMA:
         out = acc
     else:
         out = tl.sum(tl.where((tl.arange(0, 16) == 0)[None, :], acc, 0.0), axis=1)
@@ -191,8 +200,8 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
     x_row = x_ptr + t.to(tl.int64) * stride_x
     gs_ptr = w13s_ptr + e.to(tl.int64) * stride_w13se + (j * BLOCK_N1 // 128) * stride_w13sn
     us_ptr = gs_ptr + (I // 128) * stride_w13sn
-    acc_g = _acc_zeros(BLOCK_N1, FMA)
-    acc_u = _acc_zeros(BLOCK_N1, FMA)
+    acc_g = _acc_zeros(BLOCK_N1, BLOCK_K1, FMA)
+    acc_u = _acc_zeros(BLOCK_N1, BLOCK_K1, FMA)
     g_row0 = (e * w13_rows + j * BLOCK_N1).to(tl.int32)  # TMA: rows past I are never stored
     steps = tl.cdiv(H, BLOCK_K1)
     per = tl.cdiv(steps, SPLIT1)
@@ -254,7 +263,7 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
         ready = tl.atomic_add(sync_ptr + 2 + t * TOP_K + k, 0, sem="acquire")
         while ready < tiles1:
             ready = tl.atomic_add(sync_ptr + 2 + t * TOP_K + k, 0, sem="acquire")
-    acc = _acc_zeros(BLOCK_N2, FMA)
+    acc = _acc_zeros(BLOCK_N2, BLOCK_K2, FMA)
     ws_tile = w2s_ptr + (j * BLOCK_N2 // 128) * stride_w2sn  # 128 % BLOCK_N2 == 0: one weight-scale block row
     last = TOP_K * steps - 1
     # copy st // steps, its K step st % steps; its inter values and weight scale loaded one step ahead (as gate_up's)
@@ -297,7 +306,7 @@ def _fused_layer_kernel(
         TOP_K: tl.constexpr, K_POW2: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr,
         INTER_DTYPE: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr,
         BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W13_TMA: tl.constexpr,
-        W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr = False,
+        W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr = 0,
         LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False):
     """sync_ptr int32, zero at launch (counters_size): [0] tickets taken, [1] down tiles done, [2 + c] copy c's
     finished gate_up tiles, then (SPLIT1 > 1) one count per gate_up tile, then (SPLIT2 > 1) one per down tile.
@@ -378,7 +387,7 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         INTER_DTYPE=_TL_DTYPE[dtype], BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1,
         BLOCK_N2=cfg.block_n2, BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=w13_arg is not w13,
         W2_TMA=w2_arg is not w2, DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=interpreting(),
-        FMA=bool(cfg.fma), LOOP_STAGES=loop_stages(cfg),
+        FMA=cfg.fma, LOOP_STAGES=loop_stages(cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device, early_start=False))
     return out
 

@@ -96,7 +96,7 @@ def fused_layer_usage(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, to
     const = dict(TOP_K=top_k, K_POW2=max(2, triton.next_power_of_2(top_k)), QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype],
                  BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1, BLOCK_N2=cfg.block_n2,
                  BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=tma, W2_TMA=tma,
-                 DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=False, FMA=bool(cfg.fma),
+                 DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=False, FMA=cfg.fma,
                  LOOP_STAGES=cfg.num_stages if cfg.fma else None, PDL=True)
     aligned = {"H", "I", "stride_x", "stride_out", "stride_w13e", "stride_w13n", "stride_w2e", "stride_w2n",
                "w13_rows", "w2_rows"}  # specialized as multiples of 16

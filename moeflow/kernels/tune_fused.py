@@ -26,11 +26,14 @@ FUSED_BF16 = [(64, 128, 64, 128, 3, 2, 8), (64, 128, 64, 128, 3, 1, 8), (64, 64,
               (64, 64, 64, 64, 4, 4, 8), (64, 128, 64, 128, 3, 2, 16), (64, 128, 128, 64, 4, 1, 16),
               (64, 64, 64, 64, 6, 2, 8)]
 
-# the K loops on the CUDA cores (FusedConfig.fma; the same tuples as above): not wgmma-bound, so narrow tiles too
-# (more programs); ptxas sm_90a: 64-128 registers, no spills (tests/test_kernels_compile_sm90.py)
-FUSED_FP8_FMA = [(64, 64, 3, 1, 8), (32, 32, 4, 1, 8), (32, 32, 4, 2, 8), (128, 64, 3, 2, 8)]
-FUSED_BF16_FMA = [(64, 128, 64, 128, 3, 1, 8), (32, 128, 32, 128, 4, 1, 8), (64, 64, 64, 64, 4, 1, 8),
-                  (32, 256, 32, 256, 3, 1, 8), (32, 128, 32, 128, 4, 2, 8)]
+# the K loops on the CUDA cores (FusedConfig.fma first, then the tuples above): not wgmma-bound, so narrow tiles
+# too (more programs); fma 2 keeps a [BLOCK_N, BLOCK_K] float32 tile a GEMM, so its tiles are smaller. ptxas
+# sm_90a: 68-141 registers, no spills (tests/test_kernels_compile_sm90.py)
+FUSED_FP8_FMA = [(1, 64, 64, 3, 1, 8), (1, 32, 32, 4, 1, 8), (1, 32, 32, 4, 2, 8), (1, 128, 64, 3, 2, 8),
+                 (2, 32, 32, 4, 1, 8), (2, 16, 16, 4, 1, 8)]
+FUSED_BF16_FMA = [(1, 64, 128, 64, 128, 3, 1, 8), (1, 32, 128, 32, 128, 4, 1, 8), (1, 64, 64, 64, 64, 4, 1, 8),
+                  (1, 32, 256, 32, 256, 3, 1, 8), (1, 32, 128, 32, 128, 4, 2, 8), (2, 32, 128, 32, 128, 4, 1, 8),
+                  (2, 32, 64, 32, 64, 4, 1, 8), (2, 64, 64, 64, 64, 4, 1, 8)]
 
 
 def fused_candidates(shape: Shape, tokens: int) -> list[FusedConfig]:
@@ -44,10 +47,10 @@ def fused_candidates(shape: Shape, tokens: int) -> list[FusedConfig]:
         return []
     if shape.scheme == "fp8-block":
         tiles = [dict(block_n1=n1, block_k1=128, block_n2=n2, block_k2=128, num_stages=s, split1=s1, split2=s2, fma=f)
-                 for f, cands in ((0, FUSED_FP8), (1, FUSED_FP8_FMA)) for n1, n2, s, s1, s2 in cands]
+                 for f, n1, n2, s, s1, s2 in [(0, *c) for c in FUSED_FP8] + FUSED_FP8_FMA]
     elif shape.dtype.itemsize == 2:
         tiles = [dict(block_n1=n1, block_k1=k1, block_n2=n2, block_k2=k2, num_stages=s, split1=s1, split2=s2, fma=f)
-                 for f, cands in ((0, FUSED_BF16), (1, FUSED_BF16_FMA)) for n1, k1, n2, k2, s, s1, s2 in cands]
+                 for f, n1, k1, n2, k2, s, s1, s2 in [(0, *c) for c in FUSED_BF16] + FUSED_BF16_FMA]
     else:
         return []
     out = []
