@@ -25,9 +25,10 @@ run = functools.partial(check_fused, device=DEV)
                                  FusedConfig(16, 128, 16, 128, 4, 6), FusedConfig(64, 128, 64, 128, 4, 4, 2, 3),
                                  FusedConfig(64, 128, 64, 128, 4, 4, 1, 8), FusedConfig(64, 128, 64, 128, 4, 3, fma=1),
                                  FusedConfig(32, 128, 32, 128, 4, 4, 2, 8, fma=1),
-                                 FusedConfig(32, 128, 32, 128, 4, 4, fma=2)],
+                                 FusedConfig(32, 128, 32, 128, 4, 4, fma=2),
+                                 FusedConfig(64, 128, 64, 128, 8, 3, fma=1)],
                          ids=["32-32", "64-128", "16-16", "64-64-split", "64-64-copy-halves", "fma-64", "fma-32-split",
-                              "fma-tile-32"])
+                              "fma-tile-32", "fma-64-8-warps"])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.bfloat16), ("none", torch.float16),
                                           ("fp8-block", torch.bfloat16)], ids=["bf16", "fp16", "fp8-block"])
 def test_against_references(scheme, dtype, cfg, t):
