@@ -77,7 +77,7 @@ class FusedConfig:
     output columns of one token, steps of BLOCK_K2 along I (all K copies' steps in one loop), split over SPLIT2
     programs (the last of a tile's programs to finish adds the float32 partials in split order). fp8-block: both
     BLOCK_K 128 (one activation group a step), both BLOCK_N dividing 128. BLOCK_N of 64 or more runs Hopper wgmma
-    (the weight tile is the dot's M), narrower tiles mma.sync."""
+    (the weight tile is the dot's M), narrower tiles mma.sync; fma 1 or 2 runs the K loops on the CUDA cores."""
 
     block_n1: int = 64
     block_k1: int = 128

@@ -120,7 +120,7 @@ def _acc_zeros(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA: tl.constexpr):
 
 
 @triton.jit
-def _column0(acc, FMA: tl.constexpr):
+def _row_sums(acc, FMA: tl.constexpr):
     """The accumulator -> its row sums [BLOCK_N]: the first of the transposed product's 16 equal columns (exactly),
     acc itself (FMA 1), or its sum over K (FMA 2)."""
     if FMA == 2:
@@ -221,7 +221,7 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
         else:
             acc_g = _step(acc_g, wg, xb, 1.0, False, DOT_IEEE, FMA)
             acc_u = _step(acc_u, wu, xb, 1.0, False, DOT_IEEE, FMA)
-    g, u = _column0(acc_g, FMA), _column0(acc_u, FMA)
+    g, u = _row_sums(acc_g, FMA), _row_sums(acc_u, FMA)
     finish = True
     if SPLIT1 > 1:  # the last split of the tile adds the partials and finishes it
         both = tl.reshape(tl.join(g, u), (2 * BLOCK_N1,))  # g0 u0 g1 u1 ...
@@ -281,7 +281,7 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
             acc = _step(acc, wt, ab, w_k * a_s * ws, True, DOT_IEEE, FMA)
         else:  # the routing weight scales each of the copy's step products
             acc = _step(acc, wt, ab, w_k, True, DOT_IEEE, FMA)
-    y = _column0(acc, FMA)
+    y = _row_sums(acc, FMA)
     finish = True
     if SPLIT2 > 1:
         finish, y = _last_of(split2_counts + tile, part2_ptr + tile.to(tl.int64) * SPLIT2 * BLOCK_N2, s, y, SPLIT2,
