@@ -86,15 +86,19 @@ def clean_graph_us(fn, reps: int = 100) -> float:
     from .kernels.autotune import capture_graph
     if not _CLEAN:
         _CLEAN.append(torch.ones(1 << 27, dtype=torch.int64, device="cuda"))
-    graph = capture_graph(fn, warmups=2)
+    return timed_after_us(capture_graph(fn, warmups=2).replay, _CLEAN[0].amax, reps)
+
+
+def timed_after_us(fn, before, reps: int = 100) -> float:
+    """Median µs of CUDA work fn() over ``reps`` calls (after 3 untimed), each after before() (not timed)."""
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for _ in range(3):
-        _CLEAN[0].amax()
-        graph.replay()
+        before()
+        fn()
     for a, b in ev:
-        _CLEAN[0].amax()
+        before()
         a.record()
-        graph.replay()
+        fn()
         b.record()
     torch.cuda.synchronize()
     return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3

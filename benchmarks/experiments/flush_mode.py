@@ -19,25 +19,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def timed(fn, before, reps=100):
-    """Median µs of fn() over reps, each after before() (not timed)."""
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for _ in range(3):
-        before()
-        fn()
-    for a, b in ev:
-        before()
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) for a, b in ev)
-    return t[reps // 2] * 1e3
-
-
 def main():
     from triton.testing import do_bench
     from bench_layer import Case
+    from moeflow.benchmark import timed_after_us as timed
     from moeflow.experts import create_runner
     from moeflow.kernels.autotune import capture_graph
     p = argparse.ArgumentParser()

@@ -30,7 +30,7 @@ import torch
 from ..layouts import SORTED, ExpertBatch
 from ..quant import FP8_DTYPE, create_scheme
 from .configs import FusedConfig, GemmConfig, MoEKernelConfig, fit
-from .tune_fused import FUSED_MAX_REL_ERR, fused_candidates, fused_searched, layer_times, pick_fused
+from .tune_fused import FUSED_MAX_REL_ERR, fused_candidates, fused_searched, layer_times, pick_fused, usable
 
 
 @dataclass(frozen=True)
@@ -320,7 +320,7 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
             sep, timed = layer_times(parts, weights, routings, table[t], fused_plans[t], rep_ms)
             best = pick_fused(sep, timed)
             table[t] = MoEKernelConfig(best_gu, best_dn, fused=best)
-            ok = [ms for _, ms, err in timed if err <= FUSED_MAX_REL_ERR]  # the tile sets pick_fused considers
+            ok = [ms for _, ms in usable(timed)]  # the tile sets pick_fused considers
             measured[str(t)]["layer_separate"] = round(sep * 1e3, 2)
             line += f"  layer: separate {sep * 1e3:.1f} us"
             if ok:

@@ -74,11 +74,17 @@ def fused_searched(shape: Shape, tokens: int, indexed_rows: bool) -> bool:
 FUSED_MAX_REL_ERR = 3e-2
 
 
+def usable(timed: list[tuple[FusedConfig, float, float]]) -> list[tuple[FusedConfig, float]]:
+    """[(tile set, ms)] of ``timed`` [(tile set, ms, relative error against the separate launches)] whose error is
+    within FUSED_MAX_REL_ERR (NaN never is): the only ones pick_fused may record."""
+    return [(f, ms) for f, ms, err in timed if err <= FUSED_MAX_REL_ERR]
+
+
 def pick_fused(separate_ms: float, timed: list[tuple[FusedConfig, float, float]]) -> FusedConfig | None:
-    """The fastest of ``timed`` [(tile set, ms, relative error against the separate launches)] among those within
-    FUSED_MAX_REL_ERR (NaN never is) if it is faster than ``separate_ms`` (the separate launches on the same
-    routings), else None (a tie keeps the separate launches)."""
-    ok = [(f, ms) for f, ms, err in timed if err <= FUSED_MAX_REL_ERR]
+    """The fastest of ``timed`` [(tile set, ms, relative error against the separate launches)] among the usable
+    ones if it is faster than ``separate_ms`` (the separate launches on the same routings), else None (a tie
+    keeps the separate launches)."""
+    ok = usable(timed)
     if not ok:
         return None
     best, ms = min(ok, key=lambda c: c[1])
