@@ -9,12 +9,10 @@
 #   1. pytest -m gpu: the single-GPU suites (triton, one-launch layer, layer graph, runners, transformers, the
 #      command line), GPU 0
 #   2. with 2 GPUs: pytest -m gpu tests/gpu/test_gpu_ep.py, then benchmarks/bench_ep.py --profile
-#   3. benchmarks/experiments/fused_layer.py at T = 1, 2, 4: every one-launch tile set tune_fused offers (the
-#      wgmma dots and the CUDA-core fma forms) against the shipped layer, GPU 0
-#   4. benchmarks/bench_layer.py: PERF.md's 36 rows, triton runner, GPU 0
-#   5. the T=1 and 16 rows again with MOEFLOW_TRITON_PDL=0 (programmatic dependent launch off), GPU 0
-#   6. benchmarks/experiments/sort_variants.py, GPU 0
-#   7. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
+#   3. benchmarks/bench_layer.py: PERF.md's 36 rows, triton runner, GPU 0
+#   4. the T=1 and 16 rows again with MOEFLOW_TRITON_PDL=0 (programmatic dependent launch off), GPU 0
+#   5. benchmarks/experiments/sort_variants.py, GPU 0
+#   6. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
 #      over copies of them: the candidates include split-K forms of both GEMMs), GPU 0; copy the files
 #      back into moeflow/kernels/configs/ only after comparing the layer rows
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
@@ -51,8 +49,6 @@ if [ "$GPUS" -ge 2 ]; then
         --out "$R/ep_bench.json"
     grep -E "^(alltoall|lowlatency)" "$R/ep_bench.log" | cut -c1-300 >> "$S"
 fi
-step fused_candidates 300 env CUDA_VISIBLE_DEVICES=0 OUT="$R" python benchmarks/experiments/fused_layer.py \
-    --tokens 1,2,4
 step layer_bench 150 env CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_layer.py \
     --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --schemes none,fp8-block --runners triton --out "$R/layer"
 step layer_bench_nopdl 60 env CUDA_VISIBLE_DEVICES=0 MOEFLOW_TRITON_PDL=0 python benchmarks/bench_layer.py \

@@ -29,30 +29,26 @@ from oracle import assert_close
 CASES = [("none", torch.float32), ("none", torch.float16), ("fp8-block", torch.float16), ("fp8-block", torch.float32)]
 
 
-@pytest.mark.parametrize("fma", [0, 1, 2], ids=["dots", "fma", "fma-tile"])
 @pytest.mark.parametrize("scheme,dtype", CASES, ids=lambda v: str(v).removeprefix("torch."))
 @pytest.mark.parametrize("t", [1, 3])
-def test_against_references(scheme, dtype, t, fma):
-    """fma: the K loops on the CUDA cores (FusedConfig.fma; 2: a product tile summed at the end), not dots."""
-    check(scheme, dtype, t, e=5, h=256, i=128, k=2, cfg=FusedConfig(32, 64, 64, 64, num_stages=2, fma=fma))
+def test_against_references(scheme, dtype, t):
+    check(scheme, dtype, t, e=5, h=256, i=128, k=2, cfg=FusedConfig(32, 64, 64, 64, num_stages=2))
 
 
-@pytest.mark.parametrize("fma", [0, 1, 2], ids=["dots", "fma", "fma-tile"])
 @pytest.mark.parametrize("splits", [(2, 3), (3, 1), (1, 5)])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16)],
                          ids=["none", "fp8-block"])
-def test_split_k(scheme, dtype, splits, fma):
+def test_split_k(scheme, dtype, splits):
     """K steps split over programs in either GEMM, the last program of a tile adding the partials: uneven
     splits (3 of 4 gate_up steps), a split with no steps (5 of 4 down steps: I = 256 / 128 x top-2)."""
     check(scheme, dtype, 2, e=5, h=512, i=256, k=2, cfg=FusedConfig(64, 128, 64, 128, split1=splits[0],
-                                                                      split2=splits[1], fma=fma))
+                                                                      split2=splits[1]))
 
 
-@pytest.mark.parametrize("fma", [0, 1, 2], ids=["dots", "fma", "fma-tile"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
-def test_odd_sizes_with_k_tails(dtype, fma):
+def test_odd_sizes_with_k_tails(dtype):
     """H = 48, I = 40 (not multiples of the 32-wide K steps or 16-wide tiles), 3 experts of 7, top-3."""
-    check("none", dtype, 3, e=7, h=48, i=40, k=3, cfg=FusedConfig(16, 32, 16, 32, fma=fma))
+    check("none", dtype, 3, e=7, h=48, i=40, k=3, cfg=FusedConfig(16, 32, 16, 32))
 
 
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16)],
@@ -60,7 +56,6 @@ def test_odd_sizes_with_k_tails(dtype, fma):
 def test_every_token_on_one_expert(scheme, dtype):
     """Expert 2 in every token's top-k (its weights read by every token's copy), the others barely used."""
     check(scheme, dtype, 4, e=6, h=128, i=256, k=2, cfg=FusedConfig(64, 128, 32, 128), one_expert=2)
-    check(scheme, dtype, 4, e=6, h=128, i=256, k=2, cfg=FusedConfig(64, 128, 32, 128, fma=1), one_expert=2)
 
 
 def test_top_1_and_other_activations():

@@ -216,13 +216,6 @@ FUSED_CASES = [  # (scheme, dtype, FusedConfig fields, TMA, top-k, wgmma expecte
     ("none", "bf16", (32, 64, 64, 64, 4, 4, 1, 1), False, 3, None),  # 32-row gate_up tiles: mma.sync there
     ("fp8-block", "bf16", (32, 128, 32, 128, 4, 4, 1, 1), True, 8, False),  # no 64-row tile: no wgmma
     ("none", "fp32", (16, 32, 16, 32, 4, 2, 2, 2), False, 3, False),  # IEEE float32 dots
-    # fma (the last field): the K loops on the CUDA cores, no wgmma, at the tuner's FMA tile sets
-    ("none", "bf16", (64, 128, 64, 128, 4, 3, 1, 8, 1), True, 8, False),
-    ("none", "fp16", (32, 256, 32, 256, 4, 3, 1, 8, 1), False, 2, False),
-    ("fp8-block", "bf16", (128, 128, 64, 128, 4, 3, 2, 8, 1), True, 8, False),
-    ("fp8-block", "bf16", (32, 128, 32, 128, 4, 4, 2, 8, 1), True, 8, False),
-    ("none", "bf16", (32, 128, 32, 128, 4, 4, 1, 8, 2), True, 8, False),  # fma 2: a product tile a GEMM
-    ("fp8-block", "bf16", (32, 128, 32, 128, 4, 4, 1, 8, 2), True, 8, False),
 ]
 
 

@@ -5,9 +5,8 @@ headline method), PERF.md's shapes. One H200.
     PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/fused_layer.py [--tokens 1,2,4,8,16] [preset ...]
 
 Per preset, scheme (none = bf16, fp8-block) and T: the shipped layer (what its table runs: on H200 the one launch
-at T = 1), each candidate tile set of kernels/tune_fused.py (the wgmma dots and the CUDA-core fma forms) forced into
-the runner, then the shipped layer again (the drift between the two shipped
-timings bounds what a difference means); each candidate's error against the shipped layer's output. Candidates
+at T = 1), each candidate tile set of kernels/tune_fused.py forced into the runner, then the shipped layer again
+(the drift between the two shipped timings bounds what a difference means); each candidate's error against the shipped layer's output. Candidates
 are compiled first in worker processes. Writes fused_layer.json under OUT; prints a table last.
 """
 import argparse

@@ -77,7 +77,7 @@ class FusedConfig:
     output columns of one token, steps of BLOCK_K2 along I (all K copies' steps in one loop), split over SPLIT2
     programs (the last of a tile's programs to finish adds the float32 partials in split order). fp8-block: both
     BLOCK_K 128 (one activation group a step), both BLOCK_N dividing 128. BLOCK_N of 64 or more runs Hopper wgmma
-    (the weight tile is the dot's M), narrower tiles mma.sync; fma 1 or 2 runs the K loops on the CUDA cores."""
+    (the weight tile is the dot's M), narrower tiles mma.sync."""
 
     block_n1: int = 64
     block_k1: int = 128
@@ -87,12 +87,6 @@ class FusedConfig:
     num_stages: int = 4
     split1: int = 1
     split2: int = 1
-    # 1: the K loops multiply on the CUDA cores (each step's products summed over K in float32, no wgmma); 2: the
-    # same, the products added into a [BLOCK_N, BLOCK_K] float32 tile summed once at the end (no per-step sums,
-    # more registers). The transposed dots' per-step chain (the row stored to shared memory, barriers, each wgmma
-    # group waited for) bounds a program's streaming rate at T=1 (benchmarks/results/t1_bounds_2026-12-01_h200.md,
-    # section 6). Not yet measured on a GPU; `moeflow tune` times both among its candidates
-    fma: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,7 +182,7 @@ def fit_fused(cfg: FusedConfig, scheme: str) -> FusedConfig:
     if scheme == "fp8-block":
         bn1, bn2, bk1, bk2 = min(bn1, 128), min(bn2, 128), 128, 128
     return replace(cfg, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, num_stages=max(cfg.num_stages, 1),
-                   split1=max(cfg.split1, 1), split2=max(cfg.split2, 1), fma=min(max(cfg.fma, 0), 2))
+                   split1=max(cfg.split1, 1), split2=max(cfg.split2, 1))
 
 
 def wgmma_down_fits(cfg: GemmConfig) -> bool:

@@ -20,12 +20,8 @@ Each dot is transposed, weights [BLOCK_N, BLOCK_K] times the token's row broadca
 the weight tile is the A operand, so tiles of 64 rows or more run as Hopper wgmma straight from shared memory
 (fp8 included; a 16-row A of tokens would run as mma.sync, whose fp8 operands Triton converts to fp16 first), and
 the dots run on the tensor cores, which a CUDA-core GEMV of FP8 weights could not match
-(benchmarks/results/decode_gemv_*). FusedConfig.fma runs the K loops on the CUDA cores instead, their loads
-pipelined (tl.range num_stages): each step's weight tile times the row in float32 (fp8-block: the row's fp8 values
-times its scales), summed over the step's K (fma 1) or added into a float32 tile summed once per item (fma 2).
-Why: a transposed dot's step stores the row to shared memory, waits at barriers and waits out each wgmma group
-(sm_90a SASS: two `WARPGROUP.DEPBAR.LE gsb0, 0x0` a gate_up step), which bounds a program's streaming rate at T=1
-(benchmarks/results/t1_bounds_2026-12-01_h200.md). Not yet measured on a GPU; `moeflow tune` times both forms.
+(benchmarks/results/decode_gemv_*). Nor did the K loops on the CUDA cores inside this launch (tried at 3363a82 and
+removed: within 2.2% on bf16, 1.01-1.26x slower on fp8-block; benchmarks/results/fused_fma_2026-12-01_h200_3363a82.md).
 Where it pays the tuned tables say (MoEKernelConfig.fused, configs.py): on H200 every preset at T = 1 (1.04-1.11x
 the separate launches, whole layer; benchmarks/results/fused_layer_2026-12-01_h200.md) and some at T = 2-4.
 Tokens whose copies share an expert read its weights once per copy, so it is for batches of about one copy per
@@ -46,25 +42,17 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 
 @triton.jit
-def _row_operand(vals, QUANT: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr):
-    """One K step of one row, vals [BLOCK_K] -> (the step's other operand, its scale): fp8-block quantizes the
-    step's 1x128 group (BLOCK_K == 128) as kernels/quant.quantize_groups, else the values themselves and 1.
-    The operand: the dot's B [BLOCK_K, 16] (the row in every column), or (FMA) the row itself [BLOCK_K] in float32
-    (fp8-block: its fp8 values)."""
+def _row_operand(vals, QUANT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """One K step of one row, vals [BLOCK_K] -> (the dot's B operand [BLOCK_K, 16]: the row in every column,
+    its scale): fp8-block quantizes the step's 1x128 group (BLOCK_K == 128) as kernels/quant.quantize_groups;
+    else the values themselves and 1."""
     if QUANT == 3:
         v = vals.to(tl.float32)
         scale = fp8_scale(tl.max(tl.abs(v), axis=0))
-        q = to_fp8(v, scale, ROUND_IN_FP32)
-        if FMA:
-            b = q.to(tl.float32)
-        else:
-            b = tl.broadcast_to(q[:, None], (v.shape[0], 16))
+        b = tl.broadcast_to(to_fp8(v, scale, ROUND_IN_FP32)[:, None], (v.shape[0], 16))
     else:
         scale = 1.0
-        if FMA:
-            b = vals.to(tl.float32)
-        else:
-            b = tl.broadcast_to(vals[:, None], (vals.shape[0], 16))
+        b = tl.broadcast_to(vals[:, None], (vals.shape[0], 16))
     return b, scale
 
 
@@ -83,18 +71,9 @@ def _weight_tile(w, row0, rows, stride_we, stride_wn, e, k0, K_SIZE, W_TMA: tl.c
 
 
 @triton.jit
-def _step(acc, a, b, s, SCALED: tl.constexpr, DOT_IEEE: tl.constexpr, FMA: tl.constexpr):
-    """acc + s * (a @ b) (SCALED) or acc + a @ b; float32 layers dot in IEEE float32. FMA: a [BLOCK_N, BLOCK_K]
-    times the row b [BLOCK_K] on the CUDA cores in float32 (b scaled first where SCALED), summed over K this step
-    into acc [BLOCK_N] (FMA 1) or added into acc [BLOCK_N, BLOCK_K] (FMA 2: summed once, at the end)."""
-    if FMA:
-        if SCALED:
-            b = b * s
-        if FMA == 2:
-            acc = acc + a.to(tl.float32) * b[None, :]
-        else:
-            acc = acc + tl.sum(a.to(tl.float32) * b[None, :], axis=1)
-    elif SCALED:
+def _step(acc, a, b, s, SCALED: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """acc + s * (a @ b) (SCALED) or acc + a @ b; float32 layers dot in IEEE float32."""
+    if SCALED:
         if DOT_IEEE:
             acc = acc + tl.dot(a, b, input_precision="ieee") * s
         else:
@@ -107,29 +86,9 @@ def _step(acc, a, b, s, SCALED: tl.constexpr, DOT_IEEE: tl.constexpr, FMA: tl.co
 
 
 @triton.jit
-def _acc_zeros(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA: tl.constexpr):
-    """A zero float32 accumulator: [BLOCK_N, 16] (transposed dots: the weight rows are the dot's M), [BLOCK_N]
-    (FMA 1) or [BLOCK_N, BLOCK_K] (FMA 2)."""
-    if FMA == 2:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    elif FMA:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _row_sums(acc, FMA: tl.constexpr):
-    """The accumulator -> its row sums [BLOCK_N]: the first of the transposed product's 16 equal columns (exactly),
-    acc itself (FMA 1), or its sum over K (FMA 2)."""
-    if FMA == 2:
-        out = tl.sum(acc, axis=1)
-    elif FMA:
-        out = acc
-    else:
-        out = tl.sum(tl.where((tl.arange(0, 16) == 0)[None, :], acc, 0.0), axis=1)
-    return out
+def _column0(acc):
+    """[BLOCK_N, 16] transposed product (16 equal columns) -> its first column [BLOCK_N], exactly."""
+    return tl.sum(tl.where((tl.arange(0, 16) == 0)[None, :], acc, 0.0), axis=1)
 
 
 @triton.jit
@@ -185,8 +144,7 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
                   w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn,
                   TOP_K: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr,
                   BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr, W13_TMA: tl.constexpr,
-                  DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr,
-                  LOOP_STAGES: tl.constexpr):
+                  DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """Gate_up work item ``item``: copy c, columns j * BLOCK_N1 .., K steps of split s (_fused_layer_kernel)."""
     tiles1 = tl.cdiv(I, BLOCK_N1)
     tile = item // SPLIT1
@@ -200,28 +158,28 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
     x_row = x_ptr + t.to(tl.int64) * stride_x
     gs_ptr = w13s_ptr + e.to(tl.int64) * stride_w13se + (j * BLOCK_N1 // 128) * stride_w13sn
     us_ptr = gs_ptr + (I // 128) * stride_w13sn
-    acc_g = _acc_zeros(BLOCK_N1, BLOCK_K1, FMA)
-    acc_u = _acc_zeros(BLOCK_N1, BLOCK_K1, FMA)
+    acc_g = tl.zeros((BLOCK_N1, 16), dtype=tl.float32)  # transposed: the weight rows are the dot's M
+    acc_u = tl.zeros((BLOCK_N1, 16), dtype=tl.float32)
     g_row0 = (e * w13_rows + j * BLOCK_N1).to(tl.int32)  # TMA: rows past I are never stored
     steps = tl.cdiv(H, BLOCK_K1)
     per = tl.cdiv(steps, SPLIT1)
     # the x values and scales each step needs are loaded one step ahead: Triton pipelines the weight tiles (the
     # dots' operands) but not these, which each step would otherwise wait on from L2
     x_next, gs_next, us_next = _x_step(x_row, gs_ptr, us_ptr, tl.minimum(s * per, steps - 1), H, QUANT, BLOCK_K1)
-    for kb in tl.range(s * per, tl.minimum((s + 1) * per, steps), num_stages=LOOP_STAGES):
+    for kb in range(s * per, tl.minimum((s + 1) * per, steps)):
         x_cur, gs, us = x_next, gs_next, us_next
         x_next, gs_next, us_next = _x_step(x_row, gs_ptr, us_ptr, tl.minimum(kb + 1, steps - 1), H, QUANT, BLOCK_K1)
         k0 = kb * BLOCK_K1
-        xb, x_s = _row_operand(x_cur, QUANT, ROUND_IN_FP32, FMA)
+        xb, x_s = _row_operand(x_cur, QUANT, ROUND_IN_FP32)
         wg = _weight_tile(w13, g_row0, g_rows, stride_w13e, stride_w13n, e, k0, H, W13_TMA, BLOCK_K1)
         wu = _weight_tile(w13, g_row0 + I, g_rows + I, stride_w13e, stride_w13n, e, k0, H, W13_TMA, BLOCK_K1)
         if QUANT == 3:  # 128 % BLOCK_N1 == 0: the tile's rows share one weight-scale block
-            acc_g = _step(acc_g, wg, xb, x_s * gs, True, DOT_IEEE, FMA)
-            acc_u = _step(acc_u, wu, xb, x_s * us, True, DOT_IEEE, FMA)
+            acc_g = _step(acc_g, wg, xb, x_s * gs, True, DOT_IEEE)
+            acc_u = _step(acc_u, wu, xb, x_s * us, True, DOT_IEEE)
         else:
-            acc_g = _step(acc_g, wg, xb, 1.0, False, DOT_IEEE, FMA)
-            acc_u = _step(acc_u, wu, xb, 1.0, False, DOT_IEEE, FMA)
-    g, u = _row_sums(acc_g, FMA), _row_sums(acc_u, FMA)
+            acc_g = _step(acc_g, wg, xb, 1.0, False, DOT_IEEE)
+            acc_u = _step(acc_u, wu, xb, 1.0, False, DOT_IEEE)
+    g, u = _column0(acc_g), _column0(acc_u)
     finish = True
     if SPLIT1 > 1:  # the last split of the tile adds the partials and finishes it
         both = tl.reshape(tl.join(g, u), (2 * BLOCK_N1,))  # g0 u0 g1 u1 ...
@@ -240,8 +198,7 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
                w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out,
                TOP_K: tl.constexpr, K_POW2: tl.constexpr, QUANT: tl.constexpr, BLOCK_N1: tl.constexpr,
                BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W2_TMA: tl.constexpr,
-               DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr,
-               LOOP_STAGES: tl.constexpr):
+               DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """Down work item ``d`` (counted from the first down item): token t, columns j * BLOCK_N2 .., split s of the K
     copies' steps (k-major) (_fused_layer_kernel)."""
     tiles1 = tl.cdiv(I, BLOCK_N1)
@@ -263,25 +220,25 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
         ready = tl.atomic_add(sync_ptr + 2 + t * TOP_K + k, 0, sem="acquire")
         while ready < tiles1:
             ready = tl.atomic_add(sync_ptr + 2 + t * TOP_K + k, 0, sem="acquire")
-    acc = _acc_zeros(BLOCK_N2, BLOCK_K2, FMA)
+    acc = tl.zeros((BLOCK_N2, 16), dtype=tl.float32)  # transposed, as gate_up's
     ws_tile = w2s_ptr + (j * BLOCK_N2 // 128) * stride_w2sn  # 128 % BLOCK_N2 == 0: one weight-scale block row
     last = TOP_K * steps - 1
     # copy st // steps, its K step st % steps; its inter values and weight scale loaded one step ahead (as gate_up's)
     e_next, w_next, v_next, ws_next = _inter_step(inter_ptr, ws_tile, stride_w2se, ids, wts, kk, t, tl.minimum(
         s * per, last), steps, I, TOP_K, QUANT, BLOCK_K2)
-    for st in tl.range(s * per, tl.minimum((s + 1) * per, last + 1), num_stages=LOOP_STAGES):
+    for st in range(s * per, tl.minimum((s + 1) * per, last + 1)):
         e, w_k, vals, ws = e_next, w_next, v_next, ws_next
         e_next, w_next, v_next, ws_next = _inter_step(inter_ptr, ws_tile, stride_w2se, ids, wts, kk, t,
                                                       tl.minimum(st + 1, last), steps, I, TOP_K, QUANT, BLOCK_K2)
         k0 = (st % steps) * BLOCK_K2
-        ab, a_s = _row_operand(vals, QUANT, ROUND_IN_FP32, FMA)
+        ab, a_s = _row_operand(vals, QUANT, ROUND_IN_FP32)
         wt = _weight_tile(w2, (e * w2_rows + j * BLOCK_N2).to(tl.int32), n_rows, stride_w2e, stride_w2n, e, k0, I,
                           W2_TMA, BLOCK_K2)
         if QUANT == 3:
-            acc = _step(acc, wt, ab, w_k * a_s * ws, True, DOT_IEEE, FMA)
+            acc = _step(acc, wt, ab, w_k * a_s * ws, True, DOT_IEEE)
         else:  # the routing weight scales each of the copy's step products
-            acc = _step(acc, wt, ab, w_k, True, DOT_IEEE, FMA)
-    y = _row_sums(acc, FMA)
+            acc = _step(acc, wt, ab, w_k, True, DOT_IEEE)
+    y = _column0(acc)
     finish = True
     if SPLIT2 > 1:
         finish, y = _last_of(split2_counts + tile, part2_ptr + tile.to(tl.int64) * SPLIT2 * BLOCK_N2, s, y, SPLIT2,
@@ -306,8 +263,7 @@ def _fused_layer_kernel(
         TOP_K: tl.constexpr, K_POW2: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr,
         INTER_DTYPE: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr,
         BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W13_TMA: tl.constexpr,
-        W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, FMA: tl.constexpr = 0,
-        LOOP_STAGES: tl.constexpr = None, PDL: tl.constexpr = False):
+        W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """sync_ptr int32, zero at launch (counters_size): [0] tickets taken, [1] down tiles done, [2 + c] copy c's
     finished gate_up tiles, then (SPLIT1 > 1) one count per gate_up tile, then (SPLIT2 > 1) one per down tile.
     inter_ptr [T * K, I] scratch in the layer dtype; part1_ptr [gate_up tiles, SPLIT1, 2 * BLOCK_N1] and part2_ptr
@@ -322,21 +278,12 @@ def _fused_layer_kernel(
     if item < items1:
         _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, sync_ptr, split1_counts, T, H, I,
                       w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn, TOP_K, QUANT, ACT,
-                      INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, DOT_IEEE, ROUND_IN_FP32, FMA,
-                      LOOP_STAGES)
+                      INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, DOT_IEEE, ROUND_IN_FP32)
     else:
         _down_item(item - items1, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, split2_counts,
                    T, H, I, w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out, TOP_K, K_POW2, QUANT,
-                   BLOCK_N1, BLOCK_N2, BLOCK_K2, SPLIT2, W2_TMA, DOT_IEEE, ROUND_IN_FP32, FMA,
-                   LOOP_STAGES)
+                   BLOCK_N1, BLOCK_N2, BLOCK_K2, SPLIT2, W2_TMA, DOT_IEEE, ROUND_IN_FP32)
     pdl_launch(PDL)
-
-
-def loop_stages(cfg):
-    """The K loops' num_stages: the launch's (cfg.num_stages) asked of the loops themselves where they multiply on
-    the CUDA cores (Triton pipelines only a dot's loads unless the loop asks: without it, each step's TMA tile
-    was a synchronous copy, sm_90a SASS), else None (the launch's num_stages, as before)."""
-    return cfg.num_stages if cfg.fma else None
 
 
 def counters_size(tokens: int, top_k: int, hidden: int, inter: int, cfg) -> int:
@@ -387,7 +334,6 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         INTER_DTYPE=_TL_DTYPE[dtype], BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1,
         BLOCK_N2=cfg.block_n2, BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=w13_arg is not w13,
         W2_TMA=w2_arg is not w2, DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=interpreting(),
-        FMA=cfg.fma, LOOP_STAGES=loop_stages(cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device, early_start=False))
     return out
 

@@ -84,7 +84,7 @@ def register_usage(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig
 def fused_layer_usage(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, top_k: int = 8):
     """kernels/fused_layer.py compiled for sm_90a with FusedConfig ``cfg`` -> (registers per thread, spill-store
     bytes, whether its dots run as wgmma)."""
-    from .fused_layer import _fused_layer_kernel as fn, loop_stages
+    from .fused_layer import _fused_layer_kernel as fn
     q = QUANT_CODES[scheme]
     act = "fp8e4nv" if q else _ELEM[dtype]
     sig = {n: "i32" for n in fn.arg_names}
@@ -96,8 +96,7 @@ def fused_layer_usage(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, to
     const = dict(TOP_K=top_k, K_POW2=max(2, triton.next_power_of_2(top_k)), QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype],
                  BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1, BLOCK_N2=cfg.block_n2,
                  BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=tma, W2_TMA=tma,
-                 DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=False, FMA=cfg.fma,
-                 LOOP_STAGES=loop_stages(cfg), PDL=True)
+                 DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=False, PDL=True)
     aligned = {"H", "I", "stride_x", "stride_out", "stride_w13e", "stride_w13n", "stride_w2e", "stride_w2n",
                "w13_rows", "w2_rows"}  # specialized as multiples of 16
     sig = {n: t for n, t in sig.items() if n not in const}

@@ -26,16 +26,6 @@ FUSED_BF16 = [(64, 128, 64, 128, 3, 2, 8), (64, 128, 64, 128, 3, 1, 8), (64, 64,
               (64, 64, 64, 64, 4, 4, 8), (64, 128, 64, 128, 3, 2, 16), (64, 128, 128, 64, 4, 1, 16),
               (64, 64, 64, 64, 6, 2, 8)]
 
-# the K loops on the CUDA cores ((FusedConfig.fma, num_warps) first, then the tuples above): not wgmma-bound, so
-# narrow tiles too (more programs) and 8 warps (more to issue from); fma 2 keeps a [BLOCK_N, BLOCK_K] float32 tile
-# a GEMM, so its tiles are smaller. ptxas sm_90a: no spills (tests/test_kernels_compile_sm90.py)
-FUSED_FP8_FMA = [(1, 4, 64, 64, 3, 1, 8), (1, 4, 32, 32, 4, 1, 8), (1, 4, 32, 32, 4, 2, 8), (1, 4, 128, 64, 3, 2, 8),
-                 (1, 8, 128, 128, 3, 1, 8), (2, 4, 32, 32, 4, 1, 8), (2, 4, 16, 16, 4, 1, 8)]
-FUSED_BF16_FMA = [(1, 4, 64, 128, 64, 128, 3, 1, 8), (1, 4, 32, 128, 32, 128, 4, 1, 8),
-                  (1, 4, 64, 64, 64, 64, 4, 1, 8), (1, 4, 32, 256, 32, 256, 3, 1, 8), (1, 4, 32, 128, 32, 128, 4, 2, 8),
-                  (1, 8, 64, 128, 64, 128, 3, 1, 8), (2, 4, 32, 128, 32, 128, 4, 1, 8), (2, 4, 32, 64, 32, 64, 4, 1, 8),
-                  (2, 4, 64, 64, 64, 64, 4, 1, 8), (2, 8, 64, 128, 64, 128, 3, 1, 8)]
-
 
 def fused_candidates(shape: Shape, tokens: int) -> list[FusedConfig]:
     """One-launch tile sets (kernels/fused_layer.py) for T = tokens, fitted (configs.fit_fused) and deduplicated;
@@ -47,17 +37,16 @@ def fused_candidates(shape: Shape, tokens: int) -> list[FusedConfig]:
     if shape.scheme not in FUSED_SCHEMES or not 0 < tokens <= FUSED_MAX_TOKENS:
         return []
     if shape.scheme == "fp8-block":
-        tiles = [dict(block_n1=n1, block_k1=128, block_n2=n2, block_k2=128, num_stages=s, split1=s1, split2=s2, fma=f,
-                      num_warps=w) for f, w, n1, n2, s, s1, s2 in [(0, 4, *c) for c in FUSED_FP8] + FUSED_FP8_FMA]
+        tiles = [dict(block_n1=n1, block_k1=128, block_n2=n2, block_k2=128, num_stages=s, split1=s1, split2=s2)
+                 for n1, n2, s, s1, s2 in FUSED_FP8]
     elif shape.dtype.itemsize == 2:
-        cands = [(0, 4, *c) for c in FUSED_BF16] + FUSED_BF16_FMA
-        tiles = [dict(block_n1=n1, block_k1=k1, block_n2=n2, block_k2=k2, num_stages=s, split1=s1, split2=s2, fma=f,
-                      num_warps=w) for f, w, n1, k1, n2, k2, s, s1, s2 in cands]
+        tiles = [dict(block_n1=n1, block_k1=k1, block_n2=n2, block_k2=k2, num_stages=s, split1=s1, split2=s2)
+                 for n1, k1, n2, k2, s, s1, s2 in FUSED_BF16]
     else:
         return []
     out = []
     for t in tiles:
-        f = fit_fused(FusedConfig(**t), shape.scheme)
+        f = fit_fused(FusedConfig(num_warps=4, **t), shape.scheme)
         if f not in out:
             out.append(f)
     return out

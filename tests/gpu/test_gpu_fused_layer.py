@@ -23,12 +23,8 @@ run = functools.partial(check_fused, device=DEV)
 @pytest.mark.parametrize("t", [1, 2, 7, 64])
 @pytest.mark.parametrize("cfg", [FusedConfig(32, 128, 32, 128, 4, 4), FusedConfig(64, 128, 128, 128, 4, 3),
                                  FusedConfig(16, 128, 16, 128, 4, 6), FusedConfig(64, 128, 64, 128, 4, 4, 2, 3),
-                                 FusedConfig(64, 128, 64, 128, 4, 4, 1, 8), FusedConfig(64, 128, 64, 128, 4, 3, fma=1),
-                                 FusedConfig(32, 128, 32, 128, 4, 4, 2, 8, fma=1),
-                                 FusedConfig(32, 128, 32, 128, 4, 4, fma=2),
-                                 FusedConfig(64, 128, 64, 128, 8, 3, fma=1)],
-                         ids=["32-32", "64-128", "16-16", "64-64-split", "64-64-copy-halves", "fma-64", "fma-32-split",
-                              "fma-tile-32", "fma-64-8-warps"])
+                                 FusedConfig(64, 128, 64, 128, 4, 4, 1, 8)],
+                         ids=["32-32", "64-128", "16-16", "64-64-split", "64-64-copy-halves"])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.bfloat16), ("none", torch.float16),
                                           ("fp8-block", torch.bfloat16)], ids=["bf16", "fp16", "fp8-block"])
 def test_against_references(scheme, dtype, cfg, t):
@@ -45,9 +41,8 @@ def test_odd_sizes(t):
 def test_every_token_on_one_expert_at_the_largest_batch(scheme):
     """FUSED_MAX_TOKENS tokens, expert 3 in each one's top-8, split K in both GEMMs: every down item waits."""
     from moeflow.experts.triton import FUSED_MAX_TOKENS
-    for fma in (0, 1, 2):
-        run(scheme, torch.bfloat16, FUSED_MAX_TOKENS, e=32, h=256, i=128, k=8,
-            cfg=FusedConfig(64, 128, 64, 128, split1=2, split2=3, fma=fma), one_expert=3, repeats=5)
+    run(scheme, torch.bfloat16, FUSED_MAX_TOKENS, e=32, h=256, i=128, k=8,
+        cfg=FusedConfig(64, 128, 64, 128, split1=2, split2=3), one_expert=3, repeats=5)
 
 
 def _table_with_fused(tmp_path, layer, fused_tokens):
