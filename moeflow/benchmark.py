@@ -106,12 +106,15 @@ def timed_after_us(fn, before, reps: int = 100) -> float:
 
 def plot_panels(plt, panels: list[tuple[str, dict, list]], path: str) -> None:
     """Write a PNG of one log-log panel per (title, {runner: [(T, µs)]}, floor [(T, µs)], empty for none):
-    time against T per runner, the roofline floor dashed. plt: matplotlib.pyplot on a file backend."""
+    time against T per runner (one colour per runner across the panels), the roofline floor dashed.
+    plt: matplotlib.pyplot on a file backend."""
     n = max(len(panels), 1)
     fig, axes = plt.subplots(1, n, figsize=(4 * n, 3.5), squeeze=False)
+    names = sorted({name for _, lines, _ in panels for name in lines})
+    colour = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per runner in every panel
     for ax, (title, lines, floor) in zip(axes[0], panels):
         for name, pts in sorted(lines.items()):
-            ax.loglog(*zip(*sorted(pts)), marker="o", label=name)
+            ax.loglog(*zip(*sorted(pts)), marker="o", label=name, color=colour[name])
         if floor:
             ax.loglog(*zip(*sorted(floor)), "k--", label="roofline")
         ax.set_title(title, fontsize=9)

@@ -81,6 +81,30 @@ def test_bench_png_plots_every_scheme(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_plot_gives_each_runner_one_colour_in_every_panel(tmp_path):
+    """A runner missing from one panel must not shift the others' colours (moeflow bench's PNG, one panel a scheme)."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from moeflow.benchmark import plot_panels
+    made = []
+
+    class Recording:  # pyplot, remembering the axes plot_panels draws on
+        def subplots(self, *a, **kw):
+            fig, axes = plt.subplots(*a, **kw)
+            made.append(axes[0])
+            return fig, axes
+
+        def __getattr__(self, name):
+            return getattr(plt, name)
+
+    panels = [("fp8-block", {"reference": [(1, 9.0), (5, 20.0)], "triton": [(1, 1.0), (5, 2.0)]}, []),
+              ("none", {"grouped_mm": [(1, 3.0), (5, 4.0)], "reference": [(1, 8.0), (5, 9.0)],
+                        "triton": [(1, 1.0), (5, 3.0)]}, [(1, 0.5), (5, 1.0)])]
+    plot_panels(Recording(), panels, str(tmp_path / "p.png"))
+    colours = [{ln.get_label(): ln.get_color() for ln in ax.get_lines()} for ax in made[0]]
+    assert colours[0]["triton"] == colours[1]["triton"] and colours[0]["reference"] == colours[1]["reference"]
+    assert len({colours[1][n] for n in ("grouped_mm", "reference", "triton")}) == 3
+
+
 def test_bench_png_without_matplotlib_is_refused_up_front(tmp_path, capsys, monkeypatch):
     import builtins
     real = builtins.__import__
