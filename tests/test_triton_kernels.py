@@ -430,6 +430,22 @@ def test_moe_sum():
 
 
 # ---------------------------------------------------------------- kernel configs
+@pytest.mark.parametrize("path", sorted(kc.SHIPPED_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_shipped_table_is_named_for_its_shape_and_loads(path):
+    """Every shipped tuned file: its name is file_name() of its own header, each entry parses (MF603 otherwise), every
+    entry has its measured GEMM or layer times, and the token counts are positive."""
+    data = json.loads(path.read_text())
+    assert path.name == kc.file_name(data["device"], data["E"], data["N"], data["K"], data["scheme"])
+    assert data["triton_version"] and data["dtype"] in ("bfloat16", "float16")
+    table, measured = kc.read_table(path)
+    assert table and all(t > 0 for t in table)
+    assert set(measured) == {str(t) for t in table}
+    for t, entry in table.items():
+        assert isinstance(entry.gate_up, kc.GemmConfig) and isinstance(entry.down, kc.GemmConfig)
+        if entry.fused is not None:
+            assert data["scheme"] in ("none", "fp8-block") and t <= 16
+
+
 def test_config_file_lookup(monkeypatch, tmp_path):
     """The override directory wins over shipped files; the nearest token count (log scale) wins."""
     monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
