@@ -12,9 +12,13 @@
 #   3. benchmarks/bench_layer.py: PERF.md's 36 rows, triton runner, GPU 0
 #   4. the T=1 and 16 rows again with MOEFLOW_TRITON_PDL=0 (programmatic dependent launch off), GPU 0
 #   5. benchmarks/experiments/sort_variants.py, GPU 0
-#   6. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
+#   6. moeflow bench per preset for fp8-tensor and fp8-channel (their tables, b2d9282, not yet run through the
+#      layer but for Qwen3 fp8-channel), triton and the reference, GPU 0
+#   7. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
 #      over copies of them: the candidates include split-K forms of both GEMMs), GPU 0; copy the files
 #      back into moeflow/kernels/configs/ only after comparing the layer rows
+# ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 353 s on 2026-12-01, so a second call
+# can skip it: ONLY='layer_bench$|moeflow_bench').
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
 # files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
 set -u
@@ -31,6 +35,9 @@ echo "commit $MOEFLOW_COMMIT, $(date -u +%FT%TZ), $GPUS GPU(s): $(nvidia-smi -L 
 step() {  # step NAME SECONDS COMMAND...: run if time is left, bounded by SECONDS; log to $R/NAME.log
     local name=$1 limit=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then
+        return
+    fi
     if [ $((SECONDS + 20)) -ge "$DEADLINE_S" ]; then
         echo "$name: skipped (no time left)" >> "$S"
         return
@@ -40,7 +47,7 @@ step() {  # step NAME SECONDS COMMAND...: run if time is left, bounded by SECOND
     echo "$name: exit $? at ${SECONDS}s: $(tail -n 1 "$R/$name.log")" >> "$S"
 }
 
-step gpu_tests 300 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
+step gpu_tests 400 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
     tests/gpu/test_gpu_fused_layer.py tests/gpu/test_gpu_layer_graph.py tests/gpu/test_gpu_runners.py \
     tests/gpu/test_gpu_hf.py tests/gpu/test_gpu_cli.py
 if [ "$GPUS" -ge 2 ]; then
@@ -55,6 +62,11 @@ step layer_bench_nopdl 60 env CUDA_VISIBLE_DEVICES=0 MOEFLOW_TRITON_PDL=0 python
     --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --schemes none,fp8-block --runners triton --tokens 1,16 \
     --out "$R/layer_nopdl"
 step sort_variants 60 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/sort_variants.py "$R/sort_variants.json"
+for preset in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+    step "moeflow_bench_${preset}" 120 env CUDA_VISIBLE_DEVICES=0 python -m moeflow bench --preset "$preset" \
+        --quant fp8-tensor,fp8-channel --runners triton --json "$R/moeflow_bench_${preset}.json" \
+        --png "$R/moeflow_bench_${preset}.png"
+done
 mkdir -p "$R/tuned" && cp moeflow/kernels/configs/*.json "$R/tuned/"
 for preset in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
     for quant in none fp8-block; do
