@@ -51,8 +51,7 @@ ANCHORS = {("qwen3-30b-a3b", 1): (35, 27), ("qwen3-30b-a3b", 128): (300, 169), (
            ("mixtral-8x7b", 1): (188, 144), ("mixtral-8x7b", 128): (677, 376), ("mixtral-8x7b", 4096): (5088, 3325),
            ("mixtral-8x7b", 16384): (18283, 12092)}
 FIELDS = ["preset", "scheme", "runner", "T", "layer_us", "layer_graph_us", "layer_clean_us", "experts_us", "graph_us",
-          "tflops", "gbs",
-          "roof_pct", "floor_us", "experts_hit", "rel_err", "anchor_us", "note"]
+          "tflops", "gbs", "roof_pct", "floor_us", "experts_hit", "rel_err", "anchor_us", "note"]
 
 
 def bench(fn, rep_ms=50):
@@ -133,10 +132,8 @@ def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
     floor_s = roofline_seconds(c, t, Ceilings(**ceil), hit)
     anchor = ANCHORS.get((case.preset, t))
     return dict(runner=name, T=t, layer_us=layer_us, layer_graph_us=layer_graph_us, layer_clean_us=layer_clean_us,
-                experts_us=experts_us,
-                graph_us=g_us, tflops=flops / best_us / 1e6, gbs=nbytes / best_us / 1e3,
-                roof_pct=100 * floor_s * 1e6 / best_us,
-                floor_us=floor_s * 1e6, experts_hit=hit, rel_err=err, anchor_us=anchor and anchor[1 if fp8 else 0])
+                experts_us=experts_us, graph_us=g_us, tflops=flops / best_us / 1e6, gbs=nbytes / best_us / 1e3,
+                roof_pct=100 * floor_s * 1e6 / best_us, floor_us=floor_s * 1e6, experts_hit=hit, rel_err=err, anchor_us=anchor and anchor[1 if fp8 else 0])
 
 
 def main(argv=None) -> int:
@@ -215,8 +212,7 @@ def _fmt(r) -> str:
     a = f"{r['anchor_us']:>6}" if r.get("anchor_us") else "     -"
     return (f"{r['preset']:>14} {r['scheme']:>11} {r['runner']:>10} T={r['T']:>5} layer {r['layer_us']:9.1f}us "
             f"layer-graph {f} clean {c} experts {r['experts_us']:9.1f} graph {g} {r['tflops']:7.1f}TF "
-            f"{r['gbs']:7.0f}GB/s "
-            f"roof {r['roof_pct']:5.1f}% anchor {a} err {r['rel_err']:.1e}")
+            f"{r['gbs']:7.0f}GB/s roof {r['roof_pct']:5.1f}% anchor {a} err {r['rel_err']:.1e}")
 
 
 def _plot(rows, path) -> None:
