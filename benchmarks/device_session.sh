@@ -14,7 +14,11 @@
 #   5. benchmarks/experiments/sort_variants.py, GPU 0
 #   6. moeflow bench per preset for fp8-tensor and fp8-channel (their tables, b2d9282, not yet run through the
 #      layer but for Qwen3 fp8-channel), triton and the reference, GPU 0
-#   7. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
+#   7. benchmarks/experiments/mid_gate_up.py: the fp8-block gate_up candidates at 8 < rows per expert <= 96 and the
+#      Gluon kernel at 64 rows, GPU 0
+#   8. fp8-tensor and fp8-channel tables (b2d9282: T = 1, 16, 128, 1024, 4096, 16384) tuned at T = 256, 512, 2048
+#      and 8192 too (moeflow tune --merge into $R/tuned), GPU 0
+#   9. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
 #      over copies of them: the candidates include split-K forms of both GEMMs), GPU 0; copy the files
 #      back into moeflow/kernels/configs/ only after comparing the layer rows
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 353 s on 2026-12-01, so a second call
@@ -72,6 +76,13 @@ for preset in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
     for quant in none fp8-block; do
         step "tune_decode_${preset}_${quant}" 90 env CUDA_VISIBLE_DEVICES=0 python -m moeflow tune --preset "$preset" \
             --quant "$quant" --tokens 1,16 --rep-ms 20 --merge --out "$R/tuned"
+    done
+done
+step mid_gate_up 150 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/mid_gate_up.py "$R/mid_gate_up.json"
+for preset in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+    for quant in fp8-tensor fp8-channel; do
+        step "tune_more_${preset}_${quant}" 90 env CUDA_VISIBLE_DEVICES=0 python -m moeflow tune --preset "$preset" \
+            --quant "$quant" --tokens 256,512,2048,8192 --merge --out "$R/tuned"
     done
 done
 grep -hE "FAILED|Error" "$R"/*_tests.log 2>/dev/null | head -20 >> "$S"
