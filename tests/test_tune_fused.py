@@ -1,5 +1,6 @@
 """`moeflow tune`'s search of the one-launch layer's tiles, the parts that run without a GPU: the candidate tile
-sets, which T are searched, the pick (fused only where faster), and what --merge / --no-fused write."""
+sets, which T are searched, the pick (fused only where faster), and what --merge / --no-fused write; and the
+Gluon fp8-block gate_up tiles among the separate GEMMs' candidates."""
 import argparse
 
 import pytest
@@ -101,3 +102,24 @@ def test_merge_keeps_old_fused_tiles_only_where_not_searched(monkeypatch, tmp_pa
         kc.write_table(again / path.name, {}, {1: old}, {})
         _run_cli(monkeypatch, again, extra, {1: kc.MoEKernelConfig(gemm, gemm, fused=other_f)})
         assert kc.read_table(again / path.name)[0][1].fused == other_f
+
+
+@pytest.mark.parametrize("preset, tokens, gluon_gate_up", [
+    ("deepseek-v3", 2048, True), ("mixtral-8x7b", 256, True), ("qwen3-30b-a3b", 1024, True),  # middle: 64-row tiles
+    ("deepseek-v3", 16384, True),  # large: 128-row tiles
+    ("qwen3-30b-a3b", 16, False)])  # weight streaming: none
+def test_fp8_block_candidates_keep_the_gluon_gate_up_where_offered(preset, tokens, gluon_gate_up):
+    """The Gluon gate_up tiles each family offers survive fit() (a tile it cannot run would come back with
+    scale_overlap 0 and silently time the Triton kernel twice), and every candidate is a fitted tile."""
+    from moeflow.kernels.configs import fit
+    from moeflow.presets import PRESETS
+    p = PRESETS[preset]
+    shape = autotune.Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], "fp8-block")
+    gu, dn = autotune.candidates(shape, tokens)
+    for c in gu:
+        assert fit(c, fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=shape.inter) == c
+    gluon = [c for c in gu if c.scale_overlap]
+    assert bool(gluon) == gluon_gate_up
+    m = tokens * shape.top_k / shape.num_experts
+    assert all(c.block_m == (64 if m <= 96 else 128) for c in gluon)
+    assert len(set(gu)) == len(gu) and len(set(dn)) == len(dn)

@@ -78,6 +78,10 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
         if shape.scheme == "fp8-block":  # the persistent Gluon down (kernels/down_wgmma_persistent.py)
             dn.append(GemmConfig(64, 128, 128, 4, 4, 4, 2, scale_overlap=2))
             dn += WS_FP8_DOWN
+            # the Gluon gate_up at 64 rows (kernels/gate_up_wgmma.py): 1.02-1.10x the best Triton tile on DeepSeek-V3
+            # T = 1024-2048 and Mixtral T = 256, 0.85-0.99x on Qwen3 T = 512-1024 and Mixtral T = 128
+            # (benchmarks/results/mid_gate_up_2026-12-01_h200_38078a8.md)
+            gu += [GemmConfig(64, 128, 128, g, 4, s, scale_overlap=1) for g, s in ((4, 4), (8, 4), (8, 5))]
         if shape.scheme == "none":  # the warp-specialized Gluon kernels (kernels/warp_specialized.py)
             gu += [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
             dn += [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
