@@ -24,7 +24,7 @@ if torch.cuda.is_available():  # kernel modules: on CPU (CI) the interpreter tes
 
 SCH = create_scheme("fp8-block")
 TILES = [GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), GemmConfig(128, 128, 128, 8, 8, 3, scale_overlap=1),
-         GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=1)]
+         GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=1), GemmConfig(64, 128, 128, 8, 4, 5, scale_overlap=1)]
 
 
 def operands(counts, h, i, shared_weights=False):
