@@ -78,6 +78,9 @@ def test_sort_copies_matches_the_torch_sort(t, k, e, skew):
     (16, 8, 64, 1500, "fp8-block"),    # several programs per token (BLOCK_H 1024), partial tail
     (3, 2, 4, 1100, "fp8-channel"),    # the row amax over two column chunks
     (1, 1, 1, 16, "fp8-channel"),      # one expert, one tiny row
+    (1, 8, 128, 2048, "fp8-tensor"),   # Qwen3-like decode: one scale over the batch, two parts
+    (7, 2, 5, 1100, "fp8-tensor"),     # several tokens, a partial last part, the amax loop past one step
+    (0, 2, 4, 256, "fp8-tensor"),      # no tokens
 ])
 def test_sort_copies_quantizes_the_tokens(t, k, e, h, scheme):
     """The one-launch sort with x: the sort's five outputs unchanged, plus the tokens' FP8 bytes and
@@ -95,7 +98,7 @@ def test_sort_copies_quantizes_the_tokens(t, k, e, h, scheme):
     assert got[5].dtype == q.dtype and torch.equal(got[5].view(torch.uint8), q.view(torch.uint8))
     assert got[6].shape == s.shape and torch.equal(got[6], s)
     with pytest.raises(ValueError, match="scheme"):
-        sort_copies(ids, w, e, x, "fp8-tensor")  # one scale over the batch: not per token
+        sort_copies(ids, w, e, x, "none")  # nothing to quantize
     from moeflow.dispatch.expert_sort import SORT_QUANTIZES
     from moeflow.kernels.align import SORT_QUANT_CODES
     assert set(SORT_QUANTIZES) == set(SORT_QUANT_CODES)  # the dispatcher's list is the kernels' own
@@ -666,3 +669,17 @@ def test_gate_up_rows_in_order_by_scatter(monkeypatch):
     assert torch.equal(by_gather, by_scatter)
     assert_close(by_scatter, gate_up_torch(x, None, w13, None, layout, "none", "silu", torch.float16, source), 1e-3,
                  "gate_up, rows scattered into order")
+
+
+@pytest.mark.parametrize("scheme, h, quantized", [("fp8-tensor", 2048, True), ("fp8-tensor", 2049, False),
+                                                  ("fp8-block", 4096, True), ("fp8-channel", 4096, True)])
+def test_sort_and_quantize_asks_the_sort_for_fp8_tensor_tokens_only_in_small_batches(monkeypatch, scheme, h, quantized):
+    """fp8-tensor's parts each read the whole batch for its amax: the dispatcher's sort quantizes its tokens up to
+    TENSOR_QUANT_IN_SORT_MAX elements and leaves larger batches to the runner (per-token schemes at any size)."""
+    from moeflow.dispatch import expert_sort
+    seen = []
+    monkeypatch.setattr(expert_sort, "_triton_sort", lambda ids, w, e, hidden=None, scheme="none": seen.append(hidden))
+    x = torch.zeros(expert_sort.TENSOR_QUANT_IN_SORT_MAX // 2048, h)
+    ids = torch.zeros(x.shape[0], 2, dtype=torch.int32)
+    out = expert_sort.sort_and_quantize(ids, torch.ones(x.shape[0], 2), 4, x, scheme)
+    assert (seen[0] is x) == quantized and len(out) == 7 and out[5] is None  # torch's sort ran: the runner quantizes

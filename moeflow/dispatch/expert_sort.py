@@ -20,9 +20,13 @@ from torch import Tensor
 # at 32-128 copies, where the segment sort takes 3.7-5.6; 12 vs 5.6 at 1024); then kernels/ep_sort's segment
 # sort while ep_sort.sort_pays (up to 524288 copies: 3-38 µs where torch takes 16-91); torch's radix sort beyond.
 ONE_LAUNCH_COPIES = 128
-# schemes sort_and_quantize quantizes tokens for (per token): kernels/align.SORT_QUANT_CODES' keys, named
-# here without importing triton (tests/test_triton_kernels.py checks they agree)
-SORT_QUANTIZES = ("fp8-channel", "fp8-block")
+# schemes sort_and_quantize quantizes tokens for: kernels/align.SORT_QUANT_CODES' keys, named here without
+# importing triton (tests/test_triton_kernels.py checks they agree)
+SORT_QUANTIZES = ("fp8-tensor", "fp8-channel", "fp8-block")
+# fp8-tensor's one scale is the amax of the whole batch, which each of the sort's quantizing programs takes
+# again: up to this many elements of hidden [T, H] (T = 1 at any preset, T <= 16 at H = 2048); larger batches
+# are quantized by the runner (a row-amax launch, a max, a quantization launch)
+TENSOR_QUANT_IN_SORT_MAX = 32768
 
 
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
@@ -36,14 +40,15 @@ def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bou
 
 def sort_and_quantize(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor, scheme: str,
                       bounds: Tensor | None = None):
-    """sort_by_expert, and the tokens hidden [T, H] quantized by ``scheme`` ("fp8-channel" or
-    "fp8-block") by the sort's own first launch where the sort is a Triton one (CUDA: the one-launch
-    sort, or the segment sort's histogram launch; hidden's columns contiguous), so the runner's
-    quantization launch leaves the layer's serial chain
+    """sort_by_expert, and the tokens hidden [T, H] quantized by ``scheme`` (one of SORT_QUANTIZES; fp8-tensor
+    only up to TENSOR_QUANT_IN_SORT_MAX elements) by the sort's own first launch where the sort is a Triton one
+    (CUDA: the one-launch sort, or the segment sort's histogram launch; hidden's columns contiguous), so the
+    runner's quantization launches leave the layer's serial chain
     -> (offsets, counts, row_of_copy, source, sorted_weights, hq [T, H] fp8, hs [T, G] float32);
     elsewhere (torch's sort) sort_by_expert's five and (None, None): the runner quantizes.
     hq and hs are bit for bit kernels/quant.quantize_activation(hidden, scheme)."""
-    quantize = hidden.stride(-1) == 1 and hidden.shape[0] == topk_ids.shape[0]
+    quantize = (hidden.stride(-1) == 1 and hidden.shape[0] == topk_ids.shape[0]
+                and (scheme != "fp8-tensor" or hidden.numel() <= TENSOR_QUANT_IN_SORT_MAX))
     out = _triton_sort(topk_ids, topk_weights, num_experts, hidden if quantize else None, scheme)
     if out is None:
         out = sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)

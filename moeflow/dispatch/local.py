@@ -1,7 +1,8 @@
 """dispatcher="local": one process, all experts here. Permute token copies by expert (sorted
 layout; by index when the plan says the runner reads rows in place: no permuted copy). CUDA batches
 of an fp8-channel / fp8-block layer that a Triton sort takes travel as FP8 (ExpertBatch.hidden_scale),
-quantized by the sort's first launch (expert_sort.sort_and_quantize), the bits the runner would make.
+quantized by the sort's first launch (expert_sort.sort_and_quantize), the bits the runner would make;
+fp8-tensor batches too, up to expert_sort.TENSOR_QUANT_IN_SORT_MAX elements.
 Combine is the weighted sum of each token's K copies (weights already applied by the runner),
 accumulated in float32 in k order, so results are deterministic. No host
 synchronization anywhere: with a graph-safe runner the whole layer is CUDA-graph capturable.
@@ -33,9 +34,9 @@ class LocalDispatcher(Dispatcher):
     def __init__(self, config, scheme, process_group=None):
         super().__init__(config, scheme, process_group)
         self._bounds: dict = {}
-        # CUDA batches the Triton sorts take: their first launch also quantizes the tokens where the
-        # scheme quantizes each token on its own (the runner would compute the same bits, one launch
-        # later); MoEConfig.dispatch_payload="dtype" keeps the layer dtype
+        # CUDA batches the Triton sorts take: their first launch also quantizes the tokens (fp8-tensor:
+        # small batches only, expert_sort.sort_and_quantize), the bits the runner would compute one launch
+        # or more later; MoEConfig.dispatch_payload="dtype" keeps the layer dtype
         self._quantize_in_sort = scheme.name in SORT_QUANTIZES and config.dispatch_payload != "dtype"
 
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):

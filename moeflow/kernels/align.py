@@ -65,15 +65,14 @@ MAX_FUSED_COPIES = 2048  # sort_copies' comparison sort is O(copies^2) work: mea
 
 @triton.jit
 def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source_ptr, sorted_w_ptr, num_copies, num_experts,
-                        x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs,
+                        x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
                         TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
                         QUANT_X: tl.constexpr = 0, BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False,
                         PDL: tl.constexpr = False):
     """Programs 0 .. cdiv(copies, BLOCK_I)-1 place copies; the next cdiv(E + 1, BLOCK_E) write
-    offsets (and counts) for BLOCK_E experts each; with QUANT_X (2: fp8-channel, 3: fp8-block) the
-    rest quantize the tokens x [T, H] (T = copies / TOP_K) -> xq [T, H] fp8, xs [T, G] float32, as
-    kernels/quant.py does: fp8-channel one program per token, fp8-block one per BLOCK_H columns of
-    a token (BLOCK_H a multiple of 128: its 1x128 groups).
+    offsets (and counts) for BLOCK_E experts each; with QUANT_X (1: fp8-tensor, 2: fp8-channel, 3: fp8-block)
+    the rest quantize the tokens x [T, H] (T = num_tokens = copies / TOP_K) -> xq [T, H] fp8, xs [T, G] float32,
+    as kernels/quant.py does (quantize_token_part).
 
     The sorted row of copy i is the number of copies before it in (expert, copy index) order, the
     stable sort's order: #{j : ids[j] < ids[i]} + #{j < i : ids[j] == ids[i]}.
@@ -109,17 +108,35 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
         tl.store(counts_ptr + e, equal, mask=e < num_experts)
     else:
         quantize_token_part(x_ptr, xq_ptr, xs_ptr, pid - copy_blocks - tl.cdiv(num_experts + 1, BLOCK_E), H, stride_x,
-                            stride_xq, stride_xs, QUANT_X, BLOCK_H, ROUND_IN_FP32)
+                            stride_xq, stride_xs, num_tokens, QUANT_X, BLOCK_H, ROUND_IN_FP32)
 
 
 @triton.jit
-def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride_xs,
+def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride_xs, T,
                         QUANT_X: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """Part q of the tokens' quantization x [T, H] -> xq [T, H] fp8, xs [T, G] float32, as
     kernels/quant.py computes it: QUANT_X 3 (fp8-block) the columns c * BLOCK_H .. of token
-    q // cdiv(H, BLOCK_H) (c = q % cdiv(H, BLOCK_H); BLOCK_H / 128 groups); 2 (fp8-channel) token q's
-    row amax, then its row; 0: nothing. The sorts' extra programs run it (token_quant_launch says how many)."""
-    if QUANT_X == 3:
+    q // cdiv(H, BLOCK_H) (c = q % cdiv(H, BLOCK_H); BLOCK_H / 128 groups); 1 (fp8-tensor) the same columns,
+    by the amax of all of x, which every part takes again (T * H < 2**31 reads a part: meant for decode-sized
+    batches, expert_sort.TENSOR_QUANT_IN_SORT_MAX), xs [T, 1] all equal; 2 (fp8-channel) token q's row amax, then its
+    row; 0: nothing. The sorts' extra programs run it (token_quant_launch says how many)."""
+    if QUANT_X == 1:
+        per_token = tl.cdiv(H, BLOCK_H)
+        t = (q // per_token).to(tl.int64)
+        c = q % per_token
+        n = T * H  # below 2**31 (token_quant_launch); T may come specialized to a plain 1
+        amax = tl.zeros((_TENSOR_AMAX_BLOCK,), dtype=tl.float32)
+        for i0 in range(0, n, _TENSOR_AMAX_BLOCK):
+            i = i0 + tl.arange(0, _TENSOR_AMAX_BLOCK)
+            xv = tl.load(x_ptr + (i // H).to(tl.int64) * stride_x + i % H, mask=i < n, other=0.0)
+            amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
+        scale = fp8_scale(tl.max(amax, axis=0))
+        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        xv = tl.load(x_ptr + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
+        tl.store(xq_ptr + t * stride_xq + cols, to_fp8(xv, scale, ROUND_IN_FP32), mask=cols < H)
+        if c == 0:
+            tl.store(xs_ptr + t * stride_xs, scale)
+    elif QUANT_X == 3:
         per_token = tl.cdiv(H, BLOCK_H)
         t = (q // per_token).to(tl.int64)
         c = q % per_token
@@ -146,25 +163,29 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
             tl.store(xq_ptr + t * stride_xq + cols, to_fp8(xv, scale, ROUND_IN_FP32), mask=cols < H)
 
 
-SORT_QUANT_CODES = {"fp8-channel": 2, "fp8-block": 3}  # schemes the sorts quantize tokens for: QUANT_X
+SORT_QUANT_CODES = {"fp8-tensor": 1, "fp8-channel": 2, "fp8-block": 3}  # schemes the sorts quantize tokens for: QUANT_X
+_TENSOR_AMAX_BLOCK = tl.constexpr(4096)  # elements of x a fp8-tensor part reads per step of its amax loop
 
 
 def token_quant_launch(x: Tensor | None, scheme: str, t: int, unused: Tensor):
     """What a sort kernel needs to also quantize x [t, H] by ``scheme`` (quantize_token_part) ->
-    (programs it adds, its arguments (x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs), its
+    (programs it adds, its arguments (x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens), its
     constexprs, the outputs: (xq [t, H] fp8, xs [t, G] float32) fresh, or () without x). x None:
     no programs, ``unused`` in the pointer places. ValueError unless x is [t, H] with unit column
-    stride and the scheme per token (SORT_QUANT_CODES)."""
+    stride and the scheme one the sorts quantize for (SORT_QUANT_CODES). fp8-tensor: every part reads all
+    of x (quantize_token_part): fast only for small batches, and refused (ValueError) from 2**31 elements."""
     if x is None:
-        return 0, (unused, unused, unused, 0, 0, 0, 0), dict(QUANT_X=0), ()
+        return 0, (unused, unused, unused, 0, 0, 0, 0, 0), dict(QUANT_X=0), ()
     if scheme not in SORT_QUANT_CODES or x.dim() != 2 or x.shape[0] != t or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be [{t}, H] with unit column stride and scheme one of {sorted(SORT_QUANT_CODES)}")
     code, h = SORT_QUANT_CODES[scheme], x.shape[1]
+    if code == 1 and x.numel() >= 2 ** 31:
+        raise ValueError(f"fp8-tensor tokens are quantized in the sort below 2**31 elements, got {tuple(x.shape)}")
     block_h = min(1024, triton.next_power_of_2(max(h, 128)))  # up to 8 fp8-block groups per program
-    parts = 0 if not h else t * triton.cdiv(h, block_h) if code == 3 else t
+    parts = 0 if not h else t if code == 2 else t * triton.cdiv(h, block_h)
     xq = torch.empty((t, h), dtype=FP8_DTYPE, device=x.device)
     xs = torch.empty((t, triton.cdiv(h, 128) if code == 3 else 1), dtype=torch.float32, device=x.device)
-    args = (x, xq, xs, h, x.stride(0), xq.stride(0), xs.stride(0))
+    args = (x, xq, xs, h, x.stride(0), xq.stride(0), xs.stride(0), t)
     return parts, args, dict(QUANT_X=code, BLOCK_H=block_h, ROUND_IN_FP32=interpreting()), (xq, xs)
 
 
@@ -179,7 +200,7 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Ten
     row_of_copy the inverse; the same values as its torch reference,
     moeflow.dispatch.expert_sort.sort_by_expert_torch (torch-only: the dispatcher's path without
     triton). No host synchronization.
-    x [T, H] (layer dtype, unit column stride) with scheme "fp8-channel" or "fp8-block": the same
+    x [T, H] (layer dtype, unit column stride) with scheme "fp8-tensor", "fp8-channel" or "fp8-block": the same
     launch also quantizes the tokens, and the tuple gains (xq [T, H] float8_e4m3fn, xs [T, G]
     float32), bit for bit kernels/quant.quantize_activation(x, scheme).
     """

@@ -36,7 +36,7 @@ from .common import pdl, pdl_start
 
 @triton.jit
 def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num_segs,
-                         x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs,
+                         x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
                          TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, QUANT_X: tl.constexpr = 0,
                          BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program s < num_segs: hist[s, key] over the copies of segment s (key: the id, E_local where it
@@ -51,8 +51,8 @@ def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num
         key = tl.where(ids >= 0, ids, e_local)
         tl.store(hist_ptr + s * BINS + tl.arange(0, BINS), tl.histogram(key, BINS, mask=ok))
     else:
-        quantize_token_part(x_ptr, xq_ptr, xs_ptr, s - num_segs, H, stride_x, stride_xq, stride_xs, QUANT_X, BLOCK_H,
-                            ROUND_IN_FP32)
+        quantize_token_part(x_ptr, xq_ptr, xs_ptr, s - num_segs, H, stride_x, stride_xq, stride_xs, num_tokens,
+                            QUANT_X, BLOCK_H, ROUND_IN_FP32)
 
 
 @triton.jit
@@ -157,7 +157,7 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
         offsets [E_local + 1] int64 (exclusive prefix of counts, offsets[E_local] == n),
         copy_pos [R * K] int64: the sorted position of copy j, -1 for copies that are not here)
     Two or three launches, no host synchronization (module docstring).
-    x [R, H] (layer dtype, unit column stride) with scheme "fp8-channel" or "fp8-block": the first
+    x [R, H] (layer dtype, unit column stride) with scheme "fp8-tensor", "fp8-channel" or "fp8-block": the first
     launch also quantizes the tokens, and the tuple gains (xq [R, H] float8_e4m3fn, xs [R, G]
     float32), bit for bit kernels/quant.quantize_activation(x, scheme) (the local dispatcher).
     """

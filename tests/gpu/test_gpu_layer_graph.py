@@ -80,17 +80,20 @@ def test_pdl_chain_matches_plain_launches(make_layer, scheme, t, monkeypatch):
 
 
 @pytest.mark.parametrize("t", [1, 16, 300])
-@pytest.mark.parametrize("scheme,runner", [("fp8-channel", "triton"), ("fp8-block", "triton"),
+@pytest.mark.parametrize("scheme,runner", [("fp8-channel", "triton"), ("fp8-block", "triton"), ("fp8-tensor", "triton"),
                                            ("fp8-channel", "reference"), ("fp8-block", "reference"),
-                                           ("fp8-channel", "grouped_mm")])  # grouped_mm: no fp8-block on CUDA
+                                           ("fp8-tensor", "reference"), ("fp8-channel", "grouped_mm"),
+                                           ("fp8-tensor", "grouped_mm")])  # grouped_mm: no fp8-block on CUDA
 def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, runner, monkeypatch):
     """The local dispatcher's Triton sorts also quantize the tokens (the one-launch sort at T * K <=
     128 copies, here T = 1 and 16 with K = 4; the segment sort's histogram launch at T = 300): the
     runner gets an FP8 batch and the layer's output is bit for bit the one with
-    dispatch_payload="dtype" (the runner quantizing the same rows). The separate launches throughout: at T=1
-    an fp8-block triton layer would otherwise run its one-launch form, which has no sort
+    dispatch_payload="dtype" (the runner quantizing the same rows). fp8-tensor only up to
+    TENSOR_QUANT_IN_SORT_MAX elements (T = 300 here is past it: the runner quantizes). The separate launches
+    throughout: at T=1 an fp8-block triton layer would otherwise run its one-launch form, which has no sort
     (tests/gpu/test_gpu_fused_layer.py)."""
     from moeflow.config import MoEConfig
+    from moeflow.dispatch.expert_sort import TENSOR_QUANT_IN_SORT_MAX
     monkeypatch.setenv("MOEFLOW_TRITON_FUSED", "0")
     cfg = MoEConfig(num_experts=16, hidden_size=384, intermediate_size=256, top_k=4, quant=scheme,
                     dtype=torch.bfloat16, device="cuda", runner=runner)
@@ -104,7 +107,7 @@ def test_local_sort_quantizes_decode_tokens(make_layer, weights_for, scheme, t, 
     x = torch.randn(t, 384, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(t, 16, device="cuda")
     out = fused(x, logits)
-    assert seen == [True]
+    assert seen == [scheme != "fp8-tensor" or x.numel() <= TENSOR_QUANT_IN_SORT_MAX]
     assert torch.equal(out, plain(x, logits))
     if runner == "triton":  # the others' accuracy: tests/gpu/test_gpu_runners.py
         ids, w = route_for(cfg, logits, fused.e_score_correction_bias)
