@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moeflow.kernels.autotune import Shape, _runner, graph_time_ms, random_batch
+from moeflow.kernels.autotune import Shape, _layer_parts, graph_time_ms, random_batch
 from moeflow.kernels.common import RowLayout
 from moeflow.presets import PRESETS
 
@@ -18,7 +18,7 @@ def gemm_case(preset: str, scheme: str, tokens: int, device):
     shape = Shape(e, h, i, k, scheme)
     batch = random_batch(shape, tokens, device)
     shapes_only = SimpleNamespace(w13=torch.empty(e, 2 * i, h, device="meta"), w2=torch.empty(e, h, i, device="meta"))
-    return shape, batch, RowLayout.of(batch), _runner(shape).kernel_config(batch, shapes_only)
+    return shape, batch, RowLayout.of(batch), _layer_parts(shape)[1].kernel_config(batch, shapes_only)
 
 
 def fp8_block_case(preset: str, tokens: int, device):
@@ -45,3 +45,16 @@ def time_variant(run, layout, got, want):
         return dict(us=round(graph_time_ms([run], 40) * 1e3, 1), bit_equal=bits), handle
     except Exception as exc:
         return dict(error=repr(exc)[:300]), None
+
+
+def preset_weights(preset: str, scheme: str, cache: dict, device):
+    """-> (the preset's Shape in ``scheme``, random ExpertWeights of it), the weights kept in ``cache`` for the
+    preset last asked for only (DeepSeek-V3's fp8 experts take 11 GB): experiments walking rows preset by preset."""
+    from moeflow.kernels.autotune import random_weights
+    p = PRESETS[preset]
+    shape = Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], scheme)
+    if (preset, scheme) not in cache:
+        cache.clear()
+        torch.cuda.empty_cache()
+        cache[(preset, scheme)] = random_weights(shape, device)
+    return shape, cache[(preset, scheme)]

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _gemv_kernels import gemv_gate_up, gemv_down  # noqa: E402
-from moeflow.kernels.autotune import Shape, _runner, batches_for, graph_time_ms, random_batch, random_weights  # noqa: E402
+from moeflow.kernels.autotune import Shape, _layer_parts, batches_for, graph_time_ms, random_batch, random_weights  # noqa: E402
 from moeflow.kernels.common import RowLayout  # noqa: E402
 from moeflow.kernels.down import down  # noqa: E402
 from moeflow.kernels.gate_up import gate_up  # noqa: E402
@@ -47,7 +47,7 @@ for preset in presets:
                 lay = RowLayout.of(batch)
                 xq, xs = quantize_activation(batch.hidden, scheme) if q else (batch.hidden, None)
                 inputs.append((batch, lay, xq, xs))
-            kcfg = _runner(shape).kernel_config(inputs[0][0], meta)
+            kcfg = _layer_parts(shape)[1].kernel_config(inputs[0][0], meta)
 
             def shipped_gu(inp):
                 batch, lay, xq, xs = inp

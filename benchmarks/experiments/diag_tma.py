@@ -10,7 +10,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 from triton.testing import do_bench
-from moeflow.kernels.autotune import Shape, _runner, random_batch, random_weights
+from moeflow.kernels.autotune import Shape, random_batch, random_weights
 from moeflow.kernels.common import RowLayout
 from moeflow.kernels import gate_up as G
 from moeflow.kernels.quant import quantize_rows

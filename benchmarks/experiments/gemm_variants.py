@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moeflow.kernels.autotune import Shape, _runner, random_batch, random_weights
+from moeflow.kernels.autotune import Shape, _layer_parts, random_batch, random_weights
 from moeflow.kernels.common import RowLayout, block_rows, fp8_scale, gated_act, tile_ids, to_fp8
 from moeflow.kernels.configs import GemmConfig
 from moeflow.kernels.down import down
@@ -188,7 +188,7 @@ def main():
             w = random_weights(shape, dev)
             batch = random_batch(shape, t, dev)
             layout = RowLayout.of(batch)
-            runner = _runner(shape)
+            runner = _layer_parts(shape)[1]
             e, i, h = shape.num_experts, shape.inter, shape.hidden
             x = batch.hidden.reshape(-1, h)
             q = 3 if scheme == "fp8-block" else 0

@@ -7,17 +7,19 @@ for tiles narrower than 128), CUDA graph over the tuner's batches, median.
     PYTHONPATH=$PWD python benchmarks/experiments/mid_gate_up.py OUT.json [preset:T ...]
 """
 import json
+import os
 import sys
 
 import torch
 
-from moeflow.kernels.autotune import Shape, batches_for, candidates, graph_time_ms, random_routing, random_weights, \
-    sorted_batch
+from moeflow.kernels.autotune import batches_for, candidates, graph_time_ms, random_routing, sorted_batch
 from moeflow.kernels.common import RowLayout
 from moeflow.kernels.configs import GemmConfig, fit
 from moeflow.kernels.gate_up import gate_up
 from moeflow.kernels.quant import down_input, quantize_activation
-from moeflow.presets import PRESETS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gemm_case import preset_weights  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", 512), ("qwen3-30b-a3b", 1024), ("deepseek-v3", 1024), ("deepseek-v3", 2048),
          ("mixtral-8x7b", 128), ("mixtral-8x7b", 256)]
@@ -30,13 +32,7 @@ def main():
     dev = torch.device("cuda")
     rows, weights = [], {}
     for preset, t in cases:
-        p = PRESETS[preset]
-        shape = Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], "fp8-block")
-        if preset not in weights:
-            weights.clear()
-            torch.cuda.empty_cache()
-            weights[preset] = random_weights(shape, dev)
-        w = weights[preset]
+        shape, w = preset_weights(preset, "fp8-block", weights, dev)
         inputs = []
         for b in range(batches_for(t)):
             batch = sorted_batch(shape, *random_routing(shape, t, dev, seed=t * 1000 + b), indexed=True)

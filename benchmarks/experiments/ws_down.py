@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moeflow.kernels.autotune import Shape, _runner, batches_for, graph_time_ms, random_batch, random_weights  # noqa: E402
+from moeflow.kernels.autotune import Shape, _layer_parts, batches_for, graph_time_ms, random_batch, random_weights  # noqa: E402
 from moeflow.kernels.common import RowLayout  # noqa: E402
 from moeflow.kernels.configs import GemmConfig  # noqa: E402
 from moeflow.kernels.down import down  # noqa: E402
@@ -30,7 +30,7 @@ for preset, ts in ROWS:
             lay = RowLayout.of(batch)
             a = torch.randn(lay.rows, shape.inter, device=dev).to(torch.bfloat16)
             d_in.append((a, batch.weights, lay))
-        kcfg = _runner(shape).kernel_config(batch, SimpleNamespace(w13=w.w13, w2=w.w2))
+        kcfg = _layer_parts(shape)[1].kernel_config(batch, SimpleNamespace(w13=w.w13, w2=w.w2))
         ref = down(d_in[0][0], None, w.w2, None, d_in[0][1], d_in[0][2], "none", torch.bfloat16, kcfg.down)
         us = graph_time_ms([lambda d=d: down(d[0], None, w.w2, None, d[1], d[2], "none", torch.bfloat16, kcfg.down)
                             for d in d_in], 20) * 1e3

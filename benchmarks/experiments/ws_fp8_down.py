@@ -9,12 +9,14 @@ from types import SimpleNamespace
 
 import torch
 
-from moeflow.kernels.autotune import Shape, _runner, batches_for, graph_time_ms, random_batch, random_weights
+from moeflow.kernels.autotune import _layer_parts, batches_for, graph_time_ms, random_batch
 from moeflow.kernels.common import RowLayout
 from moeflow.kernels.configs import GemmConfig
 from moeflow.kernels.down import down
-from moeflow.presets import PRESETS
 from moeflow.quant import create_scheme
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gemm_case import preset_weights  # noqa: E402
 
 dev = torch.device("cuda")
 ROWS = [("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("deepseek-v3", 4096),
@@ -26,20 +28,14 @@ VARIANTS = ([GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (4, 6
 SCH = create_scheme("fp8-block")
 res, weights = [], {}
 for preset, t in ROWS:
-    p = PRESETS[preset]
-    shape = Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], "fp8-block")
-    if preset not in weights:
-        weights.clear()
-        torch.cuda.empty_cache()
-        weights[preset] = random_weights(shape, dev)
-    w = weights[preset]
+    shape, w = preset_weights(preset, "fp8-block", weights, dev)
     d_in = []
     for b in range(batches_for(t)):
         batch = random_batch(shape, t, dev, seed=t * 1000 + b)
         lay = RowLayout.of(batch)
         a, a_s = SCH.quantize_activation(torch.randn(lay.rows, shape.inter, device=dev).bfloat16())
         d_in.append((a, a_s, batch.weights, lay))
-    kcfg = _runner(shape).kernel_config(batch, SimpleNamespace(w13=w.w13, w2=w.w2))
+    kcfg = _layer_parts(shape)[1].kernel_config(batch, SimpleNamespace(w13=w.w13, w2=w.w2))
     run = lambda d, cfg, poison=False: down(d[0], d[1], w.w2, w.w2_scale, d[2], d[3], "fp8-block", torch.bfloat16, cfg,
                                             poison=poison)
     ref = run(d_in[0], kcfg.down)

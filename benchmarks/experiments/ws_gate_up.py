@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moeflow.kernels.autotune import Shape, _runner, batches_for, graph_time_ms, random_batch, random_weights
+from moeflow.kernels.autotune import Shape, _layer_parts, batches_for, graph_time_ms, random_batch, random_weights
 from moeflow.kernels.common import RowLayout
 from moeflow.kernels.configs import GemmConfig
 from moeflow.kernels.gate_up import gate_up
@@ -25,7 +25,7 @@ for preset, ts in ROWS:
     w = random_weights(shape, dev)
     for t in ts:
         batches = [random_batch(shape, t, dev, seed=t * 1000 + b, indexed=True) for b in range(batches_for(t))]
-        kcfg = _runner(shape).kernel_config(batches[0], SimpleNamespace(w13=w.w13, w2=w.w2))
+        kcfg = _layer_parts(shape)[1].kernel_config(batches[0], SimpleNamespace(w13=w.w13, w2=w.w2))
         fl = 2 * t * shape.top_k * shape.hidden * 2 * shape.inter
 
         def run(b, c):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moeflow.kernels.autotune import Shape, _runner, random_batch, random_weights
+from moeflow.kernels.autotune import Shape, _layer_parts, random_batch, random_weights
 from moeflow.kernels.common import RowLayout, block_rows, fp8_scale, gated_act, tile_ids, to_fp8
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
@@ -132,7 +132,7 @@ def main():
             w = random_weights(shape, dev)
             batch = random_batch(shape, t, dev)
             layout = RowLayout.of(batch)
-            kc = _runner(shape).kernel_config(batch, w)
+            kc = _layer_parts(shape)[1].kernel_config(batch, w)
             e, i, h = shape.num_experts, shape.inter, shape.hidden
             x = batch.hidden.reshape(-1, h)
             r = x.shape[0]
