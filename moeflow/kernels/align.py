@@ -117,14 +117,14 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
     """Part q of the tokens' quantization x [T, H] -> xq [T, H] fp8, xs [T, G] float32, as
     kernels/quant.py computes it: QUANT_X 3 (fp8-block) the columns c * BLOCK_H .. of token
     q // cdiv(H, BLOCK_H) (c = q % cdiv(H, BLOCK_H); BLOCK_H / 128 groups); 1 (fp8-tensor) the same columns,
-    by the amax of all of x, which every part takes again (T * H < 2**31 reads a part: meant for decode-sized
+    by the amax of all of x, which every part takes again (T * H < 2**30 reads a part: meant for decode-sized
     batches, expert_sort.TENSOR_QUANT_IN_SORT_MAX), xs [T, 1] all equal; 2 (fp8-channel) token q's row amax, then its
     row; 0: nothing. The sorts' extra programs run it (token_quant_launch says how many)."""
     if QUANT_X == 1:
         per_token = tl.cdiv(H, BLOCK_H)
         t = (q // per_token).to(tl.int64)
         c = q % per_token
-        n = T * H  # below 2**31 (token_quant_launch); T may come specialized to a plain 1
+        n = T * H  # below 2**30 (token_quant_launch); T may come specialized to a plain 1
         amax = tl.zeros((_TENSOR_AMAX_BLOCK,), dtype=tl.float32)
         for i0 in range(0, n, _TENSOR_AMAX_BLOCK):
             i = i0 + tl.arange(0, _TENSOR_AMAX_BLOCK)
@@ -173,14 +173,14 @@ def token_quant_launch(x: Tensor | None, scheme: str, t: int, unused: Tensor):
     constexprs, the outputs: (xq [t, H] fp8, xs [t, G] float32) fresh, or () without x). x None:
     no programs, ``unused`` in the pointer places. ValueError unless x is [t, H] with unit column
     stride and the scheme one the sorts quantize for (SORT_QUANT_CODES). fp8-tensor: every part reads all
-    of x (quantize_token_part): fast only for small batches, and refused (ValueError) from 2**31 elements."""
+    of x (quantize_token_part): fast only for small batches, and refused (ValueError) from 2**30 elements."""
     if x is None:
         return 0, (unused, unused, unused, 0, 0, 0, 0, 0), dict(QUANT_X=0), ()
     if scheme not in SORT_QUANT_CODES or x.dim() != 2 or x.shape[0] != t or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be [{t}, H] with unit column stride and scheme one of {sorted(SORT_QUANT_CODES)}")
     code, h = SORT_QUANT_CODES[scheme], x.shape[1]
-    if code == 1 and x.numel() >= 2 ** 31:
-        raise ValueError(f"fp8-tensor tokens are quantized in the sort below 2**31 elements, got {tuple(x.shape)}")
+    if code == 1 and x.numel() >= 2 ** 30:  # the amax loop's int32 indices run up to a block past T * H
+        raise ValueError(f"fp8-tensor tokens are quantized in the sort below 2**30 elements, got {tuple(x.shape)}")
     block_h = min(1024, triton.next_power_of_2(max(h, 128)))  # up to 8 fp8-block groups per program
     parts = 0 if not h else t if code == 2 else t * triton.cdiv(h, block_h)
     xq = torch.empty((t, h), dtype=FP8_DTYPE, device=x.device)
