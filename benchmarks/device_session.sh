@@ -7,7 +7,7 @@
 # `git rev-parse` evaluated on the GPU machine read stale metadata there (bcedbe1 all of one session).
 #
 #   1. pytest -m gpu: the single-GPU suites (triton, one-launch layer, layer graph, runners, transformers, the
-#      command line), GPU 0
+#      command line, the Gluon fp8-block gate_up whose 64- and 128-row tiles the H200 tables use), GPU 0
 #   2. with 2 GPUs: pytest -m gpu tests/gpu/test_gpu_ep.py, then benchmarks/bench_ep.py --profile
 #   3. benchmarks/bench_layer.py: PERF.md's 36 rows, triton runner, GPU 0
 #   4. the T=1 and 16 rows again with MOEFLOW_TRITON_PDL=0 (programmatic dependent launch off), GPU 0
@@ -21,7 +21,7 @@
 #   9. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
 #      over copies of them: the candidates include split-K forms of both GEMMs), GPU 0; copy the files
 #      back into moeflow/kernels/configs/ only after comparing the layer rows
-# ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 353 s on 2026-12-01, so a second call
+# ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
 # can skip it: ONLY='layer_bench$|moeflow_bench').
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
 # files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
@@ -51,9 +51,9 @@ step() {  # step NAME SECONDS COMMAND...: run if time is left, bounded by SECOND
     echo "$name: exit $? at ${SECONDS}s: $(tail -n 1 "$R/$name.log")" >> "$S"
 }
 
-step gpu_tests 400 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
+step gpu_tests 450 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
     tests/gpu/test_gpu_fused_layer.py tests/gpu/test_gpu_layer_graph.py tests/gpu/test_gpu_runners.py \
-    tests/gpu/test_gpu_hf.py tests/gpu/test_gpu_cli.py
+    tests/gpu/test_gpu_hf.py tests/gpu/test_gpu_cli.py tests/gpu/test_gpu_gate_up_wgmma.py
 if [ "$GPUS" -ge 2 ]; then
     step ep_tests 120 python -m pytest -q -m gpu tests/gpu/test_gpu_ep.py
     step ep_bench 120 torchrun --standalone --nproc-per-node 2 benchmarks/bench_ep.py --profile --skip layer \
