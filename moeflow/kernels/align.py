@@ -120,35 +120,31 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
     by the amax of all of x, which every part takes again (T * H < 2**30 reads a part: meant for decode-sized
     batches, expert_sort.TENSOR_QUANT_IN_SORT_MAX), xs [T, 1] all equal; 2 (fp8-channel) token q's row amax, then its
     row; 0: nothing. The sorts' extra programs run it (token_quant_launch says how many)."""
-    if QUANT_X == 1:
-        per_token = tl.cdiv(H, BLOCK_H)
-        t = (q // per_token).to(tl.int64)
-        c = q % per_token
-        n = T * H  # below 2**30 (token_quant_launch); T may come specialized to a plain 1
-        amax = tl.zeros((_TENSOR_AMAX_BLOCK,), dtype=tl.float32)
-        for i0 in range(0, n, _TENSOR_AMAX_BLOCK):
-            i = i0 + tl.arange(0, _TENSOR_AMAX_BLOCK)
-            xv = tl.load(x_ptr + (i // H).to(tl.int64) * stride_x + i % H, mask=i < n, other=0.0)
-            amax = tl.maximum(amax, tl.abs(xv.to(tl.float32)))
-        scale = fp8_scale(tl.max(amax, axis=0))
-        cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-        xv = tl.load(x_ptr + t * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
-        tl.store(xq_ptr + t * stride_xq + cols, to_fp8(xv, scale, ROUND_IN_FP32), mask=cols < H)
-        if c == 0:
-            tl.store(xs_ptr + t * stride_xs, scale)
-    elif QUANT_X == 3:
+    if QUANT_X == 1 or QUANT_X == 3:  # part q: BLOCK_H columns of one token
         per_token = tl.cdiv(H, BLOCK_H)
         t = (q // per_token).to(tl.int64)
         c = q % per_token
         cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = cols < H
-        xg = tl.reshape(tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32),
-                        (BLOCK_H // 128, 128))
-        scale = fp8_scale(tl.max(tl.abs(xg), axis=1))
-        tl.store(xq_ptr + t * stride_xq + cols, tl.reshape(to_fp8(xg, scale[:, None], ROUND_IN_FP32), (BLOCK_H,)),
-                 mask=ok)
-        groups = c * (BLOCK_H // 128) + tl.arange(0, BLOCK_H // 128)
-        tl.store(xs_ptr + t * stride_xs + groups, scale, mask=groups < tl.cdiv(H, 128))
+        xv = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        if QUANT_X == 3:
+            xg = tl.reshape(xv, (BLOCK_H // 128, 128))
+            scale = fp8_scale(tl.max(tl.abs(xg), axis=1))
+            tl.store(xq_ptr + t * stride_xq + cols, tl.reshape(to_fp8(xg, scale[:, None], ROUND_IN_FP32), (BLOCK_H,)),
+                     mask=ok)
+            groups = c * (BLOCK_H // 128) + tl.arange(0, BLOCK_H // 128)
+            tl.store(xs_ptr + t * stride_xs + groups, scale, mask=groups < tl.cdiv(H, 128))
+        else:
+            n = T * H  # below 2**30 (token_quant_launch); T may come specialized to a plain 1
+            amax = tl.zeros((_TENSOR_AMAX_BLOCK,), dtype=tl.float32)
+            for i0 in range(0, n, _TENSOR_AMAX_BLOCK):
+                i = i0 + tl.arange(0, _TENSOR_AMAX_BLOCK)
+                xa = tl.load(x_ptr + (i // H).to(tl.int64) * stride_x + i % H, mask=i < n, other=0.0)
+                amax = tl.maximum(amax, tl.abs(xa.to(tl.float32)))
+            scale = fp8_scale(tl.max(amax, axis=0))
+            tl.store(xq_ptr + t * stride_xq + cols, to_fp8(xv, scale, ROUND_IN_FP32), mask=ok)
+            if c == 0:
+                tl.store(xs_ptr + t * stride_xs, scale)
     elif QUANT_X == 2:
         t = q.to(tl.int64)
         amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
