@@ -124,6 +124,42 @@ def test_quantize_rows(scheme, masked):
     assert torch.equal(q[v].view(torch.uint8), q_ref[v].view(torch.uint8))
 
 
+def test_fp8_rounding_every_value_and_tie():
+    """The kernels' FP8 cast (common.to_fp8) on every finite e4m3 value, each midpoint between neighbours (ties
+    to even), values just off the midpoints, the subnormals and signed zeros: the bytes of torch's cast. The
+    row holds 448, so its fp8-channel scale is exactly 1."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = torch.unique(codes[torch.isfinite(codes)])  # -448 .. 448, -0.0 and 0.0 merged
+    mids = (vals[1:] + vals[:-1]) / 2
+    x = torch.cat([vals, mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20), torch.tensor([-0.0, 2 ** -12, -2 ** -11])])
+    x = x.reshape(1, -1)
+    q, s = quantize_rows(x, "fp8-channel")
+    assert s.item() == 1.0
+    assert torch.equal(q.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("one_step,fold_rows", [(128, 1024), (8192, 1024), (8192, 1)],
+                         ids=["row-in-3-steps", "row-in-1-step", "tensor-max-by-torch"])
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel"])
+@pytest.mark.parametrize("masked", [False, True], ids=["sorted", "masked"])
+def test_quantize_rows_amax_paths(scheme, masked, one_step, fold_rows, monkeypatch):
+    """The row amax in one load per row or in a K loop (quant.ROW_AMAX_ONE_STEP), and fp8-tensor's tensor amax
+    taken by the quantization's programs or by a torch max first (quant.AMAX_FOLD_ROWS): the scheme's bytes and
+    scales on every valid row, rows of odd count and width (H = 300: a partial last step), empty slots left out."""
+    from moeflow.kernels import quant as quant_mod
+    monkeypatch.setattr(quant_mod, "ROW_AMAX_ONE_STEP", one_step)
+    monkeypatch.setattr(quant_mod, "AMAX_FOLD_ROWS", fold_rows)
+    layout = masked_layout([3, 0, 6], 7) if masked else sorted_layout([3, 0, 6, 1])
+    x = (torch.randn(layout.rows, 300) * torch.rand(layout.rows, 1) * 4).half()
+    if masked:
+        x[~layout.valid_rows()] = 1e4  # garbage the tensor amax must skip
+    q, s = quant_mod.quantize_rows(x, scheme, layout)
+    q_ref, s_ref = quantize_rows_torch(x, scheme, layout)
+    v = layout.valid_rows()
+    assert s.shape == s_ref.shape and torch.equal(s[v], s_ref[v].float())
+    assert torch.equal(q[v].view(torch.uint8), q_ref[v].view(torch.uint8))
+
+
 @pytest.mark.parametrize("rows,k", [(0, 384), (1, 128), (50, 384), (9, 10368)])  # none; one; repeats; two K blocks
 def test_gather_rows(rows, k):
     """FP8 rows and their scales by index: the same bytes as torch indexing, every output element written."""

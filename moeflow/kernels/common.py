@@ -180,14 +180,18 @@ def to_fp8(x, scale, ROUND_IN_FP32: tl.constexpr):
 
     ROUND_IN_FP32 (set under TRITON_INTERPRET only): the interpreter's own float32 -> fp8 cast
     drops the mantissa carry (31.4 becomes 16), so round to e4m3's 3 mantissa bits here first,
-    to nearest even, and let the cast see exact values. Compiled kernels use the hardware cast.
+    to nearest even, and let the cast see exact values; below 2**-6, where e4m3 is subnormal, to its
+    fixed step 2**-9 instead (-0.0013 became -0.0 where the step rounds it to -0.00195). Compiled
+    kernels use the hardware cast.
     """
     y = tl.math.div_rn(x, scale)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if ROUND_IN_FP32:
         bits = y.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # drop 20 of 23 mantissa bits (RTNE)
-        y = bits.to(tl.float32, bitcast=True)
+        sub = (y + 24576.0) - 24576.0  # float32 steps of 2**-9 at 1.5 * 2**14: the add rounds to the step (RTNE)
+        sub = tl.where(sub == 0.0, y * 0.0, sub)  # keeps the sign of a value that rounds to zero
+        y = tl.where(tl.abs(y) < 0.015625, sub, bits.to(tl.float32, bitcast=True))
     return y.to(tl.float8e4nv)
 
 

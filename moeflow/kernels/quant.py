@@ -2,13 +2,18 @@
 
     fp8-block   : scale [R, ceil(K/128)], one per 128 values of a row      (1 kernel)
     fp8-channel : scale [R, 1], the row's amax                             (row amax, then quantize)
-    fp8-tensor  : scale [R, 1], all equal: the amax over the *valid* rows   (row amax, torch max, quantize)
+    fp8-tensor  : scale [R, 1], all equal: the amax over the *valid* rows   (row amax, quantize; past
+                  AMAX_FOLD_ROWS rows a torch max between them)
 
 Rows of empty masked slots are left out of the tensor amax (they may hold garbage) and are
 quantized like any row (nothing reads them). ``quantize_rows_torch`` is the reference.
 ``gather_rows``: rows (any dtype) and their scales by index, (x[src], scale[src]), in one launch (the
 gate_up kernels that read rows in order through TMA take such a copy; reference: torch indexing);
 ``scatter_rows``: the same copy from the inverse map, each source row read once.
+
+The row amax takes a whole row (up to ROW_AMAX_ONE_STEP elements) in one load, a few rows a program: a K loop in
+few programs waits out one memory latency per step (16 rows a program, 256 columns a step, took 24 µs for
+Mixtral's 16 tokens on H200 where the bytes need 1: benchmarks/results/fp8_tensor_gap_2026-12-02_h200_*.md).
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from ..quant import FP8_DTYPE, create_scheme
 from .common import RowLayout, fp8_scale, interpreting, pdl, pdl_start, to_fp8, unit_stride_rows
 
 GROUP = 128  # fp8-block activation group (quant/fp8_block.py)
+ROW_AMAX_ONE_STEP = 8192  # elements of x one row-amax program loads at once (rows up to this long take one step)
+AMAX_FOLD_ROWS = 1024  # fp8-tensor up to this many rows: the quantization's programs reduce the row amaxes themselves
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -45,9 +52,11 @@ def _row_amax_kernel(x_ptr, amax_ptr, meta_ptr, num_rows, K, stride_x, capacity,
 @triton.jit(do_not_specialize=["num_rows"])
 def _quant_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, num_rows, K, stride_x, stride_q, stride_s, amax_stride,
                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = False, AMAX_ROWS: tl.constexpr = 0):
     """q [R, K] fp8 and scale [R, G]. GROUPED: BLOCK_K == 128, one scale per (row, group);
-    else the scale of row r comes from amax_ptr[r * amax_stride] (stride 0: one tensor amax)."""
+    AMAX_ROWS > 0: one scale for the tensor, from the max of amax_ptr[0 .. num_rows) (per-row amaxes, num_rows
+    <= AMAX_ROWS), which every program takes; else the scale of row r comes from amax_ptr[r * amax_stride]
+    (stride 0: one tensor amax)."""
     pdl_start(PDL)
     pid_k = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -59,7 +68,12 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, num_rows, K, stride_x, stride_q
         scale = fp8_scale(tl.max(tl.abs(x), axis=1))
         tl.store(s_ptr + rows * stride_s + pid_k, scale, mask=rmask)
     else:
-        scale = fp8_scale(tl.load(amax_ptr + rows * amax_stride, mask=rmask, other=1.0))
+        if AMAX_ROWS > 0:
+            every = tl.arange(0, AMAX_ROWS)
+            tensor_amax = tl.max(tl.load(amax_ptr + every, mask=every < num_rows, other=0.0), axis=0)
+            scale = tl.full((BLOCK_R,), 0.0, tl.float32) + fp8_scale(tensor_amax)
+        else:
+            scale = fp8_scale(tl.load(amax_ptr + rows * amax_stride, mask=rmask, other=1.0))
         if pid_k == 0:
             tl.store(s_ptr + rows * stride_s, scale, mask=rmask)
     q = to_fp8(x, scale[:, None], ROUND_IN_FP32)
@@ -72,22 +86,29 @@ def row_amax(x: Tensor, layout: RowLayout | None = None) -> Tensor:
     r, k = x.shape
     amax = torch.empty(r, dtype=torch.float32, device=x.device)
     masked = layout is not None and layout.masked
-    block_r = 16
+    block_k = min(ROW_AMAX_ONE_STEP, triton.next_power_of_2(max(k, 16)))  # the whole row in one step where it fits
+    block_r = max(1, min(16, ROW_AMAX_ONE_STEP // block_k))
     _row_amax_kernel[(triton.cdiv(r, block_r),)](
         x, amax, layout.meta if masked else amax, r, k, x.stride(0), max(layout.capacity, 1) if masked else 1,
-        BLOCK_R=block_r, BLOCK_K=min(256, triton.next_power_of_2(max(k, 16))), MASKED=masked, **pdl(x.device))
+        BLOCK_R=block_r, BLOCK_K=block_k, MASKED=masked, num_warps=4, **pdl(x.device))
     return amax
 
 
-def quantize_with_amax(x: Tensor, amax: Tensor) -> tuple[Tensor, Tensor]:
-    """x [R, K] float, amax [R] (per row) or [1] (one for the tensor) -> (q [R, K] fp8, scale [R, 1])."""
+def quantize_with_amax(x: Tensor, amax: Tensor, tensor: bool = False) -> tuple[Tensor, Tensor]:
+    """x [R, K] float, amax [R] (per row) or [1] (one for the tensor) -> (q [R, K] fp8, scale [R, 1]).
+    tensor: amax [R] holds per-row amaxes, and the scale is the tensor's, from their max (R <= AMAX_FOLD_ROWS: the
+    quantization's programs take it; else a torch max first)."""
     r, k = x.shape
+    fold = tensor and 0 < r <= AMAX_FOLD_ROWS
+    if tensor and not fold:
+        amax = amax.amax().reshape(1) if amax.numel() else amax.new_zeros(1)
     q = torch.empty((r, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((r, 1), dtype=torch.float32, device=x.device)
     block_r, block_k = 16, min(512, triton.next_power_of_2(max(k, 16)))
     _quant_kernel[(triton.cdiv(r, block_r), triton.cdiv(k, block_k))](
         x, q, scale, amax, r, k, x.stride(0), q.stride(0), scale.stride(0), 0 if amax.numel() == 1 else 1,
-        BLOCK_R=block_r, BLOCK_K=block_k, GROUPED=False, ROUND_IN_FP32=interpreting(), **pdl(x.device))
+        BLOCK_R=block_r, BLOCK_K=block_k, GROUPED=False, ROUND_IN_FP32=interpreting(),
+        AMAX_ROWS=AMAX_FOLD_ROWS if fold else 0, **pdl(x.device))
     return q, scale
 
 
@@ -121,10 +142,7 @@ def quantize_rows(x: Tensor, scheme: str, layout: RowLayout | None = None) -> tu
     x = unit_stride_rows(x)
     if scheme == "fp8-block":
         return quantize_groups(x)
-    amax = row_amax(x, layout)
-    if scheme == "fp8-tensor":
-        amax = amax.amax().reshape(1) if amax.numel() else amax.new_zeros(1)
-    return quantize_with_amax(x, amax)
+    return quantize_with_amax(x, row_amax(x, layout), tensor=scheme == "fp8-tensor")
 
 
 def quantize_activation(x: Tensor, scheme: str) -> tuple[Tensor, Tensor]:
