@@ -14,11 +14,9 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-from bench_layer import Case  # noqa: E402
-from decode_timeline import timeline  # noqa: E402
+from decode_timeline import layer_calls, timeline  # noqa: E402
 from moeflow.benchmark import clean_graph_us, graph_us  # noqa: E402
 from moeflow.dispatch import expert_sort  # noqa: E402
-from moeflow.experts import create_runner  # noqa: E402
 
 ROWS = [("qwen3-30b-a3b", (16, 128, 1024)), ("mixtral-8x7b", (16, 128))]
 LIMITS = tuple(int(v) for v in sys.argv[2].split(":")) if len(sys.argv) > 2 else (32768, 1 << 17, 1 << 19, 1 << 21)
@@ -27,31 +25,23 @@ SHIPPED = expert_sort.TENSOR_QUANT_IN_SORT_MAX
 
 def main():
     out = {}
-    for preset, tokens in ROWS:
-        for scheme in ("fp8-channel", "fp8-tensor"):
-            torch.cuda.empty_cache()
-            case = Case(preset, scheme)
-            runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
-            for t in tokens:
-                x, logits = case.inputs(t, 1)[0]
-                fn = lambda: case.layer(runner, x, logits)  # noqa: E731
-                limits = LIMITS if scheme == "fp8-tensor" else (SHIPPED,)
-                ref = None
-                for lim in limits:
-                    expert_sort.TENSOR_QUANT_IN_SORT_MAX = lim
-                    got = fn()
-                    ref = got if ref is None else ref
-                    assert torch.equal(got, ref), (preset, scheme, t, lim)
-                    rows, span, _ = timeline(fn)
-                    g = [graph_us(fn) for _ in range(2)]
-                    c = clean_graph_us(fn)
-                    name = f"{preset} {scheme} T={t} limit={lim}"
-                    out[name] = dict(graph_us=round(min(g), 2), clean_us=round(c, 2), span_us=round(span, 2),
-                                     kernels=rows)
-                    print(f"== {name}: graph {min(g):.1f} clean {c:.1f} span {span:.1f}: " + ", ".join(
-                        f"{r['kernel'][:20]} {r['dur_us']:.1f}" for r in rows), flush=True)
-                expert_sort.TENSOR_QUANT_IN_SORT_MAX = SHIPPED
-            del case, runner
+    rows = [(preset, scheme, t) for preset, tokens in ROWS for scheme in ("fp8-channel", "fp8-tensor") for t in tokens]
+    for name, fn in layer_calls(rows):
+        limits = LIMITS if "fp8-tensor" in name else (SHIPPED,)
+        ref = None
+        for lim in limits:
+            expert_sort.TENSOR_QUANT_IN_SORT_MAX = lim
+            got = fn()
+            ref = got if ref is None else ref
+            assert torch.equal(got, ref), (name, lim)
+            kernels, span, _ = timeline(fn)
+            g = [graph_us(fn) for _ in range(2)]
+            c = clean_graph_us(fn)
+            key = f"{name} limit={lim}"
+            out[key] = dict(graph_us=round(min(g), 2), clean_us=round(c, 2), span_us=round(span, 2), kernels=kernels)
+            print(f"== {key}: graph {min(g):.1f} clean {c:.1f} span {span:.1f}: " + ", ".join(
+                f"{r['kernel'][:20]} {r['dur_us']:.1f}" for r in kernels), flush=True)
+        expert_sort.TENSOR_QUANT_IN_SORT_MAX = SHIPPED
     if len(sys.argv) > 1:
         json.dump(out, open(sys.argv[1], "w"), indent=1)
     print("\n| row | graph µs | clean µs | span µs |")
