@@ -27,9 +27,10 @@ from .common import RowLayout, fp8_scale, interpreting, pdl, pdl_start, to_fp8, 
 
 GROUP = 128  # fp8-block activation group (quant/fp8_block.py)
 ROW_AMAX_ONE_STEP = 8192  # elements of x one row-amax program loads at once (rows up to this long take one step)
-# elements of x one quantization program takes. A [16, 512] tile issued ~60 instructions an element (most of them
-# the IEEE division, div_rn, that matches torch's bits) and kept Qwen3's [1024, 768] intermediate 16.8 µs at one
-# program an SM (ncu on H200: 25k cycles, 6.1 cycles an issued instruction, 6% occupancy)
+# elements of x one quantization program takes. A [16, 512] tile issued ~60 instructions an element (the IEEE
+# division, div_rn, that keeps torch's bits, is a guarded sequence of about a dozen of them) and kept Qwen3's
+# [1024, 768] intermediate 16.8 µs at one program an SM (ncu on H200: 25k cycles, 6.1 cycles an issued instruction,
+# 6% occupancy)
 QUANT_TILE = 2048
 AMAX_FOLD_ROWS = 1024  # fp8-tensor up to this many rows: the quantization's programs reduce the row amaxes themselves
 
