@@ -114,9 +114,15 @@ def test_align_masked():
 def test_quantize_rows(scheme, masked):
     """Same FP8 bytes and scales as the scheme's own quantize_activation (valid rows)."""
     layout = masked_layout([3, 0, 5], 6) if masked else sorted_layout([3, 0, 5])
-    x = (torch.randn(layout.rows, 256) * torch.rand(layout.rows, 1) * 4).half()
-    if masked:
-        x[~layout.valid_rows()] = 1e4  # garbage the tensor amax must skip
+    check_quantize_rows(scheme, layout, 256)
+
+
+def check_quantize_rows(scheme, layout, width):
+    """quantize_rows of random half rows [layout.rows, width] (empty masked slots hold garbage the tensor amax
+    must skip) against quantize_rows_torch: the same bytes and scales on every valid row."""
+    x = (torch.randn(layout.rows, width) * torch.rand(layout.rows, 1) * 4).half()
+    if layout.masked:
+        x[~layout.valid_rows()] = 1e4
     q, s = quantize_rows(x, scheme, layout)
     q_ref, s_ref = quantize_rows_torch(x, scheme, layout)
     v = layout.valid_rows()
@@ -149,15 +155,7 @@ def test_quantize_rows_amax_paths(scheme, masked, one_step, fold_rows, monkeypat
     from moeflow.kernels import quant as quant_mod
     monkeypatch.setattr(quant_mod, "ROW_AMAX_ONE_STEP", one_step)
     monkeypatch.setattr(quant_mod, "AMAX_FOLD_ROWS", fold_rows)
-    layout = masked_layout([3, 0, 6], 7) if masked else sorted_layout([3, 0, 6, 1])
-    x = (torch.randn(layout.rows, 300) * torch.rand(layout.rows, 1) * 4).half()
-    if masked:
-        x[~layout.valid_rows()] = 1e4  # garbage the tensor amax must skip
-    q, s = quant_mod.quantize_rows(x, scheme, layout)
-    q_ref, s_ref = quantize_rows_torch(x, scheme, layout)
-    v = layout.valid_rows()
-    assert s.shape == s_ref.shape and torch.equal(s[v], s_ref[v].float())
-    assert torch.equal(q[v].view(torch.uint8), q_ref[v].view(torch.uint8))
+    check_quantize_rows(scheme, masked_layout([3, 0, 6], 7) if masked else sorted_layout([3, 0, 6, 1]), 300)
 
 
 @pytest.mark.parametrize("rows,k", [(0, 384), (1, 128), (50, 384), (9, 10368)])  # none; one; repeats; two K blocks
