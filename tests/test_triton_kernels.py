@@ -21,6 +21,7 @@ if SKIP_REASON is None:
     from moeflow.kernels.reduce import moe_sum, moe_sum_torch
     from moeflow.layouts import offsets_from_counts
     from moeflow.quant import create_scheme
+    from moeflow.quant.base import to_fp8 as to_fp8_reference
 
 from oracle import assert_close
 
@@ -142,6 +143,30 @@ def test_fp8_rounding_every_value_and_tie():
     q, s = quantize_rows(x, "fp8-channel")
     assert s.item() == 1.0
     assert torch.equal(q.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("amax", [3.0, 7.3, 0.37])
+def test_fp8_quantize_multiplies_by_the_reciprocal(amax):
+    """The kernels quantize x * (1 / scale), as quant/base.to_fp8, not x / scale: values within 4 float32 ulps of
+    scale times each e4m3 midpoint, where the two round to different bytes (the data is checked to hold such
+    values), come out as the reference's bytes. The row's amax sets its fp8-channel scale."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = torch.unique(codes[torch.isfinite(codes)])
+    mids = (vals[1:] + vals[:-1]) / 2
+    scale = torch.tensor(amax) / 448
+    near = [mids * scale]
+    for direction in (float("inf"), -float("inf")):
+        x = near[0]
+        for _ in range(4):
+            x = torch.nextafter(x, torch.full_like(x, direction))
+            near.append(x)
+    x = torch.cat([torch.tensor([amax])] + near).reshape(1, -1)
+    q, s = quantize_rows(x, "fp8-channel")
+    assert torch.equal(s, scale.reshape(1, 1))
+    ref = to_fp8_reference(x, s)
+    by_division = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert (by_division.view(torch.uint8) != ref.view(torch.uint8)).sum() > 10
+    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("one_step,fold_rows", [(128, 1024), (8192, 1024), (8192, 1)],

@@ -2,8 +2,8 @@
 
 Scale convention (all schemes): a scale is the *dequantization multiplier*, float32:
 ``real ≈ float(q) * scale``. This is exactly Hugging Face's ``*_scale_inv`` tensors (DeepSeek-V3's
-``weight_scale_inv``), so checkpoints load without inversion. Quantization divides by the scale
-and saturates to ±448 (FP8 e4m3fn's largest finite value): an overflow never becomes NaN.
+``weight_scale_inv``), so checkpoints load without inversion. Quantization multiplies by the scale's
+reciprocal and saturates to ±448 (FP8 e4m3fn's largest finite value): an overflow never becomes NaN.
 Scales are amax / 448 over their group (a group of all zeros gets a tiny positive scale, so it
 quantizes to zeros instead of NaN).
 
@@ -33,8 +33,14 @@ def amax_to_scale(amax: Tensor) -> Tensor:
 
 
 def to_fp8(x: Tensor, scale: Tensor) -> Tensor:
-    """Saturating quantize: float32 ``x / scale`` clamped to ±448 then cast (NaN stays NaN)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """Saturating quantize: float32 ``x * (1 / scale)`` clamped to ±448 then cast (NaN stays NaN).
+
+    A multiply by the scale's reciprocal, not a division, as vLLM's and SGLang's FP8 kernels do: the kernels take the
+    reciprocal once a row or group and multiply each element (kernels/common.to_fp8, the same bits). The two differ
+    from ``x / scale`` only where the float32 quotients straddle an e4m3 rounding boundary, by one e4m3 step.
+    """
+    inv = torch.reciprocal(scale.float()) if isinstance(scale, Tensor) else 1.0 / scale
+    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 class QuantScheme(ABC):
