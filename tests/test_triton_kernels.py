@@ -21,7 +21,7 @@ if SKIP_REASON is None:
     from moeflow.kernels.reduce import moe_sum, moe_sum_torch
     from moeflow.layouts import offsets_from_counts
     from moeflow.quant import create_scheme
-    from moeflow.quant.base import to_fp8 as to_fp8_reference
+    from moeflow.quant.base import amax_to_scale, to_fp8 as to_fp8_reference
 
 from oracle import assert_close
 
@@ -153,7 +153,7 @@ def test_fp8_quantize_multiplies_by_the_reciprocal(amax):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
     vals = torch.unique(codes[torch.isfinite(codes)])
     mids = (vals[1:] + vals[:-1]) / 2
-    scale = torch.tensor(amax) / 448
+    scale = amax_to_scale(torch.tensor(amax))
     near = [mids * scale]
     for direction in (float("inf"), -float("inf")):
         x = near[0]
@@ -167,6 +167,18 @@ def test_fp8_quantize_multiplies_by_the_reciprocal(amax):
     by_division = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert (by_division.view(torch.uint8) != ref.view(torch.uint8)).sum() > 10
     assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_fp8_scale_is_amax_times_the_reciprocal_of_448():
+    """A scale is amax * float32(1/448) in the kernels and in quant/base.amax_to_scale, bit for bit, on rows whose
+    amax / 448 in IEEE division differs from that for about half of them (torch on CUDA divides by a scalar as the
+    multiply, on the CPU as the division: the kernels must match the rule that is the same on both)."""
+    x = torch.randn(512, 96) * torch.rand(512, 1) * 100
+    q, s = quantize_rows(x, "fp8-channel")
+    amax = x.abs().amax(dim=1, keepdim=True)
+    assert (amax / 448 != amax_to_scale(amax)).sum() > 100
+    assert torch.equal(s, amax_to_scale(amax))
+    assert torch.equal(q.view(torch.uint8), to_fp8_reference(x, s).view(torch.uint8))
 
 
 @pytest.mark.parametrize("one_step,fold_rows", [(128, 1024), (8192, 1024), (8192, 1)],

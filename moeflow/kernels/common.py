@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 from .. import env as moeflow_env
 
@@ -132,16 +133,33 @@ def grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+# Compiled kernels take the sigmoid from the GPU's approximate exp2 and reciprocal, flushing subnormals
+# (libdevice's fast_expf and fast_dividef: 4 instructions an element). tl.sigmoid's exp and division keep subnormals,
+# at about 14 (a range test and fix-up around each MUFU; sm_90a SASS of the fp8-block gate_up's epilogue). Triton
+# decides at decoration time whether a kernel runs in its CPU interpreter, which has no libdevice; so is this.
+_FAST_SIGMOID = tl.constexpr(not moeflow_env.TRITON_INTERPRET.get_bool())
+
+
+@triton.jit
+def sigmoid(x):
+    """1 / (1 + exp(-x)) in float32: within a few float32 ulps of torch's; where exp(-x) is subnormal or overflows
+    (|x| > 87) it gives exactly 1 or 0, where torch's is within 2**-126 of them."""
+    if _FAST_SIGMOID:
+        return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-x))
+    else:
+        return tl.sigmoid(x)
+
+
 @triton.jit
 def gated_act(gate, up, ACT: tl.constexpr):
     """act(gate) * up in float32; ACT 0 silu, 1 gelu (erf), 2 gelu_tanh (as torch's)."""
     if ACT == 0:
-        a = gate * tl.sigmoid(gate)
+        a = gate * sigmoid(gate)
     elif ACT == 1:
         a = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
     else:
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        a = 0.5 * gate * (2.0 * tl.sigmoid(2.0 * inner))  # 1 + tanh(y) == 2 * sigmoid(2y)
+        a = 0.5 * gate * (2.0 * sigmoid(2.0 * inner))  # 1 + tanh(y) == 2 * sigmoid(2y)
     return a * up
 
 
@@ -170,9 +188,9 @@ def scale_block(cols, n):
 
 @triton.jit
 def fp8_scale(amax):
-    """float32 amax -> dequantization scale, as quant/base.amax_to_scale (IEEE division: Triton's `/` is the
-    approximate div.full, up to 2 ulp off torch's; one a row or group, so its cost does not show)."""
-    return tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    """float32 amax -> dequantization scale, amax times float32(1 / 448), as quant/base.amax_to_scale (which says
+    why a multiply; Triton's `/` would be the approximate div.full)."""
+    return tl.maximum(amax, 1e-12) * (1.0 / 448.0)
 
 
 @triton.jit
@@ -186,18 +204,18 @@ def to_fp8(x, scale, ROUND_IN_FP32: tl.constexpr):
     ROUND_IN_FP32 (set under TRITON_INTERPRET only): the interpreter's own float32 -> fp8 cast
     drops the mantissa carry (31.4 becomes 16), so round to e4m3's 3 mantissa bits here first,
     to nearest even, and let the cast see exact values; below 2**-6, where e4m3 is subnormal, to its
-    fixed step 2**-9 instead (-0.0013 became -0.0 where the step rounds it to -0.00195). Compiled
-    kernels use the hardware cast.
+    fixed step 2**-9 instead (-0.0013 became -0.0 where the step rounds it to -0.00195), after clamping to ±448.
+    Compiled kernels use the hardware cast, which saturates by itself (no clamp: 2 instructions an element fewer).
     """
     y = x * tl.math.div_rn(1.0, scale)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if ROUND_IN_FP32:
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         bits = y.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # drop 20 of 23 mantissa bits (RTNE)
         sub = (y + 24576.0) - 24576.0  # float32 steps of 2**-9 at 1.5 * 2**14: the add rounds to the step (RTNE)
         sub = tl.where(sub == 0.0, y * 0.0, sub)  # keeps the sign of a value that rounds to zero
         y = tl.where(tl.abs(y) < 0.015625, sub, bits.to(tl.float32, bitcast=True))
-    return y.to(tl.float8e4nv)
+    return y.to(tl.float8e4nv)  # compiled: cvt.rn.satfinite, which saturates to ±448 itself and keeps NaN a NaN
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import FP8_DTYPE, create_scheme
-from ..quant.base import to_fp8 as to_fp8_torch
+from ..quant.base import amax_to_scale, to_fp8 as to_fp8_torch
 from .common import RowLayout, fp8_scale, interpreting, pdl, pdl_start, to_fp8, unit_stride_rows
 
 GROUP = 128  # fp8-block activation group (quant/fp8_block.py)
@@ -166,7 +166,7 @@ def quantize_rows_torch(x: Tensor, scheme: str, layout: RowLayout) -> tuple[Tens
     if scheme != "fp8-tensor":
         return sch.quantize_activation(x)
     valid = layout.valid_rows()
-    _, s = sch.quantize_activation(x[valid]) if bool(valid.any()) else (None, x.new_full((1, 1), 1e-12 / 448))
+    _, s = sch.quantize_activation(x[valid]) if bool(valid.any()) else (None, amax_to_scale(x.new_zeros((1, 1))))
     scale = s[:1].float().expand(x.shape[0], 1).contiguous()
     return to_fp8_torch(x, scale), scale
 

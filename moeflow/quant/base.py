@@ -4,7 +4,7 @@ Scale convention (all schemes): a scale is the *dequantization multiplier*, floa
 ``real ≈ float(q) * scale``. This is exactly Hugging Face's ``*_scale_inv`` tensors (DeepSeek-V3's
 ``weight_scale_inv``), so checkpoints load without inversion. Quantization multiplies by the scale's
 reciprocal and saturates to ±448 (FP8 e4m3fn's largest finite value): an overflow never becomes NaN.
-Scales are amax / 448 over their group (a group of all zeros gets a tiny positive scale, so it
+Scales are amax · (1/448) over their group (a group of all zeros gets a tiny positive scale, so it
 quantizes to zeros instead of NaN).
 
 Weights are [E, N, K] (N output rows, K the reduction dim: gate_up_proj [E, 2I, H],
@@ -28,8 +28,13 @@ _MIN_AMAX = 1e-12
 
 
 def amax_to_scale(amax: Tensor) -> Tensor:
-    """amax (any shape) -> float32 dequantization scale, amax / 448, never zero."""
-    return amax.float().clamp(min=_MIN_AMAX) / FP8_MAX
+    """amax (any shape) -> float32 dequantization scale, never zero: amax times float32(1 / 448).
+
+    A multiply, not ``amax / 448``: torch on CUDA divides a tensor by a Python scalar as a multiply by the scalar's
+    float32 reciprocal, and on the CPU in IEEE division, which differ by one ulp for about half of all amaxes. The
+    multiply gives the same bits on both, and the kernels use it too (kernels/common.fp8_scale).
+    """
+    return amax.float().clamp(min=_MIN_AMAX) * (1.0 / FP8_MAX)
 
 
 def to_fp8(x: Tensor, scale: Tensor) -> Tensor:
