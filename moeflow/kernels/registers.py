@@ -77,8 +77,15 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
 def register_usage(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma: bool = True,
                    extra: dict | None = None):
     """-> (registers per thread, spill-store bytes) of the kernel compiled for sm_90a (module docstring)."""
+    regs, spill, _ = ptxas_report(gemm_ptx(kernel, scheme, dtype, cfg, tma, extra))
+    return regs, spill
+
+
+def gemm_ptx(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma: bool = True,
+             extra: dict | None = None) -> str:
+    """register_usage's kernel compiled for sm_90a -> its PTX (tests count instructions in it)."""
     fn, sig, const, attrs = _signature(kernel, scheme, dtype, cfg, tma, extra)
-    return compile_for_hopper(fn, sig, const, attrs, cfg.num_warps, cfg.num_stages)
+    return _compile_ptx(fn, sig, const, attrs, cfg.num_warps, cfg.num_stages)
 
 
 def fused_layer_usage(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, top_k: int = 8):
@@ -138,6 +145,11 @@ def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: i
     signature: the Triton types of the runtime parameters (a Gluon TensorDescriptor's is
     triton.runtime.jit.mangle_type(descriptor)). maxnreg: the launch's register cap (a warp-specialized
     kernel's partitions then set their own, kernels/warp_specialized.py)."""
+    return ptxas_report(gluon_ptx(fn, signature, constexprs, num_warps, maxnreg))
+
+
+def gluon_ptx(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None) -> str:
+    """compile_gluon_for_hopper's compilation -> the PTX for sm_90a."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     const_in = dict(constexprs, num_warps=num_warps) if "num_warps" in fn.arg_names else dict(constexprs)
@@ -145,7 +157,7 @@ def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: i
     options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
     compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs={}),
                               target=GPUTarget("cuda", 90, 32), options=options)
-    return ptxas_report(compiled.asm["ptx"])
+    return compiled.asm["ptx"]
 
 
 def _typed(fn, signature: dict, constexprs: dict) -> tuple[dict, dict]:
