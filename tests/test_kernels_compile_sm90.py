@@ -240,7 +240,7 @@ def test_fused_layer_compiles_for_sm90():
 
 GLUON_COMPILE = """
 import importlib, importlib.util, json, sys, torch
-from moeflow.kernels.registers import compile_gluon_for_hopper, ptxas_path
+from moeflow.kernels.registers import compile_gluon_for_hopper, gluon_ptx, ptxas_path
 if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
     print(json.dumps(None)); sys.exit(0)
 from triton.experimental.gluon import language as gl
@@ -250,7 +250,8 @@ from moeflow.kernels.down_wgmma import unroll
 kernel = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
 fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
 out = []
-for job in json.loads(sys.argv[3]):  # {"descs": {name: box rows}, "ptrs": {name: type}, "const", "warps", "unroll"?}
+# {"descs": {name: box rows}, "ptrs": {name: type}, "const", "warps", "unroll"?, "count"?: PTX instructions to count}
+for job in json.loads(sys.argv[3]):
     sig = {name: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [rows, 128],
                                               gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)))
            for name, rows in job["descs"].items()}
@@ -259,7 +260,11 @@ for job in json.loads(sys.argv[3]):  # {"descs": {name: box rows}, "ptrs": {name
     const = dict(job["const"], **({"UNROLL": unroll(*job["unroll"])} if "unroll" in job else {}))
     if "INTER_DTYPE" in const:
         const["INTER_DTYPE"] = getattr(gl, const["INTER_DTYPE"])
-    out.append(compile_gluon_for_hopper(kernel, sig, const, job["warps"]))
+    if "count" in job:  # how often each instruction appears in the PTX, instead of ptxas's report
+        ptx = gluon_ptx(kernel, sig, const, job["warps"])
+        out.append({op: ptx.count(op + " ") for op in job["count"]})
+    else:
+        out.append(compile_gluon_for_hopper(kernel, sig, const, job["warps"]))
 print(json.dumps(out))
 """
 
@@ -319,7 +324,7 @@ def test_wgmma_down_persistent_keeps_its_wgmmas_overlapped():
 
 WS_DOWN_COMPILE = """
 import importlib.util, json, sys, torch
-from moeflow.kernels.registers import compile_gluon_for_hopper, ptxas_path
+from moeflow.kernels.registers import compile_gluon_for_hopper, gluon_ptx, ptxas_path
 if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
     print(json.dumps(None)); sys.exit(0)
 from triton.experimental.gluon import language as gl
@@ -377,44 +382,24 @@ print(json.dumps(compile_for_hopper(k, sig, dict(BLOCK_M=128, E_POW2=256, PDL=Tr
 
 
 EPILOGUE_OPS = r'''
-import importlib.util, json, re, sys, torch
+import json, sys, torch
 from moeflow.kernels.configs import GemmConfig
-from moeflow.kernels.registers import _compile_ptx, _typed, gemm_ptx, ptxas_path
+from moeflow.kernels.registers import _compile_ptx, gemm_ptx, ptxas_path
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
 from moeflow.kernels.quant import _quant_kernel
-
-
-def count(ptx):
-    return {op: len(re.findall(re.escape(op) + r"\s", ptx)) for op in ("div.rn.f32", "div.full.f32")}
-
-
+ops = json.loads(sys.argv[1])
 out = []  # (what, most divisions a thread may take, counts)
 for scheme, cfg in (("fp8-block", GemmConfig(128, 128, 128, 8, 8, 3)), ("none", GemmConfig(128, 128, 64, 8, 8, 3))):
     per_thread = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)  # outputs a thread holds: 64
-    out.append((f"gate_up {scheme}", per_thread // 16, count(gemm_ptx("gate_up", scheme, torch.bfloat16, cfg))))
+    ptx = gemm_ptx("gate_up", scheme, torch.bfloat16, cfg)
+    out.append((f"gate_up {scheme}", per_thread // 16, {op: ptx.count(op + " ") for op in ops}))
+ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "amax_ptr": "*fp32"}
 for rows, cols, grouped in ((4, 512, False), (16, 128, True)):
-    sig = {n: {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "amax_ptr": "*fp32"}.get(n, "i32")
-           for n in _quant_kernel.arg_names}
     const = dict(BLOCK_R=rows, BLOCK_K=cols, GROUPED=grouped, ROUND_IN_FP32=False, AMAX_ROWS=0)
-    sig = {n: t for n, t in sig.items() if n not in const and n not in ("PDL",)}
-    out.append((f"quant {rows}x{cols} grouped={grouped}", rows,  # one a row of the program at most
-                count(_compile_ptx(_quant_kernel, sig, const, None, 4, 3))))
-if importlib.util.find_spec("triton.experimental.gluon") is not None:
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
-    from moeflow.kernels.down_wgmma import unroll
-    from moeflow.kernels.gate_up_wgmma import _gate_up_wgmma_kernel as fn
-    from moeflow.kernels.registers import gluon_ptx
-    fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
-    sig = {n: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [128, 128],
-                                           gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)))
-           for n in ("x_desc", "w_desc")}
-    sig.update(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64")
-    sig.update({n: "i32" for n in fn.arg_names if n not in sig})
-    const = dict(ACT=0, INTER_DTYPE=gl.bfloat16, E_POW2=8, BLOCK_M=128, GROUP_M=8, STAGES=3, UNROLL=unroll(16, 8, 3))
-    out.append(("gluon gate_up fp8-block", 128 * 128 // 256 // 16, count(gluon_ptx(fn, sig, const, 8))))
+    sig = {n: ptrs.get(n, "i32") for n in _quant_kernel.arg_names if n not in const and n != "PDL"}
+    ptx = _compile_ptx(_quant_kernel, sig, const, None, 4, 3)
+    out.append((f"quant {rows}x{cols} grouped={grouped}", rows, {op: ptx.count(op + " ") for op in ops}))  # one a row
 print(json.dumps(out))
 '''
 
@@ -427,6 +412,14 @@ def test_epilogues_divide_once_a_row_or_group():
     program in the quantization launches. A division an element was a third of the Gluon gate_up's epilogue
     (benchmarks/results/fp8_recip_quant_2026-12-02_h200.md). The grouped quantization's [16, 128] program still
     takes 16 a thread, one for every row of the program, which at its 16 elements a thread is as many as before."""
-    for what, most, ops in compile_without_interpreter(EPILOGUE_OPS):
-        assert ops["div.full.f32"] == 0, (what, ops)
-        assert ops["div.rn.f32"] <= most, (what, most, ops)
+    ops = ["div.rn.f32", "div.full.f32"]
+    found = compile_without_interpreter(EPILOGUE_OPS, json.dumps(ops))
+    gluon = dict(descs=dict(x_desc=128, w_desc=128), warps=8, unroll=[16, 8, 3], count=ops,
+                 ptrs=dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64"),
+                 const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=128, GROUP_M=8, STAGES=3))
+    counts = compile_without_interpreter(GLUON_COMPILE, "moeflow.kernels.gate_up_wgmma", "_gate_up_wgmma_kernel",
+                                         json.dumps([gluon]))
+    found.append(("gluon gate_up fp8-block", 128 * 128 // 256 // 16, counts[0]))
+    for what, most, n in found:
+        assert n["div.full.f32"] == 0, (what, n)
+        assert n["div.rn.f32"] <= most, (what, most, n)

@@ -44,8 +44,7 @@ def to_fp8(x: Tensor, scale: Tensor) -> Tensor:
     reciprocal once a row or group and multiply each element (kernels/common.to_fp8, the same bits). The two differ
     from ``x / scale`` only where the float32 quotients straddle an e4m3 rounding boundary, by one e4m3 step.
     """
-    inv = torch.reciprocal(scale.float()) if isinstance(scale, Tensor) else 1.0 / scale
-    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (x.float() * torch.reciprocal(scale.float())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 class QuantScheme(ABC):
