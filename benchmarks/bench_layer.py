@@ -18,7 +18,8 @@ Per preset, scheme (none = bf16, fp8-channel, fp8-block), runner and T:
     rel_err     layer output vs the layer with the reference runner on the same weights and input
 Weights are random, made a few experts at a time (kernels/autotune.random_weights) so that
 DeepSeek-V3's 11-22 GB of experts need no whole-tensor temporaries. Writes bench.csv (row by
-row), bench.json and bench.png under --out; prints a table last.
+row), bench.json (with PERF.md's four target lines per runner, do_bench and clean flush: benchmark.target_summary)
+and bench.png under --out; prints the triton rows' table and the target lines last.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from moeflow.benchmark import (Ceilings, clean_graph_us, graph_us, layer_bytes, layer_flops, plot_panels,
-                               roofline_seconds)
+from moeflow.benchmark import (Ceilings, clean_graph_us, format_target_summary, graph_us, layer_bytes, layer_flops,
+                               plot_panels, roofline_seconds, target_summary)
 from moeflow.capabilities import Environment
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import create_runner
@@ -179,10 +180,15 @@ def main(argv=None) -> int:
         del case
         torch.cuda.empty_cache()
     fh.close()
+    measured = [r for r in rows if "layer_us" in r]
+    summary = {f"{name} {label}": target_summary([r for r in measured if r["runner"] == name], key)
+               for name in dict.fromkeys(r["runner"] for r in measured)
+               for key, label in (("layer_graph_us", "do_bench"), ("layer_clean_us", "clean flush"))}
     (out / "bench.json").write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(),
-                                                    torch=torch.__version__, rows=rows), indent=1))
+                                                    torch=torch.__version__, rows=rows, targets=summary), indent=1))
     _plot(rows, out / "bench.png")
-    print("\n".join(_fmt(r) for r in rows if "layer_us" in r and r["runner"] == "triton"))
+    print("\n".join(_fmt(r) for r in measured if r["runner"] == "triton"))
+    print("\n".join(format_target_summary(s, label) for label, s in summary.items() if s["rows"]))
     return 0
 
 

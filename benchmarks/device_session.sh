@@ -65,6 +65,7 @@ if [ "$GPUS" -ge 2 ]; then
 fi
 step layer_bench 150 env CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_layer.py \
     --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --schemes none,fp8-block --runners triton --out "$R/layer"
+grep -A3 "^targets, " "$R/layer_bench.log" 2>/dev/null | cut -c1-400 >> "$S"
 step layer_bench_nopdl 60 env CUDA_VISIBLE_DEVICES=0 MOEFLOW_TRITON_PDL=0 python benchmarks/bench_layer.py \
     --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --schemes none,fp8-block --runners triton --tokens 1,16 \
     --out "$R/layer_nopdl"

@@ -124,3 +124,44 @@ def plot_panels(plt, panels: list[tuple[str, dict, list]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+# PERF.md's targets for the 36 rows: geometric mean, floor of every row, the anchors, DeepSeek-V3 fp8-block at T=16384.
+TARGET_GEOMEAN_PCT, TARGET_ROW_PCT, TARGET_DSV3_TFLOPS = 85.0, 60.0, 700.0
+
+
+def target_summary(rows: list[dict], time_key: str = "layer_graph_us") -> dict:
+    """PERF.md's four target lines over measured rows (benchmarks/bench_layer.py's: preset, scheme, T, floor_us,
+    tflops, anchor_us, and the time columns), timed by ``time_key`` (layer_graph_us: do_bench; layer_clean_us:
+    the clean flush). Rows without that time are left out. tflops is rescaled from the row's headline time
+    (layer_graph_us, else layer_us) to ``time_key``'s.
+    -> {"rows", "geomean_pct", "below": [(preset, scheme, T, pct)] under TARGET_ROW_PCT, "anchors",
+        "anchors_met", "missed": [(preset, scheme, T, µs, anchor µs)], "dsv3_fp8_block_tflops" (None if absent)}"""
+    import math
+
+    timed = [r for r in rows if r.get(time_key)]
+    pct = [100.0 * r["floor_us"] / r[time_key] for r in timed]
+    key = lambda r: (r["preset"], r["scheme"], r["T"])
+    anchored = [r for r in timed if r.get("anchor_us")]
+    missed = [(*key(r), round(r[time_key], 1), r["anchor_us"]) for r in anchored if r[time_key] > r["anchor_us"]]
+    dsv3 = [r for r in timed if key(r) == ("deepseek-v3", "fp8-block", 16384)]
+    tflops = None
+    if dsv3:
+        r = dsv3[0]
+        tflops = r["tflops"] * (r.get("layer_graph_us") or r["layer_us"]) / r[time_key]
+    return {"rows": len(timed),
+            "geomean_pct": math.exp(sum(map(math.log, pct)) / len(pct)) if pct else None,
+            "below": [(*key(r), round(p, 1)) for r, p in zip(timed, pct) if p < TARGET_ROW_PCT],
+            "anchors": len(anchored), "anchors_met": len(anchored) - len(missed), "missed": missed,
+            "dsv3_fp8_block_tflops": tflops}
+
+
+def format_target_summary(s: dict, label: str) -> str:
+    """target_summary's dict as four lines against PERF.md's targets."""
+    g = f"{s['geomean_pct']:.1f}%" if s["geomean_pct"] is not None else "-"
+    tf = f"{s['dsv3_fp8_block_tflops']:.0f} TFLOP/s" if s["dsv3_fp8_block_tflops"] is not None else "- (row not run)"
+    return "\n".join([
+        f"targets, {label}: geometric mean {g} of roofline over {s['rows']} rows (target >= {TARGET_GEOMEAN_PCT:g}%)",
+        f"  rows below {TARGET_ROW_PCT:g}%: {len(s['below'])} {s['below']}",
+        f"  rows at least as fast as the best anchor: {s['anchors_met']} of {s['anchors']}; missed {s['missed']}",
+        f"  fp8-block DeepSeek-V3 T=16384: {tf} (target >= {TARGET_DSV3_TFLOPS:g})"])
