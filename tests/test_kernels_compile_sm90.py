@@ -395,11 +395,16 @@ for scheme, cfg in (("fp8-block", GemmConfig(128, 128, 128, 8, 8, 3)), ("none", 
     ptx = gemm_ptx("gate_up", scheme, torch.bfloat16, cfg)
     out.append((f"gate_up {scheme}", per_thread // 16, {op: ptx.count(op + " ") for op in ops}))
 ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "amax_ptr": "*fp32"}
+# the JIT's specialization of a launch on torch tensors with row strides of multiples of 16: without it each element
+# is its own 2-byte load, and the [16, 128] program's layout hands every thread all 16 rows' scales
+aligned = ["x_ptr", "q_ptr", "s_ptr", "amax_ptr", "K", "stride_x", "stride_q", "stride_s"]
+attrs = {(_quant_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 for rows, cols, grouped in ((4, 512, False), (16, 128, True)):
     const = dict(BLOCK_R=rows, BLOCK_K=cols, GROUPED=grouped, ROUND_IN_FP32=False, AMAX_ROWS=0)
     sig = {n: ptrs.get(n, "i32") for n in _quant_kernel.arg_names if n not in const and n != "PDL"}
-    ptx = _compile_ptx(_quant_kernel, sig, const, None, 4, 3)
-    out.append((f"quant {rows}x{cols} grouped={grouped}", rows, {op: ptx.count(op + " ") for op in ops}))  # one a row
+    ptx = _compile_ptx(_quant_kernel, sig, const, attrs, 4, 3)
+    # a thread's 16 outputs lie in one row (or group) in either tile: 2 allows a layout that splits them over two
+    out.append((f"quant {rows}x{cols} grouped={grouped}", 2, {op: ptx.count(op + " ") for op in ops}))
 print(json.dumps(out))
 '''
 
@@ -408,10 +413,9 @@ def test_epilogues_divide_once_a_row_or_group():
     """The FP8 quantization takes one IEEE reciprocal a row or group and multiplies each element (common.to_fp8), and
     the sigmoid comes from the approximate exp2 and reciprocal (common.sigmoid). In the sm_90a PTX of the gate_up
     epilogues (Triton fp8-block and bf16, Gluon fp8-block) no div.full.f32 (tl.sigmoid's, or Triton's `/`), and
-    div.rn.f32 at most a sixteenth of a thread's 64 outputs there (they take 2) and at most one a row of the
-    program in the quantization launches. A division an element was a third of the Gluon gate_up's epilogue
-    (benchmarks/results/fp8_recip_quant_2026-12-02_h200.md). The grouped quantization's [16, 128] program still
-    takes 16 a thread, one for every row of the program, which at its 16 elements a thread is as many as before."""
+    div.rn.f32 at most a sixteenth of a thread's 64 outputs there (they take 2), and at most 2 of a thread's 16 in
+    the quantization launches (they take 1), compiled as the JIT specializes them on aligned tensors. A division an
+    element was a third of the Gluon gate_up's epilogue (benchmarks/results/fp8_recip_quant_2026-12-02_h200.md)."""
     ops = ["div.rn.f32", "div.full.f32"]
     found = compile_without_interpreter(EPILOGUE_OPS, json.dumps(ops))
     gluon = dict(descs=dict(x_desc=128, w_desc=128), warps=8, unroll=[16, 8, 3], count=ops,
