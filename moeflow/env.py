@@ -53,9 +53,14 @@ TRITON_FUSED = EnvVar(
     "Triton runner, single-process layers: run a small batch's dispatch, experts and combine in one launch where "
     "the tuned table (or the T=1 default) gives tiles for it (kernels/fused_layer.py). Set 0 for the separate "
     "launches (sort, gate_up, down, top-k sum) at every batch size (comparisons, debugging).")
+TRITON_PAIR_TILES = EnvVar(
+    "MOEFLOW_TRITON_PAIR_TILES", "1",
+    "Triton runner, the Gluon fp8-block gate_up at 128-row tiles: a row block of at most 64 rows (an expert's "
+    "part-filled last one) runs as one program over two column tiles instead of two programs over half-empty "
+    "tiles (kernels/gate_up_wgmma.py). Set 0 to run every block as a 128-row tile (comparisons, debugging).")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
 ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_PDL, TRITON_FUSED,
-       TRITON_INTERPRET)
+       TRITON_PAIR_TILES, TRITON_INTERPRET)

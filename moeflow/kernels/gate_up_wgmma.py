@@ -17,6 +17,16 @@ steps and ends with nothing in flight (down_wgmma.py says why). Operands come th
 shared-memory slots; step t + STAGES is loaded into step t's slot once step t's last wgmma is done.
 Epilogue: the two halves' activations, one amax per row over all 128 columns (the group), quantized,
 stored in 16-byte rows.
+Pair tiles (launch() where pair_tiles(); MOEFLOW_TRITON_PAIR_TILES): uniform routing leaves most experts a
+part-filled last row block, and a 128-row tile spends as long on 5 rows as on 128. A block of at most 64 rows
+instead runs as one [64, 256] tile over column tiles pid_n and pid_n + 1, by the program of the even one (the odd
+one's program ends at once): the same four quarter products a step, now [64, 128] with the two warpgroups side by
+side along the columns, so each row and column gets the same wgmmas and scaled adds as in a 128-row tile, and the
+same bits. A stage holds 64 x rows and both column tiles' gate and up weight rows ([256, 128] boxes): 72 KB, so
+pair tiles need STAGES <= 3 (the shared memory of the two tile forms overlaps; 221 KB in all at 3). ptxas spills
+48-92 bytes for it, mostly around the K loop. Measured on H200 (benchmarks/results/pair_tiles_2026-12-02_h200.md):
+DeepSeek-V3 T=4096, whose 370 blocks hold 114 such, 1.06x alone and 1.04-1.10x in the layer; Mixtral T=1024
+1.05x alone; Qwen3 T=4096 (62 of 318) and the T=16384 rows within the spread.
 Where: GemmConfig.scale_overlap on a gate_up config (fit() keeps it where wgmma_gate_up_fits), sorted
 batches, CUDA compute capability 9.x, operands TMA-addressable, H and I multiples of 128; kernels/gate_up.py
 falls back to its own kernel otherwise. TMA reads rows in order: for rows by index (source_rows, the local
@@ -50,7 +60,8 @@ if gluon is not None:
 
     @gluon.jit
     def _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t, x_row, g_row, I, STAGES: gl.constexpr, pred):
-        """Start TMA loads of step t's x tile and gate and up weight tiles into slot t % STAGES."""
+        """Start TMA loads of step t's x tile and gate and up weight tiles into slot t % STAGES (a pair tile's
+        descriptors: 64 x rows, and both column tiles' gate and up rows in [256, 128] boxes)."""
         slot = t % STAGES
         bar = bars.index(slot)
         mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pred)
@@ -60,96 +71,148 @@ if gluon is not None:
         tma.async_copy_global_to_shared(w_desc, [g_row + I, k], bar, w_bufs.index(2 * slot + 1), pred=pred)
 
     @gluon.jit
-    def _quarter(x_bufs, w_bufs, t, q: gl.constexpr, d, STAGES: gl.constexpr):
-        """Start step t's wgmma of quarter q (0 gate 0-63, 1 gate 64-127, 2 up 0-63, 3 up 64-127) into d's
-        registers (d's values unused); the caller has waited for the step's tiles."""
+    def _quarter(x_bufs, w_bufs, t, q: gl.constexpr, d, STAGES: gl.constexpr, QCOLS: gl.constexpr):
+        """Start step t's wgmma of quarter q into d's registers (d's values unused); the caller has waited for the
+        step's tiles. 128-row tile (QCOLS 64): 0 gate 0-63, 1 gate 64-127, 2 up 0-63, 3 up 64-127. Pair tile
+        (QCOLS 128, each warpgroup 64 of the columns): 0 gate of column tile A, 1 gate of B, 2 up of A, 3 up of B."""
         slot = t % STAGES
-        w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * 64, 64, dim=0)
+        w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * QCOLS, QCOLS, dim=0)
         return warpgroup_mma(x_bufs.index(slot), w.permute((1, 0)), d, use_acc=False, is_async=True)
 
+    @gluon.jit
+    def _step_scales(xs_rows, gs, us, stride_wsn, t, PAIR: gl.constexpr):
+        """Step t's scales of the four quarters' products: the rows' x scale times the weight block's (a 128-row
+        tile: gate, gate, up, up of its column tile; a pair tile: gate A, gate B, up A, up B)."""
+        s_x = gl.load(xs_rows + t)
+        if PAIR:
+            return (s_x * gl.load(gs + t), s_x * gl.load(gs + stride_wsn + t), s_x * gl.load(us + t),
+                    s_x * gl.load(us + stride_wsn + t))
+        else:
+            s_g = s_x * gl.load(gs + t)
+            s_u = s_x * gl.load(us + t)
+            return s_g, s_g, s_u, s_u
+
+    @gluon.jit
+    def _store_group(h, scale, rows_start, row_end, col0, out_ptr, stride_out, ROWS: gl.constexpr,
+                     COLS: gl.constexpr, num_warps: gl.constexpr):
+        """Quantize h [ROWS, COLS] float32 by its rows' group scales and store it at rows row_start .., intermediate
+        columns col0 .. col0 + COLS (rows past row_end left alone), in 16-byte rows."""
+        st: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        q = gl.convert_layout(to_fp8(h, scale[:, None], False), st)
+        rows = rows_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st))
+        cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, st))
+        gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], q, mask=(rows < row_end)[:, None])
+
+    @gluon.jit
+    def _tile(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, expert, pid_n, row_start, row_end, I, H,
+              w_rows_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
+              ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              UNROLL: gl.constexpr, PAIR: gl.constexpr, num_warps: gl.constexpr):
+        """PAIR False: the [BLOCK_M, 128] tile of the intermediate at rows row_start .. row_end - 1 (the module
+        docstring's How). PAIR: the pair tile of a block of at most 64 rows over column tiles pid_n and pid_n + 1
+        (Pair tiles), with the pair descriptors."""
+        ROWS: gl.constexpr = 64 if PAIR else BLOCK_M
+        QCOLS: gl.constexpr = 128 if PAIR else 64
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                      warps_per_cta=[4, num_warps // 4] if PAIR else [num_warps, 1],
+                                                      instr_shape=[16, 64, 32])
+        rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+        x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], x_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 2 * QCOLS, 128], w_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        fence_async_shared()
+        x_row = row_start.to(gl.int32)
+        g_row = (expert * w_rows_per_expert + pid_n * 128).to(gl.int32)
+        n = H // 128
+        for s in gl.static_range(STAGES):
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, s, x_row, g_row, I, STAGES, s < n)
+        rows = row_start + gl.arange(0, ROWS, layout=rows_l)
+        xs_rows = xs_ptr + gl.minimum(rows, row_end - 1) * stride_xs  # row r's scale of K group t at xs_rows[r] + t
+        gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn  # the (first) tile's gate block row
+        us = gs + (I // 128) * stride_wsn
+        acc0 = gl.zeros([ROWS, QCOLS], gl.float32, mma)  # quarter 0's sum (_quarter says which columns)
+        acc1 = gl.zeros([ROWS, QCOLS], gl.float32, mma)
+        acc2 = gl.zeros([ROWS, QCOLS], gl.float32, mma)
+        acc3 = gl.zeros([ROWS, QCOLS], gl.float32, mma)
+        d_a = gl.zeros([ROWS, QCOLS], gl.float32, mma)
+        d_b = gl.zeros([ROWS, QCOLS], gl.float32, mma)
+        for j in range(0, n // UNROLL):
+            for u in gl.static_range(UNROLL):
+                t = j * UNROLL + u
+                mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
+                s0, s1, s2, s3_next = _step_scales(xs_rows, gs, us, stride_wsn, t, PAIR)
+                p_a = _quarter(x_bufs, w_bufs, t, 0, d_a, STAGES, QCOLS)
+                if u > 0:  # the previous step's last quarter (p_b, s3: set by step u - 1 of this unrolled body)
+                    d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
+                    acc3 = _scaled_add(d_b, s3, acc3)  # noqa: F821
+                    _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t - 1 + STAGES, x_row, g_row, I, STAGES,
+                               t - 1 + STAGES < n)
+                s3 = s3_next
+                p_b = _quarter(x_bufs, w_bufs, t, 1, d_b, STAGES, QCOLS)
+                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
+                acc0 = _scaled_add(d_a, s0, acc0)
+                p_a = _quarter(x_bufs, w_bufs, t, 2, d_a, STAGES, QCOLS)
+                d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))
+                acc1 = _scaled_add(d_b, s1, acc1)
+                p_b = _quarter(x_bufs, w_bufs, t, 3, d_b, STAGES, QCOLS)
+                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
+                acc2 = _scaled_add(d_a, s2, acc2)
+            d_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b,))
+            acc3 = _scaled_add(d_b, s3, acc3)
+            t_last = j * UNROLL + UNROLL - 1
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t_last + STAGES, x_row, g_row, I, STAGES,
+                       t_last + STAGES < n)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+        h0 = gated_act(acc0, acc2, ACT).to(INTER_DTYPE).to(gl.float32)
+        h1 = gated_act(acc1, acc3, ACT).to(INTER_DTYPE).to(gl.float32)
+        ok = rows < row_end
+        if PAIR:  # h0: column tile A's 128 columns, h1: B's; a group each
+            scale = fp8_scale(gl.max(gl.abs(h0), axis=1))
+            _store_group(h0, scale, row_start, row_end, pid_n * 128, out_ptr, stride_out, 64, 128, num_warps)
+            gl.store(outs_ptr + rows * stride_outs + pid_n, scale, mask=ok)
+            scale = fp8_scale(gl.max(gl.abs(h1), axis=1))
+            _store_group(h1, scale, row_start, row_end, pid_n * 128 + 128, out_ptr, stride_out, 64, 128, num_warps)
+            gl.store(outs_ptr + rows * stride_outs + pid_n + 1, scale, mask=ok)
+        else:  # h0, h1: the two halves of one group
+            scale = fp8_scale(gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1)))
+            _store_group(h0, scale, row_start, row_end, pid_n * 128, out_ptr, stride_out, BLOCK_M, 64, num_warps)
+            _store_group(h1, scale, row_start, row_end, pid_n * 128 + 64, out_ptr, stride_out, BLOCK_M, 64,
+                         num_warps)
+            gl.store(outs_ptr + rows * stride_outs + pid_n, scale, mask=ok)
+
     @gluon.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
-    def _gate_up_wgmma_kernel(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, meta_ptr,
+    def _gate_up_wgmma_kernel(x_desc, w_desc, xt_desc, wt_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, meta_ptr,
                               num_experts, num_blocks_m, I, H, w_rows_per_expert,
                               stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
                               ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
                               BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                              UNROLL: gl.constexpr, num_warps: gl.constexpr):
+                              UNROLL: gl.constexpr, PAIRS: gl.constexpr, num_warps: gl.constexpr):
         """One program per [BLOCK_M, 128] tile of the intermediate over the grid's row blocks.
         x_desc: TMA descriptor over x [R, H], [BLOCK_M, 128] boxes (rows past the block's end are read,
         never stored); w_desc: over the weight rows [E * 2I, H] (expert e's from e * w_rows_per_expert),
-        [128, 128] boxes."""
+        [128, 128] boxes. PAIRS (BLOCK_M 128, 8 warps, I / 128 even): blocks of at most 64 rows run as pair
+        tiles, by the programs of even column tiles (module docstring); xt_desc and wt_desc: the same tensors
+        in [64, 128] and [256, 128] boxes (unused, any descriptors, without PAIRS)."""
         pid_m, pid_n = grouped_tile(gl.program_id(0), num_blocks_m, I // 128, GROUP_M)
         expert, row_start, row_end = _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
         if row_start < row_end:
-            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, 64, 32])
-            rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-            x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, 128], x_desc.layout)
-            w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 128, 128], w_desc.layout)
-            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(bars.index(s), count=1)
-            fence_async_shared()
-            x_row = row_start.to(gl.int32)
-            g_row = (expert * w_rows_per_expert + pid_n * 128).to(gl.int32)
-            n = H // 128
-            for s in gl.static_range(STAGES):
-                _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, s, x_row, g_row, I, STAGES, s < n)
-            rows = row_start + gl.arange(0, BLOCK_M, layout=rows_l)
-            rows_ld = gl.minimum(rows, row_end - 1)
-            xs_rows = xs_ptr + rows_ld * stride_xs  # row r's scale of K group t at xs_rows[r] + t
-            gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn  # the tile's gate block row
-            us = gs + (I // 128) * stride_wsn
-            acc0 = gl.zeros([BLOCK_M, 64], gl.float32, mma)  # gate 0-63
-            acc1 = gl.zeros([BLOCK_M, 64], gl.float32, mma)  # gate 64-127
-            acc2 = gl.zeros([BLOCK_M, 64], gl.float32, mma)  # up 0-63
-            acc3 = gl.zeros([BLOCK_M, 64], gl.float32, mma)  # up 64-127
-            d_a = gl.zeros([BLOCK_M, 64], gl.float32, mma)
-            d_b = gl.zeros([BLOCK_M, 64], gl.float32, mma)
-            for j in range(0, n // UNROLL):
-                for u in gl.static_range(UNROLL):
-                    t = j * UNROLL + u
-                    slot = t % STAGES
-                    mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
-                    s_x = gl.load(xs_rows + t)
-                    s_g = s_x * gl.load(gs + t)
-                    s_u_next = s_x * gl.load(us + t)
-                    p_a = _quarter(x_bufs, w_bufs, t, 0, d_a, STAGES)
-                    if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this unrolled body)
-                        d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
-                        acc3 = _scaled_add(d_b, s_u, acc3)  # noqa: F821
-                        _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t - 1 + STAGES, x_row, g_row, I, STAGES,
-                                   t - 1 + STAGES < n)
-                    s_u = s_u_next
-                    p_b = _quarter(x_bufs, w_bufs, t, 1, d_b, STAGES)
-                    d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
-                    acc0 = _scaled_add(d_a, s_g, acc0)
-                    p_a = _quarter(x_bufs, w_bufs, t, 2, d_a, STAGES)
-                    d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))
-                    acc1 = _scaled_add(d_b, s_g, acc1)
-                    p_b = _quarter(x_bufs, w_bufs, t, 3, d_b, STAGES)
-                    d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
-                    acc2 = _scaled_add(d_a, s_u, acc2)
-                d_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b,))
-                acc3 = _scaled_add(d_b, s_u, acc3)
-                t_last = j * UNROLL + UNROLL - 1
-                _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t_last + STAGES, x_row, g_row, I, STAGES,
-                           t_last + STAGES < n)
-            for s in gl.static_range(STAGES):
-                mbarrier.invalidate(bars.index(s))
-            h0 = gated_act(acc0, acc2, ACT).to(INTER_DTYPE).to(gl.float32)
-            h1 = gated_act(acc1, acc3, ACT).to(INTER_DTYPE).to(gl.float32)
-            scale = fp8_scale(gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1)))
-            st: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-            q0 = gl.convert_layout(to_fp8(h0, scale[:, None], False), st)
-            q1 = gl.convert_layout(to_fp8(h1, scale[:, None], False), st)
-            rows_st = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
-            cols = pid_n * 128 + gl.arange(0, 64, layout=gl.SliceLayout(0, st))
-            ptrs = out_ptr + rows_st[:, None] * stride_out + cols[None, :]
-            ok = (rows_st < row_end)[:, None]
-            gl.store(ptrs, q0, mask=ok)
-            gl.store(ptrs + 64, q1, mask=ok)
-            gl.store(outs_ptr + rows * stride_outs + pid_n, scale, mask=rows < row_end)
+            if PAIRS:
+                if row_end - row_start <= 64:
+                    if pid_n % 2 == 0:
+                        _tile(xt_desc, wt_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, expert, pid_n, row_start, row_end,
+                              I, H, w_rows_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
+                              ACT, INTER_DTYPE, BLOCK_M, STAGES, UNROLL, True, num_warps)
+                else:
+                    _tile(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, expert, pid_n, row_start, row_end,
+                          I, H, w_rows_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
+                          ACT, INTER_DTYPE, BLOCK_M, STAGES, UNROLL, False, num_warps)
+            else:
+                _tile(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, expert, pid_n, row_start, row_end,
+                      I, H, w_rows_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
+                      ACT, INTER_DTYPE, BLOCK_M, STAGES, UNROLL, False, num_warps)
 
 
 def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout, scheme: str, cfg) -> bool:
@@ -179,9 +242,25 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
     per_expert = expert_rows(w13)
     w_desc = TensorDescriptor(w13, [e * two_i if per_expert else two_i, h], [w13.stride(1), 1], [128, 128],
                               gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv))
+    pairs = pair_tiles(cfg, i)
+    xt_desc, wt_desc = x_desc, w_desc
+    if pairs:
+        xt_desc = TensorDescriptor(x, [r, h], [x.stride(0), 1], [64, 128],
+                                   gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv))
+        wt_desc = TensorDescriptor(w13, [e * two_i if per_expert else two_i, h], [w13.stride(1), 1], [256, 128],
+                                   gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv))
     blocks_m = layout.num_row_blocks(bm)
     _gate_up_wgmma_kernel[(blocks_m * (i // 128),)](
-        x_desc, w_desc, x_scale, w13_scale, inter, scale, layout.meta, layout.num_experts, blocks_m, i, h, per_expert,
-        x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), scale.stride(0),
-        ACT=activation, INTER_DTYPE=_INTER[dtype], E_POW2=layout.e_pow2, BLOCK_M=bm, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages), num_warps=cfg.num_warps)
+        x_desc, w_desc, xt_desc, wt_desc, x_scale, w13_scale, inter, scale, layout.meta, layout.num_experts, blocks_m,
+        i, h, per_expert, x_scale.stride(0), w13_scale.stride(0), w13_scale.stride(1), inter.stride(0),
+        scale.stride(0), ACT=activation, INTER_DTYPE=_INTER[dtype], E_POW2=layout.e_pow2, BLOCK_M=bm,
+        GROUP_M=cfg.group_m, STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages),
+        PAIRS=pairs, num_warps=cfg.num_warps)
+
+
+def pair_tiles(cfg, intermediate: int) -> bool:
+    """Whether launch() runs blocks of at most 64 rows as pair tiles (module docstring): 128-row tiles of 8 warps and
+    at most 3 stages (a pair tile's stage takes 72 KB of shared memory), an even number of 128-column tiles,
+    MOEFLOW_TRITON_PAIR_TILES on."""
+    return (cfg.block_m == 128 and cfg.num_warps == 8 and cfg.num_stages <= 3 and (intermediate // 128) % 2 == 0
+            and moeflow_env.TRITON_PAIR_TILES.get_bool())

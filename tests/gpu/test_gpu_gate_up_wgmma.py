@@ -107,3 +107,34 @@ def test_rows_by_index():
     plain, plain_s = run(layout, x, xs, q, s, GemmConfig(128, 128, 128, 8, 8, 4), source_rows=src)
     assert torch.equal(got.view(torch.uint8), plain.view(torch.uint8)) and torch.equal(got_s, plain_s)
     assert_close(SCH.dequantize_activation(got, got_s), reference(layout, x.view(torch.uint8)[src].view(x.dtype), xs[src], q, s), 6e-2, "rows by index")
+
+
+PAIR_TILES = [TILES[1], GemmConfig(128, 128, 128, 4, 8, 2, scale_overlap=1)]
+
+
+@pytest.mark.parametrize("cfg", PAIR_TILES, ids=lambda c: f"{c.block_m}w{c.num_warps}s{c.num_stages}")
+@pytest.mark.parametrize("counts,h,i", [
+    ([64, 65, 1, 0, 192, 130, 63, 0], 256, 768),  # pair blocks of 64, 63, 2 and 1 rows, a 65-row block that is not
+    ([3, 40, 64, 17], 1152, 256),                 # every block a pair block; 9 steps
+    ([300, 0, 20], 4096, 512),                    # Mixtral's K loop, a 44-row last block
+])
+def test_pair_tiles_are_the_full_tiles_bits(cfg, counts, h, i, monkeypatch):
+    """Blocks of at most 64 rows as pair tiles (two column tiles a program, the warpgroups side by side): the same
+    bits as every block at 128 rows and as the Triton kernel, and close to the float64 reference."""
+    layout, x, xs, q, s = operands(counts, h, i)
+    assert gate_up_wgmma.pair_tiles(cfg, i)
+    got, got_s = run(layout, x, xs, q, s, cfg)
+    monkeypatch.setenv("MOEFLOW_TRITON_PAIR_TILES", "0")
+    assert not gate_up_wgmma.pair_tiles(cfg, i)
+    full, full_s = run(layout, x, xs, q, s, cfg)
+    assert torch.equal(got.view(torch.uint8), full.view(torch.uint8)) and torch.equal(got_s, full_s)
+    plain, plain_s = run(layout, x, xs, q, s, GemmConfig(128, 128, 128, cfg.group_m, 8, cfg.num_stages))
+    assert torch.equal(got.view(torch.uint8), plain.view(torch.uint8)) and torch.equal(got_s, plain_s)
+    assert_close(SCH.dequantize_activation(got, got_s), reference(layout, x, xs, q, s), 6e-2, f"pairs {counts}")
+
+
+def test_pair_tiles_only_where_they_fit():
+    """Pair tiles need 128-row tiles of 8 warps, at most 3 stages and an even number of 128-column tiles."""
+    assert gate_up_wgmma.pair_tiles(TILES[1], 768) and not gate_up_wgmma.pair_tiles(TILES[1], 384)
+    assert not gate_up_wgmma.pair_tiles(TILES[0], 768)  # 4 stages
+    assert not gate_up_wgmma.pair_tiles(TILES[2], 768)  # 64-row tiles
