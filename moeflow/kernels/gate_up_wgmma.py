@@ -93,13 +93,13 @@ if gluon is not None:
             return s_g, s_g, s_u, s_u
 
     @gluon.jit
-    def _store_group(h, scale, rows_start, row_end, col0, out_ptr, stride_out, ROWS: gl.constexpr,
+    def _store_group(h, scale, row_start, row_end, col0, out_ptr, stride_out, ROWS: gl.constexpr,
                      COLS: gl.constexpr, num_warps: gl.constexpr):
         """Quantize h [ROWS, COLS] float32 by its rows' group scales and store it at rows row_start .., intermediate
         columns col0 .. col0 + COLS (rows past row_end left alone), in 16-byte rows."""
         st: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
         q = gl.convert_layout(to_fp8(h, scale[:, None], False), st)
-        rows = rows_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st))
+        rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st))
         cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, st))
         gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], q, mask=(rows < row_end)[:, None])
 
