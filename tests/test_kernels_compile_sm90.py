@@ -250,7 +250,8 @@ from moeflow.kernels.down_wgmma import unroll
 kernel = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
 fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
 out = []
-# {"descs": {name: box rows}, "ptrs": {name: type}, "const", "warps", "unroll"?, "count"?: PTX instructions to count}
+# {"descs": {name: box rows}, "ptrs": {name: type}, "const", "warps", "unroll"?, "count"?: PTX instructions to count,
+#  "aligned"?: parameters compiled as multiples of 16, as the JIT specializes them at the shipped shapes}
 for job in json.loads(sys.argv[3]):
     sig = {name: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [rows, 128],
                                               gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)))
@@ -261,10 +262,10 @@ for job in json.loads(sys.argv[3]):
     if "INTER_DTYPE" in const:
         const["INTER_DTYPE"] = getattr(gl, const["INTER_DTYPE"])
     if "count" in job:  # how often each instruction appears in the PTX, instead of ptxas's report
-        ptx = gluon_ptx(kernel, sig, const, job["warps"])
+        ptx = gluon_ptx(kernel, sig, const, job["warps"], aligned=job.get("aligned", ()))
         out.append({op: ptx.count(op + " ") for op in job["count"]})
     else:
-        out.append(compile_gluon_for_hopper(kernel, sig, const, job["warps"]))
+        out.append(compile_gluon_for_hopper(kernel, sig, const, job["warps"], aligned=job.get("aligned", ())))
 print(json.dumps(out))
 """
 
@@ -295,6 +296,11 @@ def test_wgmma_down_keeps_its_wgmmas_overlapped():
     assert_wgmmas_overlapped("moeflow.kernels.down_wgmma._down_wgmma_kernel", jobs, [48, 48, 0, 0, 0, 0])
 
 
+# the Gluon gate_up's parameters that are multiples of 16 at every shipped shape (the JIT specializes them so)
+GATE_UP_ALIGNED = ["xs_ptr", "ws_ptr", "out_ptr", "outs_ptr", "meta_ptr", "I", "H", "stride_wse", "stride_wsn",
+                   "stride_out"]
+
+
 def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
     """kernels/gate_up_wgmma.py compiled for sm_90a at the tiles the tuner offers and the loop bodies unroll()
     picks for Qwen3's, Mixtral's and DeepSeek-V3's K loops (16, 32, 56 steps) and a 9-step one: no serialized
@@ -305,11 +311,11 @@ def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
              (128, 8, 2, 9, True)]
     ptrs = dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64")
     jobs = [dict(descs=dict(x_desc=bm, w_desc=128, xt_desc=64 if pairs else bm, wt_desc=256 if pairs else 128),
-                 ptrs=ptrs, warps=warps, unroll=[steps, 8, stages],
+                 ptrs=ptrs, warps=warps, unroll=[steps, 8, stages], aligned=GATE_UP_ALIGNED,
                  const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=bm, GROUP_M=8, STAGES=stages, PAIRS=pairs))
             for bm, warps, stages, steps, pairs in tiles]
-    # pair tiles at 3 stages: ptxas spills up to 116 bytes (this compile; 48-92 as the JIT specializes the launch), most
-    # of it stored before the K loop and loaded after it
+    # pair tiles at 3 stages: ptxas spills 48-116 bytes (with the expert count and which strides are multiples of 16),
+    # most of it stored before the K loop and loaded after it
     assert_wgmmas_overlapped("moeflow.kernels.gate_up_wgmma._gate_up_wgmma_kernel", jobs, [0] * 6 + [128, 128, 0])
 
 
@@ -389,7 +395,7 @@ print(json.dumps(compile_for_hopper(k, sig, dict(BLOCK_M=128, E_POW2=256, PDL=Tr
 EPILOGUE_OPS = r'''
 import json, sys, torch
 from moeflow.kernels.configs import GemmConfig
-from moeflow.kernels.registers import _compile_ptx, gemm_ptx, ptxas_path
+from moeflow.kernels.registers import _compile_ptx, divisible, gemm_ptx, ptxas_path
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
 from moeflow.kernels.quant import _quant_kernel
@@ -402,8 +408,7 @@ for scheme, cfg in (("fp8-block", GemmConfig(128, 128, 128, 8, 8, 3)), ("none", 
 ptrs = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "amax_ptr": "*fp32"}
 # the JIT's specialization of a launch on torch tensors with row strides of multiples of 16: without it each element
 # is its own 2-byte load, and the [16, 128] program's layout hands every thread all 16 rows' scales
-aligned = ["x_ptr", "q_ptr", "s_ptr", "amax_ptr", "K", "stride_x", "stride_q", "stride_s"]
-attrs = {(_quant_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+attrs = divisible(_quant_kernel, ["x_ptr", "q_ptr", "s_ptr", "amax_ptr", "K", "stride_x", "stride_q", "stride_s"])
 for rows, cols, grouped in ((4, 512, False), (16, 128, True)):
     const = dict(BLOCK_R=rows, BLOCK_K=cols, GROUPED=grouped, ROUND_IN_FP32=False, AMAX_ROWS=0)
     sig = {n: ptrs.get(n, "i32") for n in _quant_kernel.arg_names if n not in const and n != "PDL"}
@@ -424,6 +429,7 @@ def test_epilogues_divide_once_a_row_or_group():
     ops = ["div.rn.f32", "div.full.f32"]
     found = compile_without_interpreter(EPILOGUE_OPS, json.dumps(ops))
     gluon = dict(descs=dict(x_desc=128, w_desc=128, xt_desc=64, wt_desc=256), warps=8, unroll=[16, 8, 3], count=ops,
+                 aligned=GATE_UP_ALIGNED,
                  ptrs=dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64"),
                  const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=128, GROUP_M=8, STAGES=3, PAIRS=True))
     counts = compile_without_interpreter(GLUON_COMPILE, "moeflow.kernels.gate_up_wgmma", "_gate_up_wgmma_kernel",

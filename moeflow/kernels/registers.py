@@ -139,23 +139,32 @@ def _compile_ptx(fn, signature: dict, constexprs: dict, attrs: dict | None, num_
     return compiled.asm["ptx"]
 
 
-def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None):
+def divisible(fn, names) -> dict:
+    """The compile attributes the JIT gives a launch whose parameters ``names`` (pointers to tensors, or integers)
+    are multiples of 16 (16-byte aligned): tt.divisibility 16, for triton.compile's attrs. Without them a kernel
+    compiled here assumes nothing of its strides (scalar loads and stores where the launch would vectorize)."""
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+
+
+def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None,
+                             aligned=()):
     """compile_for_hopper for a @gluon.jit kernel (kernels/down_wgmma.py) -> (registers per thread,
     spill-store bytes, ptxas's info lines: C7514 there means it serialized the wgmmas).
     signature: the Triton types of the runtime parameters (a Gluon TensorDescriptor's is
     triton.runtime.jit.mangle_type(descriptor)). maxnreg: the launch's register cap (a warp-specialized
-    kernel's partitions then set their own, kernels/warp_specialized.py)."""
-    return ptxas_report(gluon_ptx(fn, signature, constexprs, num_warps, maxnreg))
+    kernel's partitions then set their own, kernels/warp_specialized.py). aligned: parameters compiled as
+    multiples of 16, as the JIT would specialize them (divisible)."""
+    return ptxas_report(gluon_ptx(fn, signature, constexprs, num_warps, maxnreg, aligned))
 
 
-def gluon_ptx(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None) -> str:
+def gluon_ptx(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None, aligned=()) -> str:
     """compile_gluon_for_hopper's compilation -> the PTX for sm_90a."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     const_in = dict(constexprs, num_warps=num_warps) if "num_warps" in fn.arg_names else dict(constexprs)
     sig, const = _typed(fn, signature, const_in)
     options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
-    compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs={}),
+    compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=divisible(fn, aligned)),
                               target=GPUTarget("cuda", 90, 32), options=options)
     return compiled.asm["ptx"]
 
