@@ -248,22 +248,26 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
 from moeflow.kernels.down_wgmma import unroll
 kernel = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
-fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+fp8 = torch.empty(2, 256, 256, dtype=torch.float8_e4m3fn)
 out = []
-# {"descs": {name: box rows}, "ptrs": {name: type}, "const", "warps", "unroll"?, "count"?: PTX instructions to count,
+# {"descs": {name: box rows, or a box shape}, "ptrs": {name: type}, "const", "warps", "unroll"?,
+#  "count"?: PTX instructions to count, "ptx"?: true for the PTX itself,
 #  "aligned"?: parameters compiled as multiples of 16, as the JIT specializes them at the shipped shapes}
+def desc(box):
+    box = [box, 128] if isinstance(box, int) else box
+    rank = len(box)
+    return mangle_type(TensorDescriptor(fp8, list(fp8.shape[-rank:]), list(fp8.stride()[-rank:]), box,
+                                        gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)))
 for job in json.loads(sys.argv[3]):
-    sig = {name: mangle_type(TensorDescriptor(fp8, [256, 256], [256, 1], [rows, 128],
-                                              gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)))
-           for name, rows in job["descs"].items()}
+    sig = {name: desc(box) for name, box in job["descs"].items()}
     sig.update(job["ptrs"])
     sig.update({n: "i32" for n in kernel.arg_names if n not in sig})
     const = dict(job["const"], **({"UNROLL": unroll(*job["unroll"])} if "unroll" in job else {}))
     if "INTER_DTYPE" in const:
         const["INTER_DTYPE"] = getattr(gl, const["INTER_DTYPE"])
-    if "count" in job:  # how often each instruction appears in the PTX, instead of ptxas's report
+    if "count" in job or job.get("ptx"):  # how often each instruction appears in the PTX, or the PTX
         ptx = gluon_ptx(kernel, sig, const, job["warps"], aligned=job.get("aligned", ()))
-        out.append({op: ptx.count(op + " ") for op in job["count"]})
+        out.append(ptx if job.get("ptx") else {op: ptx.count(op + " ") for op in job["count"]})
     else:
         out.append(compile_gluon_for_hopper(kernel, sig, const, job["warps"], aligned=job.get("aligned", ())))
 print(json.dumps(out))
@@ -301,6 +305,12 @@ GATE_UP_ALIGNED = ["xs_ptr", "ws_ptr", "out_ptr", "outs_ptr", "meta_ptr", "I", "
                    "stride_out"]
 
 
+def gate_up_descs(bm: int, pairs: bool) -> dict:
+    """The Gluon gate_up's descriptors' boxes: x rows, and the gate and up weight tiles as two planes of a 3-D box (the
+    pair tile's: 64 x rows, 256 weight rows a plane)."""
+    return dict(x_desc=bm, w_desc=[2, 128, 128], xt_desc=64 if pairs else bm, wt_desc=[2, 256 if pairs else 128, 128])
+
+
 def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
     """kernels/gate_up_wgmma.py compiled for sm_90a at the tiles the tuner offers and the loop bodies unroll()
     picks for Qwen3's, Mixtral's and DeepSeek-V3's K loops (16, 32, 56 steps) and a 9-step one: no serialized
@@ -310,13 +320,55 @@ def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
              (128, 8, 3, 9, False), (64, 4, 4, 32, False), (128, 8, 3, 16, True), (128, 8, 3, 56, True),
              (128, 8, 2, 9, True)]
     ptrs = dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64")
-    jobs = [dict(descs=dict(x_desc=bm, w_desc=128, xt_desc=64 if pairs else bm, wt_desc=256 if pairs else 128),
-                 ptrs=ptrs, warps=warps, unroll=[steps, 8, stages], aligned=GATE_UP_ALIGNED,
+    jobs = [dict(descs=gate_up_descs(bm, pairs), ptrs=ptrs, warps=warps, unroll=[steps, 8, stages], aligned=GATE_UP_ALIGNED,
                  const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=bm, GROUP_M=8, STAGES=stages, PAIRS=pairs))
             for bm, warps, stages, steps, pairs in tiles]
-    # pair tiles at 3 stages: ptxas spills 48-116 bytes (with the expert count and which strides are multiples of 16),
-    # most of it stored before the K loop and loaded after it
-    assert_wgmmas_overlapped("moeflow.kernels.gate_up_wgmma._gate_up_wgmma_kernel", jobs, [0] * 6 + [128, 128, 0])
+    # pair tiles at 3 stages spilled 48-116 bytes until a step's gate and up tiles came in one copy, on barriers of
+    # their own (test_wgmma_refills_take_one_cta_barrier): 254 registers, none spilled since
+    assert_wgmmas_overlapped("moeflow.kernels.gate_up_wgmma._gate_up_wgmma_kernel", jobs, [0] * len(jobs))
+
+
+def refill_barriers(ptx: str) -> tuple[int, int]:
+    """-> (refills, the most CTA barriers (bar.sync) inside one). A refill is a slot's mbarrier expects, then its TMA
+    copies; barriers before its first or after its last operation do not count."""
+    refills, most, inside, pending, last = 0, 0, 0, 0, None
+    for line in ptx.splitlines():
+        op = line.split("//")[0].strip()  # .loc lines name the source file (down_wgmma.py) in a comment
+        kind = ("e" if "expect_tx" in op else "c" if "cp.async.bulk.tensor" in op
+                else "b" if op.startswith("bar.sync") else "x" if op.startswith("wgmma.") or "try_wait" in op else None)
+        if kind in ("e", "c"):
+            if last is None or (kind == "e" and last == "c"):  # a new refill
+                most, inside, refills = max(most, inside), 0, refills + 1
+            else:
+                inside += pending
+            pending, last = 0, kind
+        elif kind == "b":
+            pending += 1
+        elif kind == "x":
+            last = None
+    return refills, max(most, inside)
+
+
+def test_wgmma_refills_take_one_cta_barrier():
+    """The Gluon fp8-block GEMMs' K loops refill a slot with expects and TMA copies that the compiler orders by CTA
+    barriers (bar.sync: both warpgroups line up) wherever two of them write one shared allocation; an expect and a copy
+    both write their mbarrier. One barrier a slot put 4 (down: expect, a copy, w copy) or 5 (gate_up: expect, x, gate,
+    up) barriers around each refill, on each K step. With an mbarrier per copy in separate allocations, and the gate
+    and up tiles in one 3-D copy, the expects run, then one barrier, then the copies. In the sm_90a PTX: at most one
+    bar.sync inside any refill."""
+    gate_up = dict(descs=gate_up_descs(128, True), warps=8, unroll=[16, 8, 3], ptx=True, aligned=GATE_UP_ALIGNED,
+                   ptrs=dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64"),
+                   const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=128, GROUP_M=8, STAGES=3, PAIRS=True))
+    down = dict(descs=dict(a_desc=128, w_desc=128), warps=8, ptx=True,
+                ptrs=dict(as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16", meta_ptr="*i64"),
+                const=dict(E_POW2=8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=4, UNROLL=8,
+                           COALESCED_STORE=False))
+    for kernel, job in (("moeflow.kernels.gate_up_wgmma._gate_up_wgmma_kernel", gate_up),
+                        ("moeflow.kernels.down_wgmma._down_wgmma_kernel", down),
+                        ("moeflow.kernels.down_wgmma_persistent._down_wgmma_persistent_kernel", down)):
+        ptx = compile_without_interpreter(GLUON_COMPILE, *kernel.rsplit(".", 1), json.dumps([job]))[0]
+        refills, most = refill_barriers(ptx)
+        assert refills >= 8 and most <= 1, (kernel, refills, most)
 
 
 def test_wgmma_down_persistent_keeps_its_wgmmas_overlapped():
@@ -428,7 +480,7 @@ def test_epilogues_divide_once_a_row_or_group():
     element was a third of the Gluon gate_up's epilogue (benchmarks/results/fp8_recip_quant_2026-12-02_h200.md)."""
     ops = ["div.rn.f32", "div.full.f32"]
     found = compile_without_interpreter(EPILOGUE_OPS, json.dumps(ops))
-    gluon = dict(descs=dict(x_desc=128, w_desc=128, xt_desc=64, wt_desc=256), warps=8, unroll=[16, 8, 3], count=ops,
+    gluon = dict(descs=gate_up_descs(128, True), warps=8, unroll=[16, 8, 3], count=ops,
                  aligned=GATE_UP_ALIGNED,
                  ptrs=dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64"),
                  const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=128, GROUP_M=8, STAGES=3, PAIRS=True))

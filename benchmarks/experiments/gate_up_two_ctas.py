@@ -38,9 +38,8 @@ def launch(x, xs, w13, w13s, layout, cfg, inter, scale, unroll_steps):
     bm = cfg.block_m
     x_desc = TensorDescriptor(x, [r, h], [x.stride(0), 1], [bm, 128],
                               gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv))
-    per_expert = expert_rows(w13)
-    w_desc = TensorDescriptor(w13, [e * two_i, h], [w13.stride(1), 1], [128, 128],
-                              gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv))
+    per_expert = 2 if expert_rows(w13) else 0
+    w_desc = gate_up_wgmma._weight_planes(w13, e * per_expert or 2, two_i // 2, h, 128)
     blocks_m = layout.num_row_blocks(bm)
     return gate_up_wgmma._gate_up_wgmma_kernel[(blocks_m * (two_i // 256),)](
         x_desc, w_desc, x_desc, w_desc, xs, w13s, inter, scale, layout.meta, layout.num_experts, blocks_m, two_i // 2, h, per_expert,

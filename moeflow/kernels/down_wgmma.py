@@ -85,12 +85,14 @@ if gluon is not None:
                    BLOCK_K: gl.constexpr, pred):
         """Start TMA loads of K step k of the tile at (a_row, w_row) into the slot of the program's step g
         (g % STAGES; g == k but in the persistent kernel, whose steps run on across tiles). No-op where pred
-        is False."""
+        is False. bars: (a tiles' barriers, weight tiles' barriers), two allocations (_ring says why)."""
         slot = g % STAGES
-        bar = bars.index(slot)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot), pred=pred)
+        a_bar = bars[0].index(slot)
+        w_bar = bars[1].index(slot)
+        mbarrier.expect(a_bar, a_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(w_bar, w_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], a_bar, a_bufs.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], w_bar, w_bufs.index(slot), pred=pred)
 
     @gluon.jit
     def _load_ahead(a_desc, w_desc, a_bufs, w_bufs, bars, base, tn, n, a_row, w_row, a_row_next, w_row_next,
@@ -105,7 +107,8 @@ if gluon is not None:
     def _mma_step(a_bufs, w_bufs, bars, t, d, STAGES: gl.constexpr):
         """Wait for step t's tiles and start its wgmma into d's registers (d's values unused)."""
         slot = t % STAGES
-        mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
+        for b in gl.static_range(len(bars)):  # a tuple of barrier allocations: every copy into the slot landed
+            mbarrier.wait(bars[b].index(slot), (t // STAGES) & 1)
         return warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), d, use_acc=False,
                              is_async=True)
 
@@ -119,14 +122,20 @@ if gluon is not None:
     @gluon.jit
     def _ring(a_desc, w_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr):
-        """The STAGES shared-memory slots of a and weight tiles and their barriers, initialized."""
+        """The STAGES shared-memory slots of a and weight tiles and their barriers, initialized -> (a_bufs, w_bufs,
+        (a barriers, weight barriers)). The compiler puts a CTA barrier between two operations on one shared
+        allocation where either writes it; an expect and a TMA copy both write their mbarrier. With one barrier
+        a slot, a refill (expect, two copies) took 4 such barriers; with a barrier per copy, in two allocations,
+        the two expects and then the two copies run without one between them: 3."""
         a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        a_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(bars.index(s), count=1)
+            mbarrier.init(a_bars.index(s), count=1)
+            mbarrier.init(w_bars.index(s), count=1)
         fence_async_shared()  # the barriers' initialization seen by the TMA units before they arrive on them
-        return a_bufs, w_bufs, bars
+        return a_bufs, w_bufs, (a_bars, w_bars)
 
     @gluon.jit
     def _weight_scales(ws_ptr, expert, pid_n, H, stride_wse, stride_wsn, BLOCK_N: gl.constexpr):
@@ -209,7 +218,8 @@ if gluon is not None:
             acc, d_a, d_b = _k_loop(a_desc, w_desc, a_bufs, w_bufs, bars, as_rows, ws_tile, acc, d_a, d_b, 0, n, a_row,
                                     w_row, a_row, w_row, False, BLOCK_K, STAGES, UNROLL)
             for s in gl.static_range(STAGES):
-                mbarrier.invalidate(bars.index(s))
+                mbarrier.invalidate(bars[0].index(s))
+                mbarrier.invalidate(bars[1].index(s))
             _store_tile(acc, rw_ptr, out_ptr, rows_ld, row_start, row_end, pid_n, H, stride_out, mma, BLOCK_M, BLOCK_N,
                         num_warps, COALESCED_STORE)
 

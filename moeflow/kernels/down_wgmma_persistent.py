@@ -84,7 +84,8 @@ if gluon is not None:
                         num_warps, COALESCED_STORE)
             expert, row_start, row_end, pid_n, w_row = expert_n, row_start_n, row_end_n, pid_n_n, w_row_n
         for s in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(s))
+            mbarrier.invalidate(bars[0].index(s))
+            mbarrier.invalidate(bars[1].index(s))
 
 
 def launch(a: Tensor, a_desc, w_desc, a_scale: Tensor, w2_scale: Tensor, route_w: Tensor, layout, cfg, out: Tensor,

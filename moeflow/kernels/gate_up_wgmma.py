@@ -14,7 +14,11 @@ and 8 warps. So each K step runs four wgmmas of 64 columns (gate 0-63, gate 64-1
 into two half-width products by turns: each is scaled into its quarter of the accumulators while the
 next runs. Four accumulator quarters and two products: 192 registers a thread. A loop body runs UNROLL
 steps and ends with nothing in flight (down_wgmma.py says why). Operands come through TMA into STAGES
-shared-memory slots; step t + STAGES is loaded into step t's slot once step t's last wgmma is done.
+shared-memory slots; step t + STAGES is loaded into step t's slot once step t's last wgmma is done. A step's gate
+and up weight tiles come in one copy (w13 read as planes [2E, I, H]: expert e's gate rows are plane 2e, its up
+rows plane 2e + 1), and the x tiles and the weight tiles land on barriers of their own allocations, so a refill
+takes 3 of the compiler's CTA barriers, not 5 (down_wgmma._ring says why): kernel alone 1.02-1.06x on Qwen3 and
+Mixtral, within the spread on DeepSeek-V3 (benchmarks/results/refill_barriers_2026-12-02_h200.md).
 Epilogue: the two halves' activations, one amax per row over all 128 columns (the group), quantized,
 stored in 16-byte rows.
 Pair tiles (launch() where pair_tiles(); MOEFLOW_TRITON_PAIR_TILES): uniform routing leaves most experts a
@@ -22,9 +26,8 @@ part-filled last row block, and a 128-row tile spends as long on 5 rows as on 12
 instead runs as one [64, 256] tile over column tiles pid_n and pid_n + 1, by the program of the even one (the odd
 one's program ends at once): the same four quarter products a step, now [64, 128] with the two warpgroups side by
 side along the columns, so each row and column gets the same wgmmas and scaled adds as in a 128-row tile, and the
-same bits. A stage holds 64 x rows and both column tiles' gate and up weight rows ([256, 128] boxes): 72 KB, so
-pair tiles need STAGES <= 3 (the shared memory of the two tile forms overlaps; 221 KB in all at 3). ptxas spills
-48-92 bytes for it, mostly around the K loop. Measured on H200 (benchmarks/results/pair_tiles_2026-12-02_h200.md):
+same bits. A stage holds 64 x rows and both column tiles' gate and up weight rows ([2, 256, 128] boxes): 72 KB,
+so pair tiles need STAGES <= 3 (the shared memory of the two tile forms overlaps; 221 KB in all at 3). Measured on H200 (benchmarks/results/pair_tiles_2026-12-02_h200.md):
 DeepSeek-V3 T=4096, whose 370 blocks hold 114 such, 1.06x alone and 1.04-1.10x in the layer; Mixtral T=1024
 1.05x alone; Qwen3 T=4096 (62 of 318) and the T=16384 rows within the spread.
 Where: GemmConfig.scale_overlap on a gate_up config (fit() keeps it where wgmma_gate_up_fits), sorted
@@ -59,16 +62,16 @@ if gluon is not None:
     _INTER = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
     @gluon.jit
-    def _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t, x_row, g_row, I, STAGES: gl.constexpr, pred):
-        """Start TMA loads of step t's x tile and gate and up weight tiles into slot t % STAGES (a pair tile's
-        descriptors: 64 x rows, and both column tiles' gate and up rows in [256, 128] boxes)."""
+    def _load_step(x_desc, w_desc, x_bufs, w_bufs, x_bars, w_bars, t, x_row, plane, n_row, STAGES: gl.constexpr,
+                   pred):
+        """Start TMA loads of step t's x tile and its gate and up weight tiles (one 3-D box: planes plane, plane + 1)
+        into slot t % STAGES; each lands on its own barrier."""
         slot = t % STAGES
-        bar = bars.index(slot)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(x_bars.index(slot), x_desc.block_type.nbytes, pred=pred)
+        mbarrier.expect(w_bars.index(slot), w_desc.block_type.nbytes, pred=pred)
         k = t * 128
-        tma.async_copy_global_to_shared(x_desc, [x_row, k], bar, x_bufs.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(w_desc, [g_row, k], bar, w_bufs.index(2 * slot), pred=pred)
-        tma.async_copy_global_to_shared(w_desc, [g_row + I, k], bar, w_bufs.index(2 * slot + 1), pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [x_row, k], x_bars.index(slot), x_bufs.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [plane, n_row, k], w_bars.index(slot), w_bufs.index(slot), pred=pred)
 
     @gluon.jit
     def _quarter(x_bufs, w_bufs, t, q: gl.constexpr, d, STAGES: gl.constexpr, QCOLS: gl.constexpr):
@@ -76,7 +79,7 @@ if gluon is not None:
         step's tiles. 128-row tile (QCOLS 64): 0 gate 0-63, 1 gate 64-127, 2 up 0-63, 3 up 64-127. Pair tile
         (QCOLS 128, each warpgroup 64 of the columns): 0 gate of column tile A, 1 gate of B, 2 up of A, 3 up of B."""
         slot = t % STAGES
-        w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * QCOLS, QCOLS, dim=0)
+        w = w_bufs.index(slot).reshape([4 * QCOLS, 128]).slice(q * QCOLS, QCOLS, dim=0)  # gate rows, then up rows
         return warpgroup_mma(x_bufs.index(slot), w.permute((1, 0)), d, use_acc=False, is_async=True)
 
     @gluon.jit
@@ -105,7 +108,7 @@ if gluon is not None:
 
     @gluon.jit
     def _tile(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, expert, pid_n, row_start, row_end, I, H,
-              w_rows_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
+              planes_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
               ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               UNROLL: gl.constexpr, PAIR: gl.constexpr, num_warps: gl.constexpr):
         """PAIR False: the [BLOCK_M, 128] tile of the intermediate at rows row_start .. row_end - 1 (the module
@@ -118,16 +121,19 @@ if gluon is not None:
                                                       instr_shape=[16, 64, 32])
         rows_l: gl.constexpr = gl.SliceLayout(1, mma)
         x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], x_desc.layout)
-        w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, 2 * QCOLS, 128], w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2, 2 * QCOLS, 128], w_desc.layout)
+        x_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        w_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(bars.index(s), count=1)
+            mbarrier.init(x_bars.index(s), count=1)
+            mbarrier.init(w_bars.index(s), count=1)
         fence_async_shared()
         x_row = row_start.to(gl.int32)
-        g_row = (expert * w_rows_per_expert + pid_n * 128).to(gl.int32)
+        plane = (expert * planes_per_expert).to(gl.int32)  # the expert's gate plane; plane + 1: its up plane
+        n_row = pid_n * 128
         n = H // 128
         for s in gl.static_range(STAGES):
-            _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, s, x_row, g_row, I, STAGES, s < n)
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, x_bars, w_bars, s, x_row, plane, n_row, STAGES, s < n)
         rows = row_start + gl.arange(0, ROWS, layout=rows_l)
         xs_rows = xs_ptr + gl.minimum(rows, row_end - 1) * stride_xs  # row r's scale of K group t at xs_rows[r] + t
         gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn  # the (first) tile's gate block row
@@ -141,13 +147,14 @@ if gluon is not None:
         for j in range(0, n // UNROLL):
             for u in gl.static_range(UNROLL):
                 t = j * UNROLL + u
-                mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
+                mbarrier.wait(x_bars.index(t % STAGES), (t // STAGES) & 1)
+                mbarrier.wait(w_bars.index(t % STAGES), (t // STAGES) & 1)
                 s0, s1, s2, s3_next = _step_scales(xs_rows, gs, us, stride_wsn, t, PAIR)
                 p_a = _quarter(x_bufs, w_bufs, t, 0, d_a, STAGES, QCOLS)
                 if u > 0:  # the previous step's last quarter (p_b, s3: set by step u - 1 of this unrolled body)
                     d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
                     acc3 = _scaled_add(d_b, s3, acc3)  # noqa: F821
-                    _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t - 1 + STAGES, x_row, g_row, I, STAGES,
+                    _load_step(x_desc, w_desc, x_bufs, w_bufs, x_bars, w_bars, t - 1 + STAGES, x_row, plane, n_row, STAGES,
                                t - 1 + STAGES < n)
                 s3 = s3_next
                 p_b = _quarter(x_bufs, w_bufs, t, 1, d_b, STAGES, QCOLS)
@@ -162,10 +169,11 @@ if gluon is not None:
             d_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b,))
             acc3 = _scaled_add(d_b, s3, acc3)
             t_last = j * UNROLL + UNROLL - 1
-            _load_step(x_desc, w_desc, x_bufs, w_bufs, bars, t_last + STAGES, x_row, g_row, I, STAGES,
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, x_bars, w_bars, t_last + STAGES, x_row, plane, n_row, STAGES,
                        t_last + STAGES < n)
         for s in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(s))
+            mbarrier.invalidate(x_bars.index(s))
+            mbarrier.invalidate(w_bars.index(s))
         h0 = gated_act(acc0, acc2, ACT).to(INTER_DTYPE).to(gl.float32)
         h1 = gated_act(acc1, acc3, ACT).to(INTER_DTYPE).to(gl.float32)
         ok = rows < row_end
@@ -183,19 +191,20 @@ if gluon is not None:
                          num_warps)
             gl.store(outs_ptr + rows * stride_outs + pid_n, scale, mask=ok)
 
-    @gluon.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
+    @gluon.jit(do_not_specialize=["num_blocks_m", "planes_per_expert"])
     def _gate_up_wgmma_kernel(x_desc, w_desc, xt_desc, wt_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, meta_ptr,
-                              num_experts, num_blocks_m, I, H, w_rows_per_expert,
+                              num_experts, num_blocks_m, I, H, planes_per_expert,
                               stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
                               ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
                               BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                               UNROLL: gl.constexpr, PAIRS: gl.constexpr, num_warps: gl.constexpr):
         """One program per [BLOCK_M, 128] tile of the intermediate over the grid's row blocks.
         x_desc: TMA descriptor over x [R, H], [BLOCK_M, 128] boxes (rows past the block's end are read,
-        never stored); w_desc: over the weight rows [E * 2I, H] (expert e's from e * w_rows_per_expert),
-        [128, 128] boxes. PAIRS (BLOCK_M 128, 8 warps, I / 128 even): blocks of at most 64 rows run as pair
-        tiles, by the programs of even column tiles (module docstring); xt_desc and wt_desc: the same tensors
-        in [64, 128] and [256, 128] boxes (unused, any descriptors, without PAIRS)."""
+        never stored); w_desc: over w13 as planes [2E, I, H] (_weight_planes; expert e's gate plane is
+        e * planes_per_expert: 2, or 0 where every expert reads the same weights), [2, 128, 128] boxes. PAIRS
+        (BLOCK_M 128, 8 warps, I / 128 even): blocks of at most 64 rows run as pair tiles, by the programs of even
+        column tiles (module docstring); xt_desc and wt_desc: the same tensors in [64, 128] and [2, 256, 128]
+        boxes (unused, any descriptors, without PAIRS)."""
         pid_m, pid_n = grouped_tile(gl.program_id(0), num_blocks_m, I // 128, GROUP_M)
         expert, row_start, row_end = _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
         if row_start < row_end:
@@ -203,15 +212,15 @@ if gluon is not None:
                 if row_end - row_start <= 64:
                     if pid_n % 2 == 0:
                         _tile(xt_desc, wt_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, expert, pid_n, row_start, row_end,
-                              I, H, w_rows_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
+                              I, H, planes_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
                               ACT, INTER_DTYPE, BLOCK_M, STAGES, UNROLL, True, num_warps)
                 else:
                     _tile(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, expert, pid_n, row_start, row_end,
-                          I, H, w_rows_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
+                          I, H, planes_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
                           ACT, INTER_DTYPE, BLOCK_M, STAGES, UNROLL, False, num_warps)
             else:
                 _tile(x_desc, w_desc, xs_ptr, ws_ptr, out_ptr, outs_ptr, expert, pid_n, row_start, row_end,
-                      I, H, w_rows_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
+                      I, H, planes_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
                       ACT, INTER_DTYPE, BLOCK_M, STAGES, UNROLL, False, num_warps)
 
 
@@ -239,16 +248,15 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
     bm = cfg.block_m
     x_desc = TensorDescriptor(x, [r, h], [x.stride(0), 1], [bm, 128],
                               gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv))
-    per_expert = expert_rows(w13)
-    w_desc = TensorDescriptor(w13, [e * two_i if per_expert else two_i, h], [w13.stride(1), 1], [128, 128],
-                              gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv))
+    per_expert = 2 if expert_rows(w13) else 0  # w13 as [planes, I, H]: expert e's gate rows in plane 2e, up in 2e + 1
+    planes = e * per_expert or 2
+    w_desc = _weight_planes(w13, planes, i, h, 128)
     pairs = pair_tiles(cfg, i)
     xt_desc, wt_desc = x_desc, w_desc
     if pairs:
         xt_desc = TensorDescriptor(x, [r, h], [x.stride(0), 1], [64, 128],
                                    gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv))
-        wt_desc = TensorDescriptor(w13, [e * two_i if per_expert else two_i, h], [w13.stride(1), 1], [256, 128],
-                                   gl.NVMMASharedLayout.get_default_for([256, 128], gl.float8e4nv))
+        wt_desc = _weight_planes(w13, planes, i, h, 256)
     blocks_m = layout.num_row_blocks(bm)
     _gate_up_wgmma_kernel[(blocks_m * (i // 128),)](
         x_desc, w_desc, xt_desc, wt_desc, x_scale, w13_scale, inter, scale, layout.meta, layout.num_experts, blocks_m,
@@ -256,6 +264,14 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
         scale.stride(0), ACT=activation, INTER_DTYPE=_INTER[dtype], E_POW2=layout.e_pow2, BLOCK_M=bm,
         GROUP_M=cfg.group_m, STAGES=cfg.num_stages, UNROLL=unroll(h // 128, most_unroll, cfg.num_stages),
         PAIRS=pairs, num_warps=cfg.num_warps)
+
+
+def _weight_planes(w13: Tensor, planes: int, i: int, h: int, rows: int):
+    """A TMA descriptor over w13 [E, 2I, H] read as [planes, I, H] (gate and up halves of each expert as planes, or
+    one expert's two planes where the expert stride is 0), in [2, rows, 128] boxes: a step's gate and up tiles of
+    ``rows`` weight rows in one copy."""
+    return TensorDescriptor(w13, [planes, i, h], [i * w13.stride(1), w13.stride(1), 1], [2, rows, 128],
+                            gl.NVMMASharedLayout.get_default_for([2, rows, 128], gl.float8e4nv))
 
 
 def pair_tiles(cfg, intermediate: int) -> bool:

@@ -201,12 +201,12 @@ if gluon is not None:
         for b in range(bodies):
             t = b * UNROLL
             last = b == bodies - 1
-            p_a = _mma_step(a_bufs, w_bufs, ready, g0 + t, d_a, STAGES)
+            p_a = _mma_step(a_bufs, w_bufs, (ready,), g0 + t, d_a, STAGES)
             s_a = gl.load(as_rows + t) * gl.load(ws_tile + t)
             if UNROLL == 1:
                 mbarrier.arrive(turn_bar, count=1, pred=last)
             for u in gl.static_range(1, UNROLL):
-                p_b = _mma_step(a_bufs, w_bufs, ready, g0 + t + u, d_b, STAGES)
+                p_b = _mma_step(a_bufs, w_bufs, (ready,), g0 + t + u, d_b, STAGES)
                 s_b = gl.load(as_rows + t + u) * gl.load(ws_tile + t + u)
                 if u == UNROLL - 1:
                     mbarrier.arrive(turn_bar, count=1, pred=last)
