@@ -32,17 +32,18 @@ def fp8_block_case(preset: str, tokens: int, device):
 
 
 def gluon_gate_up_case(preset: str, tokens: int, device) -> SimpleNamespace:
-    """fp8_block_case plus what the experiments on the Gluon fp8-block gate_up (kernels/gate_up_wgmma.py) time it with:
-    cfg, the shape's 128-row Gluon config (the shipped one where the table takes the Gluon kernel, else 128x128, 8 warps,
-    3 stages); want, the Triton kernel's output at that tile (the bits every version must give); inter and scale, the
-    output buffers. Fields: shape, batch, layout, w, xq, xs, cfg, want, inter, scale."""
+    """fp8_block_case plus what the experiments on the Gluon fp8-block gate_up (kernels/gate_up_wgmma.py) time it
+    with: cfg, the shape's 128-row Gluon config (the shipped one where the table takes the Gluon kernel, else
+    128x128, 8 warps, 3 stages); want, the Triton kernel's output at that tile (the bits every version must give);
+    inter and scale, the output buffers. Fields: shape, batch, layout, w, xq, xs, cfg, want, inter, scale."""
     from dataclasses import replace
 
     from moeflow.kernels.gate_up import gate_up
     shape, batch, layout, kcfg, w, xq, xs = fp8_block_case(preset, tokens, device)
     cfg = kcfg.gate_up if kcfg.gate_up.scale_overlap else replace(kcfg.gate_up, block_m=128, num_warps=8, num_stages=3,
                                                                   scale_overlap=1)
-    want = gate_up(xq, xs, w.w13, w.w13_scale, layout, "fp8-block", "silu", torch.bfloat16, replace(cfg, scale_overlap=0))
+    want = gate_up(xq, xs, w.w13, w.w13_scale, layout, "fp8-block", "silu", torch.bfloat16,
+                   replace(cfg, scale_overlap=0))
     r, i = xq.shape[0], shape.inter
     return SimpleNamespace(shape=shape, batch=batch, layout=layout, w=w, xq=xq, xs=xs, cfg=cfg, want=want,
                            inter=torch.empty(r, i, dtype=torch.float8_e4m3fn, device=device),
@@ -50,8 +51,8 @@ def gluon_gate_up_case(preset: str, tokens: int, device) -> SimpleNamespace:
 
 
 def time_gluon_gate_up(case: SimpleNamespace, mod, cfg, most_unroll: int = 8) -> dict:
-    """Time ``mod``.launch (a version of kernels/gate_up_wgmma.py) at ``cfg`` on a gluon_gate_up_case, its outputs poisoned
-    (NaN) first and compared with case.want: time_variant's dict."""
+    """Time ``mod``.launch (a version of kernels/gate_up_wgmma.py) at ``cfg`` on a gluon_gate_up_case, its outputs
+    poisoned (NaN) first and compared with case.want: time_variant's dict."""
     from moeflow.kernels.common import ACT_CODES
     c = case
     run = lambda: mod.launch(c.xq, c.xs, c.w.w13, c.w.w13_scale, c.layout, ACT_CODES["silu"], torch.bfloat16, cfg,

@@ -1,7 +1,7 @@
-"""Experiment (GPU): two or more versions of kernels/gate_up_wgmma.py, the kernel alone, timed by turns in one process.
-Each version is a file, loaded as its own module inside moeflow.kernels (so its relative imports resolve); each output is
-compared bit for bit with the Triton kernel's; every version runs the shipped 128-row Gluon config (pair tiles as
-shipped) in a CUDA graph, ROUNDS rounds, the versions in turn within each round.
+"""Experiment (GPU): two or more versions of kernels/gate_up_wgmma.py, the kernel alone, timed by turns in one
+process. Each version is a file, loaded as its own module inside moeflow.kernels (so its relative imports resolve);
+each output is compared bit for bit with the Triton kernel's; every version runs the shipped 128-row Gluon config
+(pair tiles as shipped) in a CUDA graph, ROUNDS rounds, the versions in turn within each round.
 
     PYTHONPATH=$PWD ROUNDS=3 python benchmarks/experiments/gate_up_versions.py OUT_DIR name=path [name=path ...] \
         [-- preset:T ...]

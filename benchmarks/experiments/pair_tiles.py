@@ -31,7 +31,8 @@ def main():
         case = gluon_gate_up_case(preset, t, dev)
         sizes = (case.layout.meta[1:] - case.layout.meta[:-1]).tolist()
         pairs = sum(1 for n in sizes if 0 < n % 128 <= 64)
-        row = dict(preset=preset, T=t, cfg=str(case.cfg), blocks=sum((n + 127) // 128 for n in sizes), pair_blocks=pairs)
+        row = dict(preset=preset, T=t, cfg=str(case.cfg), blocks=sum((n + 127) // 128 for n in sizes),
+                   pair_blocks=pairs)
         for rnd in range(ROUNDS):
             for name, on in (("full", "0"), ("pairs", "1")):
                 os.environ[moeflow_env.TRITON_PAIR_TILES.name] = on

@@ -27,9 +27,12 @@ instead runs as one [64, 256] tile over column tiles pid_n and pid_n + 1, by the
 one's program ends at once): the same four quarter products a step, now [64, 128] with the two warpgroups side by
 side along the columns, so each row and column gets the same wgmmas and scaled adds as in a 128-row tile, and the
 same bits. A stage holds 64 x rows and both column tiles' gate and up weight rows ([2, 256, 128] boxes): 72 KB,
-so pair tiles need STAGES <= 3 (the shared memory of the two tile forms overlaps; 221 KB in all at 3). Measured on H200 (benchmarks/results/pair_tiles_2026-12-02_h200.md):
-DeepSeek-V3 T=4096, whose 370 blocks hold 114 such, 1.06x alone and 1.04-1.10x in the layer; Mixtral T=1024
-1.05x alone; Qwen3 T=4096 (62 of 318) and the T=16384 rows within the spread.
+so pair tiles need STAGES <= 3 (the shared memory of the two tile forms overlaps; 221 KB in all at 3). Measured on
+H200 (benchmarks/results/pair_tiles_2026-12-02_h200.md): DeepSeek-V3 T=4096, whose 370 blocks hold 114 such, 1.06x
+alone and 1.04-1.10x in the layer; Mixtral T=1024 1.05x alone; Qwen3 T=4096 (62 of 318) and the T=16384 rows
+within the spread. Since the refill change, which ended the pair form's spills, the kernel alone with pair tiles on
+against off: Mixtral T=1024 1.16x, DeepSeek-V3 T=4096 1.09x, T=16384 1.07x, Mixtral T=4096 1.05x, Qwen3 1.00x
+(benchmarks/results/gate_up_configs_2026-12-02_h200_03d45c5.json).
 Where: GemmConfig.scale_overlap on a gate_up config (fit() keeps it where wgmma_gate_up_fits), sorted
 batches, CUDA compute capability 9.x, operands TMA-addressable, H and I multiples of 128; kernels/gate_up.py
 falls back to its own kernel otherwise. TMA reads rows in order: for rows by index (source_rows, the local
@@ -154,8 +157,8 @@ if gluon is not None:
                 if u > 0:  # the previous step's last quarter (p_b, s3: set by step u - 1 of this unrolled body)
                     d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
                     acc3 = _scaled_add(d_b, s3, acc3)  # noqa: F821
-                    _load_step(x_desc, w_desc, x_bufs, w_bufs, x_bars, w_bars, t - 1 + STAGES, x_row, plane, n_row, STAGES,
-                               t - 1 + STAGES < n)
+                    _load_step(x_desc, w_desc, x_bufs, w_bufs, x_bars, w_bars, t - 1 + STAGES, x_row, plane, n_row,
+                               STAGES, t - 1 + STAGES < n)
                 s3 = s3_next
                 p_b = _quarter(x_bufs, w_bufs, t, 1, d_b, STAGES, QCOLS)
                 d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
@@ -169,8 +172,8 @@ if gluon is not None:
             d_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b,))
             acc3 = _scaled_add(d_b, s3, acc3)
             t_last = j * UNROLL + UNROLL - 1
-            _load_step(x_desc, w_desc, x_bufs, w_bufs, x_bars, w_bars, t_last + STAGES, x_row, plane, n_row, STAGES,
-                       t_last + STAGES < n)
+            _load_step(x_desc, w_desc, x_bufs, w_bufs, x_bars, w_bars, t_last + STAGES, x_row, plane, n_row,
+                       STAGES, t_last + STAGES < n)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(x_bars.index(s))
             mbarrier.invalidate(w_bars.index(s))
