@@ -5,12 +5,18 @@ each output is compared bit for bit with the Triton kernel's; every version runs
 
     PYTHONPATH=$PWD ROUNDS=3 python benchmarks/experiments/gate_up_versions.py OUT_DIR name=path [name=path ...] \
         [-- preset:T ...]
+
+A version may change the config it runs: name=path@num_stages=4,group_m=4 (GemmConfig fields, integers). Patches of
+versions not yet measured are kept in benchmarks/experiments/patches/ (e.g. `cp moeflow/kernels/gate_up_wgmma.py
+/tmp/dyn.py && patch /tmp/dyn.py benchmarks/experiments/patches/gate_up_dynamic_slots.diff`, then
+`dyn4=/tmp/dyn.py@num_stages=4`).
 """
 import importlib.util
 import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -35,16 +41,18 @@ def main():
     args = sys.argv[1:]
     out_dir = args.pop(0)
     cut = args.index("--") if "--" in args else len(args)
-    versions = {n: load(n, p) for n, p in (a.split("=", 1) for a in args[:cut])}
+    specs = [(n, *(p.split("@", 1) if "@" in p else (p, ""))) for n, p in (a.split("=", 1) for a in args[:cut])]
+    versions = {n: load(n, p) for n, p, _ in specs}
+    fields = {n: {k: int(v) for k, v in (f.split("=") for f in over.split(",") if f)} for n, _, over in specs}
     cases = [(p, int(t)) for p, t in (c.split(":") for c in args[cut + 1:])] or CASES
     dev = torch.device("cuda")
     results = []
     for preset, t in cases:
         case = gluon_gate_up_case(preset, t, dev)
-        row = dict(preset=preset, T=t, cfg=str(case.cfg))
+        row = dict(preset=preset, T=t, cfg=str(case.cfg), changed=fields)
         for _ in range(ROUNDS):
             for name, mod in versions.items():
-                row.setdefault(name, []).append(time_gluon_gate_up(case, mod, case.cfg))
+                row.setdefault(name, []).append(time_gluon_gate_up(case, mod, replace(case.cfg, **fields[name])))
         med = {n: statistics.median(x["us"] for x in row[n] if "us" in x) if any("us" in x for x in row[n]) else None
                for n in versions}
         row["median_us"] = med
