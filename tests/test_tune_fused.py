@@ -2,6 +2,7 @@
 sets, which T are searched, the pick (fused only where faster), and what --merge / --no-fused write; and the
 Gluon fp8-block gate_up tiles among the separate GEMMs' candidates."""
 import argparse
+import json
 
 import pytest
 import torch
@@ -102,6 +103,18 @@ def test_merge_keeps_old_fused_tiles_only_where_not_searched(monkeypatch, tmp_pa
         kc.write_table(again / path.name, {}, {1: old}, {})
         _run_cli(monkeypatch, again, extra, {1: kc.MoEKernelConfig(gemm, gemm, fused=other_f)})
         assert kc.read_table(again / path.name)[0][1].fused == other_f
+
+
+def test_merge_keeps_the_files_notes(monkeypatch, tmp_path):
+    """A merge writes back the old file's free-form notes (fused_source, edits) with the new header."""
+    gemm = kc.GemmConfig(16, 64, 128)
+    path = tmp_path / kc.file_name("GPU X", 8, 256, 256, "fp8-block")
+    kc.write_table(path, {"triton_version": "old", "fused_source": "a record", "edits": ["T=2 set by hand"]},
+                   {2: kc.MoEKernelConfig(gemm, gemm)}, {"2": {"gate_up": 5.0}})
+    _run_cli(monkeypatch, tmp_path, ["--no-fused"], {1: kc.MoEKernelConfig(gemm, gemm)})
+    data = json.loads(path.read_text())
+    assert data["fused_source"] == "a record" and data["edits"] == ["T=2 set by hand"]
+    assert data["triton_version"] != "old" and data["device"] == "GPU X" and set(data["configs"]) == {"1", "2"}
 
 
 @pytest.mark.parametrize("preset, tokens, gluon_gate_up", [

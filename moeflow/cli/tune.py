@@ -70,6 +70,8 @@ def run(args) -> int:
                 dtype=str(cfg.dtype).removeprefix("torch."), top_k=cfg.top_k, triton_version=triton.__version__,
                 torch_version=torch.__version__, gate_up_rows="by index" if indexed else "in order")
     kept, kept_us = kc.read_table(path) if args.merge and path.is_file() else ({}, {})
+    if args.merge and path.is_file():  # the old file's notes (fused_source, edits) stay
+        meta = {**kc.table_notes(path), **meta}
     searched = set() if args.no_fused else {t for t in tokens if fused_searched(shape, t, indexed)}
 
     def save(table, measured):  # after every T, so a stopped search keeps what it found

@@ -6,7 +6,8 @@ File name (written by `moeflow tune`):  E={E},N={I},K={H},device={GPU name},sche
 Content: {"device", "E", "N", "K", "scheme", "dtype", "top_k", "triton_version", "gate_up_rows",
           "configs": {"<T>": {"gate_up": {GemmConfig fields}, "down": {...}}, ...}, "measured_us": {...}}
     gate_up_rows: how the tuner fed gate_up its rows, "by index" (single-process layer) or "in order"
-    (expert parallelism); files written before it existed were timed in order.
+    (expert parallelism); files written before it existed were timed in order. Other keys are free-form notes
+    (fused_source, edits: entries set from a measurement other than the tuner's); --merge keeps them (table_notes).
     where <T> is a token count (tokens per rank, before top-k). A lookup takes the entry whose T
     is nearest to the batch's in log scale. Directories searched, first hit wins:
     $MOEFLOW_KERNEL_CONFIG_DIR, then moeflow/kernels/configs/ (shipped).
@@ -282,6 +283,14 @@ def read_table(path: Path) -> tuple[dict[int, MoEKernelConfig], dict[str, dict]]
     """A tuned file -> (its configs by token count, its measured_us by token count as a string)."""
     table, measured = _load(str(path), path.stat().st_mtime)
     return dict(table), dict(measured)
+
+
+def table_notes(path: Path) -> dict:
+    """A tuned file's top-level keys but its configs and measured_us: its header and any free-form notes (fused_source,
+    edits: where an entry came from other than the tuner). `moeflow tune --merge` writes them back, its own header
+    over the old one's fields; a note on an entry the merge re-tunes is then stale, to be edited by hand."""
+    data = json.loads(path.read_text())
+    return {k: v for k, v in data.items() if k not in ("configs", "measured_us")}
 
 
 def write_table(path: Path, meta: dict, table: dict[int, MoEKernelConfig], measured: dict | None = None) -> None:
