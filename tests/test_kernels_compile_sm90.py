@@ -283,6 +283,10 @@ def assert_wgmmas_overlapped(kernel: str, jobs: list[dict], most_spill: list[int
         assert spill <= most and regs <= 255, (job, regs, spill)
 
 
+# the Gluon down kernels' parameters that are multiples of 16 at every shipped shape (the JIT specializes them so)
+DOWN_ALIGNED = ["as_ptr", "ws_ptr", "rw_ptr", "out_ptr", "meta_ptr", "H", "I", "stride_wse", "stride_out"]
+
+
 def test_wgmma_down_keeps_its_wgmmas_overlapped():
     """kernels/down_wgmma.py compiled for sm_90a: ptxas neither serializes its wgmmas (C7514: a running
     product's registers read or moved, which the two-products-by-turns loop exists to avoid) nor
@@ -293,7 +297,7 @@ def test_wgmma_down_keeps_its_wgmmas_overlapped():
     tiles = [(128, 128, 8, 4, 8, False), (128, 128, 8, 4, 8, True), (128, 128, 8, 3, 8, False), (64, 128, 4, 4, 6, True),
              (64, 64, 4, 3, 2, False), (128, 128, 8, 4, 1, False)]
     ptrs = dict(as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16", meta_ptr="*i64")
-    jobs = [dict(descs=dict(a_desc=bm, w_desc=bn), ptrs=ptrs, warps=warps,
+    jobs = [dict(descs=dict(a_desc=bm, w_desc=bn), ptrs=ptrs, warps=warps, aligned=DOWN_ALIGNED,
                  const=dict(E_POW2=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, STAGES=stages, UNROLL=unroll,
                             COALESCED_STORE=coalesced))
             for bm, bn, warps, stages, unroll, coalesced in tiles]
@@ -359,7 +363,7 @@ def test_wgmma_refills_take_one_cta_barrier():
     gate_up = dict(descs=gate_up_descs(128, True), warps=8, unroll=[16, 8, 3], ptx=True, aligned=GATE_UP_ALIGNED,
                    ptrs=dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64"),
                    const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=128, GROUP_M=8, STAGES=3, PAIRS=True))
-    down = dict(descs=dict(a_desc=128, w_desc=128), warps=8, ptx=True,
+    down = dict(descs=dict(a_desc=128, w_desc=128), warps=8, ptx=True, aligned=DOWN_ALIGNED,
                 ptrs=dict(as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16", meta_ptr="*i64"),
                 const=dict(E_POW2=8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=4, UNROLL=8,
                            COALESCED_STORE=False))
@@ -377,7 +381,7 @@ def test_wgmma_down_persistent_keeps_its_wgmmas_overlapped():
     tiles keeps the wgmmas overlapped (no C7514 / C7517) and nothing spills at those tiles."""
     tiles = [(64, 4, 4, 6, True), (64, 4, 3, 6, False), (64, 4, 4, 8, True), (128, 8, 3, 6, True), (128, 8, 3, 8, False)]
     ptrs = dict(as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16", meta_ptr="*i64")
-    jobs = [dict(descs=dict(a_desc=bm, w_desc=128), ptrs=ptrs, warps=warps,
+    jobs = [dict(descs=dict(a_desc=bm, w_desc=128), ptrs=ptrs, warps=warps, aligned=DOWN_ALIGNED,
                  const=dict(E_POW2=128, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=stages, UNROLL=unroll,
                             COALESCED_STORE=coalesced))
             for bm, warps, stages, unroll, coalesced in tiles]
@@ -415,7 +419,9 @@ for dtype, gated, bm, bn, bk, stages, u in jobs:
     sig.update({n: "i32" for n in fn.arg_names if n not in sig})
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,
                  LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0, SCALED=u > 0, UNROLL=max(u, 1))
-    out.append(compile_gluon_for_hopper(fn, sig, const, 4, maxnreg=ws.MAXNREG))
+    # compiled as the JIT specializes the shipped launches: these are multiples of 16 at every shipped shape
+    aligned = ["rw_ptr", "out_ptr", "blk_ptr", "nblk_ptr", "as_ptr", "ws_ptr", "N", "K", "stride_out", "stride_wse"]
+    out.append(compile_gluon_for_hopper(fn, sig, const, 4, maxnreg=ws.MAXNREG, aligned=aligned))
 print(json.dumps(out))
 """
 
