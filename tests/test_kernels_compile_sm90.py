@@ -375,6 +375,35 @@ def test_wgmma_refills_take_one_cta_barrier():
         assert refills >= 8 and most <= 1, (kernel, refills, most)
 
 
+WEIGHT_PLANES = """
+import importlib.util, json, sys, torch
+if importlib.util.find_spec("triton.experimental.gluon") is None:
+    print(json.dumps(None)); sys.exit(0)
+from moeflow.kernels import gate_up_wgmma
+from moeflow.kernels.common import expert_rows
+e, i, h = 3, 384, 256
+w13 = torch.randint(0, 256, (e, 2 * i, h), dtype=torch.uint8).view(torch.float8_e4m3fn)
+out = []
+for w in (w13, w13[:1].expand(e, -1, -1)):  # experts back to back, and an expert stride of 0
+    per_expert = 2 if expert_rows(w) else 0
+    for rows in (128, 256):
+        d = gate_up_wgmma._weight_planes(w, e * per_expert or 2, i, h, rows)
+        planes = torch.as_strided(w.view(torch.uint8), d.shape, d.strides, w.storage_offset())
+        out.append(d.block_shape == [2, rows, 128] and all(
+            torch.equal(planes[x * per_expert], w[x, :i].view(torch.uint8))
+            and torch.equal(planes[x * per_expert + 1], w[x, i:].view(torch.uint8)) for x in range(e)))
+print(json.dumps(out))
+"""
+
+
+def test_gate_up_weight_planes_address_each_experts_gate_and_up_rows():
+    """kernels/gate_up_wgmma._weight_planes reads w13 [E, 2I, H] as planes [2E, I, H]: the kernel copies expert e's
+    gate rows from plane e * planes_per_expert and its up rows from the next plane (2 planes an expert, or one pair
+    of planes for an expert stride of 0). The descriptor's shape and strides, applied to w13's storage, give exactly
+    those rows in both layouts and both boxes (no GPU: the descriptor is plain data)."""
+    assert compile_without_interpreter(WEIGHT_PLANES) == [True] * 4
+
+
 def test_wgmma_down_persistent_keeps_its_wgmmas_overlapped():
     """kernels/down_wgmma_persistent.py compiled for sm_90a at the tiles the tuner offers it (64x128 with 4 warps,
     128x128 with 8) and Qwen3's and DeepSeek-V3's K loops (6 and 16 steps: bodies of 6 and 8): its loop over
