@@ -69,9 +69,10 @@ def run(args) -> int:
     meta = dict(device=device, E=e, N=cfg.intermediate_size, K=cfg.hidden_size, scheme=cfg.quant,
                 dtype=str(cfg.dtype).removeprefix("torch."), top_k=cfg.top_k, triton_version=triton.__version__,
                 torch_version=torch.__version__, gate_up_rows="by index" if indexed else "in order")
-    kept, kept_us = kc.read_table(path) if args.merge and path.is_file() else ({}, {})
-    if args.merge and path.is_file():  # the old file's notes (fused_source, edits) stay
-        meta = {**kc.table_notes(path), **meta}
+    kept, kept_us = {}, {}
+    if args.merge and path.is_file():
+        kept, kept_us = kc.read_table(path)
+        meta = {**kc.table_notes(path), **meta}  # the old file's notes (fused_source, edits) stay
     searched = set() if args.no_fused else {t for t in tokens if fused_searched(shape, t, indexed)}
 
     def save(table, measured):  # after every T, so a stopped search keeps what it found
