@@ -85,7 +85,7 @@ if gluon is not None:
                    BLOCK_K: gl.constexpr, pred):
         """Start TMA loads of K step k of the tile at (a_row, w_row) into the slot of the program's step g
         (g % STAGES; g == k but in the persistent kernel, whose steps run on across tiles). No-op where pred
-        is False. bars: (a tiles' barriers, weight tiles' barriers), two allocations (_ring says why)."""
+        is False. bars: (a tiles' barriers, weight tiles' barriers), two allocations (_slot_barriers says why)."""
         slot = g % STAGES
         a_bar = bars[0].index(slot)
         w_bar = bars[1].index(slot)
@@ -120,22 +120,36 @@ if gluon is not None:
                                          is_pure=False, pack=1)
 
     @gluon.jit
-    def _ring(a_desc, w_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr):
-        """The STAGES shared-memory slots of a and weight tiles and their barriers, initialized -> (a_bufs, w_bufs,
-        (a barriers, weight barriers)). The compiler puts a CTA barrier between two operations on one shared
-        allocation where either writes it; an expect and a TMA copy both write their mbarrier. With one barrier
-        a slot, a refill (expect, two copies) took 4 such barriers; with a barrier per copy, in two allocations,
-        the two expects and then the two copies run without one between them: 3."""
-        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    def _slot_barriers(STAGES: gl.constexpr):
+        """Each slot's two mbarriers, one for its activation tile's copy and one for its weight tiles', in two
+        allocations, initialized -> (activation barriers, weight barriers). Why two: the compiler puts a CTA
+        barrier between two operations on one shared allocation where either writes it, and an expect and a TMA
+        copy both write their mbarrier. With one mbarrier a slot a refill (expect, then its copies) took a CTA
+        barrier between every two of them (4 for the down's two copies, 5 for the gate_up's three); with these,
+        the expects run, then one barrier, then the copies: 3 a refill in all."""
         a_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         w_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(a_bars.index(s), count=1)
             mbarrier.init(w_bars.index(s), count=1)
         fence_async_shared()  # the barriers' initialization seen by the TMA units before they arrive on them
-        return a_bufs, w_bufs, (a_bars, w_bars)
+        return a_bars, w_bars
+
+    @gluon.jit
+    def _release_barriers(bars, STAGES: gl.constexpr):
+        """Invalidate _slot_barriers' mbarriers (bars: the pair it returned) once the K loop is done."""
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars[0].index(s))
+            mbarrier.invalidate(bars[1].index(s))
+
+    @gluon.jit
+    def _ring(a_desc, w_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr):
+        """The STAGES shared-memory slots of a and weight tiles and their barriers, initialized -> (a_bufs, w_bufs,
+        (a barriers, weight barriers): _slot_barriers)."""
+        a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        return a_bufs, w_bufs, _slot_barriers(STAGES)
 
     @gluon.jit
     def _weight_scales(ws_ptr, expert, pid_n, H, stride_wse, stride_wsn, BLOCK_N: gl.constexpr):
@@ -217,9 +231,7 @@ if gluon is not None:
             d_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             acc, d_a, d_b = _k_loop(a_desc, w_desc, a_bufs, w_bufs, bars, as_rows, ws_tile, acc, d_a, d_b, 0, n, a_row,
                                     w_row, a_row, w_row, False, BLOCK_K, STAGES, UNROLL)
-            for s in gl.static_range(STAGES):
-                mbarrier.invalidate(bars[0].index(s))
-                mbarrier.invalidate(bars[1].index(s))
+            _release_barriers(bars, STAGES)
             _store_tile(acc, rw_ptr, out_ptr, rows_ld, row_start, row_end, pid_n, H, stride_out, mma, BLOCK_M, BLOCK_N,
                         num_warps, COALESCED_STORE)
 

@@ -27,9 +27,9 @@ from .down_wgmma import gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from .down_wgmma import _block_counts, _expert_block, _k_loop, _load_step, _ring, _store_tile, _weight_scales
+    from .down_wgmma import (_block_counts, _expert_block, _k_loop, _load_step, _release_barriers, _ring, _store_tile,
+                              _weight_scales)
 
     @gluon.jit
     def _tile(j, pid, num_programs, blocks_m, num_pid_n, meta_ptr, num_experts, w_rows_per_expert,
@@ -83,9 +83,7 @@ if gluon is not None:
             _store_tile(acc, rw_ptr, out_ptr, rows_ld, row_start, row_end, pid_n, H, stride_out, mma, BLOCK_M, BLOCK_N,
                         num_warps, COALESCED_STORE)
             expert, row_start, row_end, pid_n, w_row = expert_n, row_start_n, row_end_n, pid_n_n, w_row_n
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(bars[0].index(s))
-            mbarrier.invalidate(bars[1].index(s))
+        _release_barriers(bars, STAGES)
 
 
 def launch(a: Tensor, a_desc, w_desc, a_scale: Tensor, w2_scale: Tensor, route_w: Tensor, layout, cfg, out: Tensor,

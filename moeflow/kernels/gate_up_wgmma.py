@@ -17,7 +17,7 @@ steps and ends with nothing in flight (down_wgmma.py says why). Operands come th
 shared-memory slots; step t + STAGES is loaded into step t's slot once step t's last wgmma is done. A step's gate
 and up weight tiles come in one copy (w13 read as planes [2E, I, H]: expert e's gate rows are plane 2e, its up
 rows plane 2e + 1), and the x tiles and the weight tiles land on barriers of their own allocations, so a refill
-takes 3 of the compiler's CTA barriers, not 5 (down_wgmma._ring says why): kernel alone 1.02-1.06x on Qwen3 and
+takes 3 of the compiler's CTA barriers, not 5 (down_wgmma._slot_barriers says why): kernel alone 1.02-1.06x on Qwen3 and
 Mixtral, within the spread on DeepSeek-V3 (benchmarks/results/refill_barriers_2026-12-02_h200.md).
 Epilogue: the two halves' activations, one amax per row over all 128 columns (the group), quantized,
 stored in 16-byte rows.
@@ -56,11 +56,10 @@ from .down_wgmma import gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .down_wgmma import _expert_block, _scaled_add, unroll
+    from .down_wgmma import _expert_block, _release_barriers, _scaled_add, _slot_barriers, unroll
 
     _INTER = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -125,12 +124,7 @@ if gluon is not None:
         rows_l: gl.constexpr = gl.SliceLayout(1, mma)
         x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, ROWS, 128], x_desc.layout)
         w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2, 2 * QCOLS, 128], w_desc.layout)
-        x_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        w_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(x_bars.index(s), count=1)
-            mbarrier.init(w_bars.index(s), count=1)
-        fence_async_shared()
+        x_bars, w_bars = _slot_barriers(STAGES)
         x_row = row_start.to(gl.int32)
         plane = (expert * planes_per_expert).to(gl.int32)  # the expert's gate plane; plane + 1: its up plane
         n_row = pid_n * 128
@@ -174,9 +168,7 @@ if gluon is not None:
             t_last = j * UNROLL + UNROLL - 1
             _load_step(x_desc, w_desc, x_bufs, w_bufs, x_bars, w_bars, t_last + STAGES, x_row, plane, n_row,
                        STAGES, t_last + STAGES < n)
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(x_bars.index(s))
-            mbarrier.invalidate(w_bars.index(s))
+        _release_barriers((x_bars, w_bars), STAGES)
         h0 = gated_act(acc0, acc2, ACT).to(INTER_DTYPE).to(gl.float32)
         h1 = gated_act(acc1, acc3, ACT).to(INTER_DTYPE).to(gl.float32)
         ok = rows < row_end
