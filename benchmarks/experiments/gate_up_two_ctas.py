@@ -42,7 +42,8 @@ def launch(x, xs, w13, w13s, layout, cfg, inter, scale, unroll_steps):
     w_desc = gate_up_wgmma._weight_planes(w13, e * per_expert or 2, two_i // 2, h, 128)
     blocks_m = layout.num_row_blocks(bm)
     return gate_up_wgmma._gate_up_wgmma_kernel[(blocks_m * (two_i // 256),)](
-        x_desc, w_desc, x_desc, w_desc, xs, w13s, inter, scale, layout.meta, layout.num_experts, blocks_m, two_i // 2, h, per_expert,
+        x_desc, w_desc, x_desc, w_desc, xs, w13s, inter, scale, layout.meta, layout.num_experts, blocks_m, two_i // 2, h,
+        per_expert,
         xs.stride(0), w13s.stride(0), w13s.stride(1), inter.stride(0), scale.stride(0),
         ACT=ACT_CODES["silu"], INTER_DTYPE=gl.bfloat16, E_POW2=layout.e_pow2, BLOCK_M=bm, GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages, UNROLL=unroll_steps or unroll(h // 128, 8, cfg.num_stages), PAIRS=False,
