@@ -6,10 +6,9 @@ each output is compared bit for bit with the Triton kernel's; every version runs
     PYTHONPATH=$PWD ROUNDS=3 python benchmarks/experiments/gate_up_versions.py OUT_DIR name=path [name=path ...] \
         [-- preset:T ...]
 
-A version may change the config it runs: name=path@num_stages=4,group_m=4 (GemmConfig fields, integers). Patches of
-versions not yet measured are kept in benchmarks/experiments/patches/ (e.g. `cp moeflow/kernels/gate_up_wgmma.py
-/tmp/dyn.py && patch /tmp/dyn.py benchmarks/experiments/patches/gate_up_dynamic_slots.diff`, then
-`dyn4=/tmp/dyn.py@num_stages=4`).
+A version may change the config it runs: name=path@num_stages=4,group_m=4 (GemmConfig fields, integers); e.g.
+`cp moeflow/kernels/gate_up_wgmma.py .ab/dyn.py && patch .ab/dyn.py <diff>`, then `dyn4=.ab/dyn.py@num_stages=4`
+(benchmarks/results/dynamic_slots_2026-12-02_h200_9636796.md ran so).
 """
 import importlib.util
 import json
