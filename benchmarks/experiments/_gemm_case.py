@@ -11,12 +11,13 @@ from moeflow.kernels.common import RowLayout
 from moeflow.presets import PRESETS
 
 
-def gemm_case(preset: str, scheme: str, tokens: int, device):
-    """-> (Shape, ExpertBatch, RowLayout, MoEKernelConfig) of the preset at T = tokens."""
+def gemm_case(preset: str, scheme: str, tokens: int, device, indexed: bool = False):
+    """-> (Shape, ExpertBatch, RowLayout, MoEKernelConfig) of the preset at T = tokens; indexed: the batch's rows by
+    index (random_batch's), as the local dispatcher hands them."""
     p = PRESETS[preset]
     e, h, i, k = p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"]
     shape = Shape(e, h, i, k, scheme)
-    batch = random_batch(shape, tokens, device)
+    batch = random_batch(shape, tokens, device, indexed=indexed)
     shapes_only = SimpleNamespace(w13=torch.empty(e, 2 * i, h, device="meta"), w2=torch.empty(e, h, i, device="meta"))
     return shape, batch, RowLayout.of(batch), _layer_parts(shape)[1].kernel_config(batch, shapes_only)
 

@@ -1,13 +1,14 @@
 """Experiment (GPU): the bf16 warp-specialized gate_up (kernels/warp_specialized.py) reading its rows by index,
-gathered by the loader partition with cp.async (weights still by TMA), against the shipped path, which first copies the
-R rows in order (gate_up._rows_in_order: one scatter launch) and reads the copy by TMA. Kernel times from a CUDA
-graph, ROUNDS rounds by turns; the gathered output is compared bit for bit with the shipped kernel's on the copy.
+gathered by the loader partition with cp.async (weights still by TMA), against the shipped path, which first
+copies the R rows in order (gate_up._rows_in_order: one scatter launch) and reads the copy by TMA. Kernel times
+from a CUDA graph, ROUNDS rounds by turns; the gathered output is compared bit for bit with the shipped kernel's on
+the copy.
 
     PYTHONPATH=$PWD ROUNDS=3 python benchmarks/experiments/ws_gather.py OUT_DIR VERSION_FILE [preset:T ...]
 
 VERSION_FILE: a version of warp_specialized.py whose launch() takes source_rows= (rows by index: a is then the T
-token rows), regs=(consumer, loader) registers and gather_warps= (the loader partition's warps). Each case uses the shipped table's gate_up config, which must be
-warp-specialized. Writes ws_gather.json under OUT_DIR.
+token rows), regs=(consumer, loader) registers and gather_warps= (the loader partition's warps). Each case uses the
+shipped table's gate_up config, which must be warp-specialized. Writes ws_gather.json under OUT_DIR.
 """
 import importlib.util
 import json
@@ -17,10 +18,9 @@ import sys
 
 import torch
 
-from moeflow.kernels.autotune import Shape, graph_time_ms, random_batch, random_weights
-from moeflow.kernels.common import ACT_CODES, RowLayout
+from moeflow.kernels.autotune import graph_time_ms, random_weights
+from moeflow.kernels.common import ACT_CODES
 from moeflow.kernels.gate_up import _rows_in_order
-from moeflow.presets import PRESETS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gemm_case import gemm_case  # noqa: E402
@@ -48,14 +48,11 @@ def main():
     act = ACT_CODES["silu"]
     results = []
     for preset, t in cases:
-        p = PRESETS[preset]
-        shape, _, _, kcfg = gemm_case(preset, "none", t, dev)
+        shape, batch, layout, kcfg = gemm_case(preset, "none", t, dev, indexed=True)
         cfg = kcfg.gate_up
-        batch = random_batch(shape, t, dev, indexed=True)
-        layout = RowLayout.of(batch)
         w = random_weights(shape, dev).w13
         x, src, copy_rows = batch.hidden, batch.source_rows, batch.copy_rows
-        r, i = src.numel(), p["intermediate_size"]
+        r, i = src.numel(), shape.inter
         row = dict(preset=preset, T=t, cfg=str(cfg), R=r)
         if not cfg.warp_specialize:
             row["error"] = "the table's gate_up here is not warp-specialized"
