@@ -110,3 +110,42 @@ def test_layer_without_fused_tiles_keeps_separate_launches(make_layer, tmp_path,
     logits = torch.randn(1, 16, device=DEV)
     ids, w = route_for(layer.config, logits, layer.e_score_correction_bias)
     assert_close(replayed(lambda: layer(x, logits)), layer_oracle(layer, x, ids, w), rel_tol("none", torch.bfloat16))
+
+
+WGMMA_CFGS = [FusedConfig(64, 128, 64, 128, 4, 4, 1, 1, wgmma=1), FusedConfig(128, 128, 128, 128, 4, 3, 2, 4, wgmma=1),
+              FusedConfig(64, 128, 128, 128, 4, 6, 2, 8, wgmma=1), FusedConfig(128, 128, 64, 128, 4, 6, 4, 3, wgmma=1)]
+
+
+@pytest.mark.parametrize("t", [1, 2, 7, 64])
+@pytest.mark.parametrize("cfg", WGMMA_CFGS, ids=["64-64", "128-128-split", "64-128-st6", "128-64-st6-split4x3"])
+@pytest.mark.parametrize("scheme,dtype", [("none", torch.bfloat16), ("none", torch.float16),
+                                          ("fp8-block", torch.bfloat16)], ids=["bf16", "fp16", "fp8-block"])
+def test_gluon_form_against_references(scheme, dtype, cfg, t):
+    """FusedConfig.wgmma (kernels/fused_layer_wgmma.py) at sizes its usable() takes: the Gluon kernel really runs,
+    same bits on repeats, counters left zero, close to the torch reference and the oracle."""
+    from moeflow.kernels.fused_layer import _wgmma_usable
+    from moeflow.kernels.configs import fit_fused
+    from fused_cases import weights
+    w13, _, w2, _ = weights(scheme, dtype, 16, 384, 256, DEV)
+    x = torch.empty(t, 384, device=DEV, dtype=dtype)
+    assert _wgmma_usable(x, w13, w2, scheme, dtype, fit_fused(cfg, scheme))
+    run(scheme, dtype, t, e=16, h=384, i=256, k=4, cfg=cfg, repeats=3)
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+def test_gluon_form_every_token_on_one_expert(scheme):
+    """FUSED_MAX_TOKENS tokens, expert 3 in each one's top-8, split K in both GEMMs, the Gluon form."""
+    from moeflow.experts.triton import FUSED_MAX_TOKENS
+    run(scheme, torch.bfloat16, FUSED_MAX_TOKENS, e=32, h=256, i=128, k=8,
+        cfg=FusedConfig(64, 128, 64, 128, 4, 4, split1=2, split2=3, wgmma=1), one_expert=3, repeats=5)
+
+
+def test_gluon_form_falls_back_where_it_cannot_run():
+    """H = 200 (not a multiple of 128): a wgmma config runs the Triton kernel, with its results."""
+    from moeflow.kernels.fused_layer import _wgmma_usable
+    from fused_cases import weights
+    w13, _, w2, _ = weights("none", torch.bfloat16, 7, 200, 136, DEV)
+    cfg = FusedConfig(32, 64, 64, 64, wgmma=1)
+    assert not _wgmma_usable(torch.empty(1, 200, device=DEV, dtype=torch.bfloat16), w13, w2, "none", torch.bfloat16,
+                             cfg)
+    run("none", torch.bfloat16, 5, e=7, h=200, i=136, k=3, cfg=cfg, repeats=2)
