@@ -88,9 +88,6 @@ class FusedConfig:
     num_stages: int = 4
     split1: int = 1
     split2: int = 1
-    # 1: on Hopper, the Gluon form (kernels/fused_layer_wgmma.py: each item keeps num_stages weight tiles in flight,
-    # a down item starts its first ones before it waits; BLOCK_K 128 fp8, 64 16-bit; the block_k fields unused)
-    wgmma: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -186,7 +183,7 @@ def fit_fused(cfg: FusedConfig, scheme: str) -> FusedConfig:
     if scheme == "fp8-block":
         bn1, bn2, bk1, bk2 = min(bn1, 128), min(bn2, 128), 128, 128
     return replace(cfg, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, num_stages=max(cfg.num_stages, 1),
-                   split1=max(cfg.split1, 1), split2=max(cfg.split2, 1), wgmma=1 if cfg.wgmma else 0)
+                   split1=max(cfg.split1, 1), split2=max(cfg.split2, 1))
 
 
 def wgmma_down_fits(cfg: GemmConfig) -> bool:

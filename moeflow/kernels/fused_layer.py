@@ -321,12 +321,6 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         if cfg.split1 > 1 else out
     part2 = fill((tiles2, cfg.split2, cfg.block_n2), float("nan"), dtype=torch.float32, device=x.device) \
         if cfg.split2 > 1 else out
-    if cfg.wgmma and _wgmma_usable(x, w13, w2, scheme, dtype, cfg):
-        from . import fused_layer_wgmma
-        from .common import ACT_CODES as codes
-        fused_layer_wgmma.launch(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, scheme, codes[activation],
-                                 dtype, cfg, sync, out, inter, part1, part2)
-        return out
     w13_arg, w13_rows = weight_operand(w13, cfg.block_n1, cfg.block_k1)
     w2_arg, w2_rows = weight_operand(w2, cfg.block_n2, cfg.block_k2)
     s13 = w13_scale if w13_scale is not None else w13
@@ -342,15 +336,6 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         W2_TMA=w2_arg is not w2, DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device, early_start=False))
     return out
-
-
-def _wgmma_usable(x: Tensor, w13: Tensor, w2: Tensor, scheme: str, dtype: torch.dtype, cfg) -> bool:
-    """Whether a FusedConfig.wgmma launch runs the Gluon form (kernels/fused_layer_wgmma.py) here: CUDA, not the
-    interpreter, a 16-bit layer, the form's usable(); else the Triton kernel runs the same items."""
-    if x.device.type != "cuda" or interpreting() or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    from . import fused_layer_wgmma
-    return fused_layer_wgmma.usable(x, w13, w2, scheme, cfg)
 
 
 def fused_layer_torch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w13_scale: Tensor | None,
