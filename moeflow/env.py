@@ -58,14 +58,9 @@ TRITON_PAIR_TILES = EnvVar(
     "Triton runner, the Gluon fp8-block gate_up at 128-row tiles: a row block of at most 64 rows (an expert's "
     "part-filled last one) runs as one program over two column tiles instead of two programs over half-empty "
     "tiles (kernels/gate_up_wgmma.py). Set 0 to run every block as a 128-row tile (comparisons, debugging).")
-TRITON_HALF_TILES = EnvVar(
-    "MOEFLOW_TRITON_HALF_TILES", "1",
-    "Triton runner, the warp-specialized bf16/fp16 GEMMs at 128-row tiles: a row block of at most 64 rows (an "
-    "expert's part-filled last one) loads 64 rows and runs its wgmmas over them only (kernels/warp_specialized.py). "
-    "Set 0 to run every block as a 128-row tile (comparisons, debugging).")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
 ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_PDL, TRITON_FUSED,
-       TRITON_PAIR_TILES, TRITON_HALF_TILES, TRITON_INTERPRET)
+       TRITON_PAIR_TILES, TRITON_INTERPRET)

@@ -428,27 +428,26 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
 from moeflow.kernels import warp_specialized as ws
 out = []
-# (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0: not SCALED, HALF)
-jobs = [(torch.bfloat16, gated, 128, 64 if gated else 128, 64, stages, 0, half)
-        for gated in (False, True) for stages in (2, 6) for half in (False, True)]
-jobs += [(torch.float16, gated, 128, 64 if gated else 128, 64, 5, 0, True) for gated in (False, True)]
+# (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0: not SCALED)
+jobs = [(torch.bfloat16, gated, 128, 64 if gated else 128, 64, stages, 0)
+        for gated in (False, True) for stages in (2, 6)]
+jobs += [(torch.float16, gated, 128, 64 if gated else 128, 64, 5, 0) for gated in (False, True)]
 # fp8-block down: Qwen3's 6 steps, DeepSeek-V3's 16 (bodies of 8), one step, 7 steps; 64 x 128 and 128 x 64
-jobs += [(torch.float8_e4m3fn, False, bm, bn, 128, stages, u, False) for bm, bn, stages, u in
+jobs += [(torch.float8_e4m3fn, False, bm, bn, 128, stages, u) for bm, bn, stages, u in
          ((64, 128, 4, 6), (64, 128, 8, 8), (64, 128, 3, 1), (128, 64, 6, 7), (128, 64, 4, 8))]
 gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"),
          torch.float8_e4m3fn: (gl.float8e4nv, "")}
-for dtype, gated, bm, bn, bk, stages, u, half in jobs:
+for dtype, gated, bm, bn, bk, stages, u in jobs:
     t = torch.empty(256, 256, dtype=dtype)
     gdt, name = gl_of[dtype]
     desc = lambda rows: mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [rows, bk],
                                                      gl.NVMMASharedLayout.get_default_for([rows, bk], gdt)))
     fn = ws._ws_gemm_kernel
-    sig = dict(a_desc=desc(bm), a_half_desc=desc(bm // 2 if half else bm), w_desc=desc(bn), rw_ptr="*fp32", out_ptr="*" + (name or "bf16"), blk_ptr="*i32",
+    sig = dict(a_desc=desc(bm), w_desc=desc(bn), rw_ptr="*fp32", out_ptr="*" + (name or "bf16"), blk_ptr="*i32",
                nblk_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32")
     sig.update({n: "i32" for n in fn.arg_names if n not in sig})
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,
-                 LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0, SCALED=u > 0, UNROLL=max(u, 1),
-                 HALF=half)
+                 LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0, SCALED=u > 0, UNROLL=max(u, 1))
     # compiled as the JIT specializes the shipped launches: these are multiples of 16 at every shipped shape
     aligned = ["rw_ptr", "out_ptr", "blk_ptr", "nblk_ptr", "as_ptr", "ws_ptr", "N", "K", "stride_out", "stride_wse"]
     out.append(compile_gluon_for_hopper(fn, sig, const, 4, maxnreg=ws.MAXNREG, aligned=aligned))
@@ -457,8 +456,7 @@ print(json.dumps(out))
 
 
 def test_warp_specialized_gemms_compile_without_spills():
-    """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages, with and
-    without half tiles; the fp8-block
+    """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages; the fp8-block
     down's loop bodies of 1-8 steps, 2-8 stages, both tiles) under its launch's register cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas
     neither serializes the wgmmas (C7514) nor injects waits (C7517)."""

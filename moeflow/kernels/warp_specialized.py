@@ -25,9 +25,6 @@ Three partitions (gl.warp_specialize):
     other at the tensor cores' full rate while the other consumer runs its epilogue, and a wait on a slot's
     barrier is never more than one phase ahead (a parity wait cannot tell phases two apart: without the turns
     the second consumer read the wrong steps and the kernel faulted).
-  - half tiles (HALF, 16-bit at BLOCK_M 128, MOEFLOW_TRITON_HALF_TILES): a row block of at most 64 rows (an
-    expert's part-filled last block) loads 64 rows of a into the slot's first half (a second descriptor of
-    64-row boxes) and its wgmmas run over those 64 rows only, half the tensor-core work and half the A bytes.
 Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
 (consumer 0) the rest, 248 (setmaxnreg). A consumer's accumulators: down one 128 x 128 tile, gate_up two
 128 x 64; SCALED an accumulator and two products of 64 x 128 (or 128 x 64). ptxas sm_90a: no spills
@@ -141,47 +138,32 @@ if gluon is not None:
     @gluon.jit
     def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                SCALED: gl.constexpr, UNROLL: gl.constexpr, HALF: gl.constexpr):
+                SCALED: gl.constexpr, UNROLL: gl.constexpr):
         """The loader warp (module docstring, How); c unused (the workers share a signature). GATED: each step
-        also loads the up rows (N rows after the gate rows) into the slot's second weight buffer. HALF: a half
-        tile's steps load BLOCK_M / 2 rows of a (a_half_desc) into the first half of the slot."""
-        (a_desc, a_half_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr,
-         num_blocks, num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse,
-         stride_wsn) = p
+        also loads the up rows (N rows after the gate rows) into the slot's second weight buffer."""
+        (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
+         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
-        for j in range(my_tiles):
-            a_row, a_end, _, w_row, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
-                                              w_rows_per_expert, BLOCK_N, GROUP_M)
-            if HALF and a_end - a_row <= BLOCK_M // 2:  # a half tile's rows: the slot's first BLOCK_M / 2
-                _load_tile(a_half_desc, w_desc, a_bufs, w_bufs, ready, empty, j * n, n, a_row, w_row, N,
-                           BLOCK_M // 2, BLOCK_K, STAGES, GATED)
-            else:
-                _load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, j * n, n, a_row, w_row, N, BLOCK_M,
-                           BLOCK_K, STAGES, GATED)
-
-    @gluon.jit
-    def _load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, g0, n, a_row, w_row, N, ROWS: gl.constexpr,
-                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
-        """The loader's K steps g0 .. g0 + n - 1 of one tile: ROWS rows of a (a_desc's boxes) into each slot's first
-        ROWS rows, and the weight rows (GATED: the gate's and the up's), each once its slot is released."""
         nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
-        for k in range(n):
-            g = g0 + k
-            slot = g % STAGES
-            mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot).slice(0, ROWS, dim=0))
-            if GATED:
-                tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(2 * slot))
-                tma.async_copy_global_to_shared(w_desc, [w_row + N, k * BLOCK_K], bar, w_bufs.index(2 * slot + 1))
-            else:
-                tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
+        for j in range(my_tiles):
+            a_row, _, _, w_row, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
+                                          w_rows_per_expert, BLOCK_N, GROUP_M)
+            for k in range(n):
+                g = j * n + k
+                slot = g % STAGES
+                mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot))
+                if GATED:
+                    tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(2 * slot))
+                    tma.async_copy_global_to_shared(w_desc, [w_row + N, k * BLOCK_K], bar, w_bufs.index(2 * slot + 1))
+                else:
+                    tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
 
     @gluon.jit
-    def _k_loop(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, acc_u, STAGES: gl.constexpr, GATED: gl.constexpr,
-                ROWS: gl.constexpr):
+    def _k_loop(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, acc_u, STAGES: gl.constexpr, GATED: gl.constexpr):
         """acc + the tile's K steps g0 .. g0 + n - 1 (GATED: acc the gate's product and acc_u the up's, two wgmmas a
         step; acc_u unused otherwise), one step's wgmmas in flight, each step's slot released once the next step's
         are issued and it is done; turn_bar gets the other consumer's turn once the last step's are issued
@@ -190,13 +172,13 @@ if gluon is not None:
             g = g0 + k
             slot = g % STAGES
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            a = a_bufs.index(slot).slice(0, ROWS, dim=0)  # ROWS: BLOCK_M, or half of it for a half tile
             if GATED:
+                a = a_bufs.index(slot)
                 tok_g = warpgroup_mma(a, w_bufs.index(2 * slot).permute((1, 0)), acc, is_async=True)
                 tok_u = warpgroup_mma(a, w_bufs.index(2 * slot + 1).permute((1, 0)), acc_u, is_async=True)
                 acc, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(tok_g, tok_u))
             else:
-                tok = warpgroup_mma(a, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                tok = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step g - 1's slot
         mbarrier.arrive(turn_bar, count=1)
@@ -238,40 +220,12 @@ if gluon is not None:
         return acc, d_a, d_b
 
     @gluon.jit
-    def _unscaled_tile(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, rw_ptr, out_ptr, row_start, row_end, pid_n,
-                       N, stride_out, mma: gl.constexpr, st: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr):
-        """One 16-bit tile of ROWS rows (BLOCK_M, or half of it for a half tile): its K loop and its epilogue
-        (gate_up: act(gate) * up; down: the routing weight), 16-byte stores."""
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)
-        if GATED:
-            acc_u = gl.zeros([ROWS, BLOCK_N], gl.float32, mma)
-            acc, acc_u = _k_loop(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, acc_u, STAGES, True, ROWS)
-            y = gated_act(acc, acc_u, ACT)
-        else:
-            acc, _ = _k_loop(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, acc, STAGES, False, ROWS)
-            rows_ld = gl.minimum(row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma)), row_end - 1)
-            y = acc * gl.load(rw_ptr + rows_ld)[:, None]
-        _store_rows(y, out_ptr, row_start, row_end, pid_n, N, stride_out, st, ROWS, BLOCK_N)
-
-    @gluon.jit
-    def _store_rows(y, out_ptr, row_start, row_end, pid_n, N, stride_out, st: gl.constexpr, ROWS: gl.constexpr,
-                    BLOCK_N: gl.constexpr):
-        """out[rows, cols] = y [ROWS, BLOCK_N] (rows row_start .. row_end - 1), in 16-byte stores."""
-        y = gl.convert_layout(y.to(out_ptr.dtype.element_ty), st)
-        rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st))
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
-        gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
-                 mask=(rows < row_end)[:, None] & (cols < N)[None, :])
-
-    @gluon.jit
     def _consume(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                 SCALED: gl.constexpr, UNROLL: gl.constexpr, HALF: gl.constexpr):
+                 SCALED: gl.constexpr, UNROLL: gl.constexpr):
         """Consumer warpgroup c: the program's tiles c, c + 2, ... (module docstring, How)."""
-        (a_desc, a_half_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr,
-         num_blocks, num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse,
-         stride_wsn) = p
+        (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
+         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -284,49 +238,54 @@ if gluon is not None:
                                                          w_rows_per_expert, BLOCK_N, GROUP_M)
             i = j // 2  # this consumer's i-th tile: wait until the other has issued its K loop before this one
             mbarrier.wait(turn.index(c), (i - c + 1) & 1, pred=(c == 1) | (i > 0))
-            if SCALED:  # row r's group scale of step t at as_rows[r] + t; the weight block's at ws_tile + t
-                rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
-                as_rows = as_ptr + rows_ld * stride_as
-                ws_tile = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
-                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-                acc, d_a, d_b = _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, d_a,
-                                               d_b, as_rows, ws_tile, STAGES, UNROLL)
-                _store_rows(acc * gl.load(rw_ptr + rows_ld)[:, None], out_ptr, row_start, row_end, pid_n, N,
-                            stride_out, st, BLOCK_M, BLOCK_N)
-            elif HALF and row_end - row_start <= BLOCK_M // 2:  # half tile: the wgmmas over the first half only
-                _unscaled_tile(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, rw_ptr, out_ptr, row_start,
-                               row_end, pid_n, N, stride_out, mma, st, BLOCK_M // 2, BLOCK_N, STAGES, GATED, ACT)
+            if GATED:
+                acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                acc_g, acc_u = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc_g, acc_u,
+                                       STAGES, True)
+                y = gated_act(acc_g, acc_u, ACT)
             else:
-                _unscaled_tile(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, rw_ptr, out_ptr, row_start,
-                               row_end, pid_n, N, stride_out, mma, st, BLOCK_M, BLOCK_N, STAGES, GATED, ACT)
+                rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
+                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                if SCALED:  # row r's group scale of step t at as_rows[r] + t; the weight block's at ws_tile + t
+                    as_rows = as_ptr + rows_ld * stride_as
+                    ws_tile = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
+                    acc, d_a, d_b = _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, d_a,
+                                                   d_b, as_rows, ws_tile, STAGES, UNROLL)
+                else:
+                    acc, _ = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, acc, STAGES, False)
+                y = acc * gl.load(rw_ptr + rows_ld)[:, None]
+            y = gl.convert_layout(y.to(out_ptr.dtype.element_ty), st)  # 16-byte stores
+            rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
+            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
+                     mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
     @gluon.jit
     def _consumer0(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                   SCALED: gl.constexpr, UNROLL: gl.constexpr, HALF: gl.constexpr):
-        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, HALF)
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr):
+        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)
 
     @gluon.jit
     def _consumer1(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                   SCALED: gl.constexpr, UNROLL: gl.constexpr, HALF: gl.constexpr):
-        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, HALF)
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr):
+        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)
 
     @gluon.jit(do_not_specialize=["num_blocks", "num_programs", "w_rows_per_expert"])
-    def _ws_gemm_kernel(a_desc, a_half_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, as_ptr, ws_ptr, num_blocks,
-                        num_programs, N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    def _ws_gemm_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, as_ptr, ws_ptr, num_blocks, num_programs,
+                        N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, GATED: gl.constexpr = False,
-                        ACT: gl.constexpr = 0, SCALED: gl.constexpr = False, UNROLL: gl.constexpr = 1,
-                        HALF: gl.constexpr = False):
+                        ACT: gl.constexpr = 0, SCALED: gl.constexpr = False, UNROLL: gl.constexpr = 1):
         """out [R, N] from a [R, K] (a_desc: TMA descriptor, [BLOCK_M, BLOCK_K] boxes; rows past a block's end are
-        read, never stored; a_half_desc: the same in [BLOCK_M / 2, BLOCK_K] boxes, read by HALF's half tiles) and the weight rows [E * W, K] (w_desc, [BLOCK_N, BLOCK_K] boxes; expert e's from
+        read, never stored) and the weight rows [E * W, K] (w_desc, [BLOCK_N, BLOCK_K] boxes; expert e's from
         e * w_rows_per_expert); both zero-fill past K. down: N = H, K = I, W = H, times rw_ptr's routing weight.
         GATED (gate_up): N = I, K = H, W = 2I, out = act(gate) * up (ACT: common.ACT_CODES), rw_ptr unused.
         blk_ptr, nblk_ptr: block_table's. SCALED (fp8-block down, BLOCK_K 128): every step's product times the rows'
         group scales (as_ptr [R, K / 128] float32, row stride stride_as) and the weight block's (ws_ptr
-        [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body. HALF (16-bit
-        only): blocks of at most BLOCK_M / 2 rows run as half tiles (launch(), half_tiles())."""
+        [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body."""
         dtype: gl.constexpr = a_desc.dtype
         WB: gl.constexpr = 2 if GATED else 1
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -340,13 +299,12 @@ if gluon is not None:
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
         fence_async_shared()
-        p = (a_desc, a_half_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr,
-             num_blocks, num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse,
-             stride_wsn)
+        p = (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
+             num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn)
         gl.warp_specialize(
-            [(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, HALF)),
-             (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, HALF)),
-             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, HALF))],
+            [(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
+             (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
+             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -385,26 +343,17 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     dt = getattr(gl, _GL_DTYPE[a.dtype])
     a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt))
-    scaled = a_scale is not None
-    half = half_tiles(cfg, scaled)
-    a_half_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [bm // 2, bk],
-                                   gl.NVMMASharedLayout.get_default_for([bm // 2, bk], dt)) if half else a_desc
     per_expert = expert_rows(w)  # 0 for an expert stride of 0: every expert reads the same rows
     w_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1], [bn, bk],
                               gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
     blk, nblk = block_table(layout, bm)
     programs = min(num_sms(a.device), blk.shape[1] * triton.cdiv(n, bn))
+    scaled = a_scale is not None
     steps = triton.cdiv(k, bk)
     as_, ws_ = (a_scale, w_scale) if scaled else (out, out)
     _ws_gemm_kernel[(programs,)](
-        a_desc, a_half_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1], programs, n,
+        a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1], programs, n,
         k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0, ws_.stride(1) if scaled else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, CONSUMER_REGS=CONSUMER_REGS,
         LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled, UNROLL=unroll(steps) if scaled else 1,
-        HALF=half, num_warps=4, maxnreg=MAXNREG)
-
-
-def half_tiles(cfg, scaled: bool) -> bool:
-    """Whether launch() runs row blocks of at most BLOCK_M / 2 rows (an expert's part-filled last block) as half
-    tiles (module docstring): 16-bit tiles of 128 rows, MOEFLOW_TRITON_HALF_TILES on."""
-    return not scaled and cfg.block_m == 128 and moeflow_env.TRITON_HALF_TILES.get_bool()
+        num_warps=4, maxnreg=MAXNREG)

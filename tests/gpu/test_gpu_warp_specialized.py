@@ -4,8 +4,7 @@ expert, one row, no rows, K loops of 1, 2, 12 and 224 steps (a partial last step
 shared by every expert (stride 0); grids of 1 and 3 programs, so that each program runs many tiles through both
 consumer warpgroups by turns; the layer through a tuned file that picks it. The gate_up: against a float64
 reference, rows by index (copied into order first) and in order, every activation, the same edge batches and
-grids. Half tiles (blocks of at most 64 rows): bit for bit the full tiles' output, and close to the
-reference. The fp8-block down: against the float64 reference of the dequantized operands and bit for bit against the
+grids. The fp8-block down: against the float64 reference of the dequantized operands and bit for bit against the
 Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches and grids.
 Run: pytest -m gpu tests/gpu
 """
@@ -130,43 +129,6 @@ def test_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, counts
     plain = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, GemmConfig(64, 128, 128, 8, 4, 3),
                  poison=True)
     assert torch.equal(got, plain)
-
-
-HALF_COUNTS = [[37, 0, 64, 65, 1, 129, 192, 2], [64] * 5, [1, 2, 3, 4, 5, 6, 7, 8], [100, 300, 50]]
-
-
-@pytest.mark.parametrize("sms", [None, 3])
-@pytest.mark.parametrize("counts", HALF_COUNTS, ids=lambda c: "-".join(map(str, c[:4])))
-def test_half_tiles_match_full_tiles_and_reference(counts, sms, poison, monkeypatch):
-    """Half tiles (MOEFLOW_TRITON_HALF_TILES, on by default): blocks of at most 64 rows (37, 64, 1, 2, an expert's
-    last 1 or 64 rows, every block of the third batch) run their wgmmas over 64 rows; the down and the gate_up
-    (silu) give the same bits as with every block at 128 rows, and are close to the float64 reference."""
-    from moeflow.experts.base import gated_activation
-    from moeflow.kernels.gate_up import gate_up
-    if sms is not None:
-        monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
-    h, i = 256, 384
-    layout, a, w, rw = operands(counts, h, i)
-    c = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    w13 = (torch.randn(c.numel(), 2 * i, h, device="cuda") / h ** 0.5).bfloat16()
-    x = torch.randn(a.shape[0], h, device="cuda").bfloat16()
-    runs = {}
-    for half in ("1", "0"):
-        monkeypatch.setenv("MOEFLOW_TRITON_HALF_TILES", half)
-        assert down_ws.half_tiles(TILES[1], False) == (half == "1")
-        runs[half] = (down(a, None, w, None, rw, layout, "none", torch.bfloat16, TILES[1], poison=True),
-                      gate_up(x, None, w13, None, layout, "none", "silu", torch.bfloat16, GU_TILES[1],
-                              poison=True)[0])
-    (d1, g1), (d0, g0) = runs["1"], runs["0"]
-    assert not d1.isnan().any() and not g1.isnan().any()
-    assert torch.equal(d1, d0) and torch.equal(g1, g0), "half tiles changed the bits"
-    assert_close(d1, reference(layout, a, w, rw), 1e-2, f"half-tile down {counts}")
-    bounds = layout.meta.tolist()
-    want = torch.zeros(x.shape[0], i, dtype=torch.float64, device="cuda")
-    for k in range(len(counts)):
-        lo, hi = bounds[k], bounds[k + 1]
-        want[lo:hi] = gated_activation(x[lo:hi].double() @ w13[k].double().T, "silu")
-    assert_close(g1, want, 1e-2, f"half-tile gate_up {counts}")
 
 
 def test_fp16_and_shared_weights(poison):
