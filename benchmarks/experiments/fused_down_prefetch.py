@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fused_trace import summary, traced_launch, traced_module  # noqa: E402
+from fused_trace import routed_case, summary, traced_launch, traced_module  # noqa: E402
 
 CASES = ["qwen3-30b-a3b:fp8-block:1", "qwen3-30b-a3b:none:1", "deepseek-v3:fp8-block:1", "mixtral-8x7b:fp8-block:1",
          "qwen3-30b-a3b:fp8-block:4", "qwen3-30b-a3b:none:4"]
@@ -106,19 +106,13 @@ def overrides(cfg) -> dict:
 
 
 def main():
-    from bench_layer import Case
     from moeflow.benchmark import clean_graph_us, graph_us
-    from moeflow.experts import create_runner
     mods = {name: traced_module(p, f"dpf{i}") for i, (name, p) in enumerate(VARIANTS.items())}
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     rows, text = [], [f"PF_STEPS={PF_STEPS}"]
     for spec in sys.argv[1:] or CASES:
         preset, scheme, t = spec.split(":")
-        case = Case(preset, scheme)
-        runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
-        x, logits = case.inputs(int(t), 1)[0]
-        ids, w = case.router(logits, case.bias)
-        table = runner.fused_config(int(t), case.weights)
+        case, runner, x, logits, ids, w, table = routed_case(preset, scheme, int(t))
         text.append(f"== {spec} table {table}")
         layers = {}
         refs = {cname: runner.run_fused(x, ids, w, case.weights, cfg) for cname, cfg in overrides(table).items()}

@@ -28,19 +28,15 @@ def _nothing(p):
 
 
 def main():
-    from bench_layer import Case, graph_us
-    from moeflow.experts import create_runner
+    from bench_layer import graph_us
+    from fused_trace import routed_case
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     ncu = "--ncu" in sys.argv
     rows = []
     dummy = torch.zeros(1, device="cuda")
     for spec in args or CASES:
         preset, scheme, t = spec.split(":")
-        case = Case(preset, scheme)
-        runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
-        x, logits = case.inputs(int(t), 1)[0]
-        ids, w = case.router(logits, case.bias)
-        fcfg = runner.fused_config(int(t), case.weights)
+        case, runner, x, logits, ids, w, fcfg = routed_case(preset, scheme, int(t))
         fused = lambda: runner.run_fused(x, ids, w, case.weights, fcfg)
         if ncu:
             for _ in range(8):

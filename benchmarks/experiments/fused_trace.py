@@ -94,19 +94,25 @@ def summary(tr, items1):
     return lines
 
 
-def main():
+def routed_case(preset: str, scheme: str, tokens: int):
+    """bench_layer's Case of one row, the triton runner, one batch of ``tokens`` inputs routed, and the runner's
+    table FusedConfig for it -> (case, runner, x [T, H], logits [T, E], ids [T, K] int32, w [T, K] float32, table)."""
     from bench_layer import Case
     from moeflow.experts import create_runner
+    case = Case(preset, scheme)
+    runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
+    x, logits = case.inputs(tokens, 1)[0]
+    ids, w = case.router(logits, case.bias)
+    return case, runner, x, logits, ids, w, runner.fused_config(tokens, case.weights)
+
+
+def main():
     mod = traced_module()
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     out, text = {}, []
     for spec in [a for a in sys.argv[1:]] or CASES:
         preset, scheme, t, *over = spec.split(":")
-        case = Case(preset, scheme)
-        runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
-        x, logits = case.inputs(int(t), 1)[0]
-        ids, w = case.router(logits, case.bias)
-        cfg = runner.fused_config(int(t), case.weights)
+        case, runner, x, _, ids, w, cfg = routed_case(preset, scheme, int(t))
         if over:  # preset:scheme:T:field=value,...: the table's FusedConfig with those fields replaced
             cfg = replace(cfg, **{k: int(v) for k, v in (f.split("=") for f in over[0].split(","))})
         ref = runner.run_fused(x, ids, w, case.weights, cfg)

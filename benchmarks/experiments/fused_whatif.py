@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fused_trace import summary, traced_launch, traced_module  # noqa: E402
+from fused_trace import routed_case, summary, traced_launch, traced_module  # noqa: E402
 
 CASES = ["qwen3-30b-a3b:none:1", "qwen3-30b-a3b:fp8-block:1", "deepseek-v3:fp8-block:1"]
 X_LOAD = "    vals = tl.load(x_row + rk, mask=rk < H, other=0.0)\n"
@@ -39,18 +39,13 @@ VARIANTS = {  # name -> (patches, whether the output must equal the shipped kern
 
 
 def main():
-    from bench_layer import Case, graph_us
-    from moeflow.experts import create_runner
+    from bench_layer import graph_us
     mods = {name: traced_module(p, f"whatif{i}") for i, (name, (p, _)) in enumerate(VARIANTS.items())}
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     rows, text = [], []
     for spec in sys.argv[1:] or CASES:
         preset, scheme, t = spec.split(":")
-        case = Case(preset, scheme)
-        runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
-        x, logits = case.inputs(int(t), 1)[0]
-        ids, w = case.router(logits, case.bias)
-        cfg = runner.fused_config(int(t), case.weights)
+        case, runner, x, logits, ids, w, cfg = routed_case(preset, scheme, int(t))
         ref = runner.run_fused(x, ids, w, case.weights, cfg)
         text.append(f"== {spec} {cfg}")
         for name, mod in mods.items():
