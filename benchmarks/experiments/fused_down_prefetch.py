@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fused_trace import routed_case, summary, traced_launch, traced_module  # noqa: E402
+from fused_trace import routed_case, routed_layer, summary, traced_launch, traced_module  # noqa: E402
 
 CASES = ["qwen3-30b-a3b:fp8-block:1", "qwen3-30b-a3b:none:1", "deepseek-v3:fp8-block:1", "mixtral-8x7b:fp8-block:1",
          "qwen3-30b-a3b:fp8-block:4", "qwen3-30b-a3b:none:4"]
@@ -119,15 +119,7 @@ def main():
         for cname, cfg in overrides(table).items():
             for name, mod in mods.items():
                 got, tr, items1 = traced_launch(mod, runner, case, x, ids, w, cfg, flush)
-                sync = torch.zeros(mod.counters_size(int(t), ids.shape[1], case.weights.w2.shape[1],
-                                                     case.weights.w2.shape[2], cfg), dtype=torch.int32, device="cuda")
-                scratch = torch.zeros(tr.shape, dtype=torch.int64, device="cuda")
-
-                def layer(mod=mod, sync=sync, scratch=scratch, cfg=cfg):
-                    i, wt = case.router(logits, case.bias)
-                    cw = case.weights
-                    return mod.fused_layer(x, i.int(), wt.float(), cw.w13, cw.w13_scale, cw.w2, cw.w2_scale, scheme,
-                                           case.cfg.activation, torch.bfloat16, cfg, sync, trace=scratch)
+                layer = routed_layer(mod, case, x, logits, ids.shape[1], cfg, tr.shape[0])
                 same = torch.equal(got, refs[cname])
                 layers[(cname, name)] = (layer, same, summary(tr, items1))
         us = {key: [] for key in layers}

@@ -71,13 +71,33 @@ def traced_launch(mod, runner, case, x, ids, w, cfg, flush, repeats=5):
     tiles1 = t * k * -(-wt.w2.shape[2] // cfg.block_n1)
     n_items = tiles1 * cfg.split1 + t * -(-wt.w2.shape[1] // cfg.block_n2) * cfg.split2
     trace = torch.zeros(n_items, 4, dtype=torch.int64, device="cuda")
-    sync = torch.zeros(mod.counters_size(t, k, wt.w2.shape[1], wt.w2.shape[2], cfg), dtype=torch.int32, device="cuda")
+    sync = _counters(mod, case, t, k, cfg)
     for _ in range(repeats):
         flush.zero_()
         got = mod.fused_layer(x, ids.int(), w.float(), wt.w13, wt.w13_scale, wt.w2, wt.w2_scale, case.scheme.name,
                               case.cfg.activation, torch.bfloat16, cfg, sync, trace=trace)
     torch.cuda.synchronize()
     return got, trace.cpu(), tiles1 * cfg.split1
+
+
+def _counters(mod, case, t: int, k: int, cfg):
+    """mod.fused_layer's zeroed counters for T = t tokens, top-k k, at cfg."""
+    wt = case.weights
+    return torch.zeros(mod.counters_size(t, k, wt.w2.shape[1], wt.w2.shape[2], cfg), dtype=torch.int32, device="cuda")
+
+
+def routed_layer(mod, case, x, logits, k: int, cfg, trace_rows: int):
+    """-> a callable of no arguments, the layer a graph times: route ``logits`` [T, E], then mod.fused_layer at cfg,
+    its trace written into a scratch [trace_rows, 4] int64 (traced_launch's trace shape)."""
+    wt = case.weights
+    sync = _counters(mod, case, x.shape[0], k, cfg)
+    scratch = torch.zeros(trace_rows, 4, dtype=torch.int64, device="cuda")
+
+    def layer():
+        ids, w = case.router(logits, case.bias)
+        return mod.fused_layer(x, ids.int(), w.float(), wt.w13, wt.w13_scale, wt.w2, wt.w2_scale, case.scheme.name,
+                               case.cfg.activation, torch.bfloat16, cfg, sync, trace=scratch)
+    return layer
 
 
 def summary(tr, items1):

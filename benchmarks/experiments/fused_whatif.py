@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fused_trace import routed_case, summary, traced_launch, traced_module  # noqa: E402
+from fused_trace import routed_case, routed_layer, summary, traced_launch, traced_module  # noqa: E402
 
 CASES = ["qwen3-30b-a3b:none:1", "qwen3-30b-a3b:fp8-block:1", "deepseek-v3:fp8-block:1"]
 X_LOAD = "    vals = tl.load(x_row + rk, mask=rk < H, other=0.0)\n"
@@ -50,15 +50,7 @@ def main():
         text.append(f"== {spec} {cfg}")
         for name, mod in mods.items():
             got, tr, items1 = traced_launch(mod, runner, case, x, ids, w, cfg, flush)
-            scratch = torch.zeros(tr.shape, dtype=torch.int64, device="cuda")
-            sync = torch.zeros(mod.counters_size(int(t), ids.shape[1], case.weights.w2.shape[1],
-                                                 case.weights.w2.shape[2], cfg), dtype=torch.int32, device="cuda")
-
-            def layer(mod=mod, sync=sync, scratch=scratch):
-                i, wt = case.router(logits, case.bias)
-                cw = case.weights
-                return mod.fused_layer(x, i.int(), wt.float(), cw.w13, cw.w13_scale, cw.w2, cw.w2_scale, scheme,
-                                       case.cfg.activation, torch.bfloat16, cfg, sync, trace=scratch)
+            layer = routed_layer(mod, case, x, logits, ids.shape[1], cfg, tr.shape[0])
             us = [graph_us(layer) for _ in range(2)]
             same = torch.equal(got, ref)
             rows.append(dict(case=spec, variant=name, us=min(us), rounds=us, equal_to_shipped=same,
