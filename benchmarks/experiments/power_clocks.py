@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_layer import Case  # noqa: E402
 from moeflow.experts import create_runner  # noqa: E402
+from moeflow.kernels.autotune import capture_graph  # noqa: E402
 
 CASES = ["ceiling:bf16-mm:0", "ceiling:fp8-mm:0", "ceiling:copy:0", "qwen3-30b-a3b:none:1", "mixtral-8x7b:none:128",
          "qwen3-30b-a3b:none:4096", "qwen3-30b-a3b:fp8-block:4096", "qwen3-30b-a3b:fp8-block:16384",
@@ -69,15 +70,7 @@ def graph_of(fn, target_us=2000.0):
     b.record()
     torch.cuda.synchronize()
     n = max(1, min(200, int(target_us / max(a.elapsed_time(b) * 1e3, 1.0))))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
+    g = capture_graph(lambda: [fn() for _ in range(n)])
     torch.cuda.synchronize()
     return g, n
 
