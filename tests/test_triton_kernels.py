@@ -195,6 +195,28 @@ def test_quantize_rows_amax_paths(scheme, masked, one_step, fold_rows, monkeypat
     check_quantize_rows(scheme, masked_layout([3, 0, 6], 7) if masked else sorted_layout([3, 0, 6, 1]), 300)
 
 
+@pytest.mark.parametrize("scheme", ["none", "fp8-channel", "fp8-block"])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_tuner_gemm_inputs(scheme, indexed):
+    """What `moeflow tune` (and the GEMM experiments) feed gate_up: one batch per tuner routing, every copy of the
+    T tokens sorted by expert; by index: the T tokens quantized once, in order: the T * top_k rows quantized per
+    row; both the scheme's bytes and scales (quantize_rows_torch), none: the rows themselves and no scale."""
+    from moeflow.kernels import autotune
+    shape = autotune.Shape(5, 256, 128, 2, scheme, torch.float16)
+    routings = autotune.tuner_routings(shape, 3, "cpu")
+    assert len(routings) == autotune.batches_for(3)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(routings, autotune.tuner_routings(shape, 3, "cpu")))
+    for (x, ids, _), (batch, layout, xq, xs) in zip(routings, autotune.gemm_inputs(shape, routings, indexed)):
+        assert int(batch.counts.sum()) == 6 and layout.rows == 6
+        rows = x if indexed else x[torch.sort(ids.flatten(), stable=True).indices // 2]
+        assert torch.equal(batch.hidden, rows)
+        if scheme == "none":
+            assert xq is batch.hidden and xs is None
+            continue
+        q_ref, s_ref = quantize_rows_torch(rows, scheme, sorted_layout([rows.shape[0]]))
+        assert torch.equal(xq.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(xs, s_ref.float())
+
+
 @pytest.mark.parametrize("rows,k", [(0, 384), (1, 128), (50, 384), (9, 10368)])  # none; one; repeats; two K blocks
 def test_gather_rows(rows, k):
     """FP8 rows and their scales by index: the same bytes as torch indexing, every output element written."""

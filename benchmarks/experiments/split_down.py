@@ -19,13 +19,11 @@ from dataclasses import replace
 
 import torch
 
-from moeflow.kernels.autotune import Shape, _layer_parts, batches_for, graph_time_ms, random_routing, random_weights, \
-    sorted_batch
-from moeflow.kernels.common import RowLayout
+from moeflow.kernels.autotune import Shape, _layer_parts, gemm_inputs, graph_time_ms, random_weights, tuner_routings
 from moeflow.kernels.configs import GemmConfig, fit
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
-from moeflow.kernels.quant import down_input, quantize_activation
+from moeflow.kernels.quant import down_input
 from moeflow.presets import PRESETS
 
 CASES = ["mixtral-8x7b:none:1024", "mixtral-8x7b:none:2048", "mixtral-8x7b:none:4096", "mixtral-8x7b:fp8-block:1024",
@@ -54,11 +52,8 @@ def run_case(spec: str):
     weights = random_weights(shape, dev)
     parts = _layer_parts(shape)[1]
     ins = []
-    for b in range(batches_for(t)):
-        batch = sorted_batch(shape, *random_routing(shape, t, dev, seed=t * 1000 + b), indexed=True)
-        layout = RowLayout.of(batch)
+    for batch, layout, xq, xs in gemm_inputs(shape, tuner_routings(shape, t, dev), indexed_rows=True):
         kcfg = parts.kernel_config(batch, weights)
-        xq, xs = (batch.hidden, None) if scheme == "none" else quantize_activation(batch.hidden, scheme)
         inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, scheme, "silu", shape.dtype,
                                kcfg.gate_up, source_rows=batch.source_rows)
         a, a_s = down_input(inter, extra, scheme)

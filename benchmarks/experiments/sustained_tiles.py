@@ -20,13 +20,12 @@ import time
 
 import torch
 
-from moeflow.kernels.autotune import (Shape, batches_for, candidates, capture_graph, graph_time_ms, precompile,
-                                      random_routing, random_weights, sorted_batch)
-from moeflow.kernels.common import RowLayout
+from moeflow.kernels.autotune import (Shape, candidates, capture_graph, gemm_inputs, graph_time_ms, precompile,
+                                      random_weights, tuner_routings)
 from moeflow.kernels.configs import MoEKernelConfig
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
-from moeflow.kernels.quant import down_input, quantize_activation
+from moeflow.kernels.quant import down_input
 from moeflow.presets import PRESETS
 
 CASES = ["mixtral-8x7b:none:128:gate_up", "mixtral-8x7b:none:128:down", "qwen3-30b-a3b:none:4096:gate_up"]
@@ -43,11 +42,7 @@ def run_case(spec: str) -> dict:
     gu_c, dn_c = candidates(shape, t)
     precompile([(shape, MoEKernelConfig(gu_c[min(j, len(gu_c) - 1)], dn_c[min(j, len(dn_c) - 1)]), True)
                 for j in range(max(len(gu_c), len(dn_c)))])
-    ins = []
-    for b in range(batches_for(t)):
-        batch = sorted_batch(shape, *random_routing(shape, t, dev, seed=t * 1000 + b), indexed=True)
-        xq, xs = (batch.hidden, None) if scheme == "none" else quantize_activation(batch.hidden, scheme)
-        ins.append((batch, RowLayout.of(batch), xq, xs))
+    ins = gemm_inputs(shape, tuner_routings(shape, t, dev), indexed_rows=True)
 
     def run_gu(c, inp):
         batch, layout, xq, xs = inp

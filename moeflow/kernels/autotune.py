@@ -164,6 +164,31 @@ def random_batch(shape: Shape, tokens: int, device, seed: int = 0, indexed: bool
     return sorted_batch(shape, *random_routing(shape, tokens, device, seed), indexed=indexed)
 
 
+def tuner_routings(shape: Shape, tokens: int, device) -> list:
+    """The routings tune() times T = tokens on: batches_for(T) of random_routing's, seeded by T and the batch."""
+    return [random_routing(shape, tokens, device, seed=tokens * 1000 + b) for b in range(batches_for(tokens))]
+
+
+def gemm_inputs(shape: Shape, routings: list, indexed_rows: bool) -> list:
+    """Per routing (random_routing's triple), what tune() feeds gate_up: (ExpertBatch, RowLayout, x [R or T, H] as
+    the scheme quantizes it, its scale or None). indexed_rows: the batch's rows by index and the tokens quantized
+    once (the local sort's launch does it in the layer), else rows in order, quantized per row."""
+    from .common import RowLayout
+    from .quant import quantize_activation, quantize_rows
+    inputs = []
+    for r in routings:
+        batch = sorted_batch(shape, *r, indexed=indexed_rows)
+        layout = RowLayout.of(batch)
+        if shape.scheme == "none":
+            xq, xs = batch.hidden, None
+        elif indexed_rows:
+            xq, xs = quantize_activation(batch.hidden, shape.scheme)
+        else:
+            xq, xs = quantize_rows(batch.hidden, shape.scheme, layout)
+        inputs.append((batch, layout, xq, xs))
+    return inputs
+
+
 def _layer_parts(shape: Shape):
     """-> (the local dispatcher handing rows by index, the triton runner) of a single-process layer of this shape."""
     from ..config import MoEConfig
@@ -267,9 +292,8 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
     the current GPU (module docstring). on_result(table, measured) is called after each T (so a stopped search
     keeps what it found). indexed_rows: gate_up reads its rows by index (a single-process layer), else in order.
     fused: also time the one-launch layer where fused_searched (the two layer figures are measured there only)."""
-    from .common import RowLayout
     from .gate_up import gate_up
-    from .quant import down_input, quantize_activation, quantize_rows
+    from .quant import down_input
     from .down import down
     dev = torch.device("cuda")
     weights = random_weights(shape, dev)
@@ -285,18 +309,8 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
     parts = _layer_parts(shape)
     table, measured = {}, {}
     for t in token_counts:
-        routings = [random_routing(shape, t, dev, seed=t * 1000 + b) for b in range(batches_for(t))]
-        inputs = []  # per batch: (batch, layout, x, x scale)
-        for r in routings:
-            batch = sorted_batch(shape, *r, indexed=indexed_rows)
-            layout = RowLayout.of(batch)
-            if shape.scheme == "none":
-                xq, xs = batch.hidden, None
-            elif indexed_rows:  # the tokens, quantized once (the local sort's launch does it in the layer)
-                xq, xs = quantize_activation(batch.hidden, shape.scheme)
-            else:
-                xq, xs = quantize_rows(batch.hidden, shape.scheme, layout)
-            inputs.append((batch, layout, xq, xs))
+        routings = tuner_routings(shape, t, dev)
+        inputs = gemm_inputs(shape, routings, indexed_rows)  # per batch: (batch, layout, x, x scale)
         gu_c, dn_c = plans[t]
 
         def run_gu(c, inp):  # what the runner runs: narrow fp8-block tiles add the separate group quantization
