@@ -19,12 +19,14 @@ from dataclasses import replace
 
 import torch
 
-from moeflow.kernels.autotune import Shape, _layer_parts, gemm_inputs, graph_time_ms, random_weights, tuner_routings
+from moeflow.kernels.autotune import _layer_parts, gemm_inputs, graph_time_ms, tuner_routings
 from moeflow.kernels.configs import GemmConfig, fit
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
 from moeflow.kernels.quant import down_input
-from moeflow.presets import PRESETS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gemm_case import preset_weights  # noqa: E402
 
 CASES = ["mixtral-8x7b:none:1024", "mixtral-8x7b:none:2048", "mixtral-8x7b:none:4096", "mixtral-8x7b:fp8-block:1024",
          "mixtral-8x7b:fp8-block:2048"]
@@ -46,10 +48,8 @@ def variants(shipped: GemmConfig, scheme: str):
 def run_case(spec: str):
     preset, scheme, t = spec.split(":")
     t = int(t)
-    p = PRESETS[preset]
-    shape = Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], scheme)
     dev = torch.device("cuda")
-    weights = random_weights(shape, dev)
+    shape, weights = preset_weights(preset, scheme, {}, dev)
     parts = _layer_parts(shape)[1]
     ins = []
     for batch, layout, xq, xs in gemm_inputs(shape, tuner_routings(shape, t, dev), indexed_rows=True):

@@ -20,13 +20,14 @@ import time
 
 import torch
 
-from moeflow.kernels.autotune import (Shape, candidates, capture_graph, gemm_inputs, graph_time_ms, precompile,
-                                      random_weights, tuner_routings)
+from moeflow.kernels.autotune import candidates, capture_graph, gemm_inputs, graph_time_ms, precompile, tuner_routings
 from moeflow.kernels.configs import MoEKernelConfig
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
 from moeflow.kernels.quant import down_input
-from moeflow.presets import PRESETS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gemm_case import preset_weights  # noqa: E402
 
 CASES = ["mixtral-8x7b:none:128:gate_up", "mixtral-8x7b:none:128:down", "qwen3-30b-a3b:none:4096:gate_up"]
 IDLE_S, WARM_S = float(os.environ.get("IDLE_S", 1.5)), float(os.environ.get("WARM_S", 1.0))
@@ -35,10 +36,8 @@ IDLE_S, WARM_S = float(os.environ.get("IDLE_S", 1.5)), float(os.environ.get("WAR
 def run_case(spec: str) -> dict:
     preset, scheme, t, gemm = spec.split(":")
     t = int(t)
-    p = PRESETS[preset]
-    shape = Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], scheme)
     dev = torch.device("cuda")
-    weights = random_weights(shape, dev)
+    shape, weights = preset_weights(preset, scheme, {}, dev)
     gu_c, dn_c = candidates(shape, t)
     precompile([(shape, MoEKernelConfig(gu_c[min(j, len(gu_c) - 1)], dn_c[min(j, len(dn_c) - 1)]), True)
                 for j in range(max(len(gu_c), len(dn_c)))])
