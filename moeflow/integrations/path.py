@@ -20,6 +20,7 @@ from ..config import MoEConfig
 from ..dispatch import create_dispatcher
 from ..dispatch.gather_sum import gather_sum
 from ..experts import ExpertWeights, create_runner
+from ..layer import routed_experts
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan
 from ..quant import create_scheme
@@ -46,8 +47,8 @@ class ExpertsPath:
         contribute exactly zero; this costs one host synchronization (the count of valid copies).
         """
         ids, w = topk_ids.to(torch.int32), topk_weights.float()
-        if valid_below is None:
-            return self._run(hidden, ids, w, weights)
+        if valid_below is None:  # the layer's own path: the one-launch small-batch layer where the plan has it
+            return routed_experts(self.plan, self.dispatcher, self.runner, hidden, ids, w, weights)[0]
         t, k = ids.shape
         flat = ids.reshape(-1)
         keep = (flat < valid_below).nonzero().squeeze(1)  # [N] flat copy indices, host sync
@@ -57,5 +58,6 @@ class ExpertsPath:
         return gather_sum(rows, row_of_copy.view(t, k))
 
     def _run(self, hidden: Tensor, ids: Tensor, w: Tensor, weights: ExpertWeights) -> Tensor:
+        """The separate launches (dispatch, experts, combine) for the valid copies, one a row: ids [N, 1]."""
         batch, handle = self.dispatcher.dispatch(hidden, ids, w)
         return self.dispatcher.combine(run_in_layout(self.runner, batch, weights), handle)
