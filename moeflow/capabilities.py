@@ -47,6 +47,9 @@ class RunnerCaps:
     # schemes for which it can run a single-process layer's dispatch, experts and combine together (one launch
     # for small batches: ExpertRunner.fused_config / run_fused), where the dispatcher declares ``fusable``
     fused_layer: frozenset[str] = frozenset()
+    # its run never synchronizes with the host and keeps no data-dependent shapes: a call can be captured in a CUDA
+    # graph and replayed on new inputs of the same shapes (what moeflow.graphs needs of every stage)
+    graph_safe: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class DispatcherCaps:
     # its dispatch and combine are local bookkeeping only (one process, no transfer): a runner declaring the
     # scheme in ``RunnerCaps.fused_layer`` may do them inside its own launch
     fusable: bool = False
+    # dispatch and combine can be captured in a CUDA graph and replayed by this process alone (RunnerCaps.graph_safe;
+    # an expert-parallel exchange needs every rank to replay in step, so none declares it)
+    graph_safe: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class RouterCaps:
     max_experts: int | None = None  # the most experts it routes over (None: any)
     grouped_pow2: bool = False  # grouped selection needs a power-of-two expert count
     note: str = ""
+    graph_safe: bool = False  # as RunnerCaps.graph_safe
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ class EnvVar:
     def get_float(self) -> float:
         return float(self.get())
 
+    def get_int(self) -> int:
+        return int(self.get())
+
 
 VALIDATE_INPUTS = EnvVar(
     "MOEFLOW_VALIDATE_INPUTS", "1",
@@ -58,9 +61,17 @@ TRITON_PAIR_TILES = EnvVar(
     "Triton runner, the Gluon fp8-block gate_up at 128-row tiles: a row block of at most 64 rows (an expert's "
     "part-filled last one) runs as one program over two column tiles instead of two programs over half-empty "
     "tiles (kernels/gate_up_wgmma.py). Set 0 to run every block as a 128-row tile (comparisons, debugging).")
+EAGER_GRAPHS = EnvVar(
+    "MOEFLOW_EAGER_GRAPHS", "16",
+    "Largest batch (tokens) whose eager layer call is replayed from a CUDA graph captured for its shape "
+    "(moeflow.graphs: one replay instead of the call's launches one by one, which cost the host more than the GPU at "
+    "decode sizes). CUDA layers whose plan is graph-safe, outside any capture and torch.compile. 0 turns it off.")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
 ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_PDL, TRITON_FUSED,
-       TRITON_PAIR_TILES, TRITON_INTERPRET)
+       TRITON_PAIR_TILES, EAGER_GRAPHS, TRITON_INTERPRET)
+# the switches a layer's forward path reads on every call: a graph captured under one setting replays that setting's
+# launches, so moeflow.graphs keys its graphs by their values
+PATH_SWITCHES = (TRITON_TMA, TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES)

@@ -140,6 +140,14 @@ Example: MoE(..., device="cuda:0")
 """)
 
 # ---------------------------------------------------------------- MF2xx: planner refusals
+_spec("MF107", ConfigError, "invalid environment variable",
+      "{name}={value!r} is invalid: {why}",
+      """
+What: an environment variable moeflow reads (`moeflow env` lists them) holds a value it cannot use.
+When: the first call that reads it (MOEFLOW_EAGER_GRAPHS: every eager forward on CUDA).
+Fix: set it to a value of the kind `moeflow env` describes, or unset it for the default.
+Example: MOEFLOW_EAGER_GRAPHS=16 (the largest batch replayed from a CUDA graph), MOEFLOW_EAGER_GRAPHS=0 (off)
+""")
 _spec("MF201", UnsupportedError, "unknown backend name",
       "{kind} {name!r} is not registered; registered {kind}s: {valid}",
       """

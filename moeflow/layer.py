@@ -25,6 +25,7 @@ from .dispatch import create_dispatcher
 from .distributed import resolve_group
 from .errors import error
 from .experts import ExpertWeights, create_runner, gated_activation
+from .graphs import GraphCache
 from .layouts import run_in_layout
 from .planner import plan as make_plan
 from .quant import create_scheme
@@ -65,6 +66,7 @@ class MoE(nn.Module):
                                             indexed_rows=self.plan.indexed_rows)
         self.runner = create_runner(self.plan.runner, config, self.scheme)
         self.local_experts = self.dispatcher.local_experts
+        self._graphs = GraphCache(self.plan.graph_safe)  # eager calls of small batches replayed (moeflow.graphs)
         self._make_parameters()
         if init_weights:
             self.reset_parameters()
@@ -130,8 +132,7 @@ class MoE(nn.Module):
             _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
             _check(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
                    dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
-        topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)
-        return self._run(hidden_states, topk_ids, topk_weights)
+        return self._graphs("forward", self._route_and_run, (hidden_states, router_logits), self._weight_tensors)
 
     def forward_topk(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """hidden_states [T, H], topk_ids [T, K] int, topk_weights [T, K] float -> [T, H].
@@ -149,7 +150,19 @@ class MoE(nn.Module):
                    dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
             if not _capturing(hidden_states):
                 _check_ids(topk_ids, cfg.num_experts)
-        return self._run(hidden_states, topk_ids.to(torch.int32), topk_weights.float())
+        return self._graphs("forward_topk", self._run_topk, (hidden_states, topk_ids, topk_weights),
+                            self._weight_tensors)
+
+    def _route_and_run(self, hidden: Tensor, router_logits: Tensor) -> Tensor:
+        topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)
+        return self._run(hidden, topk_ids, topk_weights)
+
+    def _run_topk(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        return self._run(hidden, topk_ids.to(torch.int32), topk_weights.float())
+
+    def _weight_tensors(self) -> tuple:
+        """Every tensor a forward reads in place (the parameters), for the eager graphs' keys."""
+        return tuple(self.parameters())
 
     def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         out, shared = routed_experts(self.plan, self.dispatcher, self.runner, hidden, topk_ids, topk_weights,

@@ -29,7 +29,8 @@ class LocalHandle:
 class LocalDispatcher(Dispatcher):
     name = "local"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=False, priority=10,
-                          note="single process: sort copies by expert", indexed_rows=True, fusable=True)
+                          note="single process: sort copies by expert", indexed_rows=True, fusable=True,
+                          graph_safe=True)
 
     def __init__(self, config, scheme, process_group=None):
         super().__init__(config, scheme, process_group)

@@ -44,6 +44,7 @@ class TritonRunner(ExpertRunner):
         note="fused Triton GEMMs (activation, routing weight and FP8 quantization fused)",
         indexed_rows=True,  # gate_up loads each sorted row from its token's row (ExpertBatch.source_rows)
         fused_layer=_FUSED,
+        graph_safe=True,  # no host synchronization, no data-dependent shape (tests/gpu/test_gpu_triton.py captures it)
     )
 
     def __init__(self, config, scheme):

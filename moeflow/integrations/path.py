@@ -20,6 +20,7 @@ from ..config import MoEConfig
 from ..dispatch import create_dispatcher
 from ..dispatch.gather_sum import gather_sum
 from ..experts import ExpertWeights, create_runner
+from ..graphs import GraphCache
 from ..layer import routed_experts
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan
@@ -27,7 +28,8 @@ from ..quant import create_scheme
 
 
 class ExpertsPath:
-    """One planned (scheme, dispatcher, runner) for a layer shape; stateless between calls."""
+    """One planned (scheme, dispatcher, runner) for a layer shape. Between calls it keeps only the CUDA graphs of
+    eager small-batch calls (moeflow.graphs), keyed by the weights they read."""
 
     def __init__(self, config: MoEConfig):
         self.config = config
@@ -36,6 +38,7 @@ class ExpertsPath:
         self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme,
                                             indexed_rows=self.plan.indexed_rows)
         self.runner = create_runner(self.plan.runner, config, self.scheme)
+        self._graphs = GraphCache(self.plan.graph_safe)  # eager calls of small batches replayed (moeflow.graphs)
 
     def __call__(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                  valid_below: int | None = None) -> Tensor:
@@ -46,9 +49,12 @@ class ExpertsPath:
         expert lives on another rank, weight 0). They are dropped before the experts run and
         contribute exactly zero; this costs one host synchronization (the count of valid copies).
         """
-        ids, w = topk_ids.to(torch.int32), topk_weights.float()
         if valid_below is None:  # the layer's own path: the one-launch small-batch layer where the plan has it
-            return routed_experts(self.plan, self.dispatcher, self.runner, hidden, ids, w, weights)[0]
+            run = lambda x, i, w: routed_experts(self.plan, self.dispatcher, self.runner, x, i.to(torch.int32),
+                                                 w.float(), weights)[0]
+            return self._graphs("experts", run, (hidden, topk_ids, topk_weights),
+                                lambda: (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale))
+        ids, w = topk_ids.to(torch.int32), topk_weights.float()
         t, k = ids.shape
         flat = ids.reshape(-1)
         keep = (flat < valid_below).nonzero().squeeze(1)  # [N] flat copy indices, host sync

@@ -16,7 +16,7 @@ from .base import Router
 
 class TorchTopK(Router):
     name = "torch"
-    caps = RouterCaps(devices=frozenset({"cpu", "cuda"}), note="torch ops, float32; any expert count")
+    caps = RouterCaps(devices=frozenset({"cpu", "cuda"}), note="torch ops, float32; any expert count", graph_safe=True)
 
     def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
         cfg = self.config

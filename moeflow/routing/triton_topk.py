@@ -17,7 +17,8 @@ from .base import Router
 class TritonTopK(Router):
     name = "triton"
     caps = RouterCaps(devices=frozenset({"cuda"}), requires=("triton",), priority=10, max_experts=1024,
-                      grouped_pow2=True, note="one launch per call; experts held in registers (E <= 1024)")
+                      grouped_pow2=True, note="one launch per call; experts held in registers (E <= 1024)",
+                      graph_safe=True)
 
     def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
         from ..kernels.route import route

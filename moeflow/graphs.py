@@ -1,0 +1,131 @@
+"""Eager calls replayed from CUDA graphs: a layer called outside any capture, at a small batch, runs as one graph
+replay instead of its launches one by one.
+
+Why: issuing a layer's launches eagerly costs the host more than the GPU needs at decode sizes. On the lent H200's
+host, an eager MoE.forward took 180 µs of host time at T=1 (GPU 24-33 µs) and 420-500 µs at T=16 (GPU 117-194 µs),
+Qwen3-30B-A3B's shapes (benchmarks/results/eager_overhead_2026-12-02_h200_ce1d9b4.json): a model run eagerly, as
+transformers' generate runs it, waits on the host. A replay costs the host one call whatever the launches.
+How: GraphCache keeps one graph per (entry, input shapes and dtypes, weights' addresses and layouts, the forward
+path's environment switches): on the first call of a key, the call runs once eagerly on a side stream (compiles,
+allocations), then is captured reading static copies of its inputs; each call then copies its inputs into those,
+replays, and returns a copy of the graph's output (the next replay overwrites the graph's own). At most MAX_GRAPHS
+graphs a cache, least recently used dropped first. The graphs read the weights where they were at capture: a key
+holds each weight's address, shape, strides and dtype, so weights loaded in place (load_weights) are read anew, and
+weights moved or replaced give a new graph.
+When: MOEFLOW_EAGER_GRAPHS (default 16) is the largest token count replayed; the plan must be graph-safe
+(Plan.graph_safe: every stage declares it); inputs on CUDA; not while a stream captures (the caller's own graph
+then records the launches themselves), nor under torch.compile's tracing, nor with inputs that require grad.
+Costs: the first call of each key runs twice and captures (a few ms); a copy of each input and of the output a call
+(2-4 µs of GPU time, against 4-20 µs of launch gaps a replay saves); each graph's own memory pool (the call's
+intermediates: kilobytes to a few MB at these sizes).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import env as moeflow_env
+from .errors import error
+
+MAX_GRAPHS = 8  # graphs one cache keeps (one per token count and entry, in practice)
+
+
+def graph_tokens() -> int:
+    """MOEFLOW_EAGER_GRAPHS as an int >= 0 (MF107 otherwise)."""
+    raw = moeflow_env.EAGER_GRAPHS.get()
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise error("MF107", name=moeflow_env.EAGER_GRAPHS.name, value=raw,
+                    why="expected a whole number of tokens >= 0 (0 turns eager graphs off)")
+    return value
+
+
+def layout_key(tensors) -> tuple:
+    """What a graph assumes of tensors it reads in place (weights): address, shape, strides, dtype; None kept."""
+    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+class _Captured:
+    """One captured call: its graph, the static inputs it reads and the output it writes."""
+
+    def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]):
+        device = inputs[0].device
+        self.inputs = tuple(x.clone() for x in inputs)
+        with torch.cuda.device(device):
+            cur = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                fn(*self.inputs)  # compiles and first allocations outside the capture
+            cur.wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.output = fn(*self.inputs)
+
+    def __call__(self, inputs: tuple[Tensor, ...]) -> Tensor:
+        for static, x in zip(self.inputs, inputs):
+            static.copy_(x)
+        self.graph.replay()
+        return self.output.clone()
+
+
+class GraphCache:
+    """Per-layer cache of captured calls (module docstring). ``enabled``: the plan is graph-safe (Plan.graph_safe).
+    device_type and capture are there for tests: the device type the cache serves, and what captures a call
+    (``capture(fn, inputs)`` -> a callable taking the inputs)."""
+
+    def __init__(self, enabled: bool, max_graphs: int = MAX_GRAPHS, device_type: str = "cuda", capture=_Captured):
+        self.enabled = enabled
+        self.max_graphs = max_graphs
+        self.device_type = device_type
+        self._capture = capture
+        self._graphs: OrderedDict = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def __getstate__(self) -> dict:  # copies and pickles of a layer start with no graphs (a graph is neither)
+        return dict(self.__dict__, _graphs=OrderedDict())
+
+    def __deepcopy__(self, memo) -> "GraphCache":
+        return GraphCache(self.enabled, self.max_graphs, self.device_type, self._capture)
+
+    def clear(self) -> None:
+        """Drop every graph (and its memory pool once no output refers to it)."""
+        self._graphs.clear()
+
+    def usable(self, inputs: tuple[Tensor, ...]) -> bool:
+        """Whether a call on ``inputs`` (the first one [T, ...]) is replayed from a graph (module docstring, When)."""
+        if not self.enabled:
+            return False
+        x = inputs[0]
+        if x.device.type != self.device_type or not 0 < x.shape[0] <= graph_tokens():
+            return False
+        if torch.compiler.is_compiling():
+            return False
+        if self.device_type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
+
+    def __call__(self, entry: str, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...],
+                 weights: Callable[[], tuple]) -> Tensor:
+        """fn(*inputs) -> Tensor, replayed from a graph where usable(inputs), else called. fn must read nothing but
+        its inputs and the tensors weights() gives (those it reads in place), and make the same launches for the same
+        key: entry names the call (the layer's forward, forward_topk, ...)."""
+        if not self.usable(inputs):
+            return fn(*inputs)
+        key = (entry, tuple((tuple(x.shape), x.dtype, x.device) for x in inputs), layout_key(weights()),
+               tuple(v.get() for v in moeflow_env.PATH_SWITCHES))
+        captured = self._graphs.pop(key, None)
+        if captured is None:
+            while len(self._graphs) >= self.max_graphs:
+                self._graphs.popitem(last=False)
+            captured = self._capture(fn, inputs)
+        self._graphs[key] = captured  # most recently used last
+        return captured(inputs)
