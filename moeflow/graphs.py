@@ -9,7 +9,9 @@ How: GraphCache keeps one graph per (entry, input shapes and dtypes, weights' ad
 path's environment switches): on the first call of a key, the call runs once eagerly on a side stream (compiles,
 allocations), then is captured reading static copies of its inputs; each call then copies its inputs into those,
 replays, and returns a copy of the graph's output (the next replay overwrites the graph's own). At most MAX_GRAPHS
-graphs a cache, least recently used dropped first. The graphs read the weights where they were at capture: a key
+graphs a cache, least recently used dropped first; a cache that has dropped MAX_EVICTIONS graphs (calls cycling
+through more shapes than it keeps, each paying a capture) stops capturing: new shapes then run launch by launch,
+with one warning. The graphs read the weights where they were at capture: a key
 holds each weight's address, shape, strides and dtype, so weights loaded in place (load_weights) are read anew, and
 weights moved or replaced give a new graph.
 When: MOEFLOW_EAGER_GRAPHS (default 16) is the largest token count replayed; the plan must be graph-safe
@@ -21,6 +23,7 @@ intermediates: kilobytes to a few MB at these sizes).
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Callable
 
@@ -31,6 +34,7 @@ from . import env as moeflow_env
 from .errors import error
 
 MAX_GRAPHS = 8  # graphs one cache keeps (one per token count and entry, in practice)
+MAX_EVICTIONS = 32  # graphs one cache may drop to make room; past that it captures no new ones (see GraphCache)
 
 
 def graph_tokens() -> int:
@@ -86,6 +90,7 @@ class GraphCache:
         self.device_type = device_type
         self._capture = capture
         self._graphs: OrderedDict = OrderedDict()
+        self.evictions = 0  # graphs dropped to make room (past MAX_EVICTIONS no new graph is captured)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -95,6 +100,11 @@ class GraphCache:
 
     def __deepcopy__(self, memo) -> "GraphCache":
         return GraphCache(self.enabled, self.max_graphs, self.device_type, self._capture)
+
+    @property
+    def capturing(self) -> bool:
+        """Whether a call of a new shape is captured (False once MAX_EVICTIONS graphs were dropped)."""
+        return self.evictions < MAX_EVICTIONS
 
     def clear(self) -> None:
         """Drop every graph (and its memory pool once no output refers to it)."""
@@ -124,8 +134,17 @@ class GraphCache:
                tuple(v.get() for v in moeflow_env.PATH_SWITCHES))
         captured = self._graphs.pop(key, None)
         if captured is None:
+            if not self.capturing:
+                return fn(*inputs)
             while len(self._graphs) >= self.max_graphs:
                 self._graphs.popitem(last=False)
+                self.evictions += 1
+                if not self.capturing:
+                    warnings.warn(f"moeflow: eager calls cycled through more than {self.max_graphs} batch shapes "
+                                  f"({MAX_EVICTIONS} graphs dropped); new shapes now run without a CUDA graph. "
+                                  "Lower MOEFLOW_EAGER_GRAPHS to the batch sizes you decode at, or set it to 0.",
+                                  RuntimeWarning, stacklevel=3)
+                    return fn(*inputs)
             captured = self._capture(fn, inputs)
         self._graphs[key] = captured  # most recently used last
         return captured(inputs)

@@ -158,3 +158,17 @@ def test_layer_on_cpu_never_captures(monkeypatch):
     assert not moe.plan.graph_safe
     moe(x, logits)
     assert len(moe._graphs) == 0
+
+
+def test_cycling_through_many_shapes_stops_capturing(cache, monkeypatch):
+    import moeflow.graphs as graphs
+    monkeypatch.setattr(graphs, "MAX_EVICTIONS", 5)
+    w = (torch.randn(4),)
+    with pytest.warns(RuntimeWarning, match="cycled through more than 3"):
+        for t in range(1, 10):  # 9 shapes through a cache of 3: the 5th eviction stops capturing
+            x = torch.randn(t, 4)
+            torch.testing.assert_close(cache("f", double, (x,), lambda: w), x * 2)
+    assert len(FakeCapture.made) == 7 and not cache.capturing
+    kept = [c.inputs[0].shape[0] for c in cache._graphs.values()]
+    cache("f", double, (torch.randn(kept[-1], 4),), lambda: w)  # shapes it holds still replay
+    assert len(FakeCapture.made) == 7 and cache._graphs[next(reversed(cache._graphs))].replays == 2

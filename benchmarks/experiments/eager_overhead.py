@@ -8,7 +8,7 @@ decode batch 1 148 tokens/s with moeflow against 190 with transformers' grouped_
 Per preset, scheme, T and entry point (MoE.forward with router logits; MoE.forward_topk with the default input
 checks and with MOEFLOW_VALIDATE_INPUTS=0; the ExpertsPath of transformers' "moeflow" experts call, and that call as it was
 before it took the layer's path, the separate launches at every T), each with eager graphs (moeflow.graphs, the
-default at T <= 16) and, "_launched", without (MOEFLOW_EAGER_GRAPHS=0):
+here at T <= 64) and, "_launched", without (MOEFLOW_EAGER_GRAPHS=0):
     gpu_us    the same call captured as a CUDA graph, 50 replays back to back / 50 (no flush): the GPU's time
     host_us   median wall time of one call, not synchronized, 20 calls after warm-up (what the host spends
               issuing it; a call that synchronizes the host waits for the GPU here)
@@ -124,12 +124,12 @@ def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
         ids, w = moe.router(logits, moe.e_score_correction_bias)
         ids64 = ids.to(torch.int64)
         entries = {  # name: (call, MOEFLOW_VALIDATE_INPUTS, MOEFLOW_EAGER_GRAPHS)
-            "forward": (lambda: moe(x, logits), "1", "16"),
+            "forward": (lambda: moe(x, logits), "1", "64"),
             "forward_launched": (lambda: moe(x, logits), "1", "0"),
-            "forward_topk": (lambda: moe.forward_topk(x, ids64, w), "1", "16"),
-            "forward_topk_novalidate": (lambda: moe.forward_topk(x, ids64, w), "0", "16"),
+            "forward_topk": (lambda: moe.forward_topk(x, ids64, w), "1", "64"),
+            "forward_topk_novalidate": (lambda: moe.forward_topk(x, ids64, w), "0", "64"),
             "forward_topk_novalidate_launched": (lambda: moe.forward_topk(x, ids64, w), "0", "0"),
-            "experts_path": (lambda: path(x, ids64, w, weights), "1", "16"),
+            "experts_path": (lambda: path(x, ids64, w, weights), "1", "64"),
             "experts_path_launched": (lambda: path(x, ids64, w, weights), "1", "0"),
             "experts_path_separate": (lambda: separate(path, x, ids64, w, weights), "1", "0"),
         }
@@ -138,7 +138,11 @@ def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
             row = dict(preset=preset, scheme=scheme, T=t, entry=name, host_us=host_us(fn), eager_us=eager_us(fn))
             os.environ["MOEFLOW_VALIDATE_INPUTS"] = "0"  # graph capture cannot read ids on the host
             row["gpu_us"] = gpu_us(fn)  # the call captured whole by the caller (eager graphs stand aside)
-            os.environ["MOEFLOW_VALIDATE_INPUTS"], os.environ["MOEFLOW_EAGER_GRAPHS"] = "1", "16"
+            os.environ["MOEFLOW_VALIDATE_INPUTS"], os.environ["MOEFLOW_EAGER_GRAPHS"] = "1", "64"
+            if name == "forward":  # what the layer's graph of this T holds (its pool), beside the launches' own
+                torch.cuda.synchronize()
+                row["graphs"] = len(moe._graphs)
+                row["reserved_mb"] = torch.cuda.memory_reserved() / 2 ** 20
             rows.append(row)
             print(f"{preset:14s} {scheme:9s} T={t:<4d} {name:24s} host {row['host_us']:7.1f}  "
                   f"eager {row['eager_us']:7.1f}  gpu {row['gpu_us']:7.1f}", flush=True)
@@ -146,7 +150,7 @@ def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
             for name in ("forward", "forward_launched"):
                 os.environ["MOEFLOW_EAGER_GRAPHS"] = entries[name][2]
                 text = profile_text(entries[name][0])
-                os.environ["MOEFLOW_EAGER_GRAPHS"] = "16"
+                os.environ["MOEFLOW_EAGER_GRAPHS"] = "64"
                 with open(os.path.join(out_dir, f"eager_profile_{preset}_{scheme}_T{t}_{name}.txt"), "w") as f:
                     f.write(text)
     return rows
