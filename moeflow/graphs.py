@@ -3,7 +3,7 @@ replay instead of its launches one by one.
 
 Why: issuing a layer's launches eagerly costs the host more than the GPU needs at decode sizes. On the lent H200's
 host, an eager MoE.forward took 180 µs of host time at T=1 (GPU 24-33 µs) and 420-500 µs at T=16 (GPU 117-194 µs),
-Qwen3-30B-A3B's shapes (benchmarks/results/eager_overhead_2026-12-02_h200_ce1d9b4.json): a model run eagerly, as
+Qwen3-30B-A3B's shapes (benchmarks/results/eager_graphs_2026-12-02_h200.md): a model run eagerly, as
 transformers' generate runs it, waits on the host. A replay costs the host one call whatever the launches.
 How: GraphCache keeps one graph per (entry, input shapes and dtypes, weights' addresses and layouts, the forward
 path's environment switches): on the first call of a key, the call runs once eagerly on a side stream (compiles,
@@ -17,9 +17,13 @@ weights moved or replaced give a new graph.
 When: MOEFLOW_EAGER_GRAPHS (default 16) is the largest token count replayed; the plan must be graph-safe
 (Plan.graph_safe: every stage declares it); inputs on CUDA; not while a stream captures (the caller's own graph
 then records the launches themselves), nor under torch.compile's tracing, nor with inputs that require grad.
-Costs: the first call of each key runs twice and captures (a few ms); a copy of each input and of the output a call
-(2-4 µs of GPU time, against 4-20 µs of launch gaps a replay saves); each graph's own memory pool (the call's
-intermediates: kilobytes to a few MB at these sizes).
+Measured there: replayed calls are GPU-bound from T = 4 (eager loop 9-14 µs a call over the graph's own GPU time),
+against 2-7x over it launch by launch; at T = 1, 47-85 µs a call against 130-300.
+Costs: the first call of each key runs twice and captures (a few ms); a copy of each input and of the output a
+call; one memory pool a cache, shared by its graphs
+(measured on H200 with a pool for each graph, Qwen3-30B-A3B's shapes: about 8 MB of reserved memory a layer for
+the graphs of T = 1-16).
+Not supported: calls of one layer on two streams at once (as for the one-launch layer's counters).
 """
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ def layout_key(tensors) -> tuple:
 class _Captured:
     """One captured call: its graph, the static inputs it reads and the output it writes."""
 
-    def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]):
+    def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], pool=None):
         device = inputs[0].device
         self.inputs = tuple(x.clone() for x in inputs)
         with torch.cuda.device(device):
@@ -69,7 +73,7 @@ class _Captured:
                 fn(*self.inputs)  # compiles and first allocations outside the capture
             cur.wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self.output = fn(*self.inputs)
 
     def __call__(self, inputs: tuple[Tensor, ...]) -> Tensor:
@@ -82,7 +86,9 @@ class _Captured:
 class GraphCache:
     """Per-layer cache of captured calls (module docstring). ``enabled``: the plan is graph-safe (Plan.graph_safe).
     device_type and capture are there for tests: the device type the cache serves, and what captures a call
-    (``capture(fn, inputs)`` -> a callable taking the inputs)."""
+    (``capture(fn, inputs, pool)`` -> a callable taking the inputs). The cache's graphs share one memory pool: they
+    replay one at a time on the caller's stream, and each output is copied out at once, so one graph's intermediates
+    may take another's (a layer's graphs then hold about the memory of its largest one)."""
 
     def __init__(self, enabled: bool, max_graphs: int = MAX_GRAPHS, device_type: str = "cuda", capture=_Captured):
         self.enabled = enabled
@@ -91,12 +97,13 @@ class GraphCache:
         self._capture = capture
         self._graphs: OrderedDict = OrderedDict()
         self.evictions = 0  # graphs dropped to make room (past MAX_EVICTIONS no new graph is captured)
+        self._pool = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle), made at the first capture
 
     def __len__(self) -> int:
         return len(self._graphs)
 
     def __getstate__(self) -> dict:  # copies and pickles of a layer start with no graphs (a graph is neither)
-        return dict(self.__dict__, _graphs=OrderedDict())
+        return dict(self.__dict__, _graphs=OrderedDict(), _pool=None)
 
     def __deepcopy__(self, memo) -> "GraphCache":
         return GraphCache(self.enabled, self.max_graphs, self.device_type, self._capture)
@@ -145,6 +152,8 @@ class GraphCache:
                                   "Lower MOEFLOW_EAGER_GRAPHS to the batch sizes you decode at, or set it to 0.",
                                   RuntimeWarning, stacklevel=3)
                     return fn(*inputs)
-            captured = self._capture(fn, inputs)
+            if self._pool is None and self.device_type == "cuda":
+                self._pool = torch.cuda.graph_pool_handle()
+            captured = self._capture(fn, inputs, self._pool)
         self._graphs[key] = captured  # most recently used last
         return captured(inputs)

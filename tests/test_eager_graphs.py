@@ -20,7 +20,7 @@ class FakeCapture:
 
     made = []
 
-    def __init__(self, fn, inputs):
+    def __init__(self, fn, inputs, pool=None):
         self.fn, self.inputs, self.replays = fn, tuple(x.clone() for x in inputs), 0
         FakeCapture.made.append(self)
 
