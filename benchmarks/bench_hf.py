@@ -69,6 +69,16 @@ def moeflow_runner(model) -> str | None:
     return None
 
 
+def use_implementation(model, name: str) -> None:
+    """Switch the model's MoE layers to one of IMPLS ("moeflow-block" replaces the blocks: call it last)."""
+    if name == "moeflow-block":
+        replace_moe_blocks(model)
+    else:
+        model.set_experts_implementation(name)
+        if name == "moeflow":
+            prepare_experts(model, torch.bfloat16)
+
+
 @torch.no_grad()
 def measure(model, name, cfg, args, first) -> dict:
     row = dict(impl=name, prefill={}, decode={})
@@ -122,12 +132,7 @@ def main() -> int:
     for name in impls:
         start = time.perf_counter()
         try:
-            if name == "moeflow-block":
-                replace_moe_blocks(model)
-            else:
-                model.set_experts_implementation(name)
-                if name == "moeflow":
-                    prepare_experts(model, torch.bfloat16)
+            use_implementation(model, name)
             row = measure(model, name, cfg, args, first)
             row["moeflow_runner"] = moeflow_runner(model) if name.startswith("moeflow") else None
         except Exception as exc:  # record and go on: one implementation failing must not lose the others

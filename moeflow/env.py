@@ -24,9 +24,6 @@ class EnvVar:
     def get_float(self) -> float:
         return float(self.get())
 
-    def get_int(self) -> int:
-        return int(self.get())
-
 
 VALIDATE_INPUTS = EnvVar(
     "MOEFLOW_VALIDATE_INPUTS", "1",

@@ -59,22 +59,33 @@ def layout_key(tensors) -> tuple:
     return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
+def capture_graph(fn, warmups: int = 1, pool=None, capture_error_mode: str = "global") -> torch.cuda.CUDAGraph:
+    """fn (zero arguments) captured once as a CUDA graph, after ``warmups`` calls on a side stream
+    outside the capture (compiles, allocator pools), on the current device. pool and capture_error_mode: as
+    torch.cuda.graph's. The eager graphs', the tuner's and the benchmarks' capture."""
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+        fn()
+    return graph
+
+
 class _Captured:
     """One captured call: its graph, the static inputs it reads and the output it writes."""
 
     def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], pool=None):
-        device = inputs[0].device
         self.inputs = tuple(x.clone() for x in inputs)
-        with torch.cuda.device(device):
-            cur = torch.cuda.current_stream()
-            side = torch.cuda.Stream()
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                fn(*self.inputs)  # compiles and first allocations outside the capture
-            cur.wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-                self.output = fn(*self.inputs)
+        outputs = []  # the warm-up's output, then the captured call's (the last)
+        with torch.cuda.device(inputs[0].device):
+            self.graph = capture_graph(lambda: outputs.append(fn(*self.inputs)), pool=pool,
+                                       capture_error_mode="thread_local")
+        self.output = outputs[-1]
 
     def __call__(self, inputs: tuple[Tensor, ...]) -> Tensor:
         for static, x in zip(self.inputs, inputs):
@@ -112,10 +123,6 @@ class GraphCache:
     def capturing(self) -> bool:
         """Whether a call of a new shape is captured (False once MAX_EVICTIONS graphs were dropped)."""
         return self.evictions < MAX_EVICTIONS
-
-    def clear(self) -> None:
-        """Drop every graph (and its memory pool once no output refers to it)."""
-        self._graphs.clear()
 
     def usable(self, inputs: tuple[Tensor, ...]) -> bool:
         """Whether a call on ``inputs`` (the first one [T, ...]) is replayed from a graph (module docstring, When)."""

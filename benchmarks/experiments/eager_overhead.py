@@ -35,7 +35,6 @@ from moeflow import MoE
 from moeflow.experts import ExpertWeights
 from moeflow.integrations.path import ExpertsPath
 from moeflow.kernels.autotune import capture_graph
-from moeflow.layouts import run_in_layout
 from moeflow.presets import preset_config
 
 CASES = [("qwen3-30b-a3b", "none"), ("qwen3-30b-a3b", "fp8-block"), ("mixtral-8x7b", "fp8-block")]
@@ -55,8 +54,7 @@ def _empty24(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, n0, n1, n2, n3, n
 
 def separate(path, x, ids, w, weights):
     """ExpertsPath's call before it went through layer.routed_experts: dispatch, experts, combine, always."""
-    batch, handle = path.dispatcher.dispatch(x, ids.to(torch.int32), w.float())
-    return path.dispatcher.combine(run_in_layout(path.runner, batch, weights), handle)
+    return path._run(x, ids.to(torch.int32), w.float(), weights)
 
 
 def host_us(fn, calls=20) -> float:

@@ -23,8 +23,7 @@ import transformers
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_hf import model_config  # noqa: E402
-from moeflow.integrations.hf import prepare_experts, replace_moe_blocks  # noqa: E402
+from bench_hf import model_config, use_implementation  # noqa: E402
 
 
 def syncs_of(fn) -> list[str]:
@@ -70,12 +69,7 @@ def main() -> int:
              if hasattr(m, "gate_up_proj")}
     print("experts modules' _is_expert_parallel:", flags)
     for name in ("grouped_mm", "moeflow", "moeflow-block"):
-        if name == "moeflow-block":
-            replace_moe_blocks(model)
-        else:
-            model.set_experts_implementation(name)
-            if name == "moeflow":
-                prepare_experts(model, torch.bfloat16)
+        use_implementation(model, name)
         for t in (1, 512):
             ids = torch.randint(0, 32000, (1, t), device="cuda")
             fwd = lambda: model(ids, use_cache=False)

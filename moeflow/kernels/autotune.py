@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..graphs import capture_graph
 from ..layouts import SORTED, ExpertBatch
 from ..quant import FP8_DTYPE, create_scheme
 from .configs import FusedConfig, GemmConfig, MoEKernelConfig, fit
@@ -246,22 +247,6 @@ def batches_for(tokens: int) -> int:
     then touches only T * top_k experts' weights, which another batch's launch must not find in
     L2), one for large T (a launch streams every expert; its run time hides what L2 keeps)."""
     return 8 if tokens <= 128 else 4 if tokens <= 1024 else 1
-
-
-def capture_graph(fn, warmups: int = 1) -> torch.cuda.CUDAGraph:
-    """fn (zero arguments) captured once as a CUDA graph, after ``warmups`` calls on a side stream
-    outside the capture (compiles, allocator pools). The tuner's and the benchmarks' capture."""
-    cur = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            fn()
-    cur.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int = 500) -> float:
