@@ -279,6 +279,31 @@ Fix: produce ids with torch.topk (distinct by construction).
 Example: ids = torch.topk(scores, k, dim=-1).indices
 """)
 
+_spec("MF306", InputError, "compiled graph names no live moeflow layer",
+      "the op moeflow.layer was called for {owner!r}, which names no layer of this process",
+      """
+What: under torch.compile, a moeflow layer is one op of the compiled graph (moeflow.ops), which names its layer
+by a key given when the graph was traced. This key named no layer that still exists in this process.
+When: running a graph exported or compiled ahead of time in another process (torch.export, AOT compilation),
+or a graph whose layer was deleted.
+Fix: compile the model in the process that runs it (torch.compile(model)); keep the model alive while its
+compiled function is used.
+Example: model = torch.compile(model); y = model(x)
+""")
+
+_spec("MF307", InputError, "gradient asked of a compiled moeflow layer",
+      "a gradient was asked through the op moeflow.{op}: moeflow layers compute inference only",
+      """
+What: under torch.compile a moeflow layer is one op of the compiled graph (moeflow.ops), and that op has no
+backward: moeflow runs MoE layers for inference. torch.compile traces the backward of a model whose inputs or
+parameters require grad while grad mode is on, and so reaches this error when it compiles the model.
+When: compiling (or running backward through) a model with grad mode on, e.g. torch.compile(model)(x) outside
+torch.no_grad().
+Fix: run the compiled model under torch.no_grad() or torch.inference_mode() (transformers' generate already does),
+or set requires_grad_(False) on the model's parameters.
+Example: with torch.inference_mode(): y = torch.compile(model)(x)
+""")
+
 # ---------------------------------------------------------------- MF4xx: weights
 _spec("MF401", WeightError, "missing weight",
       "load_weights is missing {names}; expected names: {valid}",

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import env as moeflow_env
+from . import ops
 from .capabilities import Environment
 from .config import MoEConfig
 from .dispatch import create_dispatcher
@@ -127,6 +128,23 @@ class MoE(nn.Module):
     # ---------------------------------------------------------------- forward
     def forward(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:
         """hidden_states [T, H] layer dtype, router_logits [T, E] any float -> [T, H] layer dtype."""
+        if torch.compiler.is_compiling():  # one op of the compiled graph: _forward_eager at run time (moeflow.ops)
+            return ops.call(self, MoE._forward_eager, hidden_states, (router_logits,), self.plan.graph_safe)
+        return self._forward_eager(hidden_states, router_logits)
+
+    def forward_topk(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """hidden_states [T, H], topk_ids [T, K] int, topk_weights [T, K] float -> [T, H].
+
+        The caller routed: weights are used as given (no renormalization or scaling here).
+        """
+        if torch.compiler.is_compiling():  # one op of the compiled graph: _forward_topk_eager at run time
+            return ops.call(self, MoE._forward_topk_eager, hidden_states, (topk_ids, topk_weights),
+                            self.plan.graph_safe)
+        return self._forward_topk_eager(hidden_states, topk_ids, topk_weights)
+
+    def _forward_eager(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:
+        """forward() outside torch.compile's tracing (which cannot build the coded errors: the checks run here, when
+        a compiled graph's op runs)."""
         cfg = self.config
         if _validating():
             _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
@@ -134,11 +152,8 @@ class MoE(nn.Module):
                    dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
         return self._graphs("forward", self._route_and_run, (hidden_states, router_logits), self._weight_tensors)
 
-    def forward_topk(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """hidden_states [T, H], topk_ids [T, K] int, topk_weights [T, K] float -> [T, H].
-
-        The caller routed: weights are used as given (no renormalization or scaling here).
-        """
+    def _forward_topk_eager(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """forward_topk() outside torch.compile's tracing (as _forward_eager)."""
         cfg = self.config
         if _validating():
             t = hidden_states.shape[0] if hidden_states.dim() == 2 else None

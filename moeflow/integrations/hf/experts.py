@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ... import ops
 from ...config import MoEConfig
 from ...errors import error
 from ...experts import ExpertWeights
@@ -124,7 +125,24 @@ def experts_path(module: nn.Module, dtype: torch.dtype, top_k: int) -> ExpertsPa
 
 
 def moeflow_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    """The function registered as "moeflow" (see the module docstring for shapes and refusals)."""
+    """The function registered as "moeflow" (see the module docstring for shapes and refusals). Under torch.compile's
+    tracing, one op of the compiled graph (moeflow.ops) that runs it."""
+    if torch.compiler.is_compiling():
+        return ops.call(self, experts_forward_eager, hidden_states, (top_k_index, top_k_weights),
+                        _graph_safe(self, hidden_states.dtype))
+    return experts_forward_eager(self, hidden_states, top_k_index, top_k_weights)
+
+
+@torch.compiler.assume_constant_result
+def _graph_safe(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the module's calls may be captured in a CUDA graph: its path's Plan.graph_safe (planned here, at trace
+    time, with the model's top-k), and no expert-parallel sentinel (whose drop syncs the host)."""
+    top_k = getattr(module.config, "num_experts_per_tok", 1) if hasattr(module, "config") else 1
+    return experts_path(module, dtype, top_k).plan.graph_safe and not getattr(module, "_is_expert_parallel", False)
+
+
+def experts_forward_eager(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """moeflow_experts_forward outside torch.compile's tracing."""
     path = experts_path(self, hidden_states.dtype, top_k_index.shape[-1])
     x = hidden_states.to(path.config.dtype)
     sentinel = self.num_experts if getattr(self, "_is_expert_parallel", False) else None

@@ -1,0 +1,95 @@
+"""torch.compile through moeflow layers on the GPU (moeflow.ops): inductor's default mode and mode="reduce-overhead"
+(inductor's CUDA graphs, which record the op's launches) give the bits of the eager layer on fresh inputs, hold the
+layer's graph-safe op, and keep a plan that is not graph-safe out of their CUDA graphs.
+Run: pytest -m gpu tests/gpu/test_gpu_compile.py
+"""
+import pytest
+import torch
+from torch import nn
+
+from moeflow import MoE
+from oracle import assert_close, layer_oracle, route_for
+from tolerances import rel_tol
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPE = dict(num_experts=16, hidden_size=256, intermediate_size=256, top_k=4, dtype=torch.bfloat16, device="cuda")
+
+
+class Stack(nn.Module):
+    """Two layers: x -> x + moe(x, gate(x)), then x + moe.forward_topk(x, top-k of the second gate)."""
+
+    def __init__(self, a: MoE, b: MoE):
+        super().__init__()
+        self.a, self.b = a, b
+        self.gate_a = nn.Linear(256, 16, bias=False, device="cuda", dtype=torch.bfloat16)
+        self.gate_b = nn.Linear(256, 16, bias=False, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x):
+        x = x + self.a(x, self.gate_a(x))
+        w, ids = torch.softmax(self.gate_b(x).float(), dim=-1).topk(4, dim=-1)
+        return x + self.b.forward_topk(x, ids, w)
+
+
+def stack(make_layer, **fields):
+    return Stack(make_layer(**SHAPE, **fields), make_layer(**SHAPE, **fields)).requires_grad_(False).eval()
+
+
+def cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["cudagraph_skips"]
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+def test_compiled_stack_gives_the_eager_bits(make_layer, scheme, mode):
+    model = stack(make_layer, quant=scheme, runner="triton")
+    assert model.a.plan.graph_safe
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    skips = cudagraph_skips()
+    with torch.inference_mode():
+        for t in (1, 3, 16, 100, 16):  # 16 twice: a second replay of the same shape on fresh inputs
+            x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+            y = compiled(x).clone()  # reduce-overhead's outputs live in its pool until the next call
+            ref = model(x)
+            assert torch.equal(y, ref), f"{scheme} {mode} T={t}"
+    assert cudagraph_skips() == skips  # reduce-overhead: every graph was captured, none skipped
+
+
+def test_compiled_layer_against_oracle(make_layer):
+    moe = make_layer(**SHAPE, quant="fp8-block", runner="triton")
+    compiled = torch.compile(moe, mode="reduce-overhead", fullgraph=True)
+    with torch.inference_mode():
+        for t in (2, 37):
+            x, logits = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16), torch.randn(t, 16, device="cuda")
+            y = compiled(x, logits).clone()
+            ids, w = route_for(moe.config, logits, moe.e_score_correction_bias)
+            assert_close(y, layer_oracle(moe, x, ids, w), rel_tol("fp8-block", torch.bfloat16), f"T={t}")
+
+
+def test_plan_not_graph_safe_stays_out_of_cuda_graphs(make_layer):
+    """The reference runner is not graph-safe: its op carries torch.Tag.cudagraph_unsafe, and reduce-overhead runs
+    it outside its graphs (skipped or partitioned) and still gives the eager bits."""
+    model = stack(make_layer, runner="reference")
+    assert not model.a.plan.graph_safe
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.inference_mode():
+        for t in (3, 3, 8):
+            x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(compiled(x).clone(), model(x))
+
+
+def test_transformers_model_compiled_with_cuda_graphs():
+    pytest.importorskip("transformers")
+    from moeflow.integrations.hf.tiny import tiny_model
+    model = tiny_model("qwen3_moe", size="fp8", dtype=torch.bfloat16).cuda()
+    model.set_experts_implementation("moeflow")
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    skips = cudagraph_skips()
+    with torch.inference_mode():
+        for _ in range(3):
+            ids = torch.randint(0, 256, (2, 9), device="cuda")
+            ref = model(ids).logits
+            out = compiled(ids).logits.clone()
+            assert_close(out, ref, 2e-2, "qwen3_moe logits, compiled against eager")  # inductor fuses the rest
+    assert cudagraph_skips() == skips

@@ -1,0 +1,183 @@
+"""torch.compile through moeflow layers (moeflow.ops): a compiled model holds each layer as one op of its graph,
+with no graph break, and computes what the eager model computes.
+
+Before moeflow.ops, compiling the model below failed in dynamo (grouped_mm's fake kernel refuses float32). CPU
+plans are not graph-safe, so these graphs hold the cudagraph-unsafe form of the op (layer_host_sync); the GPU
+suite (tests/gpu/test_gpu_compile.py) covers the graph-safe form and mode="reduce-overhead".
+"""
+import copy
+import gc
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from moeflow import MoE, MoeflowError
+from moeflow import ops
+from oracle import assert_close, layer_oracle, route_for
+from tolerances import rel_tol
+
+E, H, I, K = 8, 64, 96, 2
+
+
+class Block(nn.Module):
+    """x -> linear -> MoE (routing inside) + MoE.forward_topk (routing by the caller), residual."""
+
+    def __init__(self, moe: MoE):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.gate = nn.Linear(H, E, bias=False)
+        self.moe = moe
+
+    def forward(self, x):
+        h = self.lin(x)
+        logits = self.gate(h)
+        y = self.moe(h, logits)
+        w, ids = torch.softmax(logits, dim=-1).topk(K, dim=-1)
+        return x + y + self.moe.forward_topk(h, ids, w)
+
+
+def block(seed=0, **fields) -> Block:
+    torch.manual_seed(seed)
+    moe = MoE(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, dtype=torch.float32, device="cpu",
+              **fields)
+    return Block(moe).requires_grad_(False).eval()
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps each FX graph it is given and runs it as traced (aot_eager's forward)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self):
+        return [str(n.target) for g in self.graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("runner", ["auto", "reference"])
+def test_compiled_block_matches_eager_one_graph(runner):
+    model = block(runner=runner)
+    rec = GraphRecorder()
+    compiled = torch.compile(model, backend=rec, fullgraph=True, dynamic=True)
+    for t in (5, 7, 13, 1, 0):  # one dynamic-shape graph for T >= 2; dynamo specializes T = 1 and T = 0
+        x = torch.randn(t, H)
+        y = compiled(x)
+        ref = model(x)
+        assert y.shape == ref.shape == (t, H)
+        assert torch.equal(y, ref), f"T={t}"
+    assert len(rec.graphs) == 3
+    names = rec.targets()
+    assert names.count("moeflow.layer_host_sync.default") == 2 * 3, names  # CPU plans are not graph-safe
+    assert not any("grouped_mm" in n for n in names)  # the layer's insides stay out of the graph
+
+
+def test_compiled_layer_matches_float64_oracle(make_layer):
+    moe = make_layer(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, dtype=torch.float32, device="cpu")
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)
+    x, logits = torch.randn(13, H), torch.randn(13, E)
+    ids, w = route_for(moe.config, logits, moe.e_score_correction_bias)
+    assert_close(compiled(x, logits), layer_oracle(moe, x, ids, w), rel_tol("none", torch.float32), "compiled")
+
+
+def test_each_layer_keeps_its_own_key():
+    """A copy of a layer (same code, other weights) gets its own key: the compiled op runs the layer it was traced
+    for, never the original."""
+    a = block(seed=1)
+    b = copy.deepcopy(a)
+    b.moe.load_weights({"gate_up_proj": b.moe.gate_up_proj * 2, "down_proj": b.moe.down_proj})
+    f = torch.compile(lambda m, x: m(x), backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, H)
+    assert torch.equal(f(a, x), a(x))
+    assert torch.equal(f(b, x), b(x))
+    assert not torch.equal(a(x), b(x))
+    assert ops.owner_key(a.moe, MoE._forward_eager) != ops.owner_key(b.moe, MoE._forward_eager)
+
+
+def test_op_of_a_deleted_layer_raises_mf306():
+    moe = block().moe
+    key = ops.owner_key(moe, MoE._forward_eager)
+    x, logits = torch.randn(2, H), torch.randn(2, E)
+    assert torch.equal(ops.layer_host_sync(x, [logits], key), moe(x, logits))
+    del moe
+    gc.collect()
+    with pytest.raises(MoeflowError) as err:
+        ops.layer_host_sync(x, [logits], key)
+    assert err.value.code == "MF306"
+    with pytest.raises(MoeflowError, match="MF306"):
+        ops.layer(x, [logits], "MoE._forward_eager.no-such-layer")
+
+
+def test_compiling_with_grad_raises_mf307():
+    model = block().requires_grad_(True)  # parameters that require grad, grad mode on: a backward is traced
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="MF307"):
+        compiled(torch.randn(3, H))
+    x = torch.randn(3, H)
+    with torch.no_grad():  # the documented fix
+        assert torch.equal(compiled(x), model(x))
+
+
+def test_bad_input_raises_its_code_when_run():
+    """dynamo cannot build the coded errors, so the checks run inside the op: the compiled call raises them."""
+    moe = block().moe
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True)
+    with pytest.raises(MoeflowError) as err:
+        compiled(torch.randn(3, H, dtype=torch.float64), torch.randn(3, E))
+    assert err.value.code == "MF302"
+    with pytest.raises(MoeflowError) as err:
+        compiled(torch.randn(3, H + 1), torch.randn(3, E))
+    assert err.value.code == "MF301"
+
+
+def test_ids_checked_at_run_time():
+    """forward_topk's id-range check reads the ids on the host: inside the op, at run time, as in eager."""
+    moe = block().moe
+    compiled = torch.compile(moe.forward_topk, backend="aot_eager", fullgraph=True)
+    x, w = torch.randn(2, H), torch.rand(2, K)
+    ok = torch.tensor([[0, 1], [2, 3]])
+    assert torch.equal(compiled(x, ok, w), moe.forward_topk(x, ok, w))
+    with pytest.raises(MoeflowError) as err:
+        compiled(x, torch.tensor([[0, 1], [2, E]]), w)
+    assert err.value.code == "MF304"
+
+
+def test_opcheck():
+    moe = block().moe
+    x, logits = torch.randn(6, H), torch.randn(6, E)
+    ids = torch.randint(0, E, (6, 1)).expand(6, K).contiguous() + torch.arange(K)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(ops.layer_host_sync, (x, [logits], ops.owner_key(moe, MoE._forward_eager)), test_utils=checks)
+    torch.library.opcheck(ops.layer_host_sync, (x, [ids % E, torch.rand(6, K)],
+                                                ops.owner_key(moe, MoE._forward_topk_eager)), test_utils=checks)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="inductor on CPU compiles C++: no compiler here")
+def test_inductor_compiles_the_block():
+    model = block(seed=5)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(9, H)
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)  # inductor may fuse the linears' math
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "olmoe"])
+def test_transformers_model_compiles_with_moeflow_experts(family):
+    """experts_implementation="moeflow": the whole transformers model is one graph, each experts call one op."""
+    pytest.importorskip("transformers")
+    from moeflow.integrations.hf.tiny import tiny_model
+    model = tiny_model(family)
+    model.set_experts_implementation("moeflow")
+    ids = torch.randint(0, 256, (2, 7))
+    rec = GraphRecorder()
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
+    assert torch.equal(out, ref)
+    moe_layers = model.config.num_hidden_layers - (family == "deepseek_v3")  # its first layer is dense
+    assert len(rec.graphs) == 1
+    assert rec.targets().count("moeflow.layer_host_sync.default") == moe_layers
