@@ -71,6 +71,16 @@ class MoE(nn.Module):
         self._make_parameters()
         if init_weights:
             self.reset_parameters()
+        self._register_ops()
+
+    def __setstate__(self, state):  # copies (copy.deepcopy) and unpickled layers: their own keys in moeflow.ops
+        super().__setstate__(state)
+        self._register_ops()
+
+    def _register_ops(self) -> None:
+        """Make this layer's eager forwards callable by torch.compile's op (moeflow.ops)."""
+        for fn in (MoE._forward_eager, MoE._forward_topk_eager):
+            ops.register(self, fn, self.plan.graph_safe)
 
     # ---------------------------------------------------------------- parameters
     def _make_parameters(self):
@@ -129,7 +139,7 @@ class MoE(nn.Module):
     def forward(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:
         """hidden_states [T, H] layer dtype, router_logits [T, E] any float -> [T, H] layer dtype."""
         if torch.compiler.is_compiling():  # one op of the compiled graph: _forward_eager at run time (moeflow.ops)
-            return ops.call(self, MoE._forward_eager, hidden_states, (router_logits,), self.plan.graph_safe)
+            return ops.call(self, MoE._forward_eager, hidden_states, (router_logits,))
         return self._forward_eager(hidden_states, router_logits)
 
     def forward_topk(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
@@ -138,8 +148,7 @@ class MoE(nn.Module):
         The caller routed: weights are used as given (no renormalization or scaling here).
         """
         if torch.compiler.is_compiling():  # one op of the compiled graph: _forward_topk_eager at run time
-            return ops.call(self, MoE._forward_topk_eager, hidden_states, (topk_ids, topk_weights),
-                            self.plan.graph_safe)
+            return ops.call(self, MoE._forward_topk_eager, hidden_states, (topk_ids, topk_weights))
         return self._forward_topk_eager(hidden_states, topk_ids, topk_weights)
 
     def _forward_eager(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:

@@ -14,9 +14,14 @@ How: while torch.compile traces (torch.compiler.is_compiling()), MoE.forward / f
 
 The op's fake implementation gives that shape, so the compiled graph holds one opaque node per layer. At run time
 the op calls the owner's eager function, eager graphs and all. The input checks run there too: dynamo cannot build
-moeflow's coded errors, so a bad input raises its code when the compiled graph runs, not when it is traced. Owners are keyed by identity when
-first traced (owner_key; a copy of a layer gets its own key) and held weakly: an op whose owner is gone, such as
-an exported graph run in another process, raises MF306.
+moeflow's coded errors, so a bad input raises its code when the compiled graph runs, not when it is traced.
+Owners: an owner is registered outside tracing (register: a layer when it is built or copied, a transformers
+experts module when its path is planned), under a key made of its identity (id) and its eager function, held
+weakly: a copy of a layer has its own key, and an op whose owner is gone (an exported graph run in another process)
+raises MF306. Tracing reads the key and the owner's graph safety from the registry. An owner not registered yet (a
+transformers experts module never called before the model was compiled) runs its eager function outside the graph:
+the compiled model is right but broken into pieces around each such call, and stays so. Planning the experts before
+compiling (moeflow.integrations.hf.prepare_experts, or one eager call) registers them and avoids the breaks.
 CUDA graphs: torch.compile(mode="reduce-overhead") records the op's launches in its own graphs. A plan that is not
 graph-safe (Plan.graph_safe False: the reference runner, the expert-parallel dispatchers, their host
 synchronization) calls ``torch.ops.moeflow.layer_host_sync`` instead, the same op tagged
@@ -27,7 +32,6 @@ torch.export of a model for use in another process (the owner key names a layer 
 """
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Callable
 
@@ -36,21 +40,31 @@ from torch import Tensor
 
 from .errors import error
 
-_KEYS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()  # owner -> {eager fn: key}
 _OWNERS: dict[str, tuple[weakref.ref, Callable]] = {}  # key -> (owner, eager fn)
-_NUMBERS = itertools.count()
+_GRAPH_SAFE: dict[str, bool] = {}  # key -> whether the owner's calls may be captured (what tracing reads)
 
 
-@torch.compiler.assume_constant_result
 def owner_key(owner, fn: Callable) -> str:
-    """The key the op names ``fn(owner, hidden, *routing)`` by; registered on first use. Runs at trace time, once a
-    compiled graph (its result is a constant of the graph)."""
-    keys = _KEYS.setdefault(owner, {})
-    if fn not in keys:
-        key = f"{type(owner).__name__}.{fn.__name__}.{next(_NUMBERS)}"
-        keys[fn] = key
-        _OWNERS[key] = (weakref.ref(owner, lambda _, k=key: _OWNERS.pop(k, None)), fn)
-    return keys[fn]
+    """The key the op names ``fn(owner, hidden, *routing)`` by: the owner's class, fn's name and the owner's id.
+    Traceable: dynamo folds id() of an object it guards to a constant."""
+    return type(owner).__name__ + "." + fn.__name__ + "@" + str(id(owner))
+
+
+def register(owner, fn: Callable, graph_safe: bool) -> None:
+    """Make ``fn(owner, hidden, *routing)`` callable by the op (outside tracing). graph_safe: the owner's
+    Plan.graph_safe. The entry goes when the owner does."""
+    key = owner_key(owner, fn)
+    _OWNERS[key] = (weakref.ref(owner, lambda _, k=key: _forget(k)), fn)
+    _GRAPH_SAFE[key] = graph_safe
+
+
+def registered(owner, fn: Callable) -> bool:
+    return owner_key(owner, fn) in _GRAPH_SAFE
+
+
+def _forget(key: str) -> None:
+    _OWNERS.pop(key, None)
+    _GRAPH_SAFE.pop(key, None)
 
 
 def _run(hidden: Tensor, routing: list[Tensor], owner: str) -> Tensor:
@@ -81,8 +95,18 @@ layer = _define("layer", ())
 layer_host_sync = _define("layer_host_sync", (_UNSAFE,) if _UNSAFE is not None else ())
 
 
-def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...], graph_safe: bool) -> Tensor:
-    """fn(owner, hidden, *routing) as one op of the traced graph (module docstring). graph_safe: the owner's
-    Plan.graph_safe (False takes the op tagged cudagraph_unsafe)."""
-    op = layer if graph_safe else layer_host_sync
-    return op(hidden, list(routing), owner_key(owner, fn))
+@torch.compiler.disable(reason="moeflow: a layer's first call before it is registered with moeflow.ops (a "
+                               "transformers experts module not yet planned: moeflow.integrations.hf.prepare_experts "
+                               "plans them before torch.compile)")
+def _unregistered(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...]) -> Tensor:
+    return fn(owner, hidden, *routing)
+
+
+def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...]) -> Tensor:
+    """fn(owner, hidden, *routing) as one op of the traced graph (module docstring): the graph-safe op or the one
+    tagged cudagraph_unsafe, as registered; run outside the graph where the owner is not registered."""
+    key = owner_key(owner, fn)
+    if key not in _GRAPH_SAFE:
+        return _unregistered(owner, fn, hidden, routing)
+    op = layer if _GRAPH_SAFE[key] else layer_host_sync
+    return op(hidden, list(routing), key)

@@ -96,6 +96,7 @@ def test_each_layer_keeps_its_own_key():
     assert torch.equal(f(b, x), b(x))
     assert not torch.equal(a(x), b(x))
     assert ops.owner_key(a.moe, MoE._forward_eager) != ops.owner_key(b.moe, MoE._forward_eager)
+    assert ops.registered(b.moe, MoE._forward_eager)  # the copy registered itself (MoE.__setstate__)
 
 
 def test_op_of_a_deleted_layer_raises_mf306():
@@ -181,3 +182,30 @@ def test_transformers_model_compiles_with_moeflow_experts(family):
     moe_layers = model.config.num_hidden_layers - (family == "deepseek_v3")  # its first layer is dense
     assert len(rec.graphs) == 1
     assert rec.targets().count("moeflow.layer_host_sync.default") == moe_layers
+
+
+def test_transformers_experts_not_planned_before_compiling():
+    """A model compiled before any eager call: its experts modules are not registered, so the compiled model runs
+    them outside its graphs (graph breaks; they register then). The results are right; prepare_experts() before
+    compiling gives the one graph."""
+    pytest.importorskip("transformers")
+    from moeflow.integrations.hf import prepare_experts
+    from moeflow.integrations.hf.tiny import tiny_model
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        model = tiny_model("qwen3_moe")
+        model.set_experts_implementation("moeflow")
+        rec = GraphRecorder()
+        compiled = torch.compile(model, backend=rec)
+        first, second = compiled(ids).logits, compiled(ids).logits
+        assert len(rec.graphs) > 1  # broken around the experts calls
+        ref = model(ids).logits
+        assert torch.equal(first, ref) and torch.equal(second, ref)
+
+        fresh = tiny_model("qwen3_moe")
+        fresh.set_experts_implementation("moeflow")
+        assert prepare_experts(fresh) == 2
+        rec = GraphRecorder()
+        out = torch.compile(fresh, backend=rec, fullgraph=True)(ids).logits
+        assert len(rec.graphs) == 1 and rec.targets().count("moeflow.layer_host_sync.default") == 2
+        assert torch.equal(out, ref)

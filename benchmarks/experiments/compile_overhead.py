@@ -77,39 +77,43 @@ def graph_us(fn) -> float:
 def part_a(tokens) -> list[dict]:
     rows = []
     for scheme in ("none", "fp8-block"):
-        torch.manual_seed(0)
-        cfg = preset_config("qwen3-30b-a3b", dtype=torch.bfloat16, device="cuda", quant=scheme, runner="triton")
-        model = Stack([MoE(cfg) for _ in range(4)]).requires_grad_(False).eval()
-        compiled = torch.compile(model, fullgraph=True, dynamic=False)
-        cudagraphs = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
-        for t in tokens:
-            x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-            row = dict(part="A", model="4 x qwen3-30b-a3b layers", scheme=scheme, T=t)
-            with torch.inference_mode():
-                os.environ["MOEFLOW_EAGER_GRAPHS"] = "0"
-                row["eager_launched"] = loop_us(lambda: model(x))
-                row["captured"] = graph_us(lambda: model(x))
-                os.environ["MOEFLOW_EAGER_GRAPHS"] = "16"
-                row["eager"] = loop_us(lambda: model(x))
-                row["compiled_first_s"] = first_call_s(lambda: compiled(x))
-                row["compiled"] = loop_us(lambda: compiled(x))
-                row["cudagraphs_first_s"] = first_call_s(lambda: cudagraphs(x))
-                row["cudagraphs"] = loop_us(lambda: cudagraphs(x))
-                ref = model(x)
-                row["compiled_equal"] = bool(torch.equal(compiled(x), ref))
-                row["cudagraphs_equal"] = bool(torch.equal(cudagraphs(x).clone(), ref))
-            rows.append(row)
-            print(fmt(row), flush=True)
-        del model, compiled, cudagraphs
+        rows += scheme_rows(scheme, tokens)
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return rows
 
 
+def scheme_rows(scheme: str, tokens) -> list[dict]:
+    torch.manual_seed(0)
+    cfg = preset_config("qwen3-30b-a3b", dtype=torch.bfloat16, device="cuda", quant=scheme, runner="triton")
+    model = Stack([MoE(cfg) for _ in range(4)]).requires_grad_(False).eval()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    cudagraphs = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        row = dict(part="A", model="4 x qwen3-30b-a3b layers", scheme=scheme, T=t)
+        with torch.inference_mode():
+            os.environ["MOEFLOW_EAGER_GRAPHS"] = "0"
+            row["eager_launched"] = loop_us(lambda: model(x))
+            row["captured"] = graph_us(lambda: model(x))
+            os.environ["MOEFLOW_EAGER_GRAPHS"] = "16"
+            row["eager"] = loop_us(lambda: model(x))
+            row["compiled_first_s"] = first_call_s(lambda: compiled(x))
+            row["compiled"] = loop_us(lambda: compiled(x))
+            row["cudagraphs_first_s"] = first_call_s(lambda: cudagraphs(x))
+            row["cudagraphs"] = loop_us(lambda: cudagraphs(x))
+            ref = model(x)
+            row["compiled_equal"] = bool(torch.equal(compiled(x), ref))
+            row["cudagraphs_equal"] = bool(torch.equal(cudagraphs(x).clone(), ref))
+        rows.append(row)
+        print(fmt(row), flush=True)
+    return rows
+
+
 def part_b(shapes) -> list[dict]:
-    import moeflow  # noqa: F401  (registers "moeflow" with transformers)
     import transformers
-    from bench_hf import model_config
+    from bench_hf import model_config  # imports moeflow first, which registers "moeflow" with transformers
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(model_config(4, False), dtype=torch.bfloat16)
     model = model.cuda().eval()

@@ -81,9 +81,11 @@ def test_plan_not_graph_safe_stays_out_of_cuda_graphs(make_layer):
 
 def test_transformers_model_compiled_with_cuda_graphs():
     pytest.importorskip("transformers")
+    from moeflow.integrations.hf import prepare_experts
     from moeflow.integrations.hf.tiny import tiny_model
     model = tiny_model("qwen3_moe", size="fp8", dtype=torch.bfloat16).cuda()
     model.set_experts_implementation("moeflow")
+    assert prepare_experts(model) == 2  # registers the experts modules with moeflow.ops: one graph, no breaks
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     skips = cudagraph_skips()
     with torch.inference_mode():

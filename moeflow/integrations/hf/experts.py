@@ -121,6 +121,10 @@ def experts_path(module: nn.Module, dtype: torch.dtype, top_k: int) -> ExpertsPa
     key = (dtype, w13.device, w13.dtype, top_k)
     if key not in cache:
         cache[key] = ExpertsPath(experts_config(module, dtype, top_k))
+    if not ops.registered(module, experts_forward_eager):  # torch.compile's op runs it (moeflow.ops)
+        # the expert-parallel sentinels are dropped after a host sync: not capturable
+        safe = cache[key].plan.graph_safe and not getattr(module, "_is_expert_parallel", False)
+        ops.register(module, experts_forward_eager, safe)
     return cache[key]
 
 
@@ -128,17 +132,8 @@ def moeflow_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     """The function registered as "moeflow" (see the module docstring for shapes and refusals). Under torch.compile's
     tracing, one op of the compiled graph (moeflow.ops) that runs it."""
     if torch.compiler.is_compiling():
-        return ops.call(self, experts_forward_eager, hidden_states, (top_k_index, top_k_weights),
-                        _graph_safe(self, hidden_states.dtype))
+        return ops.call(self, experts_forward_eager, hidden_states, (top_k_index, top_k_weights))
     return experts_forward_eager(self, hidden_states, top_k_index, top_k_weights)
-
-
-@torch.compiler.assume_constant_result
-def _graph_safe(module: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether the module's calls may be captured in a CUDA graph: its path's Plan.graph_safe (planned here, at trace
-    time, with the model's top-k), and no expert-parallel sentinel (whose drop syncs the host)."""
-    top_k = getattr(module.config, "num_experts_per_tok", 1) if hasattr(module, "config") else 1
-    return experts_path(module, dtype, top_k).plan.graph_safe and not getattr(module, "_is_expert_parallel", False)
 
 
 def experts_forward_eager(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
