@@ -16,7 +16,9 @@ holds each weight's address, shape, strides and dtype, so weights loaded in plac
 weights moved or replaced give a new graph.
 When: MOEFLOW_EAGER_GRAPHS (default 16) is the largest token count replayed; the plan must be graph-safe
 (Plan.graph_safe: every stage declares it); inputs on CUDA; not while a stream captures (the caller's own graph
-then records the launches themselves), nor under torch.compile's tracing, nor with inputs that require grad.
+then records the launches themselves), nor inside a compiled model (torch.compile's tracing, and its op at run time:
+moeflow.ops; mode="reduce-overhead" gives the compiled model CUDA graphs of its own), nor with inputs that require
+grad.
 Measured there: replayed calls are GPU-bound from T = 4 (eager loop 9-14 µs a call over the graph's own GPU time),
 against 2-7x over it launch by launch; at T = 1, 47-85 µs a call against 130-300.
 Costs: the first call of each key runs twice and captures (a few ms); a copy of each input and of the output a
@@ -27,6 +29,8 @@ Not supported: calls of one layer on two streams at once (as for the one-launch 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
 from collections import OrderedDict
 from typing import Callable
@@ -38,6 +42,9 @@ from . import env as moeflow_env
 from .errors import error
 
 MAX_GRAPHS = 8  # graphs one cache keeps (one per token count and entry, in practice)
+# set while torch.compile's op runs a layer (moeflow.ops): the compiled model's own CUDA graphs (mode="reduce-overhead")
+# warm up and record in their memory pool, where a graph of ours (its static inputs) would outlive the recording
+_STAND_ASIDE = contextvars.ContextVar("moeflow_eager_graphs_stand_aside", default=False)
 MAX_EVICTIONS = 32  # graphs one cache may drop to make room; past that it captures no new ones (see GraphCache)
 
 
@@ -74,6 +81,16 @@ def capture_graph(fn, warmups: int = 1, pool=None, capture_error_mode: str = "gl
     with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
         fn()
     return graph
+
+
+@contextlib.contextmanager
+def standing_aside():
+    """Within it, no GraphCache replays or captures (calls run launch by launch): torch.compile's op (moeflow.ops)."""
+    token = _STAND_ASIDE.set(True)
+    try:
+        yield
+    finally:
+        _STAND_ASIDE.reset(token)
 
 
 class _Captured:
@@ -131,7 +148,7 @@ class GraphCache:
         x = inputs[0]
         if x.device.type != self.device_type or not 0 < x.shape[0] <= graph_tokens():
             return False
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _STAND_ASIDE.get():
             return False
         if self.device_type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False

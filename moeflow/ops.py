@@ -13,7 +13,10 @@ How: while torch.compile traces (torch.compiler.is_compiling()), MoE.forward / f
     a new contiguous tensor
 
 The op's fake implementation gives that shape, so the compiled graph holds one opaque node per layer. At run time
-the op calls the owner's eager function, eager graphs and all. The input checks run there too: dynamo cannot build
+the op calls the owner's eager function, launch by launch: the layer's own eager graphs (moeflow.graphs) stand
+aside, since mode="reduce-overhead" warms up and records in a memory pool that a graph of theirs would outlive. A
+compiled model without CUDA graphs (the default mode) therefore pays each launch's host cost, as an eager model with
+MOEFLOW_EAGER_GRAPHS=0 does. The input checks run there too: dynamo cannot build
 moeflow's coded errors, so a bad input raises its code when the compiled graph runs, not when it is traced.
 Owners: an owner is registered outside tracing (register: a layer when it is built or copied, a transformers
 experts module when its path is planned), under a key made of its identity (id) and its eager function, held
@@ -38,6 +41,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import graphs
 from .errors import error
 
 _OWNERS: dict[str, tuple[weakref.ref, Callable]] = {}  # key -> (owner, eager fn)
@@ -72,7 +76,8 @@ def _run(hidden: Tensor, routing: list[Tensor], owner: str) -> Tensor:
     target = entry[0]() if entry else None
     if target is None:
         raise error("MF306", owner=owner)
-    return entry[1](target, hidden, *routing)
+    with graphs.standing_aside():  # the compiled model's CUDA graphs, if any, are its own (moeflow.graphs)
+        return entry[1](target, hidden, *routing)
 
 
 def _fake(hidden: Tensor, routing: list[Tensor], owner: str) -> Tensor:
@@ -95,9 +100,10 @@ layer = _define("layer", ())
 layer_host_sync = _define("layer_host_sync", (_UNSAFE,) if _UNSAFE is not None else ())
 
 
-@torch.compiler.disable(reason="moeflow: a layer's first call before it is registered with moeflow.ops (a "
-                               "transformers experts module not yet planned: moeflow.integrations.hf.prepare_experts "
-                               "plans them before torch.compile)")
+_UNREGISTERED_REASON = ("moeflow: a layer's first call before it is registered with moeflow.ops (a transformers experts "
+                        "module not yet planned: moeflow.integrations.hf.prepare_experts plans them before torch.compile)")
+
+
 def _unregistered(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...]) -> Tensor:
     return fn(owner, hidden, *routing)
 
@@ -106,7 +112,7 @@ def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...]) -> Te
     """fn(owner, hidden, *routing) as one op of the traced graph (module docstring): the graph-safe op or the one
     tagged cudagraph_unsafe, as registered; run outside the graph where the owner is not registered."""
     key = owner_key(owner, fn)
-    if key not in _GRAPH_SAFE:
-        return _unregistered(owner, fn, hidden, routing)
+    if key not in _GRAPH_SAFE:  # run outside the graph (disabled here, not at import: that would import dynamo)
+        return torch.compiler.disable(_unregistered, reason=_UNREGISTERED_REASON)(owner, fn, hidden, routing)
     op = layer if _GRAPH_SAFE[key] else layer_host_sync
     return op(hidden, list(routing), key)

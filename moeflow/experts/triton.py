@@ -51,7 +51,11 @@ class TritonRunner(ExpertRunner):
         super().__init__(config, scheme)
         self._table = None  # tuned configs of this shape: {tokens: MoEKernelConfig}, or {} for defaults
         self._fitted = {}  # (layout, tokens) -> fitted MoEKernelConfig: no per-call lookup cost
-        self._sync = {}  # device -> the fused layer's int32 counters, zero between launches
+        self._sync = {}  # device index -> the fused layer's int32 counters, zero between launches
+        if config.device.type == "cuda" and scheme.name in _FUSED:
+            # made now, not at the first call: a first call under torch.compile's CUDA graphs would take them from
+            # the graphs' memory pool, which refuses allocations that outlive a recording (moeflow.ops)
+            self._counters(config.device)
 
     def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
         return self.run_with(batch, weights, self.kernel_config(batch, weights))
@@ -131,20 +135,23 @@ class TritonRunner(ExpertRunner):
         return fused_layer(unit_stride_rows(hidden), topk_ids.to(torch.int32).contiguous(),
                            topk_weights.float().contiguous(), weights.w13, weights.w13_scale, weights.w2,
                            weights.w2_scale, self.scheme.name, cfg.activation, cfg.dtype, fused_config,
-                           self._counters(hidden.device, weights))
+                           self._counters(hidden.device))
 
-    def _counters(self, device: torch.device, weights: ExpertWeights) -> Tensor:
-        """This layer's fused-launch counters on ``device``, made (zeroed) at the first call, as many as any
-        batch and tile set may need; each launch leaves them zero for the next. Launches of one layer must
-        therefore not overlap: calls (or graph replays) of the same layer on two streams at once are not
-        supported. Made once, not per call: a per-call zeroing would be one more node in a captured graph."""
-        if device not in self._sync:
+    def _counters(self, device: torch.device) -> Tensor:
+        """This layer's fused-launch counters on ``device`` (made, zeroed, when the runner is built on a CUDA device,
+        else at the first call there), as many as any batch and tile set may need; each launch leaves them zero for
+        the next. Launches of one layer must therefore not overlap: calls (or graph replays) of the same layer on
+        two streams at once are not supported. Made once, not per call: a per-call zeroing would be one more node
+        in a captured graph."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._sync:
             from ..kernels.configs import FusedConfig
             from ..kernels.fused_layer import counters_size
+            cfg = self.config
             most = FusedConfig(block_n1=16, block_n2=16, split1=2, split2=2)  # the narrowest tiles, split
-            n = counters_size(FUSED_MAX_TOKENS, self.config.top_k, weights.w2.shape[1], weights.w2.shape[2], most)
-            self._sync[device] = torch.zeros(n, dtype=torch.int32, device=device)
-        return self._sync[device]
+            n = counters_size(FUSED_MAX_TOKENS, cfg.top_k, cfg.hidden_size, cfg.intermediate_size, most)
+            self._sync[index] = torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", index))
+        return self._sync[index]
 
     def _entry(self, tokens: int, weights: ExpertWeights, device: torch.device):
         """The tuned table's entry nearest ``tokens`` (the table read once), or the documented defaults."""
