@@ -39,6 +39,8 @@ class LocalDispatcher(Dispatcher):
         # small batches only, expert_sort.sort_and_quantize), the bits the runner would compute one launch
         # or more later; MoEConfig.dispatch_payload="dtype" keeps the layer dtype
         self._quantize_in_sort = scheme.name in SORT_QUANTIZES and config.dispatch_payload != "dtype"
+        if config.device.type == "cuda":  # made now, not at the first call: as TritonRunner's counters (moeflow.ops)
+            self._expert_bounds(torch.empty(0, dtype=torch.int32, device=config.device))
 
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
         if self._quantize_in_sort:
@@ -62,11 +64,15 @@ class LocalDispatcher(Dispatcher):
         return batch, LocalHandle(row_of_copy)
 
     def _expert_bounds(self, like: Tensor) -> Tensor:
-        """[E + 1] = 0..E in ``like``'s dtype and device, made once per (device, dtype)."""
-        key = (like.device, like.dtype)
+        """[E + 1] = 0..E in ``like``'s dtype and device, made once per (device, dtype) (int32 on the layer's CUDA
+        device when the dispatcher is built)."""
+        device = like.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, like.dtype)
         bounds = self._bounds.get(key)
         if bounds is None:
-            bounds = self._bounds[key] = torch.arange(self.config.num_experts + 1, dtype=like.dtype, device=like.device)
+            bounds = self._bounds[key] = torch.arange(self.config.num_experts + 1, dtype=like.dtype, device=device)
         return bounds
 
     def combine(self, expert_out: Tensor, handle: LocalHandle) -> Tensor:

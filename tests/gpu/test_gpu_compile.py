@@ -31,6 +31,15 @@ class Stack(nn.Module):
         return x + self.b.forward_topk(x, ids, w)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles new modules through the same forward code: start from dynamo's empty caches, so that the
+    recompiles of earlier tests do not count against this one's recompile limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def stack(make_layer, **fields):
     return Stack(make_layer(**SHAPE, **fields), make_layer(**SHAPE, **fields)).requires_grad_(False).eval()
 
