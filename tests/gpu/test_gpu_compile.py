@@ -104,3 +104,22 @@ def test_transformers_model_compiled_with_cuda_graphs():
             out = compiled(ids).logits.clone()
             assert_close(out, ref, 2e-2, "qwen3_moe logits, compiled against eager")  # inductor fuses the rest
     assert cudagraph_skips() == skips
+
+
+def test_transformers_generate_with_static_cache_compiles():
+    """transformers' generate with a static cache compiles the decoding forward itself: with moeflow experts it must
+    compile without graph breaks and give the tokens of the uncompiled generate (float32: the compiled rest of the
+    model moves logits by ~1e-6, far below the greedy margins of this model)."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+    from moeflow.integrations.hf.tiny import tiny_model
+    model = tiny_model("qwen3_moe", dtype=torch.float32).cuda()
+    model.set_experts_implementation("moeflow")
+    ids = torch.randint(0, 256, (2, 9), device="cuda")
+    with torch.inference_mode():
+        ref = model.generate(ids, max_new_tokens=12, do_sample=False)
+        counters.clear()
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])  # generate compiled its decoding step
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(out, ref)
