@@ -16,8 +16,10 @@ The op's fake implementation gives that shape, so the compiled graph holds one o
 the op calls the owner's eager function, launch by launch: the layer's own eager graphs (moeflow.graphs) stand
 aside, since mode="reduce-overhead" warms up and records in a memory pool that a graph of theirs would outlive. A
 compiled model without CUDA graphs (the default mode) therefore pays each launch's host cost, as an eager model with
-MOEFLOW_EAGER_GRAPHS=0 does. The input checks run there too: dynamo cannot build
-moeflow's coded errors, so a bad input raises its code when the compiled graph runs, not when it is traced.
+MOEFLOW_EAGER_GRAPHS=0 does, and the op's own Python dispatch on top: 90-150 µs more a layer call than eager on the
+lent H200's host, with no synchronization (benchmarks/results/compile_2026-12-03_h200.md). The input checks run in
+the eager function too: dynamo cannot build moeflow's coded errors, so a bad input raises its code when the
+compiled graph runs, not when it is traced.
 Owners: an owner is registered outside tracing (register: a layer when it is built or copied, a transformers
 experts module when its path is planned), under a key made of its identity (id) and its eager function, held
 weakly: a copy of a layer has its own key, and an op whose owner is gone (an exported graph run in another process)
