@@ -171,6 +171,7 @@ def suite(world):
         tokens_for(c, "ds"), num_experts=16, top_k=4, scoring="sigmoid", num_expert_groups=4, topk_groups=2,
         use_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1, shared_intermediate_size=64,
         dispatcher="alltoall", runner="reference", dtype=torch.float32)))
+    checks.append(("compiled-alltoall", check_compiled))
     checks.append(("auto-picks-alltoall", check_auto))
     checks.append(("mismatch-MF501", check_mismatch))
     checks.append(("bad-placement-MF504", lambda c: c.expect("MF504", lambda: MoE(**BASE, placement=(0,) * 8))))
@@ -213,6 +214,16 @@ def check_pieces(c, most):
         assert ep.dispatcher.combine_chunks == most
     finally:
         alltoall_fixed.COMBINE_CHUNKS = saved
+
+
+def check_compiled(c):
+    """torch.compile through an expert-parallel layer (moeflow.ops): the layer is one op of the rank's graph (the
+    form tagged cudagraph_unsafe: the dispatch synchronizes the host), and each rank gets its eager bits."""
+    ep, x, logits, want = c.compare(tokens_for(c, "compiled"), dispatcher="alltoall", runner="grouped_mm",
+                                    dtype=torch.float32)
+    assert not ep.plan.graph_safe
+    got = torch.compile(ep, backend="aot_eager", fullgraph=True)(x, logits)
+    assert torch.equal(got, want)
 
 
 def check_auto(c):
