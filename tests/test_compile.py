@@ -209,3 +209,26 @@ def test_transformers_experts_not_planned_before_compiling():
         out = torch.compile(fresh, backend=rec, fullgraph=True)(ids).logits
         assert len(rec.graphs) == 1 and rec.targets().count("moeflow.layer_host_sync.default") == 2
         assert torch.equal(out, ref)
+
+
+def test_experts_path_compiles_with_the_weights_as_inputs(make_layer):
+    """ExpertsPath (a model library's own weights): one op of the graph, the weights among its inputs, so weights
+    changed in place between calls are read anew; a copy gets its own key; valid_below runs outside the graph."""
+    from moeflow.experts import ExpertWeights
+    from moeflow.integrations.path import ExpertsPath
+    moe = make_layer(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, dtype=torch.float32, device="cpu")
+    path = ExpertsPath(moe.config)
+    w13, w2 = moe.gate_up_proj.detach().clone(), moe.down_proj.detach().clone()
+    rec = GraphRecorder()
+    f = torch.compile(lambda p, x, i, w: p(x, i, w, ExpertWeights(w13, w2)), backend=rec, fullgraph=True)
+    x, logits = torch.randn(5, H), torch.randn(5, E)
+    ids, w = route_for(moe.config, logits)
+    assert torch.equal(f(path, x, ids, w), path(x, ids, w, ExpertWeights(w13, w2)))
+    assert rec.targets().count("moeflow.layer_host_sync.default") == 1
+    assert_close(f(path, x, ids, w), layer_oracle(moe, x, ids, w), rel_tol("none", torch.float32), "ExpertsPath")
+    w13.mul_(2)  # in place: the compiled graph passes the tensor, the op reads its new values
+    assert torch.equal(f(path, x, ids, w), path(x, ids, w, ExpertWeights(w13, w2)))
+    twin = copy.deepcopy(path)
+    assert ops.registered(twin, ExpertsPath._call_op) and torch.equal(f(twin, x, ids, w), f(path, x, ids, w))
+    sentinel = torch.compile(lambda p, x, i, w: p(x, i, w, ExpertWeights(w13, w2), valid_below=E - 1))
+    assert torch.equal(sentinel(path, x, ids, w), path(x, ids, w, ExpertWeights(w13, w2), valid_below=E - 1))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import ops
 from ..capabilities import Environment
 from ..config import MoEConfig
 from ..dispatch import create_dispatcher
@@ -39,6 +40,11 @@ class ExpertsPath:
                                             indexed_rows=self.plan.indexed_rows)
         self.runner = create_runner(self.plan.runner, config, self.scheme)
         self._graphs = GraphCache(self.plan.graph_safe)  # eager calls of small batches replayed (moeflow.graphs)
+        ops.register(self, ExpertsPath._call_op, self.plan.graph_safe)  # torch.compile's op runs it (moeflow.ops)
+
+    def __setstate__(self, state):  # copies: their own key in moeflow.ops
+        self.__dict__.update(state)
+        ops.register(self, ExpertsPath._call_op, self.plan.graph_safe)
 
     def __call__(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                  valid_below: int | None = None) -> Tensor:
@@ -48,7 +54,25 @@ class ExpertsPath:
         valid_below: when set, ids >= valid_below are sentinels (expert parallelism: a copy whose
         expert lives on another rank, weight 0). They are dropped before the experts run and
         contribute exactly zero; this costs one host synchronization (the count of valid copies).
+        Under torch.compile's tracing a call is one op of the graph (moeflow.ops), the weights among its inputs; a call
+        with valid_below runs outside the graph (its row count is known only on the host).
         """
+        if torch.compiler.is_compiling():
+            if valid_below is not None:
+                return torch.compiler.disable(self._call, reason="moeflow ExpertsPath: valid_below syncs the host")(
+                    hidden, topk_ids, topk_weights, weights, valid_below)
+            scales = () if weights.w13_scale is None else (weights.w13_scale, weights.w2_scale)
+            return ops.call(self, ExpertsPath._call_op, hidden, (topk_ids, topk_weights, weights.w13, weights.w2) + scales)
+        return self._call(hidden, topk_ids, topk_weights, weights, valid_below)
+
+    def _call_op(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                 w13_scale: Tensor | None = None, w2_scale: Tensor | None = None) -> Tensor:
+        """__call__ as torch.compile's op runs it: the weights as tensors."""
+        return self._call(hidden, topk_ids, topk_weights, ExpertWeights(w13, w2, w13_scale, w2_scale))
+
+    def _call(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+              valid_below: int | None = None) -> Tensor:
+        """__call__ outside torch.compile's tracing."""
         if valid_below is None:  # the layer's own path: the one-launch small-batch layer where the plan has it
             run = lambda x, i, w: routed_experts(self.plan, self.dispatcher, self.runner, x, i.to(torch.int32),
                                                  w.float(), weights)[0]

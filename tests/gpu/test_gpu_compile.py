@@ -123,3 +123,21 @@ def test_transformers_generate_with_static_cache_compiles():
     assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])  # generate compiled its decoding step
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert torch.equal(out, ref)
+
+
+def test_experts_path_compiled_with_cuda_graphs(make_layer):
+    """ExpertsPath on a model library's own weights, compiled with mode="reduce-overhead": the eager bits, no CUDA
+    graph skipped (the weights are inputs of the op, so inductor's graphs hold them as static inputs)."""
+    from moeflow.experts import ExpertWeights
+    from moeflow.integrations.path import ExpertsPath
+    moe = make_layer(**SHAPE, quant="fp8-block", runner="triton")
+    path = ExpertsPath(moe.config)
+    weights = ExpertWeights(moe.gate_up_proj, moe.down_proj, moe.gate_up_proj_scale_inv, moe.down_proj_scale_inv)
+    compiled = torch.compile(lambda x, i, w: path(x, i, w, weights), mode="reduce-overhead", fullgraph=True)
+    skips = cudagraph_skips()
+    with torch.inference_mode():
+        for t in (1, 7, 7, 40):
+            x, logits = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16), torch.randn(t, 16, device="cuda")
+            ids, w = route_for(moe.config, logits, moe.e_score_correction_bias)
+            assert torch.equal(compiled(x, ids, w).clone(), path(x, ids, w, weights)), f"T={t}"
+    assert cudagraph_skips() == skips
