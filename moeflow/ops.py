@@ -5,12 +5,12 @@ launches with host-side config lookups and eager-graph caches. Traced directly, 
 fake kernel, which refuses float32 (tests/test_compile.py has the model that showed it). A model holding a
 moeflow layer could not be compiled, which is how serving engines and transformers' static-cache generation run
 models.
-How: while torch.compile traces (torch.compiler.is_compiling()), MoE.forward / forward_topk and transformers'
-"moeflow" experts call ``torch.ops.moeflow.layer(hidden, routing, owner)`` instead of running:
+How: while torch.compile traces (torch.compiler.is_compiling()), MoE.forward / forward_topk, transformers'
+"moeflow" experts and ExpertsPath call ``torch.ops.moeflow.layer(hidden, routing, owner)`` instead of running:
 
-    hidden [T, H] float, routing: [router_logits [T, E]] or [topk_ids [T, K], topk_weights [T, K]],
-    owner: the key of the layer (or experts module) and of its eager function -> [T, H], hidden's dtype,
-    a new contiguous tensor
+    hidden [T, H] float, routing: [router_logits [T, E]] or [topk_ids [T, K], topk_weights [T, K]] (ExpertsPath:
+    then the caller's weights w13, w2 and their scales), owner: the key of the layer (or experts module, or path)
+    and of its eager function -> [T, H], hidden's dtype, a new contiguous tensor
 
 The op's fake implementation gives that shape, so the compiled graph holds one opaque node per layer. At run time
 the op calls the owner's eager function, launch by launch: the layer's own eager graphs (moeflow.graphs) stand
@@ -20,8 +20,8 @@ MOEFLOW_EAGER_GRAPHS=0 does, and the op's own Python dispatch on top: 90-150 µs
 lent H200's host, with no synchronization (benchmarks/results/compile_2026-12-03_h200.md). The input checks run in
 the eager function too: dynamo cannot build moeflow's coded errors, so a bad input raises its code when the
 compiled graph runs, not when it is traced.
-Owners: an owner is registered outside tracing (register: a layer when it is built or copied, a transformers
-experts module when its path is planned), under a key made of its identity (id) and its eager function, held
+Owners: an owner is registered outside tracing (register: a layer or an ExpertsPath when it is built or copied, a
+transformers experts module when its path is planned), under a key made of its identity (id) and its eager function, held
 weakly: a copy of a layer has its own key, and an op whose owner is gone (an exported graph run in another process)
 raises MF306. Tracing reads the key and the owner's graph safety from the registry. An owner not registered yet (a
 transformers experts module never called before the model was compiled) runs its eager function outside the graph:
