@@ -21,8 +21,8 @@ lent H200's host, with no synchronization (benchmarks/results/compile_2026-12-03
 the eager function too: dynamo cannot build moeflow's coded errors, so a bad input raises its code when the
 compiled graph runs, not when it is traced.
 Owners: an owner is registered outside tracing (register: a layer or an ExpertsPath when it is built or copied, a
-transformers experts module when its path is planned), under a key made of its identity (id) and its eager function, held
-weakly: a copy of a layer has its own key, and an op whose owner is gone (an exported graph run in another process)
+transformers experts module when its path is planned), under a key made of its identity (id) and its eager function,
+held weakly: a copy of a layer has its own key, and an op whose owner is gone (an exported graph run in another process)
 raises MF306. Tracing reads the key and the owner's graph safety from the registry. An owner not registered yet (a
 transformers experts module never called before the model was compiled) runs its eager function outside the graph:
 the compiled model is right but broken into pieces around each such call, and stays so. Planning the experts before
@@ -102,8 +102,9 @@ layer = _define("layer", ())
 layer_host_sync = _define("layer_host_sync", (_UNSAFE,) if _UNSAFE is not None else ())
 
 
-_UNREGISTERED_REASON = ("moeflow: a layer's first call before it is registered with moeflow.ops (a transformers experts "
-                        "module not yet planned: moeflow.integrations.hf.prepare_experts plans them before torch.compile)")
+_UNREGISTERED_REASON = ("moeflow: a layer's first call before it is registered with moeflow.ops (a transformers "
+                        "experts module not yet planned: moeflow.integrations.hf.prepare_experts plans them before "
+                        "torch.compile)")
 
 
 def _unregistered(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...]) -> Tensor:

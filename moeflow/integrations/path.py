@@ -62,7 +62,8 @@ class ExpertsPath:
                 return torch.compiler.disable(self._call, reason="moeflow ExpertsPath: valid_below syncs the host")(
                     hidden, topk_ids, topk_weights, weights, valid_below)
             scales = () if weights.w13_scale is None else (weights.w13_scale, weights.w2_scale)
-            return ops.call(self, ExpertsPath._call_op, hidden, (topk_ids, topk_weights, weights.w13, weights.w2) + scales)
+            tensors = (topk_ids, topk_weights, weights.w13, weights.w2) + scales
+            return ops.call(self, ExpertsPath._call_op, hidden, tensors)
         return self._call(hidden, topk_ids, topk_weights, weights, valid_below)
 
     def _call_op(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
