@@ -21,11 +21,8 @@ Writes OUT_DIR/compile_overhead.json, cProfiles of 10 calls at T=64 eager (launc
 """
 from __future__ import annotations
 
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
 import time
 
@@ -36,6 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from moeflow import MoE  # noqa: E402
 from moeflow.graphs import capture_graph  # noqa: E402
 from moeflow.presets import preset_config  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from eager_overhead import eager_us, profile_text  # noqa: E402
 
 TOKENS = (1, 4, 16, 64, 512)
 CALLS = 30
@@ -55,14 +55,7 @@ class Stack(nn.Module):
 
 
 def loop_us(fn, calls=CALLS) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    return eager_us(fn, calls, warmups=3)
 
 
 def first_call_s(fn) -> float:
@@ -85,20 +78,6 @@ def part_a(tokens, out_dir: str) -> list[dict]:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return rows
-
-
-def profile_text(fn, calls=10) -> str:
-    fn()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    prof.disable()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
-    return out.getvalue()
 
 
 def scheme_rows(scheme: str, tokens, out_dir: str) -> list[dict]:
@@ -128,7 +107,7 @@ def scheme_rows(scheme: str, tokens, out_dir: str) -> list[dict]:
                 os.environ["MOEFLOW_EAGER_GRAPHS"] = "0"
                 for name, fn in (("eager_launched", lambda: model(x)), ("compiled", lambda: compiled(x))):
                     with open(os.path.join(out_dir, f"profile_{scheme}_T{t}_{name}.txt"), "w") as f:
-                        f.write(profile_text(fn))
+                        f.write(profile_text(fn, calls=10))
                 os.environ["MOEFLOW_EAGER_GRAPHS"] = "16"
         rows.append(row)
         print(fmt(row), flush=True)

@@ -70,8 +70,9 @@ def host_us(fn, calls=20) -> float:
     return statistics.median(times) * 1e6
 
 
-def eager_us(fn, calls=100) -> float:
-    fn()
+def eager_us(fn, calls=100, warmups=1) -> float:
+    for _ in range(warmups):
+        fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
