@@ -1,0 +1,154 @@
+"""Where the host's time goes in an eager layer call past the eager graphs' sizes (T > MOEFLOW_EAGER_GRAPHS), as in
+transformers' eager prefill: per call, how much is Triton's launch path, how much torch's allocations, and how much
+the rest (moeflow's Python, torch ops).
+
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD python benchmarks/experiments/host_breakdown.py [OUT_DIR]
+
+Per preset, scheme, T and entry point (MoE.forward with router logits, the ExpertsPath of transformers' "moeflow"
+experts call), eager graphs off (MOEFLOW_EAGER_GRAPHS=0), µs per call:
+    host       median wall time of one unsynchronized call (eager_overhead.host_us)
+    eager      100 calls back to back, then one synchronize, / 100 (eager_overhead.eager_us)
+    gpu        the call captured as one CUDA graph, replayed back to back (eager_overhead.gpu_us)
+    launches   Triton launches a call (JITFunction.run calls) and their summed wall time a call
+    empties    torch.empty / torch.zeros / torch.full / torch.arange calls a call (moeflow's own) and their wall time
+    no_launch  host time of the call with JITFunction.run replaced by a no-op: everything but Triton's launch path
+Also a cProfile (200 calls, top 40 by cumulative and by own time) per case at T=512: OUT_DIR/host_profile_*.txt.
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, os.path.dirname(__file__))
+from eager_overhead import eager_us, gpu_us, host_us  # noqa: E402
+
+from moeflow import MoE  # noqa: E402
+from moeflow.experts import ExpertWeights  # noqa: E402
+from moeflow.integrations.path import ExpertsPath  # noqa: E402
+from moeflow.presets import preset_config  # noqa: E402
+
+CASES = [("qwen3-30b-a3b", "none"), ("qwen3-30b-a3b", "fp8-block"), ("mixtral-8x7b", "fp8-block")]
+TOKENS = (64, 512, 4096)
+ALLOCS = ("empty", "zeros", "full", "arange", "empty_like", "zeros_like")
+
+
+class Tally:
+    """Counts and times the calls of patched functions (Triton's JITFunction.run, torch allocations)."""
+
+    def __init__(self):
+        self.n, self.s = {}, {}
+        self._orig = {}
+
+    def wrap(self, owner, name, key, noop=False):
+        orig = getattr(owner, name)
+        self._orig[(owner, name)] = orig
+
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            r = None if noop else orig(*a, **k)
+            self.s[key] = self.s.get(key, 0.0) + time.perf_counter() - t0
+            self.n[key] = self.n.get(key, 0) + 1
+            return r
+        setattr(owner, name, wrapped)
+
+    def restore(self):
+        for (owner, name), orig in self._orig.items():
+            setattr(owner, name, orig)
+        self._orig.clear()
+
+    def per_call(self, calls):
+        return {k: (self.n[k] / calls, self.s[k] / calls * 1e6) for k in self.n}
+
+
+def tallied(fn, calls=100, noop=False):
+    """Per call: {key: (count, µs)} over ``calls`` unsynchronized calls, and the wall µs a call."""
+    fn()
+    torch.cuda.synchronize()
+    t = Tally()
+    t.wrap(JITFunction, "run", "triton_launch", noop=noop)
+    for name in ALLOCS:
+        t.wrap(torch, name, "torch_alloc")
+    try:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        wall = (time.perf_counter() - t0) / calls * 1e6
+    finally:
+        t.restore()
+    torch.cuda.synchronize()
+    return t.per_call(calls), wall
+
+
+def profile_text(fn, calls=200) -> str:
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    s = io.StringIO()
+    st = pstats.Stats(prof, stream=s)
+    st.sort_stats("cumulative").print_stats(40)
+    st.sort_stats("tottime").print_stats(40)
+    return s.getvalue()
+
+
+def run_case(preset, scheme, out_dir):
+    torch.manual_seed(0)
+    moe = MoE(preset_config(preset, dtype=torch.bfloat16, device="cuda", quant=scheme))
+    cfg = moe.config
+    path = ExpertsPath(cfg)
+    weights = ExpertWeights(moe.gate_up_proj, moe.down_proj, moe.gate_up_proj_scale_inv, moe.down_proj_scale_inv)
+    rows = []
+    for t in TOKENS:
+        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(t, cfg.num_experts, device="cuda")
+        ids, w = moe.router(logits, moe.e_score_correction_bias)
+        ids64 = ids.to(torch.int64)
+        for name, fn in (("forward", lambda: moe(x, logits)), ("experts_path", lambda: path(x, ids64, w, weights))):
+            os.environ["MOEFLOW_EAGER_GRAPHS"] = "0"
+            row = dict(preset=preset, scheme=scheme, T=t, entry=name, host_us=host_us(fn), eager_us=eager_us(fn))
+            tally, row["tallied_wall_us"] = tallied(fn)
+            row["tally"] = tally
+            _, row["no_launch_us"] = tallied(fn, noop=True)
+            os.environ["MOEFLOW_VALIDATE_INPUTS"] = "0"
+            row["gpu_us"] = gpu_us(fn)
+            os.environ["MOEFLOW_VALIDATE_INPUTS"] = "1"
+            rows.append(row)
+            la = tally.get("triton_launch", (0, 0))
+            al = tally.get("torch_alloc", (0, 0))
+            print(f"{preset:14s} {scheme:9s} T={t:<5d} {name:13s} host {row['host_us']:7.1f} eager {row['eager_us']:7.1f} "
+                  f"gpu {row['gpu_us']:7.1f} | launches {la[0]:4.1f} {la[1]:6.1f}us  allocs {al[0]:4.1f} {al[1]:5.1f}us"
+                  f"  no-launch {row['no_launch_us']:6.1f}", flush=True)
+            if t == 512:
+                with open(os.path.join(out_dir, f"host_profile_{preset}_{scheme}_T{t}_{name}.txt"), "w") as f:
+                    f.write(profile_text(fn))
+    return rows
+
+
+def main() -> int:
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+    os.makedirs(out_dir, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "commit": os.environ.get("MOEFLOW_COMMIT", "unknown"), "rows": []}
+    for preset, scheme in CASES:
+        res["rows"] += run_case(preset, scheme, out_dir)
+        torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "host_breakdown.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
