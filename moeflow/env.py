@@ -1,12 +1,18 @@
 """Every environment variable moeflow reads, declared once, typed, with its default.
 
 Read them through the functions below (evaluated at call time, so tests can monkeypatch os.environ).
+Inside ``with env.one_reading():`` (a layer's eager call) each variable is read from os.environ once and its value
+kept until the outermost block ends: a call reads its switches some 20 times, which cost a lent H200 host's
+CPU about 2.5 µs each (benchmarks/results/host_cost_2026-12-03_h200.md).
 ``moeflow env`` prints the table.
 """
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
+
+_HELD = threading.local()  # .values: {name: raw value} inside one_reading(), .depth: its nesting
 
 
 @dataclass(frozen=True)
@@ -16,13 +22,38 @@ class EnvVar:
     help: str
 
     def get(self) -> str:
-        return os.environ.get(self.name, self.default)
+        held = getattr(_HELD, "values", None)
+        if held is None:
+            return os.environ.get(self.name, self.default)
+        value = held.get(self.name)
+        if value is None:
+            value = held[self.name] = os.environ.get(self.name, self.default)
+        return value
 
     def get_bool(self) -> bool:
         return self.get().strip().lower() in ("1", "true", "yes", "on")
 
     def get_float(self) -> float:
         return float(self.get())
+
+
+class one_reading:
+    """Context manager: within it (on this thread) each variable is read once, its first value kept until the
+    outermost block exits. Reentrant. For one layer call, whose path reads the same switches many times; a
+    variable changed inside the block is seen after it."""
+
+    def __enter__(self):
+        depth = getattr(_HELD, "depth", 0)
+        if depth == 0:
+            _HELD.values = {}
+        _HELD.depth = depth + 1
+        return self
+
+    def __exit__(self, *exc):
+        _HELD.depth -= 1
+        if _HELD.depth == 0:
+            _HELD.values = None
+        return False
 
 
 VALIDATE_INPUTS = EnvVar(

@@ -153,29 +153,31 @@ class MoE(nn.Module):
 
     def _forward_eager(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:
         """forward() outside torch.compile's tracing (which cannot build the coded errors: the checks run here, when
-        a compiled graph's op runs)."""
+        a compiled graph's op runs). The environment is read once for the call (moeflow.env.one_reading)."""
         cfg = self.config
-        if _validating():
-            _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
-            _check(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
-                   dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
-        return self._graphs("forward", self._route_and_run, (hidden_states, router_logits), self._weight_tensors)
+        with moeflow_env.one_reading():
+            if _validating():
+                _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
+                _check(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
+                       dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
+            return self._graphs("forward", self._route_and_run, (hidden_states, router_logits), self._weight_tensors)
 
     def _forward_topk_eager(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """forward_topk() outside torch.compile's tracing (as _forward_eager)."""
         cfg = self.config
-        if _validating():
-            t = hidden_states.shape[0] if hidden_states.dim() == 2 else None
-            _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
-            _check(topk_ids, "topk_ids", (t, cfg.top_k), cfg,
-                   dtype_ok=lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool,
-                   dtype_desc="an integer dtype")
-            _check(topk_weights, "topk_weights", (t, cfg.top_k), cfg,
-                   dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
-            if not _capturing(hidden_states):
-                _check_ids(topk_ids, cfg.num_experts)
-        return self._graphs("forward_topk", self._run_topk, (hidden_states, topk_ids, topk_weights),
-                            self._weight_tensors)
+        with moeflow_env.one_reading():
+            if _validating():
+                t = hidden_states.shape[0] if hidden_states.dim() == 2 else None
+                _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
+                _check(topk_ids, "topk_ids", (t, cfg.top_k), cfg,
+                       dtype_ok=lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool,
+                       dtype_desc="an integer dtype")
+                _check(topk_weights, "topk_weights", (t, cfg.top_k), cfg,
+                       dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
+                if not _capturing(hidden_states):
+                    _check_ids(topk_ids, cfg.num_experts)
+            return self._graphs("forward_topk", self._run_topk, (hidden_states, topk_ids, topk_weights),
+                                self._weight_tensors)
 
     def _route_and_run(self, hidden: Tensor, router_logits: Tensor) -> Tensor:
         topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .. import env as moeflow_env
 from ..capabilities import Environment
 from ..config import MoEConfig
 from ..dispatch import create_dispatcher
@@ -73,7 +74,12 @@ class ExpertsPath:
 
     def _call(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
               valid_below: int | None = None) -> Tensor:
-        """__call__ outside torch.compile's tracing."""
+        """__call__ outside torch.compile's tracing (the environment read once: moeflow.env.one_reading)."""
+        with moeflow_env.one_reading():
+            return self._call_once(hidden, topk_ids, topk_weights, weights, valid_below)
+
+    def _call_once(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+                   valid_below: int | None) -> Tensor:
         if valid_below is None:  # the layer's own path: the one-launch small-batch layer where the plan has it
             run = lambda x, i, w: routed_experts(self.plan, self.dispatcher, self.runner, x, i.to(torch.int32),
                                                  w.float(), weights)[0]

@@ -1,0 +1,83 @@
+"""moeflow.env: variables read at call time, and held for one layer call inside env.one_reading()."""
+import threading
+
+import pytest
+import torch
+
+from moeflow import MoE, MoEConfig, MoeflowError
+from moeflow import env as moeflow_env
+
+
+def test_read_at_call_time_outside_a_block(monkeypatch):
+    monkeypatch.setenv("MOEFLOW_TRITON_PDL", "0")
+    assert not moeflow_env.TRITON_PDL.get_bool()
+    monkeypatch.setenv("MOEFLOW_TRITON_PDL", "1")
+    assert moeflow_env.TRITON_PDL.get_bool()
+    monkeypatch.delenv("MOEFLOW_TRITON_PDL")
+    assert moeflow_env.TRITON_PDL.get() == moeflow_env.TRITON_PDL.default
+
+
+def test_one_reading_holds_the_first_value_until_the_outermost_block_ends(monkeypatch):
+    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "7")
+    with moeflow_env.one_reading():
+        assert moeflow_env.EAGER_GRAPHS.get() == "7"
+        monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "9")
+        assert moeflow_env.EAGER_GRAPHS.get() == "7"  # held
+        with moeflow_env.one_reading():  # reentrant: the inner block neither re-reads nor releases
+            assert moeflow_env.EAGER_GRAPHS.get() == "7"
+            monkeypatch.setenv("MOEFLOW_TRITON_TMA", "0")
+            assert not moeflow_env.TRITON_TMA.get_bool()  # first read inside the block: the current value
+        assert moeflow_env.EAGER_GRAPHS.get() == "7"
+    assert moeflow_env.EAGER_GRAPHS.get() == "9"  # released
+
+
+def test_one_reading_releases_on_an_exception(monkeypatch):
+    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "3")
+    with pytest.raises(RuntimeError):
+        with moeflow_env.one_reading():
+            assert moeflow_env.EAGER_GRAPHS.get() == "3"
+            raise RuntimeError("boom")
+    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "5")
+    assert moeflow_env.EAGER_GRAPHS.get() == "5"
+
+
+def test_one_reading_is_per_thread(monkeypatch):
+    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "3")
+    seen = []
+    with moeflow_env.one_reading():
+        assert moeflow_env.EAGER_GRAPHS.get() == "3"
+        monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "4")
+        worker = threading.Thread(target=lambda: seen.append(moeflow_env.EAGER_GRAPHS.get()))
+        worker.start()
+        worker.join()
+    assert seen == ["4"]  # another thread outside any block reads os.environ
+
+
+def _held() -> bool:
+    return getattr(moeflow_env._HELD, "values", None) is not None
+
+
+def test_a_layer_call_runs_inside_one_reading_and_the_next_call_reads_again(monkeypatch):
+    """MoE.forward, MoE.forward_topk and ExpertsPath run their whole path inside one block (the runner sees held
+    values), and a variable changed between two calls takes effect at the second."""
+    from moeflow.experts import ExpertWeights
+    from moeflow.integrations.path import ExpertsPath
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=16, dtype=torch.float32)
+    moe = MoE(cfg)
+    path = ExpertsPath(cfg)
+    seen = []
+    for runner in (moe.runner, path.runner):
+        run = runner.run
+        monkeypatch.setattr(runner, "run", lambda *a, _run=run: seen.append(_held()) or _run(*a))
+    x, ids, w = torch.randn(3, 8), torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.full((3, 2), 0.5)
+    moe(x, torch.randn(3, 4))
+    moe.forward_topk(x, ids, w)
+    path(x, ids, w, ExpertWeights(moe.gate_up_proj, moe.down_proj))
+    assert seen == [True, True, True] and not _held()
+    bad = torch.tensor([[0, 9], [1, 2], [3, 0]])
+    monkeypatch.setenv("MOEFLOW_VALIDATE_INPUTS", "1")
+    with pytest.raises(MoeflowError, match="MF304"):
+        moe.forward_topk(x, bad, w)
+    monkeypatch.setenv("MOEFLOW_VALIDATE_INPUTS", "0")
+    monkeypatch.setattr("moeflow.layer._check_ids", lambda *a: pytest.fail("MOEFLOW_VALIDATE_INPUTS=0 was not seen"))
+    moe.forward_topk(x, ids, w)
