@@ -776,3 +776,14 @@ def test_sort_and_quantize_asks_the_sort_for_fp8_tensor_tokens_only_in_small_bat
     ids = torch.zeros(x.shape[0], 2, dtype=torch.int32)
     out = expert_sort.sort_and_quantize(ids, torch.ones(x.shape[0], 2), 4, x, scheme)
     assert (seen[0] is x) == quantized and len(out) == 7 and out[5] is None  # torch's sort ran: the runner quantizes
+
+
+def test_host_cdiv_and_next_pow2_agree_with_triton():
+    """kernels/common's host helpers stand in for triton.cdiv / triton.next_power_of_2 (constexpr functions, slow to
+    call on the host) in every launch's grid and block sizes: they must give the same values."""
+    import triton
+    from moeflow.kernels.common import cdiv, next_pow2
+    assert [next_pow2(n) for n in range(0, 70000)] == [triton.next_power_of_2(n) for n in range(0, 70000)]
+    assert next_pow2((1 << 40) + 1) == triton.next_power_of_2((1 << 40) + 1) == 1 << 41
+    pairs = [(a, b) for a in range(0, 600) for b in (1, 2, 3, 7, 16, 64, 128, 255)]
+    assert [cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]

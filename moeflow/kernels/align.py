@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import FP8_DTYPE
-from .common import RowLayout, block_rows, fp8_scale, interpreting, pdl, pdl_start, to_fp8
+from .common import RowLayout, block_rows, cdiv, fp8_scale, interpreting, next_pow2, pdl, pdl_start, to_fp8
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def align_blocks_torch(layout: RowLayout, block_m: int) -> Tensor:
         c = layout.capacity
         for e, n in enumerate(layout.meta.tolist()):
             n = min(n, c)
-            for j in range(triton.cdiv(c, block_m)):
+            for j in range(cdiv(c, block_m)):
                 lo = e * c + j * block_m
                 rows.append((e, lo, min(lo + block_m, e * c + n)) if j * block_m < n else (-1, 0, 0))
     else:
@@ -177,10 +177,10 @@ def token_quant_launch(x: Tensor | None, scheme: str, t: int, unused: Tensor):
     code, h = SORT_QUANT_CODES[scheme], x.shape[1]
     if code == 1 and x.numel() >= 2 ** 30:  # the amax loop's int32 indices run up to a block past T * H
         raise ValueError(f"fp8-tensor tokens are quantized in the sort below 2**30 elements, got {tuple(x.shape)}")
-    block_h = min(1024, triton.next_power_of_2(max(h, 128)))  # up to 8 fp8-block groups per program
-    parts = 0 if not h else t if code == 2 else t * triton.cdiv(h, block_h)
+    block_h = min(1024, next_pow2(max(h, 128)))  # up to 8 fp8-block groups per program
+    parts = 0 if not h else t if code == 2 else t * cdiv(h, block_h)
     xq = torch.empty((t, h), dtype=FP8_DTYPE, device=x.device)
-    xs = torch.empty((t, triton.cdiv(h, 128) if code == 3 else 1), dtype=torch.float32, device=x.device)
+    xs = torch.empty((t, cdiv(h, 128) if code == 3 else 1), dtype=torch.float32, device=x.device)
     args = (x, xq, xs, h, x.stride(0), xq.stride(0), xs.stride(0), t)
     return parts, args, dict(QUANT_X=code, BLOCK_H=block_h, ROUND_IN_FP32=interpreting()), (xq, xs)
 
@@ -210,7 +210,7 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Ten
     sorted_w = torch.empty(n, dtype=torch.float32, device=dev)
     block_i, block_j, block_e = 64, 64, 64
     parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, t, sorted_w)
-    grid = triton.cdiv(n, block_i) + triton.cdiv(num_experts + 1, block_e) + parts
+    grid = cdiv(n, block_i) + cdiv(num_experts + 1, block_e) + parts
     _sort_copies_kernel[(grid,)](topk_ids.reshape(-1).to(torch.int32).contiguous(),
                                  topk_weights.reshape(-1).float().contiguous(), offsets, counts, row, source, sorted_w,
                                  n, num_experts, *quant_args, TOP_K=k, BLOCK_I=block_i, BLOCK_J=block_j,

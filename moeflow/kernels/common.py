@@ -26,6 +26,17 @@ QUANT_CODES = {"none": 0, "fp8-tensor": 1, "fp8-channel": 2, "fp8-block": 3}
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host. triton.cdiv, a constexpr function in triton 3.6, costs about 3.5 µs of Python a call
+    (8 µs on the lent H200's host), and a layer call made some 25 of them (benchmarks/results/host_cost_*)."""
+    return (a + b - 1) // b
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n on the host, as triton.next_power_of_2 (0 for 0), without its call cost."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def num_row_blocks(rows: int, num_experts: int, capacity: int, block_m: int, masked: bool) -> int:
     """Host-side upper bound of the row blocks a grid must cover (no device data read).
 
@@ -33,8 +44,8 @@ def num_row_blocks(rows: int, num_experts: int, capacity: int, block_m: int, mas
     cdiv(N, BLOCK_M) plus one partial block per non-empty expert. masked: cdiv(C, BLOCK_M) per expert.
     """
     if masked:
-        return num_experts * triton.cdiv(capacity, block_m)
-    return triton.cdiv(rows, block_m) + min(num_experts, rows)
+        return num_experts * cdiv(capacity, block_m)
+    return cdiv(rows, block_m) + min(num_experts, rows)
 
 
 @triton.jit
@@ -246,7 +257,7 @@ class RowLayout:
 
     @property
     def e_pow2(self) -> int:
-        return max(2, triton.next_power_of_2(self.num_experts))
+        return max(2, next_pow2(self.num_experts))
 
     def valid_rows(self) -> Tensor:
         """[R] bool: which flat rows hold a token copy (torch; for references and tests)."""

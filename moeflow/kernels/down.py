@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import (QUANT_CODES, RowLayout, block_rows, expert_blocks, grouped_tile, num_sms, pdl, pdl_launch,
-                     pdl_wait, rows_operand, scale_block, sorted_block, split_steps, tile_ids, weight_operand)
+from .common import (QUANT_CODES, RowLayout, block_rows, cdiv, expert_blocks, grouped_tile, next_pow2, num_sms, pdl,
+                     pdl_launch, pdl_wait, rows_operand, scale_block, sorted_block, split_steps, tile_ids,
+                     weight_operand)
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -179,7 +180,7 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     _, h, _ = w2.shape
     out = torch.full((r, h), float("nan"), dtype=dtype, device=a.device) if poison else \
         torch.empty((r, h), dtype=dtype, device=a.device)
-    split = min(cfg.split_k, triton.cdiv(i, cfg.block_k))
+    split = min(cfg.split_k, cdiv(i, cfg.block_k))
     if split <= 1 or r == 0 or h == 0:
         if cfg.warp_specialize and a.is_cuda:
             from . import warp_specialized  # Gluon: loaded on CUDA only
@@ -196,8 +197,8 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     part = torch.full((split, r, h), float("nan"), dtype=torch.float32, device=a.device) if poison else \
         torch.empty((split, r, h), dtype=torch.float32, device=a.device)
     _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, part, split)
-    block_h = min(1024, triton.next_power_of_2(h))
-    _split_sum_kernel[(r, triton.cdiv(h, block_h))](part, out, r, h, SPLIT_K=split, BLOCK_H=block_h)
+    block_h = min(1024, next_pow2(h))
+    _split_sum_kernel[(r, cdiv(h, block_h))](part, out, r, h, SPLIT_K=split, BLOCK_H=block_h)
     return out
 
 
@@ -212,7 +213,7 @@ def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, d
     stride_wse, stride_wsn = _scale_strides(ws, q)
     a_s = a_scale if a_scale is not None else a
     blocks_m = layout.num_row_blocks(cfg.block_m)
-    tiles = blocks_m * triton.cdiv(h, cfg.block_n)
+    tiles = blocks_m * cdiv(h, cfg.block_n)
     w_arg, w_rows = weight_operand(w2, cfg.block_n, cfg.block_k)
     a_arg = rows_operand(a, cfg.block_m, cfg.block_k)
     args = (a_arg, a_s, w_arg, ws, route_w, out, layout.meta)

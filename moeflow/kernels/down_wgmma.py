@@ -33,11 +33,12 @@ Imported only when a config asks for it on a CUDA device (down.py): CPU runs nev
 """
 from __future__ import annotations
 
-import triton
+from functools import lru_cache
+
 from torch import Tensor
 
 from .. import env as moeflow_env
-from .common import _cuda_properties, expert_rows, grouped_tile, tma_rows
+from .common import _cuda_properties, cdiv, expert_rows, grouped_tile, tma_rows
 from .configs import wgmma_down_fits
 
 try:  # Gluon (triton.experimental.gluon) ships with recent triton (3.6 here); only Hopper GPUs run it
@@ -48,6 +49,14 @@ try:  # Gluon (triton.experimental.gluon) ships with recent triton (3.6 here); o
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton: usable() says False
     gluon = None
+
+
+@lru_cache(maxsize=None)
+def smem_layout(block: tuple, dtype: str):
+    """gl.NVMMASharedLayout.get_default_for(list(block), gl.<dtype>), made once per block shape and dtype name
+    ("float8e4nv", "bfloat16", "float16"): on the host it costs a call about 6-15 µs of Python (nested constexpr
+    functions), and each launch's descriptors need one or two."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, dtype))
 
 if gluon is not None:
     @gluon.jit
@@ -264,17 +273,17 @@ def launch(a: Tensor, a_scale: Tensor, w2: Tensor, w2_scale: Tensor, route_w: Te
         return
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     a_desc = TensorDescriptor(a, [r, i], [a.stride(0), 1], [bm, bk],
-                              gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv))
+                              smem_layout((bm, bk), "float8e4nv"))
     per_expert = expert_rows(w2)  # 0 for an expert stride of 0: every expert reads the same rows
     w_desc = TensorDescriptor(w2, [e * h if per_expert else h, i], [w2.stride(1), 1], [bn, bk],
-                              gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv))
-    steps = triton.cdiv(i, bk)
+                              smem_layout((bn, bk), "float8e4nv"))
+    steps = cdiv(i, bk)
     if cfg.programs_per_sm and cfg.num_stages <= steps:  # a persistent grid (down_wgmma_persistent.py)
         from .down_wgmma_persistent import launch as launch_persistent
         launch_persistent(a, a_desc, w_desc, a_scale, w2_scale, route_w, layout, cfg, out, per_expert, unroll(steps))
         return
     blocks_m = layout.num_row_blocks(bm)
-    _down_wgmma_kernel[(blocks_m * triton.cdiv(h, bn),)](
+    _down_wgmma_kernel[(blocks_m * cdiv(h, bn),)](
         a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, blocks_m, h, i, per_expert,
         a_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
         E_POW2=layout.e_pow2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,

@@ -19,10 +19,9 @@ Where: GemmConfig.programs_per_sm > 0 with scale_overlap 1 or 2 (down_wgmma.usab
 """
 from __future__ import annotations
 
-import triton
 from torch import Tensor
 
-from .common import grouped_tile, num_sms
+from .common import cdiv, grouped_tile, num_sms
 from .down_wgmma import gluon
 
 if gluon is not None:
@@ -91,7 +90,7 @@ def launch(a: Tensor, a_desc, w_desc, a_scale: Tensor, w2_scale: Tensor, route_w
     """Run the persistent kernel (down_wgmma.launch calls it with its descriptors where
     cfg.programs_per_sm > 0 and STAGES <= the K steps)."""
     h, i = out.shape[1], a.shape[1]
-    tiles = layout.num_row_blocks(cfg.block_m) * triton.cdiv(h, cfg.block_n)  # an upper bound: no device read
+    tiles = layout.num_row_blocks(cfg.block_m) * cdiv(h, cfg.block_n)  # an upper bound: no device read
     programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
     _down_wgmma_persistent_kernel[(programs,)](
         a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, programs, h, i, per_expert,

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import unit_stride_rows
+from .common import cdiv, next_pow2, unit_stride_rows
 
 if TYPE_CHECKING:
     from ..dispatch._ep_rows import Rows
@@ -55,7 +55,7 @@ _PAD_ROWS = 64  # padding rows per program of pack_rows
 
 
 def _block(n: int, most: int = 1024) -> int:
-    return min(most, triton.next_power_of_2(max(n, 1)))
+    return min(most, next_pow2(max(n, 1)))
 
 
 def _check_rows(rows: Rows) -> None:
@@ -146,7 +146,7 @@ def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weig
     t, d = dest_pos.shape
     words = out.hidden.shape[1]
     groups = 0 if scale is None else scale.shape[1]
-    pads = 0 if pad_from is None or pad_from >= m else triton.cdiv(m - pad_from, _PAD_ROWS)
+    pads = 0 if pad_from is None or pad_from >= m else cdiv(m - pad_from, _PAD_ROWS)
     if t * d + pads == 0:
         return
     tokens, ids, weights, dest_pos = tokens.contiguous(), ids.contiguous(), weights.contiguous(), dest_pos.contiguous()
@@ -233,16 +233,16 @@ def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int, block: int = 0)
     counts = torch.empty((world, 2), dtype=torch.int64, device=dev)
     home = torch.empty((t, world), dtype=torch.int64, device=dev)
     ids = unit_stride_rows(topk_ids)
-    w_pow2 = triton.next_power_of_2(world)
+    w_pow2 = next_pow2(world)
     block_t = max(16, min(1024 // w_pow2, _block(t)))
-    while triton.cdiv(t, block_t) * w_pow2 > _RANK_TABLE:  # keep the block table small
+    while cdiv(t, block_t) * w_pow2 > _RANK_TABLE:  # keep the block table small
         block_t *= 2
-    blocks = max(1, triton.cdiv(t, block_t))
+    blocks = max(1, cdiv(t, block_t))
     table = torch.empty((blocks, world, 2), dtype=torch.int64, device=dev)
     _rank_count_kernel[(blocks,)](ids, expert_rank, table, t, world, ids.stride(0),
                                   TOP_K=k, BLOCK_T=block_t, W_POW2=w_pow2)
     _rank_rows_kernel[(blocks,)](ids, expert_rank, table, counts, home, t, world, blocks, ids.stride(0), block,
-                                 TOP_K=k, BLOCK_T=block_t, W_POW2=w_pow2, B_POW2=triton.next_power_of_2(blocks))
+                                 TOP_K=k, BLOCK_T=block_t, W_POW2=w_pow2, B_POW2=next_pow2(blocks))
     return counts, home
 
 
@@ -288,7 +288,7 @@ def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor, table:
         return
     words = row_bytes // 4
     block_r = 16
-    _blank_rows_kernel[(triton.cdiv(capacity, block_r), world)](
+    _blank_rows_kernel[(cdiv(capacity, block_r), world)](
         buf.view(torch.int32), blank.view(torch.int32), counts.contiguous(), counts if table is None else table,
         capacity, words, BLOCK_R=block_r, BLOCK_W=_block(words, 256), TABLE=table is not None)
 

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .align import quantize_token_part, token_quant_launch
-from .common import pdl, pdl_start
+from .common import cdiv, next_pow2, pdl, pdl_start
 
 
 @triton.jit
@@ -126,11 +126,11 @@ def segment_size(copies: int, bins: int) -> tuple[int, bool]:
     between the two. On H200 (sort_variants_2026-12-01_h200_*.json, µs in a CUDA graph) the third launch costs more
     than it saves at 512-copy segments (E=128, 16384 copies: 7.0 two launches, 10.2 three; E=256, 8192: 6.4, 9.7)
     and less at 1024 (E=128, 32768: 14.5, 9.9; E=256, 16384: 14.9, 11.0) and beyond (E=256, 131072: 266, 21)."""
-    seg = max(256, triton.next_power_of_2(triton.cdiv(copies, max(1, _SEGMENT_TABLE // bins))))
-    seg = min(seg, max(256, triton.next_power_of_2(copies)))
+    seg = max(256, next_pow2(cdiv(copies, max(1, _SEGMENT_TABLE // bins))))
+    seg = min(seg, max(256, next_pow2(copies)))
     if seg <= _TABLE_SEG:
         return seg, False
-    return max(_SCAN_SEG, triton.next_power_of_2(triton.cdiv(copies, _SCAN_CELLS))), True
+    return max(_SCAN_SEG, next_pow2(cdiv(copies, _SCAN_CELLS))), True
 
 
 def sort_pays(copies: int, e_local: int) -> bool:
@@ -171,9 +171,9 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     r, k = ids.shape
     copies = r * k
     dev = ids.device
-    bins = triton.next_power_of_2(e_local + 1)
+    bins = next_pow2(e_local + 1)
     seg, scanned = segment_size(copies, bins)
-    segs = max(1, triton.cdiv(copies, seg))
+    segs = max(1, cdiv(copies, seg))
     warps = min(16, max(4, seg // 256))  # the in-register sort: 8192 copies spill at 8 warps (ptxas)
     fresh = torch.zeros if padded else torch.empty
     source = fresh(n, dtype=torch.int64, device=dev)
@@ -185,7 +185,7 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, hist)
     _segment_hist_kernel[(segs + parts,)](ids, hist, copies, e_local, ids.stride(0), segs, *quant_args,
                                           TOP_K=k, SEG=seg, BINS=bins, **quant_consts, num_warps=warps, **pdl(dev))
-    s_pow2 = triton.next_power_of_2(segs)
+    s_pow2 = next_pow2(segs)
     before, totals = hist, hist  # unused by the one-table form
     if scanned:
         before = torch.empty_like(hist)

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import QUANT_CODES, fp8_scale, gated_act, interpreting, pdl, pdl_launch, pdl_wait, to_fp8, weight_operand
+from .common import (QUANT_CODES, cdiv, fp8_scale, gated_act, interpreting, next_pow2, pdl, pdl_launch, pdl_wait,
+                     to_fp8, weight_operand)
 
 FUSED_SCHEMES = ("none", "fp8-block")  # QUANT codes 0 and 3 below; TritonRunner declares the same
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -290,9 +291,9 @@ def counters_size(tokens: int, top_k: int, hidden: int, inter: int, cfg) -> int:
     """int32 counters a launch of ``tokens`` tokens with FusedConfig ``cfg`` needs (the kernel's sync_ptr)."""
     n = 2 + tokens * top_k
     if cfg.split1 > 1:
-        n += tokens * top_k * triton.cdiv(inter, cfg.block_n1)
+        n += tokens * top_k * cdiv(inter, cfg.block_n1)
     if cfg.split2 > 1:
-        n += tokens * triton.cdiv(hidden, cfg.block_n2)
+        n += tokens * cdiv(hidden, cfg.block_n2)
     return n
 
 
@@ -316,7 +317,7 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     if sync.numel() < counters_size(t, k, h, i, cfg):
         raise ValueError(f"sync holds {sync.numel()} counters; this launch needs {counters_size(t, k, h, i, cfg)}")
     inter = fill((t * k, i), float("nan"), dtype=dtype, device=x.device)
-    tiles1, tiles2 = t * k * triton.cdiv(i, cfg.block_n1), t * triton.cdiv(h, cfg.block_n2)
+    tiles1, tiles2 = t * k * cdiv(i, cfg.block_n1), t * cdiv(h, cfg.block_n2)
     part1 = fill((tiles1, cfg.split1, 2 * cfg.block_n1), float("nan"), dtype=torch.float32, device=x.device) \
         if cfg.split1 > 1 else out
     part2 = fill((tiles2, cfg.split2, cfg.block_n2), float("nan"), dtype=torch.float32, device=x.device) \
@@ -330,7 +331,7 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         t, h, i, w13_rows, w2_rows,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if q else 0, s13.stride(1) if q else 0,
         w2.stride(0), w2.stride(1), s2.stride(0) if q else 0, s2.stride(1) if q else 0, out.stride(0),
-        TOP_K=k, K_POW2=max(2, triton.next_power_of_2(k)), QUANT=q, ACT=ACT_CODES[activation],
+        TOP_K=k, K_POW2=max(2, next_pow2(k)), QUANT=q, ACT=ACT_CODES[activation],
         INTER_DTYPE=_TL_DTYPE[dtype], BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1,
         BLOCK_N2=cfg.block_n2, BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=w13_arg is not w13,
         W2_TMA=w2_arg is not w2, DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=interpreting(),

@@ -46,8 +46,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import FP8_DTYPE
-from .common import (QUANT_CODES, RowLayout, block_rows, fp8_scale, gated_act, interpreting, pdl, pdl_launch,
-                     pdl_start, pdl_wait, rows_operand, scale_block, split_steps, tile_ids, to_fp8, weight_operand)
+from .common import (QUANT_CODES, RowLayout, block_rows, cdiv, fp8_scale, gated_act, interpreting, next_pow2, pdl,
+                     pdl_launch, pdl_start, pdl_wait, rows_operand, scale_block, split_steps, tile_ids, to_fp8,
+                     weight_operand)
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -248,12 +249,12 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     q = QUANT_CODES[scheme]
     fill = torch.full if poison else (lambda shape, _v, **kw: torch.empty(shape, **kw))
     nan = float("nan")
-    split = min(cfg.split_k, triton.cdiv(h, cfg.block_k)) if r else 1
+    split = min(cfg.split_k, cdiv(h, cfg.block_k)) if r else 1
     fused_groups = q == 3 and (cfg.block_n % 128 == 0 or split > 1)
     inter = fill((r, i), nan, dtype=FP8_DTYPE if fused_groups else dtype, device=dev)
     extra = None
     if fused_groups:
-        extra = fill((r, triton.cdiv(i, 128)), nan, dtype=torch.float32, device=dev)
+        extra = fill((r, cdiv(i, 128)), nan, dtype=torch.float32, device=dev)
     elif q in (1, 2):
         extra = torch.zeros(r if q == 2 else 1, dtype=torch.float32, device=dev)
     if fused_groups and split == 1 and cfg.scale_overlap and x.is_cuda:
@@ -280,7 +281,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     stride_wse, stride_wsn = _scale_strides(ws, q)
     xs = x_scale if x_scale is not None else x
     blocks_m = layout.num_row_blocks(cfg.block_m)
-    grid = (blocks_m * triton.cdiv(i, cfg.block_n),)
+    grid = (blocks_m * cdiv(i, cfg.block_n),)
     w_arg, w_rows = weight_operand(w13, cfg.block_n, cfg.block_k)
     part = fill((split, r, two_i), nan, dtype=torch.float32, device=dev) if split > 1 else inter
     _gate_up_kernel[grid + (split,)](
@@ -296,8 +297,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         INDEXED=source_rows is not None, SPLIT_K=split, split_stride=r * two_i if split > 1 else 0,
         X_TMA=x_arg is not x, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
     if split > 1:
-        block_i = 128 if q == 3 else min(1024, triton.next_power_of_2(i))
-        _gate_up_split_sum_kernel[(r, triton.cdiv(i, block_i))](
+        block_i = 128 if q == 3 else min(1024, next_pow2(i))
+        _gate_up_split_sum_kernel[(r, cdiv(i, block_i))](
             part, inter, extra if fused_groups else inter, extra if q in (1, 2) else inter, layout.meta,
             layout.num_experts, max(layout.capacity, 1), i, inter.stride(0), extra.stride(0) if fused_groups else 0,
             r * two_i, QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,

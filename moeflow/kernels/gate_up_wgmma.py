@@ -52,7 +52,7 @@ from torch import Tensor
 from .. import env as moeflow_env
 from .common import _cuda_properties, expert_rows, fp8_scale, gated_act, grouped_tile, tma_rows, to_fp8
 from .configs import wgmma_gate_up_fits
-from .down_wgmma import gluon
+from .down_wgmma import gluon, smem_layout
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -242,7 +242,7 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
         return
     bm = cfg.block_m
     x_desc = TensorDescriptor(x, [r, h], [x.stride(0), 1], [bm, 128],
-                              gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv))
+                              smem_layout((bm, 128), "float8e4nv"))
     per_expert = 2 if expert_rows(w13) else 0  # w13 as [planes, I, H]: expert e's gate rows in plane 2e, up in 2e + 1
     planes = e * per_expert or 2
     w_desc = _weight_planes(w13, planes, i, h, 128)
@@ -250,7 +250,7 @@ def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, a
     xt_desc, wt_desc = x_desc, w_desc
     if pairs:
         xt_desc = TensorDescriptor(x, [r, h], [x.stride(0), 1], [64, 128],
-                                   gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv))
+                                   smem_layout((64, 128), "float8e4nv"))
         wt_desc = _weight_planes(w13, planes, i, h, 256)
     blocks_m = layout.num_row_blocks(bm)
     _gate_up_wgmma_kernel[(blocks_m * (i // 128),)](
@@ -266,7 +266,7 @@ def _weight_planes(w13: Tensor, planes: int, i: int, h: int, rows: int):
     one expert's two planes where the expert stride is 0), in [2, rows, 128] boxes: a step's gate and up tiles of
     ``rows`` weight rows in one copy."""
     return TensorDescriptor(w13, [planes, i, h], [i * w13.stride(1), w13.stride(1), 1], [2, rows, 128],
-                            gl.NVMMASharedLayout.get_default_for([2, rows, 128], gl.float8e4nv))
+                            smem_layout((2, rows, 128), "float8e4nv"))
 
 
 def pair_tiles(cfg, intermediate: int) -> bool:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..quant import FP8_DTYPE, create_scheme
 from ..quant.base import amax_to_scale, to_fp8 as to_fp8_torch
-from .common import RowLayout, fp8_scale, interpreting, pdl, pdl_start, to_fp8, unit_stride_rows
+from .common import RowLayout, cdiv, fp8_scale, interpreting, next_pow2, pdl, pdl_start, to_fp8, unit_stride_rows
 
 GROUP = 128  # fp8-block activation group (quant/fp8_block.py)
 ROW_AMAX_ONE_STEP = 8192  # elements of x one row-amax program loads at once (rows up to this long take one step)
@@ -92,9 +92,9 @@ def row_amax(x: Tensor, layout: RowLayout | None = None) -> Tensor:
     r, k = x.shape
     amax = torch.empty(r, dtype=torch.float32, device=x.device)
     masked = layout is not None and layout.masked
-    block_k = min(ROW_AMAX_ONE_STEP, triton.next_power_of_2(max(k, 16)))  # the whole row in one step where it fits
+    block_k = min(ROW_AMAX_ONE_STEP, next_pow2(max(k, 16)))  # the whole row in one step where it fits
     block_r = max(1, min(16, ROW_AMAX_ONE_STEP // block_k))
-    _row_amax_kernel[(triton.cdiv(r, block_r),)](
+    _row_amax_kernel[(cdiv(r, block_r),)](
         x, amax, layout.meta if masked else amax, r, k, x.stride(0), max(layout.capacity, 1) if masked else 1,
         BLOCK_R=block_r, BLOCK_K=block_k, MASKED=masked, num_warps=4, **pdl(x.device))
     return amax
@@ -112,7 +112,7 @@ def quantize_with_amax(x: Tensor, amax: Tensor, tensor: bool = False) -> tuple[T
     scale = torch.empty((r, 1), dtype=torch.float32, device=x.device)
     block_k = max(64, min(512, k & -k))  # a power of two that divides K where one does: no half-empty column tile
     block_r = max(1, min(16, QUANT_TILE // block_k))
-    _quant_kernel[(triton.cdiv(r, block_r), triton.cdiv(k, block_k))](
+    _quant_kernel[(cdiv(r, block_r), cdiv(k, block_k))](
         x, q, scale, amax, r, k, x.stride(0), q.stride(0), scale.stride(0), 0 if amax.numel() == 1 else 1,
         BLOCK_R=block_r, BLOCK_K=block_k, GROUPED=False, ROUND_IN_FP32=interpreting(),
         AMAX_ROWS=AMAX_FOLD_ROWS if fold else 0, **pdl(x.device))
@@ -122,11 +122,11 @@ def quantize_with_amax(x: Tensor, amax: Tensor, tensor: bool = False) -> tuple[T
 def quantize_groups(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [R, K] float -> (q [R, K] fp8, scale [R, ceil(K/128)]): fp8-block activations."""
     r, k = x.shape
-    g = triton.cdiv(k, GROUP)
+    g = cdiv(k, GROUP)
     q = torch.empty((r, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((r, g), dtype=torch.float32, device=x.device)
     block_r = 16
-    _quant_kernel[(triton.cdiv(r, block_r), g)](
+    _quant_kernel[(cdiv(r, block_r), g)](
         x, q, scale, scale, r, k, x.stride(0), q.stride(0), scale.stride(0), 0,
         BLOCK_R=block_r, BLOCK_K=GROUP, GROUPED=True, ROUND_IN_FP32=interpreting(), **pdl(x.device))
     return q, scale
@@ -239,5 +239,5 @@ def _row_copy(x: Tensor, x_scale: Tensor | None, r: int):
     xs = x_scale if x_scale is not None else ob  # unused pointers when G is 0
     args = (xb, xs, ob, outs if outs is not None else ob, kb, g, xb.stride(0), xs.stride(0), ob.stride(0),
             outs.stride(0) if outs is not None else 0)
-    consts = dict(BLOCK_K=min(8192, triton.next_power_of_2(kb)), BLOCK_G=triton.next_power_of_2(max(g, 1)), num_warps=4)
+    consts = dict(BLOCK_K=min(8192, next_pow2(kb)), BLOCK_G=next_pow2(max(g, 1)), num_warps=4)
     return out, outs, args, consts

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import pdl, pdl_start
+from .common import cdiv, next_pow2, pdl, pdl_start
 
 
 @triton.jit
@@ -49,8 +49,8 @@ def moe_sum(y: Tensor, row_of_copy: Tensor, top_k: int) -> Tensor:
     out = torch.empty((t, h), dtype=y.dtype, device=y.device)
     if t == 0 or h == 0:
         return out.zero_()
-    block_h = min(1024, triton.next_power_of_2(h))
-    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, row_of_copy.contiguous(), out, out, 1, 1, h, y.stride(0), out.stride(0),
+    block_h = min(1024, next_pow2(h))
+    _moe_sum_kernel[(t, cdiv(h, block_h))](y, row_of_copy.contiguous(), out, out, 1, 1, h, y.stride(0), out.stride(0),
                                                    TOP_K=top_k, BLOCK_H=block_h, **pdl(y.device))
     return out
 
@@ -66,8 +66,8 @@ def moe_sum_to(y: Tensor, row_of_copy: Tensor, top_k: int, table: Tensor, rows_p
         raise ValueError(f"table must be int64 [D] with D * {rows_per_dest} = {t} rows")
     if t == 0 or h == 0:
         return
-    block_h = min(1024, triton.next_power_of_2(h))
-    _moe_sum_kernel[(t, triton.cdiv(h, block_h))](y, row_of_copy.contiguous(), y, table, table.shape[0], rows_per_dest, h,
+    block_h = min(1024, next_pow2(h))
+    _moe_sum_kernel[(t, cdiv(h, block_h))](y, row_of_copy.contiguous(), y, table, table.shape[0], rows_per_dest, h,
                                                    y.stride(0), h, TOP_K=top_k, BLOCK_H=block_h, TABLE=True)
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import QUANT_CODES
+from .common import QUANT_CODES, next_pow2
 from .configs import GemmConfig
 
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -100,7 +100,7 @@ def fused_layer_usage(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, to
                part2_ptr="*fp32")
     for name, rows, k in (("w13", cfg.block_n1, cfg.block_k1), ("w2", cfg.block_n2, cfg.block_k2)):
         sig[name] = f"tensordesc<{act}[{rows}, {k}]>" if tma else "*" + act
-    const = dict(TOP_K=top_k, K_POW2=max(2, triton.next_power_of_2(top_k)), QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype],
+    const = dict(TOP_K=top_k, K_POW2=max(2, next_pow2(top_k)), QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype],
                  BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1, BLOCK_N2=cfg.block_n2,
                  BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=tma, W2_TMA=tma,
                  DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=False, PDL=True)

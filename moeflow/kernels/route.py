@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import pdl, pdl_start
+from .common import cdiv, next_pow2, pdl, pdl_start
 
 NEG = tl.constexpr(float("-inf"))
 
@@ -122,13 +122,13 @@ def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renorma
     w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     if t == 0:
         return ids, w
-    e_pow2 = triton.next_power_of_2(e)  # grouped: E a power of two (routing/triton_topk.py's caps)
+    e_pow2 = next_pow2(e)  # grouped: E a power of two (routing/triton_topk.py's caps)
     b = bias.float().contiguous() if bias is not None else w
     auto_t, auto_w = launch_shape(e_pow2)
     block_t, num_warps = block_t or auto_t, num_warps or auto_w
-    _route_kernel[(triton.cdiv(t, block_t),)](
+    _route_kernel[(cdiv(t, block_t),)](
         logits, b, ids, w, t, e, logits.stride(0), float(scaling),
-        K=top_k, K_POW2=triton.next_power_of_2(top_k), E_POW2=e_pow2, SIGMOID=scoring == "sigmoid", RENORM=renormalize,
+        K=top_k, K_POW2=next_pow2(top_k), E_POW2=e_pow2, SIGMOID=scoring == "sigmoid", RENORM=renormalize,
         HAS_BIAS=bias is not None, GROUPS=num_groups, TOPK_GROUPS=topk_groups, BLOCK_T=block_t,
         num_warps=num_warps, **pdl(logits.device))
     return ids, w

@@ -49,8 +49,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import env as moeflow_env
-from .common import (RowLayout, _cuda_properties, expert_blocks, expert_rows, gated_act, grouped_tile, num_sms, pdl,
-                     pdl_start, sorted_block, tma_rows)
+from .common import (RowLayout, _cuda_properties, cdiv, expert_blocks, expert_rows, gated_act, grouped_tile, num_sms,
+                     pdl, pdl_start, sorted_block, tma_rows)
 from .configs import ws_fits
 
 try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this kernel
@@ -60,7 +60,7 @@ try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this ker
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .down_wgmma import _mma_step, _scaled_add, _weight_scales, unroll
+    from .down_wgmma import _mma_step, _scaled_add, _weight_scales, smem_layout, unroll
 except ImportError:  # pragma: no cover - older triton: usable() says False
     gluon = None
 
@@ -341,15 +341,15 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     if r == 0 or n == 0:
         return
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    dt = getattr(gl, _GL_DTYPE[a.dtype])
-    a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt))
+    dt = _GL_DTYPE[a.dtype]
+    a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [bm, bk], smem_layout((bm, bk), dt))
     per_expert = expert_rows(w)  # 0 for an expert stride of 0: every expert reads the same rows
     w_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1], [bn, bk],
-                              gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
+                              smem_layout((bn, bk), dt))
     blk, nblk = block_table(layout, bm)
-    programs = min(num_sms(a.device), blk.shape[1] * triton.cdiv(n, bn))
+    programs = min(num_sms(a.device), blk.shape[1] * cdiv(n, bn))
     scaled = a_scale is not None
-    steps = triton.cdiv(k, bk)
+    steps = cdiv(k, bk)
     as_, ws_ = (a_scale, w_scale) if scaled else (out, out)
     _ws_gemm_kernel[(programs,)](
         a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1], programs, n,
