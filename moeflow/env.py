@@ -2,8 +2,8 @@
 
 Read them through the functions below (evaluated at call time, so tests can monkeypatch os.environ).
 Inside ``with env.one_reading():`` (a layer's eager call) each variable is read from os.environ once and its value
-kept until the outermost block ends: a call reads its switches some 20 times, which cost a lent H200 host's
-CPU about 2.5 µs each (benchmarks/results/host_cost_2026-12-03_h200.md).
+kept until the outermost block ends: a call read its switches some 23 times, 1.4 µs each on the CI machine's CPU
+(benchmarks/results/host_cost_2026-12-03_h200.md).
 ``moeflow env`` prints the table.
 """
 from __future__ import annotations

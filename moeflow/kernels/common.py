@@ -27,8 +27,8 @@ ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) on the host. triton.cdiv, a constexpr function in triton 3.6, costs about 3.5 µs of Python a call
-    (8 µs on the lent H200's host), and a layer call made some 25 of them (benchmarks/results/host_cost_*)."""
+    """ceil(a / b) on the host. triton.cdiv, a constexpr function in triton 3.6, costs 2-3.5 µs of Python a call on
+    the CI machine's CPU, and a layer call made some 25 of them (benchmarks/results/host_cost_2026-12-03_h200.md)."""
     return (a + b - 1) // b
 
 
