@@ -96,7 +96,8 @@ def gpu_us(fn, replays=50) -> float:
     return statistics.median(best)
 
 
-def profile_text(fn, calls=200) -> str:
+def profile_text(fn, calls=200, sorts=("tottime",), lines=30) -> str:
+    """cProfile of ``calls`` calls of fn (after one), the top ``lines`` by each of ``sorts`` (pstats keys)."""
     fn()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
@@ -106,22 +107,34 @@ def profile_text(fn, calls=200) -> str:
     torch.cuda.synchronize()
     prof.disable()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(prof, stream=s)
+    for key in sorts:
+        stats.sort_stats(key).print_stats(lines)
     return s.getvalue()
 
 
-def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
+def layer_case(preset: str, scheme: str):
+    """-> (MoE, ExpertsPath, its ExpertWeights) of one preset and scheme, bf16 on CUDA, seeded."""
     torch.manual_seed(0)
     moe = MoE(preset_config(preset, dtype=torch.bfloat16, device="cuda", quant=scheme))
-    cfg = moe.config
-    path = ExpertsPath(cfg)
     weights = ExpertWeights(moe.gate_up_proj, moe.down_proj, moe.gate_up_proj_scale_inv, moe.down_proj_scale_inv)
+    return moe, ExpertsPath(moe.config), weights
+
+
+def layer_inputs(moe, t: int):
+    """-> (x [T, H] bf16, router logits [T, E], ids [T, K] int64, weights [T, K]) routed by moe's router."""
+    cfg = moe.config
+    x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, cfg.num_experts, device="cuda")
+    ids, w = moe.router(logits, moe.e_score_correction_bias)
+    return x, logits, ids.to(torch.int64), w
+
+
+def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
+    moe, path, weights = layer_case(preset, scheme)
     rows = []
     for t in TOKENS:
-        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-        logits = torch.randn(t, cfg.num_experts, device="cuda")
-        ids, w = moe.router(logits, moe.e_score_correction_bias)
-        ids64 = ids.to(torch.int64)
+        x, logits, ids64, w = layer_inputs(moe, t)
         entries = {  # name: (call, MOEFLOW_VALIDATE_INPUTS, MOEFLOW_EAGER_GRAPHS)
             "forward": (lambda: moe(x, logits), "1", "64"),
             "forward_launched": (lambda: moe(x, logits), "1", "0"),

@@ -16,11 +16,8 @@ Also a cProfile (200 calls, top 40 by cumulative and by own time) per case at T=
 """
 from __future__ import annotations
 
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
 import time
 
@@ -29,12 +26,8 @@ import triton
 from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, os.path.dirname(__file__))
-from eager_overhead import eager_us, gpu_us, host_us  # noqa: E402
+from eager_overhead import eager_us, gpu_us, host_us, layer_case, layer_inputs, profile_text  # noqa: E402
 
-from moeflow import MoE  # noqa: E402
-from moeflow.experts import ExpertWeights  # noqa: E402
-from moeflow.integrations.path import ExpertsPath  # noqa: E402
-from moeflow.presets import preset_config  # noqa: E402
 
 CASES = [("qwen3-30b-a3b", "none"), ("qwen3-30b-a3b", "fp8-block"), ("mixtral-8x7b", "fp8-block")]
 TOKENS = (64, 512, 4096)
@@ -88,34 +81,11 @@ def tallied(fn, calls=100, noop=False):
     return t.per_call(calls), wall
 
 
-def profile_text(fn, calls=200) -> str:
-    fn()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    prof.disable()
-    s = io.StringIO()
-    st = pstats.Stats(prof, stream=s)
-    st.sort_stats("cumulative").print_stats(40)
-    st.sort_stats("tottime").print_stats(40)
-    return s.getvalue()
-
-
 def run_case(preset, scheme, out_dir):
-    torch.manual_seed(0)
-    moe = MoE(preset_config(preset, dtype=torch.bfloat16, device="cuda", quant=scheme))
-    cfg = moe.config
-    path = ExpertsPath(cfg)
-    weights = ExpertWeights(moe.gate_up_proj, moe.down_proj, moe.gate_up_proj_scale_inv, moe.down_proj_scale_inv)
+    moe, path, weights = layer_case(preset, scheme)
     rows = []
     for t in TOKENS:
-        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-        logits = torch.randn(t, cfg.num_experts, device="cuda")
-        ids, w = moe.router(logits, moe.e_score_correction_bias)
-        ids64 = ids.to(torch.int64)
+        x, logits, ids64, w = layer_inputs(moe, t)
         for name, fn in (("forward", lambda: moe(x, logits)), ("experts_path", lambda: path(x, ids64, w, weights))):
             os.environ["MOEFLOW_EAGER_GRAPHS"] = "0"
             row = dict(preset=preset, scheme=scheme, T=t, entry=name, host_us=host_us(fn), eager_us=eager_us(fn))
@@ -128,12 +98,13 @@ def run_case(preset, scheme, out_dir):
             rows.append(row)
             la = tally.get("triton_launch", (0, 0))
             al = tally.get("torch_alloc", (0, 0))
-            print(f"{preset:14s} {scheme:9s} T={t:<5d} {name:13s} host {row['host_us']:7.1f} eager {row['eager_us']:7.1f} "
-                  f"gpu {row['gpu_us']:7.1f} | launches {la[0]:4.1f} {la[1]:6.1f}us  allocs {al[0]:4.1f} {al[1]:5.1f}us"
+            print(f"{preset:14s} {scheme:9s} T={t:<5d} {name:13s} host {row['host_us']:7.1f} "
+                  f"eager {row['eager_us']:7.1f} gpu {row['gpu_us']:7.1f} | launches {la[0]:4.1f} {la[1]:6.1f}us  "
+                  f"allocs {al[0]:4.1f} {al[1]:5.1f}us"
                   f"  no-launch {row['no_launch_us']:6.1f}", flush=True)
             if t == 512:
                 with open(os.path.join(out_dir, f"host_profile_{preset}_{scheme}_T{t}_{name}.txt"), "w") as f:
-                    f.write(profile_text(fn))
+                    f.write(profile_text(fn, sorts=("cumulative", "tottime"), lines=40))
     return rows
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import ops
 from .. import env as moeflow_env
+from .. import ops
 from ..capabilities import Environment
 from ..config import MoEConfig
 from ..dispatch import create_dispatcher
