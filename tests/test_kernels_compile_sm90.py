@@ -525,3 +525,39 @@ def test_epilogues_divide_once_a_row_or_group():
     for what, most, n in found:
         assert n["div.full.f32"] == 0, (what, n)
         assert n["div.rn.f32"] <= most, (what, most, n)
+
+
+SWAPPED_MMAS = r'''
+import json, re, sys, torch
+from moeflow.kernels.configs import GemmConfig
+from moeflow.kernels.registers import gemm_ptx, ptxas_path, ptxas_report
+if ptxas_path() is None:
+    print(json.dumps(None)); sys.exit(0)
+out = {}
+for kernel, scheme, bm, bn, bk in (("gate_up", "fp8-block", 16, 128, 128), ("gate_up", "none", 16, 64, 64),
+                                   ("down", "fp8-block", 16, 128, 128), ("down", "none", 32, 128, 64)):
+    for swap in (0, 1):
+        ptx = gemm_ptx(kernel, scheme, torch.bfloat16, GemmConfig(bm, bn, bk, 1, 4, 3, swap_ab=swap))
+        regs, spill, _ = ptxas_report(ptx)
+        out[f"{kernel} {scheme} {bm}x{bn} swap={swap}"] = dict(
+            wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+            mma_sync=len(re.findall(r"\bmma\.sync\b", ptx)), fp8_to_f16=ptx.count("cvt.rn.f16x2.e4m3x2"),
+            regs=regs, spill=spill)
+print(json.dumps(out))
+'''
+
+
+def test_swapped_tiles_run_wgmma_from_shared_memory():
+    """GemmConfig.swap_ab (common.tile_dot): a block of 16-32 token rows, as the dot's N, compiles for sm_90a to
+    wgmma m64nBLOCK_M (fp8 straight from shared memory, no conversion to fp16), where the same tile unswapped is
+    mma.sync on a 16-row A whose fp8 operands Triton first converts to fp16; neither spills."""
+    found = compile_without_interpreter(SWAPPED_MMAS)
+    for name, got in found.items():
+        assert got["spill"] == 0, (name, got)
+        bm = int(name.split()[2].split("x")[0])
+        if name.endswith("swap=1"):
+            assert got["wgmma"] and all(w.startswith("m64n%d" % bm) for w in got["wgmma"]), (name, got)
+            assert got["mma_sync"] == 0 and got["fp8_to_f16"] == 0, (name, got)
+        else:
+            assert not got["wgmma"] and got["mma_sync"] > 0, (name, got)
+            assert ("fp8" not in name) or got["fp8_to_f16"] > 0, (name, got)

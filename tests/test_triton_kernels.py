@@ -393,6 +393,67 @@ def test_gate_up_and_down_kernels(scheme, dtype, tma, monkeypatch):
     assert_close(out, down_torch(a, a_s, q2, s2, route_w, layout, scheme, dtype), 1e-3, "down")
 
 
+def _gemms_float64(xq, xs, q13, s13, q2, s2, route_w, layout, scheme, a, a_s):
+    """float64 references of gate_up (act(gate) * up, before the layer-dtype rounding) and of down on the input the
+    kernel got (a, a_s: gate_up's output, quantized by the scheme), per valid row; empty masked slots 0."""
+    from moeflow.kernels.gate_up import _expert_of_row
+    sch = create_scheme(scheme)
+    xf = (sch.dequantize_activation(xq, xs) if xs is not None else xq.float()).double()
+    af = (sch.dequantize_activation(a, a_s) if a_s is not None else a.float()).double()
+    w13, w2 = sch.dequantize_weight(q13, s13).double(), sch.dequantize_weight(q2, s2).double()
+    expert = _expert_of_row(layout)
+    g = torch.zeros(layout.rows, w13.shape[1] // 2, dtype=torch.float64)
+    d = torch.zeros(layout.rows, w2.shape[1], dtype=torch.float64)
+    for e in range(w13.shape[0]):
+        sel = expert == e
+        gate, up = (xf[sel] @ w13[e].T).chunk(2, dim=1)
+        g[sel] = torch.nn.functional.silu(gate) * up
+        d[sel] = (af[sel] @ w2[e].T) * route_w[sel].double()[:, None]
+    return g, d
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["sorted", "masked"])
+@pytest.mark.parametrize("scheme,dtype,bm,bn,tma", [
+    ("none", torch.float16, 16, 64, True), ("none", torch.float32, 32, 64, False),
+    ("fp8-tensor", torch.float16, 16, 64, True), ("fp8-channel", torch.float32, 16, 128, False),
+    ("fp8-block", torch.float16, 16, 128, True), ("fp8-block", torch.float16, 32, 256, False)])
+def test_swapped_tiles(scheme, dtype, bm, bn, tma, masked, monkeypatch):
+    """GemmConfig.swap_ab (each tile computed transposed, weights as the MMA's M) against float64 references, outputs
+    NaN-poisoned first: an empty expert, a block over 3 experts' rows, a one-row expert, partial N tiles (I = H = 192
+    but fp8-block's 256), per-row and per-column scale paths (fp8-block BLOCK_N 128 and 256), TMA and pointer
+    weights; the split K and persistent down forms and an empty batch too."""
+    monkeypatch.setenv("MOEFLOW_TRITON_TMA", "1" if tma else "0")
+    sch = create_scheme(scheme)
+    layout = masked_layout([5, 0, 16, 1], 17) if masked else sorted_layout([5, 0, 33, 1])
+    e, h, i = 4, (256 if scheme == "fp8-block" else 192), (256 if scheme == "fp8-block" else 192)
+    bk = 128 if scheme == "fp8-block" else 64
+    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).to(dtype))
+    q2, s2 = sch.quantize_weight((torch.randn(e, h, i) / i ** 0.5).to(dtype))
+    xq, xs = sch.quantize_activation(torch.randn(layout.rows, h).to(dtype))
+    route_w = torch.rand(layout.rows)
+    gu = kc.fit(kc.GemmConfig(bm, bn, bk, swap_ab=1), fused_pair=True, scheme=scheme, elem_bytes=1, n_size=i)
+    assert gu.swap_ab == 1 and gu.block_n == bn
+    inter, extra = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype, gu, poison=True)
+    valid = layout.valid_rows() if masked else torch.ones(layout.rows, dtype=torch.bool)
+    # empty masked slots' rows are the caller's (NaN here): zeroed before a whole-tensor quantization
+    a, a_s = (inter, extra) if scheme == "fp8-block" else sch.quantize_activation(inter.masked_fill(~valid[:, None], 0))
+    outs = {form: down(a, a_s, q2, s2, route_w, layout, scheme, dtype, kc.GemmConfig(bm, bn, bk, swap_ab=1, **kw),
+                       poison=True)
+            for form, kw in (("per tile", {}), ("split K", dict(split_k=2)), ("persistent", dict(programs_per_sm=2)))}
+    ref_g, ref_d = _gemms_float64(xq, xs, q13, s13, q2, s2, route_w, layout, scheme, a, a_s)
+    got_g = sch.dequantize_activation(inter, extra) if scheme == "fp8-block" else inter.float()
+    tol_g = 5e-2 if scheme == "fp8-block" else 5e-3  # one e4m3 rounding of the output; one fp16 rounding
+    assert_close(got_g[valid], ref_g[valid], tol_g, "gate_up swapped")
+    for form, out in outs.items():
+        assert_close(out[valid], ref_d[valid], 5e-3, f"down swapped, {form}")
+        if masked:
+            assert torch.equal(out[~valid], torch.zeros_like(out[~valid])), form
+    empty = sorted_layout([0, 0, 0, 0])
+    none_in = torch.empty(0, h).to(xq.dtype)
+    got, _ = gate_up(none_in, xs[:0] if xs is not None else None, q13, s13, empty, scheme, "silu", dtype, gu)
+    assert got.shape == (0, i)
+
+
 @pytest.mark.parametrize("split", [2, 7])
 @pytest.mark.parametrize("scheme,dtype,i,tma", [("none", torch.float16, 320, True), ("none", torch.float32, 200, False),
                                                 ("fp8-channel", torch.float16, 384, True),

@@ -69,6 +69,9 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
                                                                                (32, 4, 2))]
         dn = base + [GemmConfig(16, bn, 128, 1, 4, s, 0, sk) for bn, s, sk in ((64, 6, 2), (128, 4, 2), (64, 6, 4),
                                                                                (128, 4, 4))]
+        # tiles computed transposed (swap_ab): the weight rows the wgmma's M, the block's 16 rows its N
+        swapped = [GemmConfig(16, bn, 128, 1, 4, s, swap_ab=1) for bn, s in ((64, 4), (64, 6), (128, 3), (128, 4))]
+        gu, dn = gu + swapped, dn + swapped
     elif m <= 96:
         gu = [GemmConfig(bm, bn, k, 4, w, s) for bm, bn, k, w, s in
               ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 8, 3), (16, 64, 128, 4, 4),
@@ -76,6 +79,10 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
         dn = [GemmConfig(bm, bn, k, 4, w, s, p) for bm, bn, k, w, s, p in
               ((32, 64, 128, 4, 4, 0), (32, 128, 128, 4, 3, 0), (64, 64, bk, 4, 4, 0), (64, 128, bk, 4, 4, 0),
                (16, 128, 128, 4, 4, 0), (64, 128, bk, 4, 4, 2))]
+        # transposed tiles (swap_ab): blocks of 16-32 rows as the wgmma's N, no 64-row padding
+        swapped = [GemmConfig(bm, bn, 128, 4, 4, s, swap_ab=1) for bm, bn, s in
+                   ((32, 64, 4), (32, 128, 3), (32, 128, 4), (16, 128, 4))]
+        gu, dn = gu + swapped, dn + swapped
         if shape.scheme == "fp8-block":  # the persistent Gluon down (kernels/down_wgmma_persistent.py)
             dn.append(GemmConfig(64, 128, 128, 4, 4, 4, 2, scale_overlap=2))
             dn += WS_FP8_DOWN

@@ -175,6 +175,72 @@ def gated_act(gate, up, ACT: tl.constexpr):
 
 
 @triton.jit
+def acc_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """A zero float32 accumulator of a [BLOCK_M, BLOCK_N] output tile, held as [BLOCK_N, BLOCK_M] where SWAP (swap_ab:
+    tile_dot says why)."""
+    if SWAP:
+        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def tile_dot(a, b, SWAP: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] @ b [BLOCK_K, BLOCK_N] in float32 as acc_tile holds it: [BLOCK_M, BLOCK_N], or where SWAP
+    its transpose b.T @ a.T [BLOCK_N, BLOCK_M]. Swapped, the weight tile is the MMA's M operand: a Hopper wgmma needs
+    M >= 64 rows a warpgroup but takes N from 8 up, so a block of 16-32 token rows runs as wgmma from shared memory
+    (fp8 included) instead of as mma.sync on a 16-row A (which Triton feeds fp8 by converting it to fp16 first), or
+    as a 64-row wgmma that is mostly padding (GemmConfig.swap_ab)."""
+    if SWAP:
+        return tl.dot(tl.trans(b), tl.trans(a))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def tile_dot_acc(a, b, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b accumulated inside the dot, as tile_dot (acc in acc_tile's form); IEEE: float32 operands dotted in
+    IEEE float32 (float32 layers)."""
+    if SWAP:
+        if IEEE:
+            return tl.dot(tl.trans(b), tl.trans(a), acc, input_precision="ieee")
+        else:
+            return tl.dot(tl.trans(b), tl.trans(a), acc)
+    else:
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+
+@triton.jit
+def per_row(v, SWAP: tl.constexpr):
+    """v [BLOCK_M] (one value a token row) broadcastable over an accumulator in acc_tile's form."""
+    if SWAP:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def per_col(v, SWAP: tl.constexpr):
+    """v [BLOCK_N] (one value an output column) broadcastable over an accumulator in acc_tile's form."""
+    if SWAP:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def row_major(acc, SWAP: tl.constexpr):
+    """An accumulator in acc_tile's form -> [BLOCK_M, BLOCK_N] (one transpose after the K loop, not one a step)."""
+    if SWAP:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
 def split_steps(k_size, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """This program's K steps kb_lo .. kb_hi-1: all cdiv(k_size, BLOCK_K) of them, or under split K
     (SPLIT_K > 1, grid axis 1 the split s) the s-th run of cdiv(n, SPLIT_K) (empty past the end)."""

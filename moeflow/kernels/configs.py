@@ -66,6 +66,11 @@ class GemmConfig:
     # turns; gate_up reads its rows in order, copied into order first where they come by index). fit() sets 0
     # where that kernel cannot run the tile (ws_fits).
     warp_specialize: int = 0
+    # the Triton kernels (kernels/gate_up.py, kernels/down.py, not the Gluon ones above): 1 computes each tile
+    # transposed, weight rows as the MMA's M and the block's token rows as its N (common.tile_dot): a block of
+    # 16-32 rows then runs Hopper wgmma straight from shared memory instead of mma.sync, or a 64-row wgmma half
+    # padding. fit() sets 0 where scale_overlap or warp_specialize hands the tile to a Gluon kernel.
+    swap_ab: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,7 +157,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
     an fp8-block tile the Gluon kernel runs (wgmma_gate_up_fits, wgmma_down_fits); gate_up's is 1.
     x_tma stays (as 0 or 1) on gate_up only. warp_specialize stays (as 1) only on a tile the Gluon kernel
-    runs (ws_fits: bf16/fp16, or an fp8-block down).
+    runs (ws_fits: bf16/fp16, or an fp8-block down). swap_ab stays (as 1) where neither Gluon kernel does.
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
@@ -171,7 +176,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
         fits = wgmma_gate_up_fits(fitted) if fused_pair else wgmma_down_fits(fitted)
         keep = scheme == "fp8-block" and fits and fitted.scale_overlap in (1, 2)
         fitted = replace(fitted, scale_overlap=(1 if fused_pair else int(fitted.scale_overlap)) if keep else 0)
-    return fitted
+    return replace(fitted, swap_ab=int(bool(cfg.swap_ab) and not fitted.scale_overlap and not fitted.warp_specialize))
 
 
 def fit_fused(cfg: FusedConfig, scheme: str) -> FusedConfig:

@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import (QUANT_CODES, RowLayout, block_rows, cdiv, expert_blocks, grouped_tile, next_pow2, num_sms, pdl,
-                     pdl_launch, pdl_wait, rows_operand, scale_block, sorted_block, split_steps, tile_ids,
-                     weight_operand)
+from .common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, expert_blocks, grouped_tile, next_pow2,
+                     num_sms, pdl, pdl_launch, pdl_wait, per_col, per_row, row_major, rows_operand, scale_block,
+                     sorted_block, split_steps, tile_dot, tile_dot_acc, tile_ids, weight_operand)
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -38,7 +38,8 @@ def _down_kernel(
         QUANT: tl.constexpr, MASKED: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
-        A_TMA: tl.constexpr, PDL: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, split_stride=0):
+        A_TMA: tl.constexpr, PDL: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, split_stride=0,
+        SWAP: tl.constexpr = False):
     """One program per output tile of the grid's row blocks (an upper bound of them: programs
     past the real blocks return at once). Operands as in _down_tile. SPLIT_K > 1: grid axis 1 is
     the split; out_ptr is the float32 workspace, slab s at s * split_stride elements."""
@@ -58,7 +59,7 @@ def _down_kernel(
         return
     _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, slab_end, pid_n, H, I,
                w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-               QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_IEEE, PROMOTE, W_TMA, A_TMA, PDL, kb_lo, kb_hi)
+               QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_IEEE, PROMOTE, W_TMA, A_TMA, PDL, kb_lo, kb_hi, SWAP)
 
 
 @triton.jit(do_not_specialize=["w_rows_per_expert", "num_programs"])
@@ -68,7 +69,7 @@ def _down_persistent_kernel(
         stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
         QUANT: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+        EVEN_K: tl.constexpr, PDL: tl.constexpr = False, SWAP: tl.constexpr = False):
     """Sorted layout, both operands through TMA: num_programs programs (the grid; a runtime value,
     so batch sizes do not recompile it) loop over the output tiles of
     the real row blocks (counted here from the offsets), in tile_ids' grouped order. The flattened
@@ -83,7 +84,8 @@ def _down_persistent_kernel(
         expert, row_start, row_end = sorted_block(pid_m, num_experts, idx, lo, hi, nb, cum, BLOCK_M)
         _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, row_end, pid_n, H, I,
                    w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-                   QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, False, True, True, PDL, 0, tl.cdiv(I, BLOCK_K))
+                   QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, False, True, True, PDL, 0, tl.cdiv(I, BLOCK_K),
+                   SWAP)
 
 
 @triton.jit
@@ -91,14 +93,15 @@ def _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row
                w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
                QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
-               A_TMA: tl.constexpr, PDL: tl.constexpr, kb_lo, kb_hi):
+               A_TMA: tl.constexpr, PDL: tl.constexpr, kb_lo, kb_hi, SWAP: tl.constexpr):
     """The [BLOCK_M, BLOCK_N] output tile of rows row_start .. row_end-1 (at least one; all of
     ``expert``) and columns from pid_n * BLOCK_N, over K steps kb_lo .. kb_hi-1 (all of them but
     under split K); stores up to slab_end (rows past row_end as 0).
     w: a TMA descriptor over the weight rows [E * H, I] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to down_proj [E, H, I] (strides stride_we, stride_wn).
     a_src: a TMA descriptor over a [R, I] (A_TMA: the box at the block's first row; rows past the
-    block's end are read but never stored: the row_ok select below drops them, NaN included) or a pointer."""
+    block's end are read but never stored: the row_ok select below drops them, NaN included) or a pointer.
+    SWAP (GemmConfig.swap_ab): the accumulator is held transposed, the weight tile the MMA's M (common.tile_dot)."""
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row_start + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
@@ -115,7 +118,7 @@ def _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row
     else:
         b_ptrs = (w + expert.to(tl.int64) * stride_we + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
                   + kb_lo * BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = acc_tile(BLOCK_M, BLOCK_N, SWAP)
     for kb in range(kb_lo, kb_hi):
         if A_TMA:  # zero-filled past I
             a = a_src.load([a_row, kb * BLOCK_K])
@@ -134,21 +137,20 @@ def _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row
             a_s = tl.load(as_ptr + rows_ld * stride_as + kg)
             if 128 % BLOCK_N == 0:  # the tile's columns share one weight scale: one FMA per element
                 s = a_s * tl.load(ws_e + scale_block(pid_n * BLOCK_N, H) * stride_wsn + kg)
-                acc += tl.dot(a, b) * s[:, None]
+                acc += tile_dot(a, b, SWAP) * per_row(s, SWAP)
             else:
                 b_s = tl.load(ws_e + scale_block(cols, H) * stride_wsn + kg)
-                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
-        elif DOT_IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+                acc += tile_dot(a, b, SWAP) * (per_row(a_s, SWAP) * per_col(b_s, SWAP))
         elif PROMOTE:  # fp32 layers: fp8 partial sums added in full fp32 every K step
-            acc += tl.dot(a, b)
+            acc += tile_dot(a, b, SWAP)
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tile_dot_acc(a, b, acc, SWAP, DOT_IEEE)
         if not A_TMA:
             a_ptrs += BLOCK_K
         if not W_TMA:
             b_ptrs += BLOCK_K
     pdl_launch(PDL)
+    acc = row_major(acc, SWAP)
     if QUANT == 1:
         acc = acc * (tl.load(as_ptr + rows_ld * stride_as) * tl.load(ws_e))[:, None]
     elif QUANT == 2:
@@ -219,7 +221,8 @@ def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, d
     args = (a_arg, a_s, w_arg, ws, route_w, out, layout.meta)
     strides = (a.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), stride_wse, stride_wsn, out.stride(-2))
     tiling = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  EVEN_K=i % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  EVEN_K=i % cfg.block_k == 0, SWAP=bool(cfg.swap_ab), num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     fp32_dots = dtype == torch.float32 and q in (0, 1, 2)
     if (split == 1 and cfg.programs_per_sm and not layout.masked and w_arg is not w2 and a_arg is not a
             and not fp32_dots):

@@ -46,9 +46,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..quant import FP8_DTYPE
-from .common import (QUANT_CODES, RowLayout, block_rows, cdiv, fp8_scale, gated_act, interpreting, next_pow2, pdl,
-                     pdl_launch, pdl_start, pdl_wait, rows_operand, scale_block, split_steps, tile_ids, to_fp8,
-                     weight_operand)
+from .common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, fp8_scale, gated_act, interpreting, next_pow2,
+                     pdl, pdl_launch, pdl_start, pdl_wait, per_col, per_row, row_major, rows_operand, scale_block,
+                     split_steps, tile_dot, tile_dot_acc, tile_ids, to_fp8, weight_operand)
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -62,7 +62,7 @@ def _gate_up_kernel(
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
         ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False,
-        SPLIT_K: tl.constexpr = 1, split_stride=0, X_TMA: tl.constexpr = False):
+        SPLIT_K: tl.constexpr = 1, split_stride=0, X_TMA: tl.constexpr = False, SWAP: tl.constexpr = False):
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
     INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r].
@@ -70,7 +70,9 @@ def _gate_up_kernel(
     the block's first row (rows past the block's end are read, never stored; columns past H are zero).
     SPLIT_K > 1: grid axis 1 is the split, program s runs K steps s * ceil(n / S) .. of the n and
     stores its float32 gate and up partial sums (scales applied) into slab s of the workspace
-    out_ptr [S, R, 2I] (slab stride split_stride; gate at columns n, up at I + n); no epilogue."""
+    out_ptr [S, R, 2I] (slab stride split_stride; gate at columns n, up at I + n); no epilogue.
+    SWAP (GemmConfig.swap_ab): the K loop's accumulators are held transposed, [BLOCK_N, BLOCK_M], the weight tile
+    the MMA's M (common.tile_dot), and transposed once before the epilogue."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
     kb_lo, kb_hi = split_steps(H, BLOCK_K, SPLIT_K)
@@ -98,8 +100,8 @@ def _gate_up_kernel(
         g_ptrs = w_e + cols_ld[None, :].to(tl.int64) * stride_wn + rk[:, None] + kb_lo * BLOCK_K
         u_ptrs = g_ptrs + I * stride_wn
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = acc_tile(BLOCK_M, BLOCK_N, SWAP)
+    acc_u = acc_tile(BLOCK_M, BLOCK_N, SWAP)
     if QUANT == 3:  # the scales of the first K step; each step then loads the next step's (module docstring)
         if 128 % BLOCK_N == 0:  # the tile's columns share one weight scale block
             g_b = scale_block(pid_n * BLOCK_N, I)
@@ -132,26 +134,25 @@ def _gate_up_kernel(
             kg = tl.minimum(((kb + 1) * BLOCK_K) // 128, (H - 1) // 128)
             a_s_next, g_s_next, u_s_next = tl.load(xs_rows + kg), tl.load(gs_ptr + kg), tl.load(us_ptr + kg)
             if 128 % BLOCK_N == 0:  # one FMA per element: a per-row scale
-                acc_g += tl.dot(a, bg) * (a_s * g_s)[:, None]
-                acc_u += tl.dot(a, bu) * (a_s * u_s)[:, None]
+                acc_g += tile_dot(a, bg, SWAP) * per_row(a_s * g_s, SWAP)
+                acc_u += tile_dot(a, bu, SWAP) * per_row(a_s * u_s, SWAP)
             else:
-                acc_g += tl.dot(a, bg) * (a_s[:, None] * g_s[None, :])
-                acc_u += tl.dot(a, bu) * (a_s[:, None] * u_s[None, :])
-        elif DOT_IEEE:
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+                acc_g += tile_dot(a, bg, SWAP) * (per_row(a_s, SWAP) * per_col(g_s, SWAP))
+                acc_u += tile_dot(a, bu, SWAP) * (per_row(a_s, SWAP) * per_col(u_s, SWAP))
         elif PROMOTE:  # fp32 layers: fp8 partial sums added in full fp32 every K step
-            acc_g += tl.dot(a, bg)
-            acc_u += tl.dot(a, bu)
+            acc_g += tile_dot(a, bg, SWAP)
+            acc_u += tile_dot(a, bu, SWAP)
         else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
+            acc_g = tile_dot_acc(a, bg, acc_g, SWAP, DOT_IEEE)
+            acc_u = tile_dot_acc(a, bu, acc_u, SWAP, DOT_IEEE)
         if not X_TMA:
             x_ptrs += BLOCK_K
         if not W_TMA:
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
     pdl_launch(PDL)
+    acc_g = row_major(acc_g, SWAP)
+    acc_u = row_major(acc_u, SWAP)
     if QUANT == 1:  # each row's activation scale (rows from different EP ranks may differ) x the expert's
         s = tl.load(xs_ptr + x_rows * stride_xs) * tl.load(ws_e)
         acc_g = acc_g * s[:, None]
@@ -295,7 +296,7 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
         INDEXED=source_rows is not None, SPLIT_K=split, split_stride=r * two_i if split > 1 else 0,
-        X_TMA=x_arg is not x, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
+        X_TMA=x_arg is not x, SWAP=bool(cfg.swap_ab), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
     if split > 1:
         block_i = 128 if q == 3 else min(1024, next_pow2(i))
         _gate_up_split_sum_kernel[(r, cdiv(i, block_i))](

@@ -55,7 +55,8 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
             const.update(MASKED=False, DOT_IEEE=False, PROMOTE=False, W_TMA=tma, A_TMA=tma)
         else:
             fn = _down_persistent_kernel
-    const.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+    const.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                 SWAP=bool(cfg.swap_ab))
     const.update(extra or {})
     sig = {}  # the runtime parameters' types (compile_for_hopper marks the constexprs)
     for name in fn.arg_names:

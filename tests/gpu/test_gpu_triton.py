@@ -418,3 +418,53 @@ def test_tune_searches_one_launch_tiles_on_gpu(scheme):
     if table[1].fused is not None:  # the recorded tiles run right (fresh weights, poisoned, repeated, oracle)
         from fused_cases import check_fused
         check_fused(scheme, torch.bfloat16, 3, 16, 256, 128, 4, table[1].fused, repeats=3, device="cuda")
+
+
+@pytest.mark.parametrize("preset,t", [("qwen3-30b-a3b", 16), ("mixtral-8x7b", 128), ("deepseek-v3", 128)])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_swapped_tiles_on_gpu(preset, t, scheme):
+    """Transposed tiles (GemmConfig.swap_ab: weights as the wgmma's M, 16-32 token rows as its N) at the presets'
+    shapes, bf16 (which the interpreter cannot run): gate_up and down against their references and within float32
+    rounding of the same tiles unswapped, outputs NaN-poisoned, rows by index (sorted) and masked slots; the down's
+    split K and persistent forms too."""
+    from moeflow.kernels.autotune import random_batch
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.configs import GemmConfig
+    from moeflow.kernels.down import down, down_torch
+    from moeflow.kernels.gate_up import gate_up, gate_up_torch
+    from moeflow.presets import preset_config
+    from moeflow.quant import create_scheme
+    c = preset_config(preset)
+    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
+    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
+    sch = create_scheme(scheme)
+    bk = 64 if scheme == "none" else 128
+    src = torch.randint(0, t, (batch.num_rows,), device="cuda")
+    tol = 6e-2 if scheme == "fp8-block" else rel_tol(scheme, torch.bfloat16)
+
+    def deq(pair):
+        return sch.dequantize_activation(*pair) if pair[0].dtype == torch.float8_e4m3fn else pair[0].float()
+
+    for lay, rows in ((RowLayout.of(batch), src), (RowLayout.of(sorted_to_masked(batch)[0]), None)):
+        x = torch.randn(t if rows is not None else lay.rows, c.hidden_size, device="cuda").to(torch.bfloat16)
+        xq, xs = sch.quantize_activation(x) if sch.quantized else (x, None)
+        valid = lay.valid_rows()
+        ref = gate_up_torch(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, rows)[valid].float()
+        for bm, bn in ((16, 128), (32, 64)):
+            plain = GemmConfig(bm, bn, bk, 1, 4, 3)
+            one = deq(gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, plain, True, rows))
+            got = deq(gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16,
+                              GemmConfig(bm, bn, bk, 1, 4, 3, swap_ab=1), True, rows))
+            assert_close(got[valid], ref, tol, f"{preset} {scheme} gate_up {bm}x{bn} swapped")
+            assert_close(got[valid], one[valid], tol, f"{preset} {scheme} gate_up {bm}x{bn} swapped vs unswapped")
+        a, a_s = sch.quantize_activation(torch.randn(lay.rows, c.intermediate_size, device="cuda").to(torch.bfloat16))
+        rw = torch.rand(lay.rows, device="cuda")
+        want = down_torch(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16)
+        one = down(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16, GemmConfig(32, 128, bk, 1, 4, 3),
+                   poison=True)
+        forms = [dict(), dict(split_k=2)] + ([dict(programs_per_sm=2)] if not lay.masked else [])
+        for kw in forms:
+            got = down(a, a_s, w.w2, w.w2_scale, rw, lay, scheme, torch.bfloat16,
+                       GemmConfig(32, 128, bk, 1, 4, 3, swap_ab=1, **kw), poison=True)
+            assert_close(got, want, rel_tol(scheme, torch.bfloat16), f"{preset} {scheme} down swapped {kw}")
+            assert_close(got, one, 1e-2, f"{preset} {scheme} down swapped {kw} vs unswapped")
