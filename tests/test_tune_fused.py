@@ -136,3 +136,16 @@ def test_fp8_block_candidates_keep_the_gluon_gate_up_where_offered(preset, token
     m = tokens * shape.top_k / shape.num_experts
     assert all(c.block_m == (64 if m <= 96 else 128) for c in gluon)
     assert len(set(gu)) == len(gu) and len(set(dn)) == len(dn)
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel", "fp8-block"])
+def test_swapped_candidates_only_where_precise(scheme):
+    """The tuner times swapped tiles (GemmConfig.swap_ab) for none and fp8-block at small and middle batches, never
+    for fp8-tensor/-channel, whose K loops would accumulate in the fp8 wgmma's narrower accumulator
+    (autotune._precise), and never at large batches."""
+    for tokens, swaps in ((16, scheme in ("none", "fp8-block")), (256, scheme in ("none", "fp8-block")),
+                          (16384, False)):
+        shape = autotune.Shape(scheme=scheme, **QWEN3)
+        for family in autotune.candidates(shape, tokens):
+            assert any(c.swap_ab for c in family) == swaps, (tokens, scheme)
+            assert all(c.block_m <= 32 for c in family if c.swap_ab)

@@ -71,7 +71,7 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
                                                                                (128, 4, 4))]
         # tiles computed transposed (swap_ab): the weight rows the wgmma's M, the block's 16 rows its N
         swapped = [GemmConfig(16, bn, 128, 1, 4, s, swap_ab=1) for bn, s in ((64, 4), (64, 6), (128, 3), (128, 4))]
-        gu, dn = gu + swapped, dn + swapped
+        gu, dn = gu + _precise(swapped, shape.scheme), dn + _precise(swapped, shape.scheme)
     elif m <= 96:
         gu = [GemmConfig(bm, bn, k, 4, w, s) for bm, bn, k, w, s in
               ((32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, bk, 4, 4), (64, 128, bk, 8, 3), (16, 64, 128, 4, 4),
@@ -82,7 +82,7 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
         # transposed tiles (swap_ab): blocks of 16-32 rows as the wgmma's N, no 64-row padding
         swapped = [GemmConfig(bm, bn, 128, 4, 4, s, swap_ab=1) for bm, bn, s in
                    ((32, 64, 4), (32, 128, 3), (32, 128, 4), (16, 128, 4))]
-        gu, dn = gu + swapped, dn + swapped
+        gu, dn = gu + _precise(swapped, shape.scheme), dn + _precise(swapped, shape.scheme)
         if shape.scheme == "fp8-block":  # the persistent Gluon down (kernels/down_wgmma_persistent.py)
             dn.append(GemmConfig(64, 128, 128, 4, 4, 4, 2, scale_overlap=2))
             dn += WS_FP8_DOWN
@@ -121,6 +121,17 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
         return out
 
     return fitted(gu, True, shape.inter), fitted(dn, False, shape.hidden)
+
+
+def _precise(swapped: list[GemmConfig], scheme: str) -> list[GemmConfig]:
+    """The swapped candidates the tuner may time for ``scheme``: none for fp8-tensor and fp8-channel. A swapped fp8
+    tile is an fp8 wgmma, whose accumulator keeps fewer bits than float32; fp8-block adds each 128-deep step's
+    product into a float32 sum, but the per-tensor and per-channel schemes accumulate their whole K loop inside the
+    wgmma. Measured on H200 (benchmarks/results/swap_tiles_2026-12-03_h200_6f8497e.md): gate_up's error against
+    float64 rose 1.65e-3 -> 2.1e-3 (Qwen3, K = 2048) and 2.55e-3 (Mixtral, K = 4096) for fp8-tensor, and did not move
+    for fp8-block (1.665e-3 -> 1.676e-3), for layer gains of 0-1% on those rows. The unswapped 16-row tiles they
+    would replace run mma.sync on operands converted to fp16, with float32 sums."""
+    return [] if scheme in ("fp8-tensor", "fp8-channel") else swapped
 
 
 def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8):

@@ -69,7 +69,10 @@ class GemmConfig:
     # the Triton kernels (kernels/gate_up.py, kernels/down.py, not the Gluon ones above): 1 computes each tile
     # transposed, weight rows as the MMA's M and the block's token rows as its N (common.tile_dot): a block of
     # 16-32 rows then runs Hopper wgmma straight from shared memory instead of mma.sync, or a 64-row wgmma half
-    # padding. fit() sets 0 where scale_overlap or warp_specialize hands the tile to a Gluon kernel.
+    # padding. fit() sets 0 where scale_overlap or warp_specialize hands the tile to a Gluon kernel. An fp8 wgmma's
+    # accumulator keeps fewer bits than float32: fp8-block adds each step's product into float32 (error against
+    # float64 unchanged), fp8-tensor/-channel accumulate the K loop in it, so the tuner offers swapped tiles for
+    # none and fp8-block only (autotune._precise).
     swap_ab: int = 0
 
     def to_dict(self) -> dict:
