@@ -454,6 +454,29 @@ def test_swapped_tiles(scheme, dtype, bm, bn, tma, masked, monkeypatch):
     assert got.shape == (0, i)
 
 
+@pytest.mark.parametrize("counts", [[0, 0, 40, 0], [0, 1, 0, 0]], ids=["all to one expert", "one row"])
+@pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-block", torch.float16)])
+def test_swapped_tiles_edge_batches(scheme, dtype, counts):
+    """Swapped tiles (GemmConfig.swap_ab) on a batch routed to one expert (3 row blocks of 16) and on one row (T=1),
+    against float64 references, outputs NaN-poisoned."""
+    sch = create_scheme(scheme)
+    layout = sorted_layout(counts)
+    e, h, i = 4, 256, 256
+    bk = 128 if scheme == "fp8-block" else 64
+    q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).to(dtype))
+    q2, s2 = sch.quantize_weight((torch.randn(e, h, i) / i ** 0.5).to(dtype))
+    xq, xs = sch.quantize_activation(torch.randn(layout.rows, h).to(dtype))
+    route_w = torch.rand(layout.rows)
+    cfg = kc.GemmConfig(16, 128, bk, swap_ab=1)
+    inter, extra = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype, cfg, poison=True)
+    a, a_s = (inter, extra) if scheme == "fp8-block" else (inter, None)
+    out = down(a, a_s, q2, s2, route_w, layout, scheme, dtype, cfg, poison=True)
+    ref_g, ref_d = _gemms_float64(xq, xs, q13, s13, q2, s2, route_w, layout, scheme, a, a_s)
+    got_g = sch.dequantize_activation(inter, extra) if scheme == "fp8-block" else inter.float()
+    assert_close(got_g, ref_g, 5e-2 if scheme == "fp8-block" else 5e-3, "gate_up swapped")
+    assert_close(out, ref_d, 5e-3, "down swapped")
+
+
 @pytest.mark.parametrize("split", [2, 7])
 @pytest.mark.parametrize("scheme,dtype,i,tma", [("none", torch.float16, 320, True), ("none", torch.float32, 200, False),
                                                 ("fp8-channel", torch.float16, 384, True),
