@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from moeflow.kernels.autotune import candidates, capture_graph, gemm_inputs, graph_time_ms, precompile, tuner_routings
-from moeflow.kernels.configs import MoEKernelConfig
+from moeflow.kernels.autotune import (candidates, capture_graph, covering_pairs, gemm_inputs, graph_time_ms, precompile,
+                                      tuner_routings)
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
 from moeflow.kernels.quant import down_input
@@ -39,8 +39,7 @@ def run_case(spec: str) -> dict:
     dev = torch.device("cuda")
     shape, weights = preset_weights(preset, scheme, {}, dev)
     gu_c, dn_c = candidates(shape, t)
-    precompile([(shape, MoEKernelConfig(gu_c[min(j, len(gu_c) - 1)], dn_c[min(j, len(dn_c) - 1)]), True)
-                for j in range(max(len(gu_c), len(dn_c)))])
+    precompile([(shape, pair, True) for pair in covering_pairs(gu_c, dn_c)])
     ins = gemm_inputs(shape, tuner_routings(shape, t, dev), indexed_rows=True)
 
     def run_gu(c, inp):

@@ -18,12 +18,10 @@ from pathlib import Path
 
 import torch
 
-from moeflow.kernels.autotune import (Shape, candidates, gemm_inputs, graph_time_ms, precompile, random_weights,
-                                      tuner_routings)
+from moeflow.kernels.autotune import (Shape, candidates, covering_pairs, gemm_inputs, gemm_runners, graph_time_ms,
+                                      precompile, random_weights, tuner_routings)
 from moeflow.kernels.configs import (SHIPPED_DIR, GemmConfig, MoEKernelConfig, file_name, find_table, nearest,
                                      read_table, table_notes, write_table)
-from moeflow.kernels.down import down
-from moeflow.kernels.gate_up import gate_up
 from moeflow.kernels.quant import down_input
 from moeflow.presets import PRESETS
 
@@ -48,13 +46,7 @@ def time_case(shape: Shape, t: int, shipped: MoEKernelConfig, dev) -> dict:
     gu_c = gu_c + [c for c in (shipped.gate_up,) if c not in gu_c]
     dn_c = dn_c + [c for c in (shipped.down,) if c not in dn_c]
     inputs = gemm_inputs(shape, tuner_routings(shape, t, dev), True)
-
-    def run_gu(c, inp):
-        batch, layout, xq, xs = inp
-        inter, extra = gate_up(xq, xs, w.w13, w.w13_scale, layout, shape.scheme, "silu", shape.dtype, c,
-                               source_rows=batch.source_rows)
-        return down_input(inter, extra, shape.scheme) if shape.scheme == "fp8-block" else (inter, extra)
-
+    run_gu, run_dn = gemm_runners(shape, w)
     gu = [(c, graph_time_ms([lambda c=c, i=i: run_gu(c, i) for i in inputs], 15) * 1e3) for c in gu_c]
     ref_gu = [run_gu(shipped.gate_up, i) for i in inputs]
 
@@ -68,10 +60,6 @@ def time_case(shape: Shape, t: int, shipped: MoEKernelConfig, dev) -> dict:
         err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
         assert err < 0.02, (tile(c), err)
     down_in = [(*down_input(*r, shape.scheme), i[0].weights, i[1]) for r, i in zip(ref_gu, inputs)]
-
-    def run_dn(c, a, a_s, route_w, layout):
-        return down(a, a_s, w.w2, w.w2_scale, route_w, layout, shape.scheme, shape.dtype, c)
-
     dn = [(c, graph_time_ms([lambda c=c, d=d: run_dn(c, *d) for d in down_in], 15) * 1e3) for c in dn_c]
     want = run_dn(shipped.down, *down_in[0]).float()
     for c, _ in dn:
@@ -98,9 +86,7 @@ def main():
     jobs = []
     for p, s, t in parsed:  # every candidate of either GEMM in at least one pair, compiled in worker processes
         shape = shape_of(p, s)
-        gu, dn = candidates(shape, t)
-        jobs += [(shape, MoEKernelConfig(gu[min(j, len(gu) - 1)], dn[min(j, len(dn) - 1)]), True)
-                 for j in range(max(len(gu), len(dn)))]
+        jobs += [(shape, pair, True) for pair in covering_pairs(*candidates(shape, t))]
     precompile(jobs)
     rows, tables = [], {}
     for p, s, t in parsed:

@@ -289,24 +289,48 @@ def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int =
     return times[n // 2] / len(calls)
 
 
+def covering_pairs(gate_up_cfgs: list[GemmConfig], down_cfgs: list[GemmConfig]) -> list[MoEKernelConfig]:
+    """Pairs of the two GEMMs' candidates in which each candidate of either appears at least once (precompile's jobs:
+    one layer run compiles both of a pair's kernels)."""
+    n_gu, n_dn = len(gate_up_cfgs), len(down_cfgs)
+    return [MoEKernelConfig(gate_up_cfgs[min(j, n_gu - 1)], down_cfgs[min(j, n_dn - 1)]) for j in range(max(n_gu, n_dn))]
+
+
+def gemm_runners(shape: Shape, weights):
+    """(run_gate_up, run_down): the two GEMMs as tune() times them, on ExpertWeights ``weights``.
+    run_gate_up(cfg, (batch, layout, x, x scale)) (gemm_inputs' tuple; rows by index where the batch has them) -> what
+    the down takes: (inter, extra), for fp8-block its 1x128 groups quantized (narrow tiles add the separate group
+    quantization, as the runner does); run_down(cfg, a, a_scale, route_w, layout) -> out [R, H]."""
+    from .down import down
+    from .gate_up import gate_up
+    from .quant import down_input
+
+    def run_gate_up(c, inp):
+        batch, layout, xq, xs = inp
+        inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c,
+                               source_rows=batch.source_rows)
+        return down_input(inter, extra, shape.scheme) if shape.scheme == "fp8-block" else (inter, extra)
+
+    def run_down(c, a, a_s, route_w, layout):
+        return down(a, a_s, weights.w2, weights.w2_scale, route_w, layout, shape.scheme, shape.dtype, c)
+
+    return run_gate_up, run_down
+
+
 def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, on_result=None,
          indexed_rows: bool = False, fused: bool = True):
     """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us[, "layer_separate": us, "layer_fused": us]}}) for
     the current GPU (module docstring). on_result(table, measured) is called after each T (so a stopped search
     keeps what it found). indexed_rows: gate_up reads its rows by index (a single-process layer), else in order.
     fused: also time the one-launch layer where fused_searched (the two layer figures are measured there only)."""
-    from .gate_up import gate_up
     from .quant import down_input
-    from .down import down
     dev = torch.device("cuda")
     weights = random_weights(shape, dev)
+    run_gu, run_dn = gemm_runners(shape, weights)
     plans = {t: candidates(shape, t) for t in token_counts}
     fused_plans = {t: fused_candidates(shape, t) if fused and fused_searched(shape, t, indexed_rows) else []
                    for t in token_counts}
-    pairs = set()  # every candidate of either GEMM appears in at least one pair
-    for gu, dn in plans.values():
-        for j in range(max(len(gu), len(dn))):
-            pairs.add(MoEKernelConfig(gu[min(j, len(gu) - 1)], dn[min(j, len(dn) - 1)]))
+    pairs = {p for gu, dn in plans.values() for p in covering_pairs(gu, dn)}
     tile_sets = {f for fs in fused_plans.values() for f in fs}
     precompile([(shape, p, indexed_rows) for p in pairs] + [(shape, f, True) for f in tile_sets])
     parts = _layer_parts(shape)
@@ -315,23 +339,12 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
         routings = tuner_routings(shape, t, dev)
         inputs = gemm_inputs(shape, routings, indexed_rows)  # per batch: (batch, layout, x, x scale)
         gu_c, dn_c = plans[t]
-
-        def run_gu(c, inp):  # what the runner runs: narrow fp8-block tiles add the separate group quantization
-            batch, layout, xq, xs = inp
-            inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c,
-                                   source_rows=batch.source_rows)
-            return down_input(inter, extra, shape.scheme) if shape.scheme == "fp8-block" else (inter, extra)
-
         gu_t = [graph_time_ms([lambda c=c, i=i: run_gu(c, i) for i in inputs], rep_ms) for c in gu_c]
         best_gu = gu_c[min(range(len(gu_c)), key=gu_t.__getitem__)]
         down_in = []
         for inp in inputs:
             a, a_s = down_input(*run_gu(best_gu, inp), shape.scheme)
             down_in.append((a, a_s, inp[0].weights, inp[1]))
-
-        def run_dn(c, a, a_s, route_w, layout):
-            return down(a, a_s, weights.w2, weights.w2_scale, route_w, layout, shape.scheme, shape.dtype, c)
-
         dn_t = [graph_time_ms([lambda c=c, d=d: run_dn(c, *d) for d in down_in], rep_ms) for c in dn_c]
         best_dn = dn_c[min(range(len(dn_c)), key=dn_t.__getitem__)]
         table[t] = MoEKernelConfig(best_gu, best_dn)
