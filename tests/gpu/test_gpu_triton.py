@@ -25,6 +25,34 @@ def routing(t, e, k):
     return ids, torch.rand(t, k, device="cuda") + 0.1
 
 
+def preset_case(preset, t, scheme):
+    """A preset's shape at T = t tokens in ``scheme`` -> (its MoEConfig, random ExpertWeights, a random sorted batch
+    (uniform routing), the scheme), seeded by t."""
+    from moeflow.kernels.autotune import random_batch
+    from moeflow.presets import preset_config
+    from moeflow.quant import create_scheme
+    c = preset_config(preset)
+    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
+    return c, random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t), create_scheme(scheme)
+
+
+def gate_up_inputs(c, sch, batch, t):
+    """The two row layouts the GEMM tests run gate_up on, each with fresh tokens quantized by the scheme: yields
+    (layout, rows by index or None, x [T or R, H], its scale or None, valid rows [R] bool). Sorted: the batch's
+    R rows by a random index into T tokens; masked: its slots, rows in place."""
+    from moeflow.kernels.common import RowLayout
+    src = torch.randint(0, t, (batch.num_rows,), device="cuda")
+    for lay, rows in ((RowLayout.of(batch), src), (RowLayout.of(sorted_to_masked(batch)[0]), None)):
+        x = torch.randn(t if rows is not None else lay.rows, c.hidden_size, device="cuda").to(torch.bfloat16)
+        xq, xs = sch.quantize_activation(x) if sch.quantized else (x, None)
+        yield lay, rows, xq, xs, lay.valid_rows()
+
+
+def dequantized(sch, pair):
+    """gate_up's (inter, extra) as float32: fp8 intermediates dequantized by their group scales."""
+    return sch.dequantize_activation(*pair) if pair[0].dtype == torch.float8_e4m3fn else pair[0].float()
+
+
 @pytest.mark.parametrize("t", [1, 1024])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_layer_bf16_vs_oracle(make_layer, poison, scheme, t):
@@ -125,17 +153,11 @@ def test_down_persistent_on_gpu(preset, t, scheme):
     by the tests above."""
     from dataclasses import replace
 
-    from moeflow.kernels.autotune import random_batch
     from moeflow.kernels.common import RowLayout
     from moeflow.kernels.configs import GemmConfig
     from moeflow.kernels.down import down
-    from moeflow.presets import preset_config
-    from moeflow.quant import create_scheme
-    c = preset_config(preset)
-    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
-    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
+    c, w, batch, sch = preset_case(preset, t, scheme)
     layout = RowLayout.of(batch)
-    sch = create_scheme(scheme)
     a, a_s = sch.quantize_activation(torch.randn(layout.rows, c.intermediate_size, device="cuda").to(torch.bfloat16))
     bk = 64 if scheme == "none" else 128
     for cfg in (GemmConfig(128, 128, bk, 8, 8, 3), GemmConfig(64, 128, bk, 8, 4, 4)):
@@ -152,16 +174,10 @@ def test_down_split_k_on_gpu(preset, t, scheme):
     """Split K (GemmConfig.split_k) at decode, the presets' shapes, bf16 (which the interpreter cannot
     run): against the reference, and within float32 rounding of one program per tile; masked too;
     and replayed from a CUDA graph (the workspace comes from the graph's pool)."""
-    from moeflow.kernels.autotune import random_batch
     from moeflow.kernels.common import RowLayout
     from moeflow.kernels.configs import GemmConfig
     from moeflow.kernels.down import down, down_torch
-    from moeflow.presets import preset_config
-    from moeflow.quant import create_scheme
-    c = preset_config(preset)
-    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
-    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
-    sch = create_scheme(scheme)
+    c, w, batch, sch = preset_case(preset, t, scheme)
     bk = 64 if scheme == "none" else 128
     for lay in (RowLayout.of(batch), RowLayout.of(sorted_to_masked(batch)[0])):
         a, a_s = sch.quantize_activation(torch.randn(lay.rows, c.intermediate_size, device="cuda").to(torch.bfloat16))
@@ -191,31 +207,17 @@ def test_down_split_k_on_gpu(preset, t, scheme):
 def test_gate_up_split_k_on_gpu(preset, t, scheme):
     """gate_up split over K (GemmConfig.split_k) at decode, the presets' shapes, bf16: against the
     reference and the one-launch form, rows by index and masked slots, and replayed from a CUDA graph."""
-    from moeflow.kernels.autotune import random_batch
-    from moeflow.kernels.common import RowLayout
     from moeflow.kernels.configs import GemmConfig
     from moeflow.kernels.gate_up import gate_up, gate_up_torch
-    from moeflow.presets import preset_config
-    from moeflow.quant import create_scheme
-    c = preset_config(preset)
-    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
-    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
-    sch = create_scheme(scheme)
-    src = torch.randint(0, t, (batch.num_rows,), device="cuda")
+    c, w, batch, sch = preset_case(preset, t, scheme)
 
-    def deq(pair):
-        return sch.dequantize_activation(*pair) if pair[0].dtype == torch.float8_e4m3fn else pair[0].float()
-
-    for lay, rows in ((RowLayout.of(batch), src), (RowLayout.of(sorted_to_masked(batch)[0]), None)):
-        x = torch.randn(t if rows is not None else lay.rows, c.hidden_size, device="cuda").to(torch.bfloat16)
-        xq, xs = sch.quantize_activation(x) if sch.quantized else (x, None)
-        valid = lay.valid_rows()
+    for lay, rows, xq, xs, valid in gate_up_inputs(c, sch, batch, t):
         ref = gate_up_torch(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, rows)[valid]
-        one = deq(gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, GemmConfig(16, 64, 128),
+        one = dequantized(sch, gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, GemmConfig(16, 64, 128),
                           True, rows))[valid]
         for split in (2, 4):
             cfg = GemmConfig(16, 64, 128, 1, 4, 4, split_k=split)
-            got = deq(gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, cfg, True, rows))[valid]
+            got = dequantized(sch, gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, cfg, True, rows))[valid]
             tol = 6e-2 if scheme == "fp8-block" else rel_tol(scheme, torch.bfloat16)
             assert_close(got, ref.float(), tol, f"{preset} {scheme} split {split}")
             assert_close(got, one, tol, f"{preset} {scheme} split {split} vs one launch")
@@ -243,16 +245,10 @@ def test_gate_up_split_k_on_gpu(preset, t, scheme):
 def test_gate_up_rows_through_tma_on_gpu(preset, t, scheme, stages):
     """GemmConfig.x_tma (token rows gathered in order, then read through TMA) at the tuner's 128x128 tile,
     bf16, rows by index and in order: bit-equal to the pointer loads, and against the reference."""
-    from moeflow.kernels.autotune import random_batch
     from moeflow.kernels.common import RowLayout
     from moeflow.kernels.configs import GemmConfig
     from moeflow.kernels.gate_up import gate_up, gate_up_torch
-    from moeflow.presets import preset_config
-    from moeflow.quant import create_scheme
-    c = preset_config(preset)
-    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
-    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
-    sch = create_scheme(scheme)
+    c, w, batch, sch = preset_case(preset, t, scheme)
     lay = RowLayout.of(batch)
     bk = 64 if scheme == "none" else 128
     for rows in (torch.randint(0, t, (batch.num_rows,), device="cuda"), None):
@@ -427,33 +423,19 @@ def test_swapped_tiles_on_gpu(preset, t, scheme):
     shapes, bf16 (which the interpreter cannot run): gate_up and down against their references and within float32
     rounding of the same tiles unswapped, outputs NaN-poisoned, rows by index (sorted) and masked slots; the down's
     split K and persistent forms too."""
-    from moeflow.kernels.autotune import random_batch
-    from moeflow.kernels.common import RowLayout
     from moeflow.kernels.configs import GemmConfig
     from moeflow.kernels.down import down, down_torch
     from moeflow.kernels.gate_up import gate_up, gate_up_torch
-    from moeflow.presets import preset_config
-    from moeflow.quant import create_scheme
-    c = preset_config(preset)
-    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
-    w, batch = random_weights(shape, "cuda", seed=t), random_batch(shape, t, "cuda", seed=t)
-    sch = create_scheme(scheme)
+    c, w, batch, sch = preset_case(preset, t, scheme)
     bk = 64 if scheme == "none" else 128
-    src = torch.randint(0, t, (batch.num_rows,), device="cuda")
     tol = 6e-2 if scheme == "fp8-block" else rel_tol(scheme, torch.bfloat16)
 
-    def deq(pair):
-        return sch.dequantize_activation(*pair) if pair[0].dtype == torch.float8_e4m3fn else pair[0].float()
-
-    for lay, rows in ((RowLayout.of(batch), src), (RowLayout.of(sorted_to_masked(batch)[0]), None)):
-        x = torch.randn(t if rows is not None else lay.rows, c.hidden_size, device="cuda").to(torch.bfloat16)
-        xq, xs = sch.quantize_activation(x) if sch.quantized else (x, None)
-        valid = lay.valid_rows()
+    for lay, rows, xq, xs, valid in gate_up_inputs(c, sch, batch, t):
         ref = gate_up_torch(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, rows)[valid].float()
         for bm, bn in ((16, 128), (32, 64)):
             plain = GemmConfig(bm, bn, bk, 1, 4, 3)
-            one = deq(gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, plain, True, rows))
-            got = deq(gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16,
+            one = dequantized(sch, gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16, plain, True, rows))
+            got = dequantized(sch, gate_up(xq, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.bfloat16,
                               GemmConfig(bm, bn, bk, 1, 4, 3, swap_ab=1), True, rows))
             assert_close(got[valid], ref, tol, f"{preset} {scheme} gate_up {bm}x{bn} swapped")
             assert_close(got[valid], one[valid], tol, f"{preset} {scheme} gate_up {bm}x{bn} swapped vs unswapped")
