@@ -168,23 +168,35 @@ def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
     return rows
 
 
+def results_header() -> dict:
+    """What a record of these experiments starts with: the GPU, the torch and triton versions, the commit
+    ($MOEFLOW_COMMIT), and no rows yet."""
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("MOEFLOW_COMMIT", "unknown"), "rows": []}
+
+
+def run_all(res: dict, run_case, out_dir: str, name: str) -> int:
+    """run_case(preset, scheme, out_dir)'s rows for every CASES entry into res["rows"] (the CUDA cache emptied between
+    cases), then res written to out_dir/name as JSON; 0, main's exit status."""
+    for preset, scheme in CASES:
+        res["rows"] += run_case(preset, scheme, out_dir)
+        torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
 def main() -> int:
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "commit": os.environ.get("MOEFLOW_COMMIT", "unknown"), "rows": []}
+    res = results_header()
     buf = torch.zeros(16, device="cuda")
     res["launch_empty_triton_1arg_us"] = host_us(lambda: _empty1[(1,)](buf), 200)
     ints = list(range(12))
     res["launch_empty_triton_24args_us"] = host_us(lambda: _empty24[(1,)](*([buf] * 12), *ints, C0=1, C1=2), 200)
     res["launch_torch_add_us"] = host_us(lambda: buf.add_(1), 200)
     print({k: round(v, 1) for k, v in res.items() if k.startswith("launch")}, flush=True)
-    for preset, scheme in CASES:
-        res["rows"] += run_case(preset, scheme, out_dir)
-        torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "eager_overhead.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    return 0
+    return run_all(res, run_case, out_dir, "eager_overhead.json")
 
 
 if __name__ == "__main__":

@@ -16,20 +16,18 @@ Also a cProfile (200 calls, top 40 by cumulative and by own time) per case at T=
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 import torch
-import triton
 from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, os.path.dirname(__file__))
-from eager_overhead import eager_us, gpu_us, host_us, layer_case, layer_inputs, profile_text  # noqa: E402
+from eager_overhead import (eager_us, gpu_us, host_us, layer_case, layer_inputs, profile_text,  # noqa: E402
+                            results_header, run_all)
 
 
-CASES = [("qwen3-30b-a3b", "none"), ("qwen3-30b-a3b", "fp8-block"), ("mixtral-8x7b", "fp8-block")]
 TOKENS = (64, 512, 4096)
 ALLOCS = ("empty", "zeros", "full", "arange", "empty_like", "zeros_like")
 
@@ -111,14 +109,7 @@ def run_case(preset, scheme, out_dir):
 def main() -> int:
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "commit": os.environ.get("MOEFLOW_COMMIT", "unknown"), "rows": []}
-    for preset, scheme in CASES:
-        res["rows"] += run_case(preset, scheme, out_dir)
-        torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "host_breakdown.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    return 0
+    return run_all(results_header(), run_case, out_dir, "host_breakdown.json")
 
 
 if __name__ == "__main__":
