@@ -2,7 +2,8 @@
 dispatch/_ep_rows.sorted_batch (sort_copies_by_expert_torch; its invariants are checked in
 tests/test_ep_rows.py). Inputs are strided views of a packed buffer (ids columns, then weights
 columns, then more: row stride > K, as RowCodec.unpack gives); outputs start poisoned (0x7f bytes), so
-an element the kernels forget to write shows."""
+an element the kernels forget to write shows. Each case runs in both forms: one program sorting every copy
+(whole_sort, up to ep_sort._WHOLE_COPIES) and the segment launches (forced by a threshold of 0)."""
 import pytest
 import torch
 
@@ -41,6 +42,21 @@ def received(r, k, e_local, case):
     return ids, weights
 
 
+@pytest.fixture(params=["whole", "segments"])
+def form(request, monkeypatch):
+    """The sort's form under test: "whole" (one program, the default up to _WHOLE_COPIES) or "segments"."""
+    from moeflow.kernels import ep_sort
+    monkeypatch.setattr(ep_sort, "_WHOLE_COPIES", 1 << 20 if request.param == "whole" else 0)
+    return request.param
+
+
+@pytest.fixture
+def segments(monkeypatch):
+    """The segment launches at every size (no whole sort)."""
+    from moeflow.kernels import ep_sort
+    monkeypatch.setattr(ep_sort, "_WHOLE_COPIES", 0)
+
+
 CASES = [  # (R, K, E_local, case)
     (0, 8, 5, "random"),
     (1, 3, 5, "random"),
@@ -55,7 +71,7 @@ CASES = [  # (R, K, E_local, case)
 
 
 @pytest.mark.parametrize("r,k,e_local,case", CASES, ids=str)
-def test_sort_copies_matches_sorted_batch(r, k, e_local, case, poison_empty):
+def test_sort_copies_matches_sorted_batch(r, k, e_local, case, form, poison_empty):
     ids, weights = received(r, k, e_local, case)
     n = int((ids >= 0).sum())
     want = sorted_batch_torch(ids, weights, e_local, n)
@@ -75,7 +91,7 @@ def test_sort_copies_rejects_bad_views():
 
 
 @pytest.mark.parametrize("t,k,e", [(1, 2, 8), (40, 8, 16), (100, 8, 128), (700, 2, 8)])
-def test_local_sort_by_segments_equals_torch(t, k, e, poison_empty):
+def test_local_sort_by_segments_equals_torch(t, k, e, form, poison_empty):
     """The local dispatcher's mid-sized CUDA path (dispatch/expert_sort.sort_by_segments) equals its
     torch sort exactly: offsets, counts, row of each copy, source row and weight of each sorted row."""
     from moeflow.dispatch.expert_sort import sort_by_expert_torch, sort_by_segments
@@ -88,7 +104,7 @@ def test_local_sort_by_segments_equals_torch(t, k, e, poison_empty):
 @pytest.mark.parametrize("t,k,e,h,scheme", [(40, 8, 16, 384, "fp8-block"), (100, 8, 128, 2048, "fp8-block"),
                                              (70, 2, 8, 200, "fp8-block"), (33, 4, 8, 1100, "fp8-channel"),
                                              (24, 8, 16, 640, "fp8-tensor")])
-def test_local_sort_by_segments_quantizes_the_tokens(t, k, e, h, scheme, poison_empty):
+def test_local_sort_by_segments_quantizes_the_tokens(t, k, e, h, scheme, form, poison_empty):
     """The segment sort with the tokens: its histogram launch also quantizes them (extra programs),
     bit for bit kernels/quant.quantize_activation; the sort's five outputs unchanged."""
     from moeflow.dispatch.expert_sort import sort_by_segments
@@ -104,7 +120,7 @@ def test_local_sort_by_segments_quantizes_the_tokens(t, k, e, h, scheme, poison_
     assert torch.equal(got[5].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[6], sc)
 
 
-def test_sort_by_segment_many_segments(monkeypatch, poison_empty):
+def test_sort_by_segment_many_segments(monkeypatch, segments, poison_empty):
     """A small histogram table forces many short segments (1200 copies, 8 bins: segments of 256):
     the prefix sums across segments carry the order."""
     from moeflow.kernels import ep_sort
@@ -121,7 +137,7 @@ def test_sort_by_segment_many_segments(monkeypatch, poison_empty):
 @pytest.mark.parametrize("r,k,e_local,case", [(300, 4, 6, "random"), (300, 4, 6, "one expert"),
                                                (7, 8, 5, "none here"), (1, 3, 5, "random"), (0, 8, 5, "random"),
                                                (97, 8, 33, "random")], ids=str)
-def test_sort_copies_scanned(r, k, e_local, case, monkeypatch, poison_empty):
+def test_sort_copies_scanned(r, k, e_local, case, monkeypatch, segments, poison_empty):
     """The three-launch form (a scan launch between histogram and placement, segment_size): forced here (no
     one-table form) with segments of 64 copies and scan programs of at most 256 cells (1200 copies: 19 segments, a part-filled last
     one; 776 copies over 64 bins: 13 segments, scanned in four blocks of 16 keys), bit for bit the torch
@@ -153,9 +169,17 @@ def test_segment_size():
     assert sort_pays(131072, 256) and sort_pays(1 << 19, 256) and not sort_pays((1 << 19) + 1, 8)
 
 
+def test_whole_sort_threshold():
+    """One program sorts up to _WHOLE_COPIES copies (the local dispatcher's T=16 at top-8, Mixtral's T=128 at top-2:
+    256), the segment launches beyond (Qwen3's T=128: 1024 copies)."""
+    from moeflow.kernels.ep_sort import _WHOLE_COPIES, whole_sort
+    assert whole_sort(0) and whole_sort(256) and whole_sort(_WHOLE_COPIES) and not whole_sort(_WHOLE_COPIES + 1)
+    assert not whole_sort(1024)
+
+
 @pytest.mark.parametrize("r,k,e_local,case", [(7, 3, 6, "random"), (7, 8, 5, "none here"), (400, 4, 6, "one expert")],
                          ids=str)
-def test_sort_copies_padded_to_a_bound(r, k, e_local, case, poison_empty):
+def test_sort_copies_padded_to_a_bound(r, k, e_local, case, form, poison_empty):
     """n an upper bound of the copies here (alltoall-fixed: R * min(K, E_local)): the kernel equals
     the torch reference, and positions past the copies hold source 0, weight 0; the reference's
     first positions equal the exact sort's."""

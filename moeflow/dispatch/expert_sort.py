@@ -15,9 +15,11 @@ from torch import Tensor
 
 
 # Which sort a CUDA batch of T*K copies takes (benchmarks/experiments/sort_variants.py on one H200,
-# benchmarks/results/sort_variants_2026-11-30_h200_323572f.json and sort_variants_2026-12-01_h200_1c1c8bc.json,
-# µs per call in a CUDA graph): the one-launch comparison sort (kernels/align) up to ONE_LAUNCH_COPIES (2.1-2.8
-# at 32-128 copies, where the segment sort takes 3.7-5.6; 12 vs 5.6 at 1024); then kernels/ep_sort's segment
+# benchmarks/results/sort_variants_2026-11-30_h200_323572f.json, sort_variants_2026-12-01_h200_1c1c8bc.json and
+# sort_variants_2026-12-03_h200_*.json, µs per call in a CUDA graph): int32 ids and float32 weights (the layer's) up to
+# ep_sort._WHOLE_COPIES in one program of kernels/ep_sort (1.4-3.3 at 32-256 copies, where the comparison sort below
+# takes 2.0-5.5); other dtypes, up to ONE_LAUNCH_COPIES, the one-launch comparison sort (kernels/align: 2.1-2.8 at
+# 32-128 copies, where the segment sort takes 3.7-5.6; 12 vs 5.6 at 1024); then kernels/ep_sort's segment
 # sort while ep_sort.sort_pays (up to 524288 copies: 3-38 µs where torch takes 16-91); torch's radix sort beyond.
 ONE_LAUNCH_COPIES = 128
 # schemes sort_and_quantize quantizes tokens for: kernels/align.SORT_QUANT_CODES' keys, named here without
@@ -30,9 +32,9 @@ TENSOR_QUANT_IN_SORT_MAX = 32768
 
 
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
-    """On CUDA: the smallest batches in one Triton launch (kernels/align.sort_copies), larger ones in
-    two or three (kernels/ep_sort's segment sort), instead of a sort, a searchsorted and four index
-    kernels; torch otherwise (the same values; thresholds above). bounds: 0 .. E in topk_ids' dtype
+    """On CUDA: the smallest batches in one Triton launch (kernels/ep_sort's whole sort, or for ids and weights not
+    int32 / float32 kernels/align.sort_copies), larger ones in two or three (kernels/ep_sort's segment sort), instead
+    of a sort, a searchsorted and four index kernels; torch otherwise (the same values; thresholds above). bounds: 0 .. E in topk_ids' dtype
     and device, when the caller keeps one (torch path)."""
     out = _triton_sort(topk_ids, topk_weights, num_experts)
     return out if out is not None else sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
@@ -64,13 +66,16 @@ def _triton_sort(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidde
         return None
     try:
         from ..kernels.align import sort_copies
-        from ..kernels.ep_sort import sort_pays
+        from ..kernels.ep_sort import sort_pays, whole_sort
     except ImportError:  # triton missing
         return None
     n = topk_ids.numel()
+    typed = topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32  # what ep_sort takes
+    if typed and whole_sort(n):
+        return sort_by_segments(topk_ids, topk_weights, num_experts, hidden, scheme)  # one program: ep_sort.whole_sort
     if n <= ONE_LAUNCH_COPIES:
         return sort_copies(topk_ids, topk_weights, num_experts, hidden, scheme)
-    if sort_pays(n, num_experts) and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
+    if typed and sort_pays(n, num_experts):
         return sort_by_segments(topk_ids, topk_weights, num_experts, hidden, scheme)
     return None
 

@@ -12,7 +12,8 @@ sort_copies_by_expert(ids, weights, e_local, n)
 The same values, bit for bit, as the torch reference (dispatch/_ep_reference.sort_copies_by_expert_torch:
 a stable argsort of ``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert,
 copies keep j order.
-Two or three launches, no host synchronization: a histogram of keys per segment of copies; then each
+One, two or three launches, no host synchronization. Up to _WHOLE_COPIES copies (whole_sort) one program sorts
+them all in registers. Larger batches: a histogram of keys per segment of copies; then each
 segment sorts its (key, j) pairs in registers and places them from the histograms' prefix sums. The work
 does not grow with E_local (an earlier version scanned all copies once per expert: 95 µs at 65536
 copies over 128 experts where this takes 33, sort_variants_2026-11-30_h200_323572f.json).
@@ -35,6 +36,13 @@ from .common import cdiv, next_pow2, pdl, pdl_start
 
 
 @triton.jit
+def _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K: tl.constexpr, SEG: tl.constexpr):
+    """The ids of segment s's copies j = s * SEG .. (copy j: row j // TOP_K, column j % TOP_K), -1 past num_copies."""
+    j = s.to(tl.int64) * SEG + tl.arange(0, SEG)
+    return tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=j < num_copies, other=-1)
+
+
+@triton.jit
 def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num_segs,
                          x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
                          TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, QUANT_X: tl.constexpr = 0,
@@ -45,9 +53,8 @@ def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num
     pdl_start(PDL)
     s = tl.program_id(0)
     if s < num_segs:
-        j = s.to(tl.int64) * SEG + tl.arange(0, SEG)
-        ok = j < num_copies
-        ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=ok, other=-1)
+        ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K, SEG)
+        ok = s.to(tl.int64) * SEG + tl.arange(0, SEG) < num_copies
         key = tl.where(ids >= 0, ids, e_local)
         tl.store(hist_ptr + s * BINS + tl.arange(0, BINS), tl.histogram(key, BINS, mask=ok))
     else:
@@ -71,14 +78,42 @@ def _segment_scan_kernel(hist_ptr, before_ptr, totals_ptr, num_segs, BINS: tl.co
 
 
 @triton.jit
+def _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, s, mine, total, before,
+           num_copies, n, e_local, stride_ids, stride_w, TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr):
+    """Segment s's copies sorted by (key, j) in registers and placed (their ids loaded here, after the prefix sums:
+    loaded before them, 8192 copies at 16 warps spill): copy i of the sorted segment goes to offsets[key] + before[key] + (i - first index of key
+    in the segment); mine, total, before [BINS] int64: the segment's, all segments' and earlier segments' copies of
+    each key. Segment 0 also writes offsets and counts."""
+    offsets = tl.cumsum(total, axis=0) - total
+    start = offsets + before - (tl.cumsum(mine, axis=0) - mine)  # + sorted index = position
+    bins = tl.arange(0, BINS)
+    if s == 0:
+        tl.store(offsets_ptr + bins, offsets, mask=bins <= e_local)
+        tl.store(counts_ptr + bins, total.to(tl.int32), mask=bins < e_local)
+    lane = tl.arange(0, SEG)
+    ok = s.to(tl.int64) * SEG + lane < num_copies
+    ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K, SEG)
+    key = tl.where(ok, tl.where(ids >= 0, ids, e_local), BINS)  # lanes past the end sort last
+    order = tl.sort(key * SEG + lane, 0)  # by key, then copy order: stable
+    skey = order // SEG
+    real = skey < BINS
+    pos = tl.gather(start, tl.minimum(skey, BINS - 1), 0) + lane
+    sj = s.to(tl.int64) * SEG + order % SEG
+    kept = real & (skey < e_local) & (pos < n)
+    tl.store(pos_ptr + sj, tl.where(kept, pos, -1), mask=real)
+    r = sj // TOP_K
+    tl.store(source_ptr + pos, r, mask=kept)
+    tl.store(sorted_w_ptr + pos, tl.load(w_ptr + r * stride_w + sj % TOP_K, mask=kept), mask=kept)
+
+
+@triton.jit
 def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr,
                           before_ptr, totals_ptr, num_copies, n, e_local, num_segs, stride_ids, stride_w,
                           TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, S_POW2: tl.constexpr,
                           SCANNED: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Program s: its copies sorted by (key, j) in registers; copy i of the sorted segment goes to
-    offsets[key] + (copies of key in earlier segments) + (i - first index of key in the segment). The counts
-    of earlier segments come from the whole histogram table (S_POW2 rows), or SCANNED from
-    _segment_scan_kernel's before and totals (one row each; before_ptr, totals_ptr unused otherwise)."""
+    """Program s: its copies placed (_place). The counts of earlier segments come from the whole histogram table
+    (S_POW2 rows), or SCANNED from _segment_scan_kernel's before and totals (one row each; before_ptr, totals_ptr
+    unused otherwise)."""
     pdl_start(PDL)
     s = tl.program_id(0)
     bins = tl.arange(0, BINS)
@@ -91,26 +126,30 @@ def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, sou
         table = tl.load(hist_ptr + segs[:, None] * BINS + bins[None, :], mask=(segs < num_segs)[:, None], other=0)
         total = tl.sum(table, axis=0).to(tl.int64)  # [BINS] copies of each key
         before = tl.sum(tl.where((segs < s)[:, None], table, 0), axis=0).to(tl.int64)
-    offsets = tl.cumsum(total, axis=0) - total
-    start = offsets + before - (tl.cumsum(mine, axis=0) - mine)  # + sorted index = position
+    _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, s, mine, total, before,
+           num_copies, n, e_local, stride_ids, stride_w, TOP_K, SEG, BINS)
+
+
+@triton.jit
+def _whole_sort_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, num_copies, n,
+                       e_local, stride_ids, stride_w,
+                       x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
+                       TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, QUANT_X: tl.constexpr = 0,
+                       BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, PDL: tl.constexpr = False):
+    """One launch (whole_sort): program 0 sorts every copy as one segment of SEG >= num_copies, its histogram taken
+    in registers; programs past it (QUANT_X) quantize part pid - 1 of the tokens (align.quantize_token_part)."""
+    pdl_start(PDL)
+    s = tl.program_id(0)
     if s == 0:
-        tl.store(offsets_ptr + bins, offsets, mask=bins <= e_local)
-        tl.store(counts_ptr + bins, total.to(tl.int32), mask=bins < e_local)
-    lane = tl.arange(0, SEG)
-    j = s.to(tl.int64) * SEG + lane
-    ok = j < num_copies
-    ids = tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=ok, other=-1)
-    key = tl.where(ok, tl.where(ids >= 0, ids, e_local), BINS)  # lanes past the end sort last
-    order = tl.sort(key * SEG + lane, 0)  # by key, then copy order: stable
-    skey = order // SEG
-    real = skey < BINS
-    pos = tl.gather(start, tl.minimum(skey, BINS - 1), 0) + lane
-    sj = s.to(tl.int64) * SEG + order % SEG
-    kept = real & (skey < e_local) & (pos < n)
-    tl.store(pos_ptr + sj, tl.where(kept, pos, -1), mask=real)
-    r = sj // TOP_K
-    tl.store(source_ptr + pos, r, mask=kept)
-    tl.store(sorted_w_ptr + pos, tl.load(w_ptr + r * stride_w + sj % TOP_K, mask=kept), mask=kept)
+        ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K, SEG)
+        key = tl.where(ids >= 0, ids, e_local)
+        ok = tl.arange(0, SEG) < num_copies
+        mine = tl.histogram(key, BINS, mask=ok).to(tl.int64)
+        _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, s, mine, mine,
+               tl.zeros((BINS,), dtype=tl.int64), num_copies, n, e_local, stride_ids, stride_w, TOP_K, SEG, BINS)
+    else:
+        quantize_token_part(x_ptr, xq_ptr, xs_ptr, s - 1, H, stride_x, stride_xq, stride_xs, num_tokens,
+                            QUANT_X, BLOCK_H, ROUND_IN_FP32)
 
 
 _SEGMENT_TABLE = 8192  # most (segment, key) histogram cells one place program loads (the one-table form)
@@ -142,6 +181,22 @@ def sort_pays(copies: int, e_local: int) -> bool:
 
 
 _SORT_COPIES = 1 << 19
+_WHOLE_COPIES = 256  # the most copies whole_sort takes (one program sorts them all in registers)
+
+
+def whole_sort(copies: int) -> bool:
+    """Whether sort_copies_by_expert sorts ``copies`` in one launch, one program sorting every copy in registers
+    (_whole_sort_kernel), instead of the segment launches: up to _WHOLE_COPIES. One program's sort grows
+    past the two segment launches quickly: on H200 (sort_variants_2026-12-03_h200_*.json, µs in a CUDA graph, whole
+    against segment) 1.4 / 3.0 at 32 copies over 8 experts, 2.1 / 3.6 at 128 over 128, 3.3 / 4.4 at 128 over 256,
+    2.5 / 3.2 at 256 over 8, then 4.2 / 3.2 at 512 over 8 and 11.8 / 4.3 at 1024 over 128 (Qwen3 T=128: its layer
+    313.6 µs against 307.2)."""
+    return copies <= _WHOLE_COPIES
+
+
+def _whole_warps(seg: int) -> int:
+    """Warps of the whole sort's launch: 8 elements a thread up to 16 warps."""
+    return max(4, min(16, seg // 256))
 
 
 def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, padded: bool = False,
@@ -156,7 +211,7 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
         counts [E_local] int32,
         offsets [E_local + 1] int64 (exclusive prefix of counts, offsets[E_local] == n),
         copy_pos [R * K] int64: the sorted position of copy j, -1 for copies that are not here)
-    Two or three launches, no host synchronization (module docstring).
+    One to three launches, no host synchronization (module docstring).
     x [R, H] (layer dtype, unit column stride) with scheme "fp8-tensor", "fp8-channel" or "fp8-block": the first
     launch also quantizes the tokens, and the tuple gains (xq [R, H] float8_e4m3fn, xs [R, G]
     float32), bit for bit kernels/quant.quantize_activation(x, scheme) (the local dispatcher).
@@ -181,6 +236,13 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     counts = torch.empty(e_local, dtype=torch.int32, device=dev)
     offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
     copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
+    if whole_sort(copies):
+        seg = max(16, next_pow2(copies))
+        parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, counts)
+        _whole_sort_kernel[(1 + parts,)](ids, weights, counts, offsets, source, sorted_w, copy_pos, copies, n, e_local,
+                                         ids.stride(0), weights.stride(0), *quant_args, TOP_K=k, SEG=seg, BINS=bins,
+                                         **quant_consts, num_warps=_whole_warps(seg), **pdl(dev))
+        return (source, sorted_w, counts, offsets, copy_pos, *quantized)
     hist = torch.empty((segs, bins), dtype=torch.int32, device=dev)
     parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, hist)
     _segment_hist_kernel[(segs + parts,)](ids, hist, copies, e_local, ids.stride(0), segs, *quant_args,

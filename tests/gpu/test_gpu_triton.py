@@ -308,9 +308,11 @@ def test_sort_copies_on_gpu(t, k, e):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("t,k,e", [(1, 8, 128), (300, 8, 128), (4096, 8, 256), (16384, 2, 8), (16384, 8, 128)])
+@pytest.mark.parametrize("t,k,e", [(1, 8, 128), (16, 8, 256), (128, 2, 8), (128, 8, 128), (256, 8, 256), (1024, 2, 8),
+                                   (300, 8, 128),
+                                   (4096, 8, 256), (16384, 2, 8), (16384, 8, 128)])
 def test_sort_by_expert_on_gpu(t, k, e):
-    """The local dispatcher's sort on CUDA (one launch, the segment sort, or torch, by size)
+    """The local dispatcher's sort on CUDA (one launch, the whole sort, the segment sort, or torch, by size)
     equals the torch sort exactly."""
     from moeflow.dispatch.expert_sort import sort_by_expert, sort_by_expert_torch
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
@@ -365,7 +367,7 @@ def test_ep_row_kernels_on_gpu(payload):
     assert sc is None or torch.equal(sc[valid], batch.hidden_scale[valid])
 
 
-@pytest.mark.parametrize("r,e_local", [(8192, 128), (300, 5), (16384, 256), (2048, 8)])
+@pytest.mark.parametrize("r,e_local", [(8192, 128), (300, 5), (16384, 256), (2048, 8), (128, 128), (256, 256)])
 def test_ep_sort_on_gpu(r, e_local):
     """kernels/ep_sort.py at alltoall's size (8192 received rows, top-8, 128 local experts; ids in a
     strided view as received) on CUDA: bit for bit the torch reference."""
