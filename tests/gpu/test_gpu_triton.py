@@ -452,3 +452,46 @@ def test_swapped_tiles_on_gpu(preset, t, scheme):
                        GemmConfig(32, 128, bk, 1, 4, 3, swap_ab=1, **kw), poison=True)
             assert_close(got, want, rel_tol(scheme, torch.bfloat16), f"{preset} {scheme} down swapped {kw}")
             assert_close(got, one, 1e-2, f"{preset} {scheme} down swapped {kw} vs unswapped")
+
+
+@pytest.mark.parametrize("preset,scheme,t", [
+    ("qwen3-30b-a3b", "none", 16), ("qwen3-30b-a3b", "none", 128), ("qwen3-30b-a3b", "fp8-block", 128),
+    ("qwen3-30b-a3b", "fp8-tensor", 256), ("mixtral-8x7b", "none", 128), ("mixtral-8x7b", "fp8-block", 16),
+    ("mixtral-8x7b", "fp8-channel", 200), ("deepseek-v3", "fp8-block", 128)])
+def test_combined_down_on_gpu(preset, scheme, t):
+    """The down launch's combine (TritonRunner.run_combined) at the presets' shapes with their tuned tiles, bf16,
+    uniform routing: bit for bit the runner's rows summed by the dispatcher's top-k sum, outputs poisoned, programs
+    racing to be a token's last; then replayed from a CUDA graph on new routing weights (the counts left zero by each
+    launch), again the separate sum's bits."""
+    from moeflow.experts.triton import TritonRunner
+    from moeflow.kernels.autotune import random_routing, sorted_batch
+    from moeflow.kernels.reduce import moe_sum
+    from moeflow.presets import preset_config
+    from moeflow.quant import create_scheme
+    c = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda")
+    shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
+    w = random_weights(shape, "cuda", seed=t)
+    runner = TritonRunner(c, create_scheme(scheme))
+    batch = sorted_batch(shape, *random_routing(shape, t, "cuda", seed=t), indexed=True)
+    kcfg = runner.kernel_config(batch, w)
+
+    def separate():
+        rows = runner.run_with(batch, w, kcfg, poison=True)
+        return moe_sum(rows, batch.copy_rows.reshape(-1), c.top_k)
+
+    got = runner.run_with(batch, w, kcfg, poison=True, combine=True)
+    assert got.shape == (t, c.hidden_size) and torch.equal(got, separate()), f"{preset} {scheme} T={t}"
+    assert not runner._combine_counts(got.device).any()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        runner.run_combined(batch, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = runner.run_combined(batch, w)
+    for _ in range(2):
+        batch.weights.copy_(torch.rand_like(batch.weights))  # new routing weights, read by the replay
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, separate()), f"{preset} {scheme} T={t}: graph replay"
