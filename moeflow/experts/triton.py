@@ -7,8 +7,6 @@
       -> down + route w    kernels/down.py    -> [N, H] / [E, C, H] layer dtype
 Small single-process batches, where the tuned table says so (MoEKernelConfig.fused): route's ids and weights
 straight into kernels/fused_layer.py, one launch for the local dispatcher's sort, both GEMMs and its top-k sum.
-Other batches of up to COMBINE_MAX_TOKENS tokens from the local dispatcher (Plan.fused_combine): the down launch
-also sums each token's copies (kernels/down.py, Combine), so the combine's top-k sum launch goes.
 No host synchronization and no data-dependent shape anywhere: a call can be captured in a CUDA
 graph (the decode path). Kernel configs come from tuned JSON files (kernels/configs.py).
 This module imports triton lazily: the registry lists the runner where triton is absent and
@@ -28,7 +26,6 @@ _FP8 = frozenset({"fp8-tensor", "fp8-channel", "fp8-block"})
 # kernels/fused_layer.FUSED_SCHEMES, named here without importing triton (tests/test_fused_layer.py checks they agree)
 _FUSED = frozenset({"none", "fp8-block"})
 FUSED_MAX_TOKENS = 64  # the one-launch layer's largest batch (it sizes the layer's counters)
-COMBINE_MAX_TOKENS = 256  # the largest batch whose down launch sums the copies (it sizes the layer's counts)
 
 
 class TritonRunner(ExpertRunner):
@@ -47,7 +44,6 @@ class TritonRunner(ExpertRunner):
         note="fused Triton GEMMs (activation, routing weight and FP8 quantization fused)",
         indexed_rows=True,  # gate_up loads each sorted row from its token's row (ExpertBatch.source_rows)
         fused_layer=_FUSED,
-        combines=True,  # run_combined: the down launch sums each token's copies (kernels/down.py, Combine)
         graph_safe=True,  # no host synchronization, no data-dependent shape (tests/gpu/test_gpu_triton.py captures it)
     )
 
@@ -56,42 +52,24 @@ class TritonRunner(ExpertRunner):
         self._table = None  # tuned configs of this shape: {tokens: MoEKernelConfig}, or {} for defaults
         self._fitted = {}  # (layout, tokens) -> fitted MoEKernelConfig: no per-call lookup cost
         self._sync = {}  # device index -> the fused layer's int32 counters, zero between launches
-        self._counts = {}  # device -> the down launch's int32 counts for the combine, zero between launches
-        if config.device.type == "cuda":
+        if config.device.type == "cuda" and scheme.name in _FUSED:
             # made now, not at the first call: a first call under torch.compile's CUDA graphs would take them from
             # the graphs' memory pool, which refuses allocations that outlive a recording (moeflow.ops)
-            if scheme.name in _FUSED:
-                self._counters(config.device)
-            self._combine_counts(config.device)
+            self._counters(config.device)
 
     def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
         return self.run_with(batch, weights, self.kernel_config(batch, weights))
 
-    def run_combined(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor | None:
-        """A local dispatcher's sorted batch by index (copy_rows and source_rows given) of 1 .. COMBINE_MAX_TOKENS
-        tokens, with MOEFLOW_TRITON_COMBINE on -> [T, H] ``config.dtype``: the experts' outputs with each token's K
-        copies summed (the dispatcher's combine, the same bits), the sum in the down launch's epilogue where the
-        per-tile down kernel runs (kernels/down.py, Combine). Other batches -> None: run() and the dispatcher's
-        combine."""
-        rows = batch.copy_rows
-        if (batch.layout != SORTED or rows is None or batch.source_rows is None or rows.dim() != 2
-                or not 0 < rows.shape[0] <= COMBINE_MAX_TOKENS or not moeflow_env.TRITON_COMBINE.get_bool()):
-            return None
-        return self.run_with(batch, weights, self.kernel_config(batch, weights), combine=True)
-
-    def run_with(self, batch: ExpertBatch, weights: ExpertWeights, kcfg, poison: bool = False,
-                 combine: bool = False) -> Tensor:
+    def run_with(self, batch: ExpertBatch, weights: ExpertWeights, kcfg, poison: bool = False) -> Tensor:
         """run() with explicit kernel configs ``kcfg`` (a MoEKernelConfig; tests and tuning call it).
 
-        Returns [N, H] (sorted) or [E, C, H] (masked, zeros in empty slots), ``config.dtype``; combine (a sorted
-        batch with copy_rows [T, K] and source_rows, T <= COMBINE_MAX_TOKENS): [T, H], each token's copies summed
-        (run_combined).
+        Returns [N, H] (sorted) or [E, C, H] (masked, zeros in empty slots), ``config.dtype``.
         poison: fill every intermediate and output buffer with NaN first, so unwritten elements show.
         Weights are used through their strides (the last dimension contiguous, as the layer's
         parameters are; an expert dimension of stride 0 is fine).
         """
         from ..kernels.common import RowLayout, unit_stride_rows
-        from ..kernels.down import Combine, down
+        from ..kernels.down import down
         from ..kernels.gate_up import gate_up
         from ..kernels.quant import down_input, quantize_activation, quantize_rows
         config, scheme = self.config, self.scheme
@@ -113,16 +91,8 @@ class TritonRunner(ExpertRunner):
                                source_rows=None if src is None else src.contiguous(),
                                copy_rows=None if batch.copy_rows is None else batch.copy_rows.contiguous())
         a, a_scale = down_input(inter, extra, scheme.name)
-        summed = None
-        if combine:
-            t = batch.copy_rows.shape[0]
-            fill = torch.full if poison else (lambda shape, _v, **kw: torch.empty(shape, **kw))
-            summed = Combine(src.contiguous(), batch.copy_rows.contiguous(), self._combine_counts(x.device),
-                             fill((t, h), float("nan"), dtype=config.dtype, device=x.device))
         out = down(a, a_scale, weights.w2, weights.w2_scale, batch.weights.reshape(-1).float().contiguous(),
-                   layout, scheme.name, config.dtype, kcfg.down, poison, combine=summed)
-        if summed is not None:
-            return summed.out
+                   layout, scheme.name, config.dtype, kcfg.down, poison)
         return out.view(*batch.hidden.shape[:-1], h) if batch.layout == MASKED else out
 
     def kernel_config(self, batch: ExpertBatch, weights: ExpertWeights):
@@ -182,17 +152,6 @@ class TritonRunner(ExpertRunner):
             n = counters_size(FUSED_MAX_TOKENS, cfg.top_k, cfg.hidden_size, cfg.intermediate_size, most)
             self._sync[index] = torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", index))
         return self._sync[index]
-
-    def _combine_counts(self, device: torch.device) -> Tensor:
-        """This layer's counts for the down launch's combine on ``device`` (kernels/down.Combine): one per token and
-        column tile of the narrowest tiles (16 columns) for COMBINE_MAX_TOKENS tokens, zero; each launch leaves them
-        zero. As _counters: made once, and calls of one layer must not overlap on two streams."""
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device not in self._counts:
-            n = COMBINE_MAX_TOKENS * -(-self.config.hidden_size // 16)
-            self._counts[device] = torch.zeros(n, dtype=torch.int32, device=device)
-        return self._counts[device]
 
     def _entry(self, tokens: int, weights: ExpertWeights, device: torch.device):
         """The tuned table's entry nearest ``tokens`` (the table read once), or the documented defaults."""

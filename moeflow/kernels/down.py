@@ -12,21 +12,12 @@ same results bit for bit. fp8-block on Hopper with GemmConfig.scale_overlap: a G
 K loop overlaps each step's scaling with the next step's wgmma (kernels/down_wgmma.py), same bits.
 bf16/fp16 on Hopper with GemmConfig.warp_specialize: a persistent warp-specialized Gluon kernel
 (kernels/warp_specialized.py: a loader warp, two consumer warpgroups by turns); float32 sums of the same products.
-Combine (``combine``: a Combine, the local dispatcher's batches by index): the call also sums each token's K
-copies, out [T, H] = sum over k in k order of the rows row_of_copy[t, k], in float32 from the stored layer-dtype
-rows, rounded once: the bits of kernels/reduce.moe_sum, which the dispatcher's combine runs. The per-tile kernel
-does it in its epilogue: after storing its tile, a program counts each of its rows in at (token, column tile), and the
-program that brings a count to K sums that token's K rows of the tile's columns and stores them (the rows come
-through L2 from the programs that wrote them; the count is left at 0 for the next launch). No waiting, so no
-launch order can deadlock, and no top-k sum launch after the GEMM. The other forms run moe_sum after their launch.
 Split K (GemmConfig.split_k = S > 1, per-tile form only): S programs per tile, program s running K
 steps s·⌈n/S⌉ .. of the n; each stores its float32 partial tile (scales and routing weight applied:
 they are linear) into slab s of a [S, R, H] workspace, and _split_sum_kernel adds the S slabs in
 order into the output (deterministic; float32 sums of partial sums, so not bit-equal to S = 1).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -48,12 +39,10 @@ def _down_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr, W_TMA: tl.constexpr,
         A_TMA: tl.constexpr, PDL: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, split_stride=0,
-        SWAP: tl.constexpr = False, src_ptr=None, copy_rows_ptr=None, count_ptr=None, sum_ptr=None, stride_sum=0,
-        COMBINE_K: tl.constexpr = 0):
+        SWAP: tl.constexpr = False):
     """One program per output tile of the grid's row blocks (an upper bound of them: programs
     past the real blocks return at once). Operands as in _down_tile. SPLIT_K > 1: grid axis 1 is
-    the split; out_ptr is the float32 workspace, slab s at s * split_stride elements. COMBINE_K = K > 0
-    (sorted layout): the tile's tokens summed too (_combine_rows)."""
+    the split; out_ptr is the float32 workspace, slab s at s * split_stride elements."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, H, BLOCK_N, GROUP_M)
     kb_lo, kb_hi = split_steps(I, BLOCK_K, SPLIT_K)
@@ -71,38 +60,6 @@ def _down_kernel(
     _down_tile(a_src, as_ptr, w, ws_ptr, rw_ptr, out_ptr, expert, row_start, row_end, slab_end, pid_n, H, I,
                w_rows_per_expert, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
                QUANT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_IEEE, PROMOTE, W_TMA, A_TMA, PDL, kb_lo, kb_hi, SWAP)
-    if COMBINE_K > 0:
-        _combine_rows(out_ptr, stride_out, src_ptr, copy_rows_ptr, count_ptr, sum_ptr, stride_sum, row_start, row_end,
-                      pid_n, H, COMBINE_K, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _combine_rows(y_ptr, stride_y, src_ptr, copy_rows_ptr, count_ptr, sum_ptr, stride_sum, row_start, row_end, pid_n,
-                  H, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """After a program stored y's rows row_start .. row_end-1, columns pid_n * BLOCK_N ..: each row's token
-    t = src[row] counts the row in at count[t * cdiv(H, BLOCK_N) + pid_n]; for the tokens whose count this brings to
-    TOP_K, sum[t, columns] = sum over k in k order of y[copy_rows[t * TOP_K + k], columns] in float32, rounded once
-    (kernels/reduce.moe_sum's bits), and the count back to 0. A token's copies sit in distinct experts, so a tile
-    holds each token once. src [R] int64, copy_rows [T * TOP_K] int64, count [T * cdiv(H, BLOCK_N)] int32 (zero)."""
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < H
-    tl.debug_barrier()  # every thread's stores of the tile before it is counted in (the release below)
-    tok = tl.load(src_ptr + rows, mask=row_ok, other=0)
-    count = count_ptr + tok * tl.cdiv(H, BLOCK_N) + pid_n
-    seen = tl.atomic_add(count, 1, mask=row_ok, sem="acq_rel")
-    last = row_ok & (seen == TOP_K - 1)
-    if tl.max(last.to(tl.int32), axis=0) > 0:
-        tl.debug_barrier()  # the acquires above before any thread reads the other programs' rows
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        ok = last[:, None] & col_ok[None, :]
-        for k in tl.static_range(TOP_K):
-            r = tl.load(copy_rows_ptr + tok * TOP_K + k, mask=last, other=0)
-            acc += tl.load(y_ptr + r[:, None] * stride_y + cols[None, :], mask=ok, other=0.0,
-                           cache_modifier=".cg").to(tl.float32)
-        tl.store(sum_ptr + tok[:, None] * stride_sum + cols[None, :], acc.to(sum_ptr.dtype.element_ty), mask=ok)
-        tl.atomic_xchg(count, 0, mask=last)
 
 
 @triton.jit(do_not_specialize=["w_rows_per_expert", "num_programs"])
@@ -216,70 +173,41 @@ def _split_sum_kernel(part_ptr, out_ptr, rows, H, SPLIT_K: tl.constexpr, BLOCK_H
     tl.store(out_ptr + r * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@dataclass
-class Combine:
-    """What down() needs to also sum each token's copies (module docstring, Combine): source [R] int64 (the token of
-    each sorted row), copy_rows [T, K] int64 (the sorted row of copy k of token t), counts [>= T * cdiv(H, 16)] int32,
-    zero (each launch leaves them zero: launches sharing them must not overlap), out [T, H] layer dtype (written)."""
-    source: Tensor
-    copy_rows: Tensor
-    counts: Tensor
-    out: Tensor
-
-    def counters_fit(self, h: int, block_n: int) -> bool:
-        """Whether ``counts`` holds a count per (token, column tile) of BLOCK_N columns."""
-        return self.counts.numel() >= self.copy_rows.shape[0] * cdiv(h, block_n)
-
-
 def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,
-         layout: RowLayout, scheme: str, dtype: torch.dtype, cfg, poison: bool = False,
-         combine: Combine | None = None) -> Tensor:
+         layout: RowLayout, scheme: str, dtype: torch.dtype, cfg, poison: bool = False) -> Tensor:
     """a [R, I] (+ a_scale [R, G]), w2 [E, H, I] (+ scale), route_w [R] float32 -> out [R, H] ``dtype``.
     Rows of empty masked slots are zero. cfg: a GemmConfig. poison: NaN-fill the output (and a split
-    K's workspace) first. combine (sorted layout): also combine.out [T, H], each token's copies summed (module
-    docstring): in the per-tile kernel's epilogue where that kernel runs, else by reduce.moe_sum after it."""
+    K's workspace) first."""
     r, i = a.shape
     _, h, _ = w2.shape
     out = torch.full((r, h), float("nan"), dtype=dtype, device=a.device) if poison else \
         torch.empty((r, h), dtype=dtype, device=a.device)
-    fused = _run(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, poison, out, combine)
-    if combine is not None and not fused:
-        from .reduce import moe_sum
-        moe_sum(out, combine.copy_rows.reshape(-1), combine.copy_rows.shape[1], out=combine.out)
-    return out
-
-
-def _run(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, dtype: torch.dtype, cfg, poison: bool,
-         out: Tensor, combine: Combine | None) -> bool:
-    """down()'s launches into ``out`` -> whether they also wrote combine.out (the per-tile kernel's epilogue)."""
-    r, i = a.shape
-    _, h, _ = w2.shape
     split = min(cfg.split_k, cdiv(i, cfg.block_k))
     if split <= 1 or r == 0 or h == 0:
         if cfg.warp_specialize and a.is_cuda:
             from . import warp_specialized  # Gluon: loaded on CUDA only
             if warp_specialized.usable(a, a_scale, w2, layout, scheme, cfg, w_scale=w2_scale):
                 warp_specialized.launch(a, w2, route_w, layout, cfg, out, a_scale=a_scale, w_scale=w2_scale)
-                return False
+                return out
         if cfg.scale_overlap and a.is_cuda:
             from . import down_wgmma  # Gluon: loaded on CUDA only
             if down_wgmma.usable(a, a_scale, w2, w2_scale, layout, scheme, cfg):
                 down_wgmma.launch(a, a_scale, w2, w2_scale, route_w, layout, cfg, out)
-                return False
-        return _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1, combine)
+                return out
+        _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1)
+        return out
     part = torch.full((split, r, h), float("nan"), dtype=torch.float32, device=a.device) if poison else \
         torch.empty((split, r, h), dtype=torch.float32, device=a.device)
     _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, part, split)
     block_h = min(1024, next_pow2(h))
     _split_sum_kernel[(r, cdiv(h, block_h))](part, out, r, h, SPLIT_K=split, BLOCK_H=block_h)
-    return False
+    return out
 
 
 def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, dtype: torch.dtype, cfg,
-            out: Tensor, split: int, combine: Combine | None = None) -> bool:
+            out: Tensor, split: int) -> None:
     """One down launch into ``out``: [R, H] ``dtype``, or with split > 1 the float32 workspace [S, R, H]
-    (dtype still the layer's: it picks the dot precision) -> whether it also wrote combine.out (the per-tile kernel,
-    split 1, sorted layout, rows and counts there)."""
+    (dtype still the layer's: it picks the dot precision)."""
     r, i = a.shape
     _, h, _ = w2.shape
     q = QUANT_CODES[scheme]
@@ -302,20 +230,12 @@ def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, d
         if programs:
             _down_persistent_kernel[(programs,)](*args, layout.num_experts, h, i, w_rows, programs, *strides, QUANT=q,
                                                  E_POW2=layout.e_pow2, **tiling, **pdl(a.device, early_start=False))
-        return False
-    fused = (combine is not None and split == 1 and not layout.masked and r > 0
-             and combine.counters_fit(h, cfg.block_n))
-    sums = {}
-    if fused:
-        c = combine
-        sums = dict(src_ptr=c.source, copy_rows_ptr=c.copy_rows, count_ptr=c.counts, sum_ptr=c.out,
-                    stride_sum=c.out.stride(0), COMBINE_K=c.copy_rows.shape[1])
+        return
     _down_kernel[(tiles, split)](
         *args, layout.num_experts, max(layout.capacity, 1), blocks_m, h, i, w_rows, *strides,
         QUANT=q, MASKED=layout.masked, E_POW2=layout.e_pow2, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), W_TMA=w_arg is not w2, A_TMA=a_arg is not a,
-        SPLIT_K=split, split_stride=r * h if split > 1 else 0, **sums, **tiling, **pdl(a.device, early_start=False))
-    return fused
+        SPLIT_K=split, split_stride=r * h if split > 1 else 0, **tiling, **pdl(a.device, early_start=False))
 
 
 def down_torch(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,

@@ -42,12 +42,11 @@ def _moe_sum_kernel(y_ptr, row_ptr, out_ptr, table_ptr, num_dest, rows_per_dest,
     tl.store(out_ptr + out_row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def moe_sum(y: Tensor, row_of_copy: Tensor, top_k: int, out: Tensor | None = None) -> Tensor:
-    """y [N, H], row_of_copy [T * top_k] int64 -> [T, H] y.dtype (module docstring); into ``out`` ([T, H], rows
-    contiguous) when given."""
+def moe_sum(y: Tensor, row_of_copy: Tensor, top_k: int) -> Tensor:
+    """y [N, H], row_of_copy [T * top_k] int64 -> [T, H] y.dtype (module docstring)."""
     t = row_of_copy.numel() // top_k
     h = y.shape[1]
-    out = torch.empty((t, h), dtype=y.dtype, device=y.device) if out is None else out
+    out = torch.empty((t, h), dtype=y.dtype, device=y.device)
     if t == 0 or h == 0:
         return out.zero_()
     block_h = min(1024, next_pow2(h))

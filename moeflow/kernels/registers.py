@@ -48,8 +48,7 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
                      W_TMA=tma)
     else:  # "down", or "down_persistent" (TMA operands only): the same operands
         from .down import _down_kernel, _down_persistent_kernel
-        ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64",
-                    src_ptr="i64", copy_rows_ptr="i64", count_ptr="i32", sum_ptr=_ELEM[dtype])  # the combine's (COMBINE_K)
+        ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64")
         const = dict(QUANT=q, E_POW2=256, EVEN_K=True)
         if kernel == "down":
             fn = _down_kernel
