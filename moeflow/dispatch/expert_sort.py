@@ -34,8 +34,8 @@ TENSOR_QUANT_IN_SORT_MAX = 32768
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
     """On CUDA: the smallest batches in one Triton launch (kernels/ep_sort's whole sort, or for ids and weights not
     int32 / float32 kernels/align.sort_copies), larger ones in two or three (kernels/ep_sort's segment sort), instead
-    of a sort, a searchsorted and four index kernels; torch otherwise (the same values; thresholds above). bounds: 0 .. E in topk_ids' dtype
-    and device, when the caller keeps one (torch path)."""
+    of a sort, a searchsorted and four index kernels; torch otherwise (the same values; thresholds above).
+    bounds: 0 .. E in topk_ids' dtype and device, when the caller keeps one (torch path)."""
     out = _triton_sort(topk_ids, topk_weights, num_experts)
     return out if out is not None else sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
 

@@ -80,10 +80,10 @@ def _segment_scan_kernel(hist_ptr, before_ptr, totals_ptr, num_segs, BINS: tl.co
 @triton.jit
 def _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, s, mine, total, before,
            num_copies, n, e_local, stride_ids, stride_w, TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr):
-    """Segment s's copies sorted by (key, j) in registers and placed (their ids loaded here, after the prefix sums:
-    loaded before them, 8192 copies at 16 warps spill): copy i of the sorted segment goes to offsets[key] + before[key] + (i - first index of key
-    in the segment); mine, total, before [BINS] int64: the segment's, all segments' and earlier segments' copies of
-    each key. Segment 0 also writes offsets and counts."""
+    """Segment s's copies sorted by (key, j) in registers and placed: copy i of the sorted segment goes to
+    offsets[key] + before[key] + (i - first index of key in the segment); mine, total, before [BINS] int64: the
+    segment's, all segments' and earlier segments' copies of each key. Segment 0 also writes offsets and counts.
+    The ids are loaded here, after the prefix sums (loaded before them, 8192 copies at 16 warps spill)."""
     offsets = tl.cumsum(total, axis=0) - total
     start = offsets + before - (tl.cumsum(mine, axis=0) - mine)  # + sorted index = position
     bins = tl.arange(0, BINS)
