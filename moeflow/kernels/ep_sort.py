@@ -227,24 +227,23 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     copies = r * k
     dev = ids.device
     bins = next_pow2(e_local + 1)
-    seg, scanned = segment_size(copies, bins)
-    segs = max(1, cdiv(copies, seg))
-    warps = min(16, max(4, seg // 256))  # the in-register sort: 8192 copies spill at 8 warps (ptxas)
     fresh = torch.zeros if padded else torch.empty
     source = fresh(n, dtype=torch.int64, device=dev)
     sorted_w = fresh(n, dtype=torch.float32, device=dev)
     counts = torch.empty(e_local, dtype=torch.int32, device=dev)
     offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
     copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
+    parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, counts)
     if whole_sort(copies):
-        seg = max(16, next_pow2(copies))
-        parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, counts)
+        whole = max(16, next_pow2(copies))
         _whole_sort_kernel[(1 + parts,)](ids, weights, counts, offsets, source, sorted_w, copy_pos, copies, n, e_local,
-                                         ids.stride(0), weights.stride(0), *quant_args, TOP_K=k, SEG=seg, BINS=bins,
-                                         **quant_consts, num_warps=_whole_warps(seg), **pdl(dev))
+                                         ids.stride(0), weights.stride(0), *quant_args, TOP_K=k, SEG=whole, BINS=bins,
+                                         **quant_consts, num_warps=_whole_warps(whole), **pdl(dev))
         return (source, sorted_w, counts, offsets, copy_pos, *quantized)
+    seg, scanned = segment_size(copies, bins)
+    segs = max(1, cdiv(copies, seg))
+    warps = min(16, max(4, seg // 256))  # the in-register sort: 8192 copies spill at 8 warps (ptxas)
     hist = torch.empty((segs, bins), dtype=torch.int32, device=dev)
-    parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, hist)
     _segment_hist_kernel[(segs + parts,)](ids, hist, copies, e_local, ids.stride(0), segs, *quant_args,
                                           TOP_K=k, SEG=seg, BINS=bins, **quant_consts, num_warps=warps, **pdl(dev))
     s_pow2 = next_pow2(segs)

@@ -296,7 +296,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
         PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
         INDEXED=source_rows is not None, SPLIT_K=split, split_stride=r * two_i if split > 1 else 0,
-        X_TMA=x_arg is not x, SWAP=bool(cfg.swap_ab), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(dev, early_start=False))
+        X_TMA=x_arg is not x, SWAP=bool(cfg.swap_ab), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl(dev, early_start=False))
     if split > 1:
         block_i = 128 if q == 3 else min(1024, next_pow2(i))
         _gate_up_split_sum_kernel[(r, cdiv(i, block_i))](
