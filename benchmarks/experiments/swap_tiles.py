@@ -24,6 +24,7 @@ from moeflow.kernels.configs import (SHIPPED_DIR, GemmConfig, MoEKernelConfig, f
                                      read_table, table_notes, write_table)
 from moeflow.kernels.quant import down_input
 from moeflow.presets import PRESETS
+from moeflow.quant import create_scheme
 
 CASES = [f"{p}:{s}:{t}" for p in ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3") for s in ("none", "fp8-block")
          for t in (16, 128)]
@@ -50,21 +51,23 @@ def time_case(shape: Shape, t: int, shipped: MoEKernelConfig, dev) -> dict:
     gu = [(c, graph_time_ms([lambda c=c, i=i: run_gu(c, i) for i in inputs], 15) * 1e3) for c in gu_c]
     ref_gu = [run_gu(shipped.gate_up, i) for i in inputs]
 
+    sch = create_scheme(shape.scheme)
+
     def values(pair):  # gate_up's output as float32 (fp8-block: dequantized by its group scales)
-        a, a_s = pair
-        return a.float() * a_s.repeat_interleave(128, dim=1) if shape.scheme == "fp8-block" else a.float()
+        return sch.dequantize_activation(*pair) if shape.scheme == "fp8-block" else pair[0].float()
+
+    def rel_err(got, want):
+        return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
     want = values(ref_gu[0])
     for c, _ in gu:  # every tile's output against the shipped tile's (fp32 sums in another order: close, not equal)
-        got = values(run_gu(c, inputs[0]))
-        err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        err = rel_err(values(run_gu(c, inputs[0])), want)
         assert err < 0.02, (tile(c), err)
     down_in = [(*down_input(*r, shape.scheme), i[0].weights, i[1]) for r, i in zip(ref_gu, inputs)]
     dn = [(c, graph_time_ms([lambda c=c, d=d: run_dn(c, *d) for d in down_in], 15) * 1e3) for c in dn_c]
     want = run_dn(shipped.down, *down_in[0]).float()
     for c, _ in dn:
-        got = run_dn(c, *down_in[0]).float()
-        err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        err = rel_err(run_dn(c, *down_in[0]).float(), want)
         assert err < 0.01, (tile(c), err)
     out = {}
     for name, timed, ship in (("gate_up", gu, shipped.gate_up), ("down", dn, shipped.down)):
