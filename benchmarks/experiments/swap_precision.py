@@ -55,7 +55,7 @@ def main():
                     out[f"gate_up {name} rel err"] = rel(inter, truth)
                     out[f"fp8 codes changed {name}"] = (q.view(torch.uint8) != tq.view(torch.uint8)).float().mean().item()
                     if scheme == "fp8-block":  # down on this path's own quantized intermediate
-                        af = (q.float() * s.repeat_interleave(128, dim=1)).double()
+                        af = sch.dequantize_activation(q, s).double()
                         d_truth = torch.zeros(layout.rows, shape.hidden, dtype=torch.float64, device=dev)
                         for e in expert.unique().tolist():
                             sel = expert == e
