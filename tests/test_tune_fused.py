@@ -122,8 +122,9 @@ def test_merge_keeps_the_files_notes(monkeypatch, tmp_path):
     ("deepseek-v3", 16384, True),  # large: 128-row tiles
     ("qwen3-30b-a3b", 16, False)])  # weight streaming: none
 def test_fp8_block_candidates_keep_the_gluon_gate_up_where_offered(preset, tokens, gluon_gate_up):
-    """The Gluon gate_up tiles each family offers survive fit() (a tile it cannot run would come back with
-    scale_overlap 0 and silently time the Triton kernel twice), and every candidate is a fitted tile."""
+    """The Gluon gate_up tiles each family offers (scale_overlap, and the warp-specialized ones) survive fit() (a tile
+    it cannot run would come back with the flag 0 and silently time the Triton kernel twice), and every candidate is
+    a fitted tile."""
     from moeflow.kernels.configs import fit
     from moeflow.presets import PRESETS
     p = PRESETS[preset]
@@ -135,6 +136,8 @@ def test_fp8_block_candidates_keep_the_gluon_gate_up_where_offered(preset, token
     assert bool(gluon) == gluon_gate_up
     m = tokens * shape.top_k / shape.num_experts
     assert all(c.block_m == (64 if m <= 96 else 128) for c in gluon)
+    ws = [c for c in gu if c.warp_specialize]  # the warp-specialized gate_up: 64 x 128 wherever the Gluon one is
+    assert bool(ws) == gluon_gate_up and all((c.block_m, c.block_n, c.num_warps) == (64, 128, 4) for c in ws)
     assert len(set(gu)) == len(gu) and len(set(dn)) == len(dn)
 
 

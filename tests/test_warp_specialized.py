@@ -45,8 +45,15 @@ def test_fit_keeps_warp_specialize_where_the_kernel_runs():
     for bm, bn in ((64, 128), (128, 64)):
         f8 = ws(kc.GemmConfig(bm, bn, 128, 8, 4, 8, warp_specialize=1), scheme="fp8-block", elem_bytes=1)
         assert f8.warp_specialize == 1 and f8.num_stages == 8  # 8 x 24 KB fits the budget
-        assert ws(f8, fused_pair=True, scheme="fp8-block", elem_bytes=1).warp_specialize == 0  # down only
         assert ws(f8, scheme="fp8-channel", elem_bytes=1).warp_specialize == 0
+    # the fp8-block gate_up: 64 x 128 only (one output group a row), at most 5 stages of 40 KB
+    gu8 = ws(kc.GemmConfig(64, 128, 128, 8, 4, 8, warp_specialize=1), fused_pair=True, scheme="fp8-block",
+             elem_bytes=1, n_size=768)
+    assert gu8.warp_specialize == 1 and gu8.num_stages == 5  # 8 stages clamped to the 200 KB budget
+    assert ws(kc.GemmConfig(128, 64, 128, 8, 4, 4, warp_specialize=1), fused_pair=True, scheme="fp8-block",
+              elem_bytes=1, n_size=768).warp_specialize == 0  # 64 columns: half a group
+    assert not kc.ws_fits(kc.GemmConfig(64, 128, 128, 8, 4, 6, warp_specialize=1), True, "fp8-block")  # 240 KB
+    assert kc.ws_fits(kc.GemmConfig(64, 128, 128, 8, 4, 2, warp_specialize=1), True, "fp8-block")
     assert ws(kc.GemmConfig(128, 128, 128, 8, 4, 4, warp_specialize=1), scheme="fp8-block",
               elem_bytes=1).warp_specialize == 0  # 128 x 128: three tiles of 128 registers
     assert ws(cfg, fused_pair=True).warp_specialize == 0  # gate_up's tile is 128 x 64 (gate and up accumulators)

@@ -48,6 +48,9 @@ class Shape:
 # the K-loop bodies of 6 or 8 steps (4 and 8 stages measured 1.1-1.4x slower than 6 at DeepSeek-V3's and Mixtral's
 # 16-step and 112-step loops: benchmarks/results/ws_fp8_down_*)
 WS_FP8_DOWN = [GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (5, 6, 7)]
+# the warp-specialized fp8-block gate_up: 64 x 128 tiles, 3-5 stages of 40 KB; 1.03-1.15x the shipped gate_up on
+# Qwen3's shape at T = 1024-16384, 0.8-0.99x on Mixtral's and DeepSeek-V3's (benchmarks/results/ws_fp8_gate_up_*)
+WS_FP8_GATE_UP = [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1) for g, s in ((8, 4), (16, 4), (8, 5))]
 
 
 def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmConfig]]:
@@ -90,6 +93,7 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
             # T = 1024-2048 and Mixtral T = 256, 0.85-0.99x on Qwen3 T = 512-1024 and Mixtral T = 128
             # (benchmarks/results/mid_gate_up_2026-12-01_h200_38078a8.md)
             gu += [GemmConfig(64, 128, 128, g, 4, s, scale_overlap=1) for g, s in ((4, 4), (8, 4), (8, 5))]
+            gu += WS_FP8_GATE_UP
         if shape.scheme == "none":  # the warp-specialized Gluon kernels (kernels/warp_specialized.py)
             gu += [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
             dn += [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
@@ -105,7 +109,7 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
             gu += [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]  # kernels/warp_specialized.py
             dn += [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
         if shape.scheme == "fp8-block":  # the Gluon K loops that overlap the scaling (kernels/*_wgmma.py)
-            gu += [GemmConfig(128, 128, 128, 8, 8, s, scale_overlap=1) for s in (3, 4)]
+            gu += [GemmConfig(128, 128, 128, 8, 8, s, scale_overlap=1) for s in (3, 4)] + WS_FP8_GATE_UP
             dn += [GemmConfig(bm, 128, 128, 8, w, s, p, scale_overlap=so) for bm, w, s, p, so in
                    ((128, 8, 4, 0, 1), (128, 8, 4, 0, 2), (128, 8, 3, 0, 1), (64, 4, 4, 0, 2),
                     (64, 4, 4, 2, 2), (64, 4, 3, 2, 2), (128, 8, 4, 1, 2))]  # p > 0: down_wgmma_persistent.py

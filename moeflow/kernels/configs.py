@@ -160,7 +160,7 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
     an fp8-block tile the Gluon kernel runs (wgmma_gate_up_fits, wgmma_down_fits); gate_up's is 1.
     x_tma stays (as 0 or 1) on gate_up only. warp_specialize stays (as 1) only on a tile the Gluon kernel
-    runs (ws_fits: bf16/fp16, or an fp8-block down). swap_ab stays (as 1) where neither Gluon kernel does.
+    runs (ws_fits: bf16/fp16, or fp8-block). swap_ab stays (as 1) where neither Gluon kernel does.
     """
     bm, bn, bk = max(cfg.block_m, 16), max(cfg.block_n, 16), max(cfg.block_k, 32 if scheme != "none" else 16)
     if scheme == "fp8-block":
@@ -204,13 +204,16 @@ def wgmma_down_fits(cfg: GemmConfig) -> bool:
 def ws_fits(cfg: GemmConfig, gated: bool, scheme: str = "none") -> bool:
     """Tiles kernels/warp_specialized.py runs: each consumer warpgroup a whole tile, 4 warps a consumer, no split
     K. Scheme none: 128 accumulator registers a thread: down 128 x 128 x 64, gate_up (gated) 128 x 64 x 64 (two
-    accumulators, gate and up), 2-6 stages (32 KB each). fp8-block, down only: an accumulator and two products
-    by turns of 64 registers each: 64 x 128 or 128 x 64 tiles, BLOCK_K 128 (one scale group a step), 2-8 stages
-    (24 KB each)."""
+    accumulators, gate and up), 2-6 stages (32 KB each). fp8-block, BLOCK_K 128 (one scale group a step): the down
+    an accumulator and two products by turns of 64 registers each, 64 x 128 or 128 x 64 tiles, 2-8 stages (24 KB
+    each); the gate_up 64 x 128 tiles (one output group a row), four accumulator quarters and two quarter products
+    of 32 registers each, 2-5 stages (40 KB each: the x tile and 128 gate and 128 up weight rows)."""
     if cfg.num_warps != 4 or cfg.split_k != 1:
         return False
     if scheme == "fp8-block":
-        return (not gated and (cfg.block_m, cfg.block_n) in ((64, 128), (128, 64)) and cfg.block_k == 128
+        if gated:
+            return (cfg.block_m, cfg.block_n, cfg.block_k) == (64, 128, 128) and 2 <= cfg.num_stages <= 5
+        return ((cfg.block_m, cfg.block_n) in ((64, 128), (128, 64)) and cfg.block_k == 128
                 and 2 <= cfg.num_stages <= 8)
     return (scheme == "none" and cfg.block_m == 128 and cfg.block_n == (64 if gated else 128) and cfg.block_k == 64
             and 2 <= cfg.num_stages <= 6)

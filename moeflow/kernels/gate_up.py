@@ -25,8 +25,9 @@ order (one launch: quant.scatter_rows where the batch carries the inverse map, E
 token row read once; else quant.gather_rows). Without row addresses to keep, the 128x128 bf16 tile needs 172
 registers instead of 255; on H200 the tuner picks it for Mixtral's and DeepSeek-V3's largest batches, the
 copy included (benchmarks/results/x_tma_2026-11-30_h200_*.md). A masked layout reads by pointer.
-bf16/fp16 on Hopper with GemmConfig.warp_specialize: the persistent warp-specialized Gluon kernel
-(kernels/warp_specialized.py: a loader warp, two consumer warpgroups by turns), rows in order (copied as for x_tma).
+bf16/fp16 and fp8-block (64 x 128 tiles) on Hopper with GemmConfig.warp_specialize: the persistent
+warp-specialized Gluon kernel (kernels/warp_specialized.py: a loader warp, two consumer warpgroups by turns), rows
+in order (copied as for x_tma); fp8-block the same bits.
 Split K (GemmConfig.split_k = S > 1): S programs per tile, program s running K steps s·⌈n/S⌉ ..
 of the n, store float32 gate and up partial sums (scales applied: linear) into slab s of a
 [S, R, 2I] workspace; _gate_up_split_sum_kernel adds the slabs in order and runs the epilogue
@@ -265,12 +266,13 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
                 x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
             gate_up_wgmma.launch(x, x_scale, w13, w13_scale, layout, _act_code(activation), dtype, cfg, inter, extra)
             return inter, extra
-    if cfg.warp_specialize and q == 0 and x.is_cuda and r:
+    if cfg.warp_specialize and (q == 0 or fused_groups and split == 1) and x.is_cuda and r:
         from . import warp_specialized  # Gluon: loaded on CUDA only
-        if warp_specialized.usable(x, x_scale, w13, layout, scheme, cfg, gated=True):
+        if warp_specialized.usable(x, x_scale, w13, layout, scheme, cfg, gated=True, w_scale=w13_scale):
             if source_rows is not None:  # it reads rows in order (TMA): one copy of the R rows in order first
-                x, _ = _rows_in_order(x, None, source_rows, copy_rows)
-            warp_specialized.launch(x, w13, None, layout, cfg, inter, gated=True, act=_act_code(activation))
+                x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
+            warp_specialized.launch(x, w13, None, layout, cfg, inter, gated=True, act=_act_code(activation),
+                                    a_scale=x_scale, w_scale=w13_scale, out_scale=extra, dtype=dtype)
             return inter, extra
     x_arg = x
     if cfg.x_tma and not layout.masked and r:  # rows in order through TMA (GemmConfig.x_tma)

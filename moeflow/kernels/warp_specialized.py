@@ -6,7 +6,10 @@
              [E, H/128, I/128] float32, each 128-deep step's product scaled as kernels/down_wgmma.py scales it
              (the same bits as down.py's kernel);
     gate_up: x [R, H] (rows in order), w13 gate_up_proj [E, 2I, H] -> inter [R, I] = act(x @ gate.T) * (x @ up.T),
-             as kernels/gate_up.py (reference: gate_up.gate_up_torch), the GATED form of the same kernel.
+             as kernels/gate_up.py (reference: gate_up.gate_up_torch), the GATED form of the same kernel;
+             fp8-block (GATED and SCALED): x float8_e4m3fn + x_scale [R, H/128], w13 + w13_scale [E, 2I/128, H/128]
+             -> inter float8_e4m3fn + scale [R, I/128] float32, act(gate) * up rounded to the layer dtype and
+             quantized in 1x128 groups (the same bits as gate_up.py's kernel and kernels/gate_up_wgmma.py).
 Why: short K loops. Qwen3's I = 768 is 12 steps of 64; a program that runs one tile at a time idles its
 tensor cores while the tile's first operands arrive and while its epilogue runs, about as long as the K
 loop. Here they overlap.
@@ -25,12 +28,20 @@ Three partitions (gl.warp_specialize):
     other at the tensor cores' full rate while the other consumer runs its epilogue, and a wait on a slot's
     barrier is never more than one phase ahead (a parity wait cannot tell phases two apart: without the turns
     the second consumer read the wrong steps and the kernel faulted).
+    GATED and SCALED: a 64 x 128 tile of the intermediate (one output group a row) takes four 64-column quarter
+    wgmmas a step (gate 0-63, gate 64-127, up 0-63, up 64-127) into two products by turns, each scaled into its
+    accumulator quarter while the next runs, as kernels/gate_up_wgmma.py's loop; the epilogue quantizes the groups.
+    Each consumer runs its own 64-row tile (a ping-pong): the 128-row tile split between the two consumers, both
+    reading each slot, ran 0.70-0.92x the shipped Gluon gate_up (commit 3d7b312,
+    benchmarks/results/ws_fp8_gate_up_2026-12-01_h200_3d7b312.md).
 Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
 (consumer 0) the rest, 248 (setmaxnreg). A consumer's accumulators: down one 128 x 128 tile, gate_up two
-128 x 64; SCALED an accumulator and two products of 64 x 128 (or 128 x 64). ptxas sm_90a: no spills
+128 x 64; SCALED an accumulator and two products of 64 x 128 (or 128 x 64); GATED and SCALED four quarters and
+two products of 64 x 64. ptxas sm_90a: no spills
 (tests/test_kernels_compile_sm90.py).
 Where: GemmConfig.warp_specialize (fit() keeps it on 128 x 128 x 64 down tiles and 128 x 64 x 64 gate_up tiles,
-layer dtype bf16/fp16, and on fp8-block down tiles of 64 x 128 x 128 or 128 x 64 x 128: configs.ws_fits),
+layer dtype bf16/fp16, on fp8-block down tiles of 64 x 128 x 128 or 128 x 64 x 128, and on fp8-block gate_up
+tiles of 64 x 128 x 128 with I and H multiples of 128: configs.ws_fits),
 sorted batches, CUDA compute capability 9.x, operands TMA-addressable; rows that come by index are copied into
 order first (gate_up.py, as for x_tma); down.py and gate_up.py run their own kernels otherwise.
 Measured on H200 (benchmarks/results/ws_down_2026-12-01_h200.md), alone: the down 1.23-1.30x the
@@ -38,7 +49,10 @@ tuned Triton down on Qwen3's shape at T = 4096-16384, 1.08-1.09x on DeepSeek-V3'
 Triton tile on Mixtral's T = 16384; the gate_up 1.07-1.10x on Qwen3's (the copy included), slower on
 DeepSeek-V3's. The fp8-block down (benchmarks/results/ws_fp8_down_2026-12-01_h200.md), 64 x 128 at 6 stages:
 1.06-1.17x the shipped Gluon down on Qwen3's and DeepSeek-V3's shapes at T = 1024-16384, 0.90x on Mixtral's
-T = 16384; 1.01-1.035x on those layers. The tuner picks per entry.
+T = 16384; 1.01-1.035x on those layers. The fp8-block gate_up (benchmarks/results/ws_fp8_gate_up_2026-12-03_h200.md),
+64 x 128 at 4 stages: 1.15x, 1.13x and 1.03x the shipped Gluon gate_up on Qwen3's shape at T = 1024, 4096 and
+16384 (layer 1.01x, 1.05x, 1.01-1.02x); 0.80-0.99x on Mixtral's and DeepSeek-V3's, whose 128-row tiles reuse each
+weight tile over twice the rows. The tuner picks per entry.
 Imported only when a config asks for it on a CUDA device: CPU runs never load Gluon.
 """
 from __future__ import annotations
@@ -49,8 +63,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import env as moeflow_env
-from .common import (RowLayout, _cuda_properties, cdiv, expert_blocks, expert_rows, gated_act, grouped_tile, num_sms,
-                     pdl, pdl_start, sorted_block, tma_rows)
+from .common import (RowLayout, _cuda_properties, cdiv, expert_blocks, expert_rows, fp8_scale, gated_act,
+                     grouped_tile, num_sms, pdl, pdl_start, sorted_block, tma_rows)
 from .configs import ws_fits
 
 try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this kernel
@@ -61,6 +75,7 @@ try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this ker
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .down_wgmma import _mma_step, _scaled_add, _weight_scales, smem_layout, unroll
+    from .gate_up_wgmma import _INTER, _store_group
 except ImportError:  # pragma: no cover - older triton: usable() says False
     gluon = None
 
@@ -138,11 +153,12 @@ if gluon is not None:
     @gluon.jit
     def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                SCALED: gl.constexpr, UNROLL: gl.constexpr):
+                SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
         """The loader warp (module docstring, How); c unused (the workers share a signature). GATED: each step
         also loads the up rows (N rows after the gate rows) into the slot's second weight buffer."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn) = p
+         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
+         outs_ptr, stride_outs) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
         nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
@@ -220,72 +236,159 @@ if gluon is not None:
         return acc, d_a, d_b
 
     @gluon.jit
+    def _gated_quarter(a_bufs, w_bufs, g, q: gl.constexpr, d, STAGES: gl.constexpr, QN: gl.constexpr):
+        """Start step g's wgmma of quarter q of a gated fp8-block tile into d's registers (d's values unused); the
+        caller has waited for the step's tiles. q: 0 gate columns 0 .. QN - 1, 1 gate QN .. 2QN - 1, 2 and 3 the
+        same of up (the slot's gate rows in weight buffer 2 * slot, its up rows in 2 * slot + 1)."""
+        slot = g % STAGES
+        w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * QN, QN, dim=0)
+        return warpgroup_mma(a_bufs.index(slot), w.permute((1, 0)), d, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _k_loop_gated_scaled(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc0, acc1, acc2, acc3, d_a, d_b,
+                             as_rows, gs, us, STAGES: gl.constexpr, UNROLL: gl.constexpr, QN: gl.constexpr):
+        """fp8-block gate_up: the tile's four accumulator quarters (_gated_quarter's order) plus every step's four
+        quarter products, each scaled by the rows' group scale (as_rows + t) times its weight block's (gs + t for
+        gate, us + t for up), as kernels/gate_up_wgmma.py's K loop: the products by turns, each scaled into its
+        quarter while the next runs, a step's last product finished during the next step's first; UNROLL steps a
+        body, nothing in flight across its back edge. A step's slot is released once its last wgmma is done;
+        turn_bar gets the other consumer's turn once the tile's last wgmma is issued.
+        -> (acc0, acc1, acc2, acc3, d_a, d_b): the products' registers carry over to the next tile."""
+        bodies = n // UNROLL
+        for b in range(bodies):
+            last = b == bodies - 1
+            for u in gl.static_range(UNROLL):
+                t = b * UNROLL + u
+                g = g0 + t
+                mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+                s_x = gl.load(as_rows + t)
+                s_g = s_x * gl.load(gs + t)
+                s_u_next = s_x * gl.load(us + t)
+                p_a = _gated_quarter(a_bufs, w_bufs, g, 0, d_a, STAGES, QN)
+                if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this body)
+                    d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
+                    mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)  # every wgmma of step g - 1 is done
+                    acc3 = _scaled_add(d_b, s_u, acc3)  # noqa: F821
+                s_u = s_u_next
+                p_b = _gated_quarter(a_bufs, w_bufs, g, 1, d_b, STAGES, QN)
+                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
+                acc0 = _scaled_add(d_a, s_g, acc0)
+                p_a = _gated_quarter(a_bufs, w_bufs, g, 2, d_a, STAGES, QN)
+                d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))
+                acc1 = _scaled_add(d_b, s_g, acc1)
+                p_b = _gated_quarter(a_bufs, w_bufs, g, 3, d_b, STAGES, QN)
+                if u == UNROLL - 1:
+                    mbarrier.arrive(turn_bar, count=1, pred=last)
+                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
+                acc2 = _scaled_add(d_a, s_u, acc2)
+            d_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b,))
+            mbarrier.arrive(empty.index((g0 + b * UNROLL + UNROLL - 1) % STAGES), count=1)
+            acc3 = _scaled_add(d_b, s_u, acc3)
+        return acc0, acc1, acc2, acc3, d_a, d_b
+
+    @gluon.jit
+    def _store_fp8_groups(acc0, acc1, acc2, acc3, row_start, row_end, pid_n, out_ptr, outs_ptr, stride_out,
+                          stride_outs, ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, BLOCK_M: gl.constexpr,
+                          QN: gl.constexpr):
+        """fp8-block gate_up epilogue of a [BLOCK_M, 2 * QN = 128] tile (one 1x128 group a row), as
+        kernels/gate_up_wgmma.py's: act(gate) * up of both halves rounded to the layer dtype, one amax per row,
+        quantized into out (float8_e4m3fn) with the group scale into outs at column pid_n."""
+        h0 = gated_act(acc0, acc2, ACT).to(INTER_DTYPE).to(gl.float32)
+        h1 = gated_act(acc1, acc3, ACT).to(INTER_DTYPE).to(gl.float32)
+        scale = fp8_scale(gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1)))
+        _store_group(h0, scale, row_start, row_end, pid_n * 2 * QN, out_ptr, stride_out, BLOCK_M, QN, 4)
+        _store_group(h1, scale, row_start, row_end, pid_n * 2 * QN + QN, out_ptr, stride_out, BLOCK_M, QN, 4)
+        rows = row_start + gl.arange(0, BLOCK_M, layout=scale.type.layout)
+        gl.store(outs_ptr + rows * stride_outs + pid_n, scale, mask=rows < row_end)
+
+    @gluon.jit
     def _consume(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                 SCALED: gl.constexpr, UNROLL: gl.constexpr):
+                 SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
         """Consumer warpgroup c: the program's tiles c, c + 2, ... (module docstring, How)."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn) = p
+         num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
+         outs_ptr, stride_outs) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
+        QN: gl.constexpr = BLOCK_N // 2 if GATED and SCALED else BLOCK_N  # a product's columns
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_N, 32 if SCALED else 16])
+                                                      instr_shape=[16, QN, 32 if SCALED else 16])
         st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
-        d_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)  # SCALED: the two products by turns
-        d_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        d_a = gl.zeros([BLOCK_M, QN], gl.float32, mma)  # SCALED: the two products by turns
+        d_b = gl.zeros([BLOCK_M, QN], gl.float32, mma)
         for j in range(c, my_tiles, 2):
             row_start, row_end, pid_n, _, expert = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
                                                          w_rows_per_expert, BLOCK_N, GROUP_M)
             i = j // 2  # this consumer's i-th tile: wait until the other has issued its K loop before this one
             mbarrier.wait(turn.index(c), (i - c + 1) & 1, pred=(c == 1) | (i > 0))
-            if GATED:
-                acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-                acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-                acc_g, acc_u = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc_g, acc_u,
-                                       STAGES, True)
-                y = gated_act(acc_g, acc_u, ACT)
+            rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
+            if GATED and SCALED:  # fp8-block gate_up: BLOCK_N 128, one weight-scale block and one output group
+                as_rows = as_ptr + rows_ld * stride_as
+                gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn  # the gate rows' block row
+                us = gs + (N // 128) * stride_wsn  # the up rows'
+                acc0 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
+                acc1 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
+                acc2 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
+                acc3 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
+                acc0, acc1, acc2, acc3, d_a, d_b = _k_loop_gated_scaled(
+                    a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc0, acc1, acc2, acc3, d_a, d_b,
+                    as_rows, gs, us, STAGES, UNROLL, QN)
+                _store_fp8_groups(acc0, acc1, acc2, acc3, row_start, row_end, pid_n, out_ptr, outs_ptr, stride_out,
+                                  stride_outs, ACT, INTER_DTYPE, BLOCK_M, QN)
             else:
-                rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
-                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-                if SCALED:  # row r's group scale of step t at as_rows[r] + t; the weight block's at ws_tile + t
-                    as_rows = as_ptr + rows_ld * stride_as
-                    ws_tile = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
-                    acc, d_a, d_b = _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, d_a,
-                                                   d_b, as_rows, ws_tile, STAGES, UNROLL)
+                if GATED:
+                    acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                    acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                    acc_g, acc_u = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc_g, acc_u,
+                                           STAGES, True)
+                    y = gated_act(acc_g, acc_u, ACT)
                 else:
-                    acc, _ = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, acc, STAGES, False)
-                y = acc * gl.load(rw_ptr + rows_ld)[:, None]
-            y = gl.convert_layout(y.to(out_ptr.dtype.element_ty), st)  # 16-byte stores
-            rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
-            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
-                     mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+                    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                    if SCALED:  # row r's group scale of step t at as_rows[r] + t; the weight block's at ws_tile + t
+                        as_rows = as_ptr + rows_ld * stride_as
+                        ws_tile = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
+                        acc, d_a, d_b = _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc,
+                                                       d_a, d_b, as_rows, ws_tile, STAGES, UNROLL)
+                    else:
+                        acc, _ = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, acc, STAGES,
+                                         False)
+                    y = acc * gl.load(rw_ptr + rows_ld)[:, None]
+                y = gl.convert_layout(y.to(out_ptr.dtype.element_ty), st)  # 16-byte stores
+                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
+                gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
+                         mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
     @gluon.jit
     def _consumer0(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                   SCALED: gl.constexpr, UNROLL: gl.constexpr):
-        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
+        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE)
 
     @gluon.jit
     def _consumer1(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                   SCALED: gl.constexpr, UNROLL: gl.constexpr):
-        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
+        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE)
 
     @gluon.jit(do_not_specialize=["num_blocks", "num_programs", "w_rows_per_expert"])
     def _ws_gemm_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, as_ptr, ws_ptr, num_blocks, num_programs,
-                        N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, GATED: gl.constexpr = False,
-                        ACT: gl.constexpr = 0, SCALED: gl.constexpr = False, UNROLL: gl.constexpr = 1):
+                        N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn, outs_ptr, stride_outs,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                        GATED: gl.constexpr = False, ACT: gl.constexpr = 0, SCALED: gl.constexpr = False,
+                        UNROLL: gl.constexpr = 1, INTER_DTYPE: gl.constexpr = gl.bfloat16):
         """out [R, N] from a [R, K] (a_desc: TMA descriptor, [BLOCK_M, BLOCK_K] boxes; rows past a block's end are
         read, never stored) and the weight rows [E * W, K] (w_desc, [BLOCK_N, BLOCK_K] boxes; expert e's from
         e * w_rows_per_expert); both zero-fill past K. down: N = H, K = I, W = H, times rw_ptr's routing weight.
         GATED (gate_up): N = I, K = H, W = 2I, out = act(gate) * up (ACT: common.ACT_CODES), rw_ptr unused.
-        blk_ptr, nblk_ptr: block_table's. SCALED (fp8-block down, BLOCK_K 128): every step's product times the rows'
+        blk_ptr, nblk_ptr: block_table's. SCALED (fp8-block, BLOCK_K 128): every step's product times the rows'
         group scales (as_ptr [R, K / 128] float32, row stride stride_as) and the weight block's (ws_ptr
-        [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body."""
+        [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body. GATED and
+        SCALED (BLOCK_N 128): out float8_e4m3fn, act(gate) * up rounded to INTER_DTYPE (the layer dtype), then
+        quantized in 1x128 groups, their scales into outs_ptr [R, N / 128] float32 (row stride stride_outs); outs_ptr
+        unused otherwise."""
         dtype: gl.constexpr = a_desc.dtype
         WB: gl.constexpr = 2 if GATED else 1
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -300,11 +403,14 @@ if gluon is not None:
         mbarrier.init(turn.index(1), count=1)
         fence_async_shared()
         p = (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
-             num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn)
+             num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
+             outs_ptr, stride_outs)
         gl.warp_specialize(
-            [(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
-             (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL)),
-             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL))],
+            [(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL,
+                           INTER_DTYPE)),
+             (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL,
+                           INTER_DTYPE)),
+             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -314,8 +420,9 @@ _GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_
 def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, scheme: str, cfg, gated: bool = False,
            w_scale: Tensor | None = None) -> bool:
     """Whether down() (or gate_up(), gated) may run this kernel for the call (module docstring, Where): a [R, K]
-    rows in order, w [E, N or 2N, K] of the same dtype; scheme none in bf16/fp16, or fp8-block (down only) with
-    a_scale [R, K / 128] and w_scale [E, N / 128, K / 128], both unit stride along K."""
+    rows in order, w [E, N or 2N, K] of the same dtype; scheme none in bf16/fp16, or fp8-block with a_scale
+    [R, K / 128] and w_scale [E, N / 128 or 2N / 128, K / 128], both unit stride along K (gated: N and K multiples
+    of 128, so that each tile is one weight-scale block and one output group)."""
     if (gluon is None or layout.masked or not a.is_cuda or w.dtype != a.dtype or not ws_fits(cfg, gated, scheme)
             or a.shape[1] == 0  # no K steps: the consumers would never hand each other the turn
             or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(a.device).major != 9):
@@ -324,17 +431,22 @@ def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, sche
         if (a.dtype != torch.float8_e4m3fn or a_scale is None or w_scale is None or a_scale.stride(1) != 1
                 or w_scale.stride(2) != 1):
             return False
+        if gated and (w.shape[1] % 256 or a.shape[1] % 128):
+            return False
     elif scheme != "none" or a_scale is not None or a.dtype not in (torch.bfloat16, torch.float16):
         return False
     return expert_rows(w) is not None and tma_rows(a, a.stride(0)) and tma_rows(w, w.stride(1))
 
 
 def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg, out: Tensor, gated: bool = False,
-           act: int = 0, a_scale: Tensor | None = None, w_scale: Tensor | None = None) -> None:
+           act: int = 0, a_scale: Tensor | None = None, w_scale: Tensor | None = None, out_scale: Tensor | None = None,
+           dtype: torch.dtype = torch.bfloat16, most_unroll: int = 8) -> None:
     """Write out [R, N] (module docstring); usable() must have said True. down: w = down_proj [E, H, I], out
     [R, H], route_w [R] float32; fp8-block: with a_scale [R, I / 128] and w_scale (down_proj_scale_inv)
     [E, H / 128, I / 128] float32. gated (gate_up): w = gate_up_proj [E, 2I, H], out [R, I], act a
-    common.ACT_CODES value, route_w unused."""
+    common.ACT_CODES value, route_w unused; fp8-block: a_scale [R, H / 128], w_scale (gate_up_proj_scale_inv)
+    [E, 2I / 128, H / 128], out float8_e4m3fn and out_scale [R, I / 128] float32 (its 1x128 groups), dtype the
+    layer dtype the activation is rounded to first. most_unroll: the most K steps of an fp8-block loop body."""
     r, k = a.shape
     e, w_rows, _ = w.shape
     n = out.shape[1]
@@ -351,9 +463,10 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     scaled = a_scale is not None
     steps = cdiv(k, bk)
     as_, ws_ = (a_scale, w_scale) if scaled else (out, out)
+    outs = out_scale if out_scale is not None else as_
     _ws_gemm_kernel[(programs,)](
         a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1], programs, n,
         k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0, ws_.stride(1) if scaled else 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, CONSUMER_REGS=CONSUMER_REGS,
-        LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled, UNROLL=unroll(steps) if scaled else 1,
-        num_warps=4, maxnreg=MAXNREG)
+        outs, outs.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled,
+        UNROLL=unroll(steps, most_unroll) if scaled else 1, INTER_DTYPE=_INTER[dtype], num_warps=4, maxnreg=MAXNREG)

@@ -5,7 +5,9 @@ shared by every expert (stride 0); grids of 1 and 3 programs, so that each progr
 consumer warpgroups by turns; the layer through a tuned file that picks it. The gate_up: against a float64
 reference, rows by index (copied into order first) and in order, every activation, the same edge batches and
 grids. The fp8-block down: against the float64 reference of the dequantized operands and bit for bit against the
-Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches and grids.
+Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches and grids. The
+fp8-block gate_up: bit for bit against the Triton kernel (fp8 intermediate and group scales) and, dequantized, against
+the float64 reference; rows in order and by index, K loops of 1-56 steps, the same edge batches and grids.
 Run: pytest -m gpu tests/gpu
 """
 import pytest
@@ -198,3 +200,56 @@ def test_layer_through_a_tuned_file(make_layer, tmp_path, monkeypatch, scheme):
     assert calls == [scheme == "fp8-block"], "the runner did not run the warp-specialized down through the tuned tile"
     assert_close(want, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"ws down layer {scheme}")
     assert torch.equal(replayed(lambda: layer.forward_topk(x, ids, w)), want), "graph replay"
+
+
+FP8_GU_TILES = [GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (2, 4, 5)]
+
+
+@pytest.mark.parametrize("cfg", FP8_GU_TILES, ids=lambda c: f"s{c.num_stages}")
+@pytest.mark.parametrize("sms", [None, 1, 3])
+@pytest.mark.parametrize("indexed", [False, True])
+@pytest.mark.parametrize("counts,h,i", [
+    ([37, 0, 300, 1, 0, 129, 64, 2], 384, 256),  # empty experts, rows off the blocks; 3 K steps, 2 column tiles
+    ([0, 0, 513, 0], 256, 128),                   # every row to one expert; 2 steps
+    ([1], 128, 384),                              # one row; one step (a body of 1)
+    ([90, 41, 7], 1152, 128),                     # 9 steps: bodies of 3
+    ([200, 300], 4096, 256),                      # Mixtral's K loop: 32 steps (bodies of 8)
+    ([5, 260], 7168, 128),                        # DeepSeek-V3's: 56 steps
+    ([3, 5], 896, 768),                           # 7 steps (a body of 7), Qwen3's 6 column tiles
+])
+def test_fp8_block_gate_up_matches_reference_and_the_triton_kernel(cfg, sms, indexed, counts, h, i, poison,
+                                                                   monkeypatch):
+    """fp8-block gate_up (GATED and SCALED): bit for bit the Triton kernel's fp8 intermediate and group scales (the
+    same float32 sums in the same order), and dequantized close to the float64 reference; rows by index are copied
+    into order first."""
+    from test_gpu_gate_up_wgmma import SCH, operands as gu_operands, reference as gu_reference
+    from moeflow.kernels.gate_up import gate_up
+    if sms is not None:  # few programs: each runs many tiles, its consumers by turns
+        monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
+    layout, x, xs, q, s = gu_operands(counts, h, i)
+    assert down_ws.usable(x, xs, q, layout, "fp8-block", cfg, gated=True, w_scale=s)
+    src = torch.randperm(x.shape[0], device="cuda") if indexed else None
+    copy_rows = torch.argsort(src).view(-1, 1) if indexed else None
+    run = lambda c: gate_up(x, xs, q, s, layout, "fp8-block", "silu", torch.bfloat16, c, poison=True,
+                            source_rows=src, copy_rows=copy_rows)
+    got, got_s = run(cfg)
+    assert got.dtype == torch.float8_e4m3fn and not got.float().isnan().any() and not got_s.isnan().any()
+    plain, plain_s = run(GemmConfig(64, 128, 128, 8, 4, 3))
+    assert torch.equal(got.view(torch.uint8), plain.view(torch.uint8)) and torch.equal(got_s, plain_s)
+    rows = x.view(torch.uint8)[src].view(x.dtype) if indexed else x
+    want = gu_reference(layout, rows, xs[src] if indexed else xs, q, s)
+    assert_close(SCH.dequantize_activation(got, got_s), want, 6e-2, f"ws fp8 gate_up {counts} H={h} I={i} sms={sms}")
+
+
+def test_fp8_block_gate_up_where_it_does_not_run():
+    """I or H off the 128-wide groups, 128 x 64 tiles (half a group) and masked batches take the other kernels."""
+    from test_gpu_gate_up_wgmma import operands as gu_operands
+    layout, x, xs, q, s = gu_operands([3, 4], 256, 128)
+    cfg = FP8_GU_TILES[1]
+    assert down_ws.usable(x, xs, q, layout, "fp8-block", cfg, gated=True, w_scale=s)
+    masked = RowLayout(True, torch.tensor([3, 4], dtype=torch.int32, device="cuda"), 2, 4, 8)
+    assert not down_ws.usable(x, xs, q, masked, "fp8-block", cfg, gated=True, w_scale=s)
+    assert not down_ws.usable(x, xs, q, layout, "fp8-block", GemmConfig(128, 64, 128, 8, 4, 4, warp_specialize=1),
+                              gated=True, w_scale=s)
+    layout2, x2, xs2, q2, s2 = gu_operands([9, 2], 256, 192)  # I = 192
+    assert not down_ws.usable(x2, xs2, q2, layout2, "fp8-block", cfg, gated=True, w_scale=s2)
