@@ -443,6 +443,8 @@ jobs += [(torch.float8_e4m3fn, False, bm, bn, 128, stages, u) for bm, bn, stages
          ((64, 128, 4, 6), (64, 128, 8, 8), (64, 128, 3, 1), (128, 64, 6, 7), (128, 64, 4, 8))]
 # fp8-block gate_up, 64 x 128: bodies of 8 (Qwen3's 16 steps, Mixtral's 32, DeepSeek-V3's 56), 7, 1; 2-5 stages
 jobs += [(torch.float8_e4m3fn, True, 64, 128, 128, stages, u) for stages, u in ((4, 8), (5, 8), (3, 7), (2, 1))]
+# the wide fp8-block down, 64 x 256 in quarters: Qwen3's 6 steps, DeepSeek-V3's 16 and Mixtral's 112 (bodies of 8), 1
+jobs += [(torch.float8_e4m3fn, False, 64, 256, 128, stages, u) for stages, u in ((5, 6), (4, 8), (3, 1))]
 gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"),
          torch.float8_e4m3fn: (gl.float8e4nv, "")}
 for dtype, gated, bm, bn, bk, stages, u in jobs:
@@ -452,7 +454,8 @@ for dtype, gated, bm, bn, bk, stages, u in jobs:
                                                      gl.NVMMASharedLayout.get_default_for([rows, bk], gdt)))
     fn = ws._ws_gemm_kernel
     out_ty = "*" + (name or ("fp8e4nv" if gated else "bf16"))  # fp8-block: the down's out bf16, the gate_up's fp8
-    sig = dict(a_desc=desc(bm), w_desc=desc(bn), rw_ptr="*fp32", out_ptr=out_ty, blk_ptr="*i32",
+    w_box = 128 if bn == 256 else bn  # the wide down loads its 256 weight rows as two 128-row boxes
+    sig = dict(a_desc=desc(bm), w_desc=desc(w_box), rw_ptr="*fp32", out_ptr=out_ty, blk_ptr="*i32",
                nblk_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32", outs_ptr="*fp32")
     sig.update({n: "i32" for n in fn.arg_names if n not in sig})
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,
@@ -467,7 +470,7 @@ print(json.dumps(out))
 
 def test_warp_specialized_gemms_compile_without_spills():
     """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages; the fp8-block
-    down's loop bodies of 1-8 steps, 2-8 stages, both tiles; the fp8-block gate_up's bodies of 1-8 steps, 2-5
+    down's loop bodies of 1-8 steps, 2-8 stages, all three tiles; the fp8-block gate_up's bodies of 1-8 steps, 2-5
     stages) under its launch's register cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas
     neither serializes the wgmmas (C7514) nor injects waits (C7517)."""

@@ -2,15 +2,16 @@
 tiles, each consumer warpgroup its own tile, the two by turns) against the shipped fp8-block gate_up (tuned table),
 alone, graph-timed as the tuner times it (batches_for(T) routings; the row-block table's launch included). Outputs
 compared bit for bit with the Triton kernel's at 64 x 128 (the shipped Gluon kernels give the same bits).
-Then writes OUT/override/: copies of the shipped fp8-block tables whose gate_up entries at the timed T take the
+GEMM=down: the same for the down, its wide 64 x 256 tiles (and the 64 x 128 ws tile the tables use) against the
+shipped down entry.
+Then writes OUT/override/: copies of the shipped fp8-block tables whose entries of that GEMM at the timed T take the
 fastest ws variant where it beat the shipped entry by 2% or more (a MOEFLOW_KERNEL_CONFIG_DIR for a layer A/B).
 
-    PYTHONPATH=$PWD python benchmarks/experiments/ws_fp8_gate_up.py OUT_DIR [preset:T,...]
+    PYTHONPATH=$PWD [GEMM=down] python benchmarks/experiments/ws_fp8_gate_up.py OUT_DIR [preset:T,...]
 """
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ import torch
 from moeflow.kernels.autotune import _layer_parts, batches_for, graph_time_ms, random_batch
 from moeflow.kernels.common import RowLayout
 from moeflow.kernels.configs import SHIPPED_DIR, GemmConfig
+from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
 from moeflow.quant import create_scheme
 
@@ -26,7 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gemm_case import preset_weights  # noqa: E402
 
 ROWS = [(p, t) for p in ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3") for t in (1024, 2048, 4096, 8192, 16384)]
-VARIANTS = [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1) for g, s in ((8, 3), (8, 4), (8, 5), (16, 4))]
+GEMM = os.environ.get("GEMM", "gate_up")
+VARIANTS = {"gate_up": [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1)
+                        for g, s in ((8, 3), (8, 4), (8, 5), (16, 4))],
+            "down": [GemmConfig(64, bn, 128, g, 4, s, warp_specialize=1)
+                     for bn, g, s in ((128, 8, 6), (256, 8, 3), (256, 8, 4), (256, 8, 5), (256, 16, 4))]}[GEMM]
 SCH = create_scheme("fp8-block")
 GAIN = 1.02
 
@@ -44,20 +50,30 @@ def main():
         for b in range(batches_for(t)):
             batch = random_batch(shape, t, dev, seed=t * 1000 + b)
             lay = RowLayout.of(batch)
-            x, xs = SCH.quantize_activation(batch.hidden)  # [R, H]: the batch's rows in order
-            ins.append((x, xs, lay))
+            if GEMM == "down":  # a random intermediate [R, I], quantized
+                x, xs = SCH.quantize_activation(torch.randn(lay.rows, shape.inter, device=dev).bfloat16())
+            else:
+                x, xs = SCH.quantize_activation(batch.hidden)  # [R, H]: the batch's rows in order
+            ins.append((x, xs, lay, batch.weights))
         kcfg = _layer_parts(shape)[1].kernel_config(batch, SimpleNamespace(w13=w.w13, w2=w.w2))
-        run = lambda d, cfg, poison=False: gate_up(d[0], d[1], w.w13, w.w13_scale, d[2], "fp8-block", "silu",
-                                                   torch.bfloat16, cfg, poison=poison)
+        if GEMM == "down":
+            run = lambda d, cfg, poison=False: (down(d[0], d[1], w.w2, w.w2_scale, d[3], d[2], "fp8-block",
+                                                     torch.bfloat16, cfg, poison=poison), None)
+        else:
+            run = lambda d, cfg, poison=False: gate_up(d[0], d[1], w.w13, w.w13_scale, d[2], "fp8-block", "silu",
+                                                       torch.bfloat16, cfg, poison=poison)
         want, want_s = run(ins[0], GemmConfig(64, 128, 128, 8, 4, 3))
         valid = ins[0][2].valid_rows()
-        fl = 2 * t * shape.top_k * shape.hidden * 2 * shape.inter
+        fl = 2 * t * shape.top_k * shape.hidden * shape.inter * (2 if GEMM == "gate_up" else 1)
+        shipped = kcfg.down if GEMM == "down" else kcfg.gate_up
 
         def timed(cfg):
             try:
                 got, got_s = run(ins[0], cfg, poison=True)
                 same = None
-                if got.dtype == torch.float8_e4m3fn:
+                if GEMM == "down":
+                    same = bool(torch.equal(got[valid], want[valid]))
+                elif got.dtype == torch.float8_e4m3fn:
                     same = bool(torch.equal(got.view(torch.uint8)[valid], want.view(torch.uint8)[valid])
                                 and torch.equal(got_s[valid], want_s[valid]))
                 us = graph_time_ms([lambda d=d: run(d, cfg) for d in ins], 20) * 1e3
@@ -65,16 +81,15 @@ def main():
             except Exception as exc:  # recorded, not fatal
                 return dict(error=repr(exc)[:300])
 
-        row = dict(preset=preset, T=t, shipped_cfg=str(kcfg.gate_up), shipped=timed(kcfg.gate_up))
+        row = dict(preset=preset, T=t, gemm=GEMM, shipped_cfg=str(shipped), shipped=timed(shipped))
         for v in VARIANTS:
-            row[f"ws_g{v.group_m}s{v.num_stages}"] = timed(v)
+            row[_name(v)] = timed(v)
         res.append(row)
         best = min((k for k in row if k.startswith("ws_") and "us" in row[k] and row[k]["bit_equal"]),
                    key=lambda k: row[k]["us"], default=None)
         ship = row["shipped"].get("us")
         if best and ship and row[best]["us"] * GAIN <= ship:
-            g, s = best[4:].split("s")
-            picks.setdefault(shape, {})[t] = replace(VARIANTS[0], group_m=int(g), num_stages=int(s))
+            picks.setdefault(shape, {})[t] = next(v for v in VARIANTS if _name(v) == best)
         print(f"{preset:14} T={t:6} shipped {ship} " + " ".join(
             f"{k} {row[k].get('us')}{'' if row[k].get('bit_equal') else '!'}" for k in row if k.startswith("ws_"))
             + f"  pick {best if shape in picks and t in picks[shape] else '-'}", flush=True)
@@ -88,9 +103,13 @@ def main():
         name = f"E={shape.num_experts},N={shape.inter},K={shape.hidden},device=NVIDIA_H200,scheme=fp8-block.json"
         table = json.loads((SHIPPED_DIR / name).read_text())
         for t, cfg in by_t.items():
-            table["configs"][str(t)]["gate_up"] = cfg.to_dict()
+            table["configs"][str(t)][GEMM] = cfg.to_dict()
         (over / name).write_text(json.dumps(table, indent=1))
         print("override", name, sorted(by_t), flush=True)
+
+
+def _name(v: GemmConfig) -> str:
+    return f"ws_{v.block_m}x{v.block_n}g{v.group_m}s{v.num_stages}"
 
 
 if __name__ == "__main__":

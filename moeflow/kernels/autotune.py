@@ -47,7 +47,10 @@ class Shape:
 # the warp-specialized fp8-block down (kernels/warp_specialized.py): 64 x 128 tiles; 5-7 stages, none a divisor of
 # the K-loop bodies of 6 or 8 steps (4 and 8 stages measured 1.1-1.4x slower than 6 at DeepSeek-V3's and Mixtral's
 # 16-step and 112-step loops: benchmarks/results/ws_fp8_down_*)
-WS_FP8_DOWN = [GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (5, 6, 7)]
+# and its wide 64 x 256 tiles in quarters (3-5 stages of 40 KB): 1.03-1.14x the 64 x 128 tile on Qwen3's and
+# DeepSeek-V3's shapes at T = 4096-16384, slower at T = 1024 (benchmarks/results/wide_down_2026-12-03_h200.md)
+WS_FP8_DOWN = ([GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (5, 6, 7)]
+               + [GemmConfig(64, 256, 128, g, 4, s, warp_specialize=1) for g, s in ((8, 4), (8, 5), (16, 4))])
 # the warp-specialized fp8-block gate_up: 64 x 128 tiles, 3-5 stages of 40 KB; 1.03-1.15x the shipped gate_up on
 # Qwen3's shape at T = 1024-16384, 0.8-0.99x on Mixtral's and DeepSeek-V3's (benchmarks/results/ws_fp8_gate_up_*)
 WS_FP8_GATE_UP = [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1) for g, s in ((8, 4), (16, 4), (8, 5))]

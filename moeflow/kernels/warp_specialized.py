@@ -4,7 +4,7 @@
              -> out [R, H] = route_w * (a @ w2[e].T), as kernels/down.py (reference: down.down_torch);
              fp8-block (SCALED): a float8_e4m3fn + a_scale [R, I/128] float32, w2 float8_e4m3fn + w2_scale
              [E, H/128, I/128] float32, each 128-deep step's product scaled as kernels/down_wgmma.py scales it
-             (the same bits as down.py's kernel);
+             (the same bits as down.py's kernel); BLOCK_N 256 (the wide down): a 64 x 256 tile in quarters, as below;
     gate_up: x [R, H] (rows in order), w13 gate_up_proj [E, 2I, H] -> inter [R, I] = act(x @ gate.T) * (x @ up.T),
              as kernels/gate_up.py (reference: gate_up.gate_up_torch), the GATED form of the same kernel;
              fp8-block (GATED and SCALED): x float8_e4m3fn + x_scale [R, H/128], w13 + w13_scale [E, 2I/128, H/128]
@@ -31,17 +31,19 @@ Three partitions (gl.warp_specialize):
     GATED and SCALED: a 64 x 128 tile of the intermediate (one output group a row) takes four 64-column quarter
     wgmmas a step (gate 0-63, gate 64-127, up 0-63, up 64-127) into two products by turns, each scaled into its
     accumulator quarter while the next runs, as kernels/gate_up_wgmma.py's loop; the epilogue quantizes the groups.
-    Each consumer runs its own 64-row tile (a ping-pong): the 128-row tile split between the two consumers, both
+    The wide fp8-block down runs the same loop on a 64 x 256 tile: its two weight buffers a slot hold the tile's
+    two 128-row halves (two weight-scale blocks), the epilogue stores four 64-column quarters times the routing
+    weight. Each consumer runs its own 64-row tile (a ping-pong): the 128-row tile split between the two consumers, both
     reading each slot, ran 0.70-0.92x the shipped Gluon gate_up (commit 3d7b312,
     benchmarks/results/ws_fp8_gate_up_2026-12-01_h200_3d7b312.md).
 Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
 (consumer 0) the rest, 248 (setmaxnreg). A consumer's accumulators: down one 128 x 128 tile, gate_up two
 128 x 64; SCALED an accumulator and two products of 64 x 128 (or 128 x 64); GATED and SCALED four quarters and
-two products of 64 x 64. ptxas sm_90a: no spills
+two products of 64 x 64 (the wide down too). ptxas sm_90a: no spills
 (tests/test_kernels_compile_sm90.py).
 Where: GemmConfig.warp_specialize (fit() keeps it on 128 x 128 x 64 down tiles and 128 x 64 x 64 gate_up tiles,
-layer dtype bf16/fp16, on fp8-block down tiles of 64 x 128 x 128 or 128 x 64 x 128, and on fp8-block gate_up
-tiles of 64 x 128 x 128 with I and H multiples of 128: configs.ws_fits),
+layer dtype bf16/fp16, on fp8-block down tiles of 64 x 128 x 128, 128 x 64 x 128 or 64 x 256 x 128 (H a multiple
+of 256), and on fp8-block gate_up tiles of 64 x 128 x 128 with I and H multiples of 128: configs.ws_fits),
 sorted batches, CUDA compute capability 9.x, operands TMA-addressable; rows that come by index are copied into
 order first (gate_up.py, as for x_tma); down.py and gate_up.py run their own kernels otherwise.
 Measured on H200 (benchmarks/results/ws_down_2026-12-01_h200.md), alone: the down 1.23-1.30x the
@@ -52,7 +54,9 @@ DeepSeek-V3's. The fp8-block down (benchmarks/results/ws_fp8_down_2026-12-01_h20
 T = 16384; 1.01-1.035x on those layers. The fp8-block gate_up (benchmarks/results/ws_fp8_gate_up_2026-12-03_h200.md),
 64 x 128 at 4 stages: 1.15x, 1.13x and 1.03x the shipped Gluon gate_up on Qwen3's shape at T = 1024, 4096 and
 16384 (layer 1.01x, 1.05x, 1.01-1.02x); 0.80-0.99x on Mixtral's and DeepSeek-V3's, whose 128-row tiles reuse each
-weight tile over twice the rows. The tuner picks per entry.
+weight tile over twice the rows. The wide down (benchmarks/results/wide_down_2026-12-03_h200.md), 64 x 256 at 4-5
+stages: 1.03x and 1.14x the shipped 64 x 128 ws down on Qwen3's shape at T = 4096 and 16384, 1.07x and 1.14x on
+DeepSeek-V3's (layer 1.00-1.05x); slower at T = 1024 and on Mixtral's T >= 4096. The tuner picks per entry.
 Imported only when a config asks for it on a CUDA device: CPU runs never load Gluon.
 """
 from __future__ import annotations
@@ -161,7 +165,9 @@ if gluon is not None:
          outs_ptr, stride_outs) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
+        WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down: two 128-row halves
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED or WIDE else 1) * w_desc.block_type.nbytes
+        second: gl.constexpr = BLOCK_N // 2 if WIDE else 0  # WIDE: the second weight buffer's first row, past w_row
         for j in range(my_tiles):
             a_row, _, _, w_row, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
                                           w_rows_per_expert, BLOCK_N, GROUP_M)
@@ -172,9 +178,10 @@ if gluon is not None:
                 bar = ready.index(slot)
                 mbarrier.expect(bar, nbytes)
                 tma.async_copy_global_to_shared(a_desc, [a_row, k * BLOCK_K], bar, a_bufs.index(slot))
-                if GATED:
+                if GATED or WIDE:
                     tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(2 * slot))
-                    tma.async_copy_global_to_shared(w_desc, [w_row + N, k * BLOCK_K], bar, w_bufs.index(2 * slot + 1))
+                    tma.async_copy_global_to_shared(w_desc, [w_row + (N if GATED else second), k * BLOCK_K], bar,
+                                                    w_bufs.index(2 * slot + 1))
                 else:
                     tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
 
@@ -236,23 +243,25 @@ if gluon is not None:
         return acc, d_a, d_b
 
     @gluon.jit
-    def _gated_quarter(a_bufs, w_bufs, g, q: gl.constexpr, d, STAGES: gl.constexpr, QN: gl.constexpr):
-        """Start step g's wgmma of quarter q of a gated fp8-block tile into d's registers (d's values unused); the
-        caller has waited for the step's tiles. q: 0 gate columns 0 .. QN - 1, 1 gate QN .. 2QN - 1, 2 and 3 the
-        same of up (the slot's gate rows in weight buffer 2 * slot, its up rows in 2 * slot + 1)."""
+    def _quarter(a_bufs, w_bufs, g, q: gl.constexpr, d, STAGES: gl.constexpr, QN: gl.constexpr):
+        """Start step g's wgmma of quarter q of a tile in quarters into d's registers (d's values unused); the caller
+        has waited for the step's tiles. The slot's two weight buffers 2 * slot and 2 * slot + 1 (gated: the gate and
+        the up rows; the wide down: the tile's two 128-row halves) of 2 * QN rows each; q: 0 the first buffer's rows
+        0 .. QN - 1, 1 its rows QN .. 2QN - 1, 2 and 3 the same of the second."""
         slot = g % STAGES
         w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * QN, QN, dim=0)
         return warpgroup_mma(a_bufs.index(slot), w.permute((1, 0)), d, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _k_loop_gated_scaled(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc0, acc1, acc2, acc3, d_a, d_b,
-                             as_rows, gs, us, STAGES: gl.constexpr, UNROLL: gl.constexpr, QN: gl.constexpr):
-        """fp8-block gate_up: the tile's four accumulator quarters (_gated_quarter's order) plus every step's four
-        quarter products, each scaled by the rows' group scale (as_rows + t) times its weight block's (gs + t for
-        gate, us + t for up), as kernels/gate_up_wgmma.py's K loop: the products by turns, each scaled into its
-        quarter while the next runs, a step's last product finished during the next step's first; UNROLL steps a
-        body, nothing in flight across its back edge. A step's slot is released once its last wgmma is done;
-        turn_bar gets the other consumer's turn once the tile's last wgmma is issued.
+    def _k_loop_quarters(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc0, acc1, acc2, acc3, d_a, d_b,
+                         as_rows, gs, us, STAGES: gl.constexpr, UNROLL: gl.constexpr, QN: gl.constexpr):
+        """fp8-block gate_up and wide down: the tile's four accumulator quarters (_quarter's order) plus every step's
+        four quarter products, each scaled by the rows' group scale (as_rows + t) times its weight block's (gs + t for
+        the first weight buffer's quarters, us + t for the second's), as kernels/gate_up_wgmma.py's K loop: the
+        products by turns, each scaled into its quarter while the next runs, a step's last product finished during
+        the next step's first; UNROLL steps a body, nothing in flight across its back edge. A step's slot is
+        released once its last wgmma is done; turn_bar gets the other consumer's turn once the tile's last wgmma is
+        issued.
         -> (acc0, acc1, acc2, acc3, d_a, d_b): the products' registers carry over to the next tile."""
         bodies = n // UNROLL
         for b in range(bodies):
@@ -264,19 +273,19 @@ if gluon is not None:
                 s_x = gl.load(as_rows + t)
                 s_g = s_x * gl.load(gs + t)
                 s_u_next = s_x * gl.load(us + t)
-                p_a = _gated_quarter(a_bufs, w_bufs, g, 0, d_a, STAGES, QN)
+                p_a = _quarter(a_bufs, w_bufs, g, 0, d_a, STAGES, QN)
                 if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this body)
                     d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
                     mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)  # every wgmma of step g - 1 is done
                     acc3 = _scaled_add(d_b, s_u, acc3)  # noqa: F821
                 s_u = s_u_next
-                p_b = _gated_quarter(a_bufs, w_bufs, g, 1, d_b, STAGES, QN)
+                p_b = _quarter(a_bufs, w_bufs, g, 1, d_b, STAGES, QN)
                 d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
                 acc0 = _scaled_add(d_a, s_g, acc0)
-                p_a = _gated_quarter(a_bufs, w_bufs, g, 2, d_a, STAGES, QN)
+                p_a = _quarter(a_bufs, w_bufs, g, 2, d_a, STAGES, QN)
                 d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))
                 acc1 = _scaled_add(d_b, s_g, acc1)
-                p_b = _gated_quarter(a_bufs, w_bufs, g, 3, d_b, STAGES, QN)
+                p_b = _quarter(a_bufs, w_bufs, g, 3, d_b, STAGES, QN)
                 if u == UNROLL - 1:
                     mbarrier.arrive(turn_bar, count=1, pred=last)
                 d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
@@ -302,6 +311,18 @@ if gluon is not None:
         gl.store(outs_ptr + rows * stride_outs + pid_n, scale, mask=rows < row_end)
 
     @gluon.jit
+    def _store_cols(acc, rw, row_start, row_end, col0, out_ptr, stride_out, N, BLOCK_M: gl.constexpr,
+                    QN: gl.constexpr):
+        """The wide down's epilogue of one accumulator quarter acc [BLOCK_M, QN]: times the rows' routing weights rw
+        [BLOCK_M] (acc's row layout), in out's dtype, at columns col0 .. col0 + QN - 1, 16-byte stores."""
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (QN // 8), QN // 8], [4, 1], [1, 0])
+        y = gl.convert_layout((acc * rw[:, None]).to(out_ptr.dtype.element_ty), st)
+        rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+        cols = col0 + gl.arange(0, QN, layout=gl.SliceLayout(0, st))
+        gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
+                 mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+    @gluon.jit
     def _consume(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
                  SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
@@ -311,7 +332,8 @@ if gluon is not None:
          outs_ptr, stride_outs) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
-        QN: gl.constexpr = BLOCK_N // 2 if GATED and SCALED else BLOCK_N  # a product's columns
+        WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down (module docstring)
+        QN: gl.constexpr = 64 if SCALED and (GATED or WIDE) else BLOCK_N  # a product's columns
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, QN, 32 if SCALED else 16])
         st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
@@ -331,11 +353,27 @@ if gluon is not None:
                 acc1 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
                 acc2 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
                 acc3 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
-                acc0, acc1, acc2, acc3, d_a, d_b = _k_loop_gated_scaled(
+                acc0, acc1, acc2, acc3, d_a, d_b = _k_loop_quarters(
                     a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc0, acc1, acc2, acc3, d_a, d_b,
                     as_rows, gs, us, STAGES, UNROLL, QN)
                 _store_fp8_groups(acc0, acc1, acc2, acc3, row_start, row_end, pid_n, out_ptr, outs_ptr, stride_out,
                                   stride_outs, ACT, INTER_DTYPE, BLOCK_M, QN)
+            elif WIDE:  # fp8-block down, BLOCK_N 256: two weight-scale blocks, the second 128 rows past the first
+                as_rows = as_ptr + rows_ld * stride_as
+                lo = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
+                acc0 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
+                acc1 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
+                acc2 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
+                acc3 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
+                acc0, acc1, acc2, acc3, d_a, d_b = _k_loop_quarters(
+                    a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc0, acc1, acc2, acc3, d_a, d_b,
+                    as_rows, lo, lo + stride_wsn, STAGES, UNROLL, QN)
+                rw = gl.load(rw_ptr + rows_ld)
+                col0 = pid_n * BLOCK_N
+                _store_cols(acc0, rw, row_start, row_end, col0, out_ptr, stride_out, N, BLOCK_M, QN)
+                _store_cols(acc1, rw, row_start, row_end, col0 + QN, out_ptr, stride_out, N, BLOCK_M, QN)
+                _store_cols(acc2, rw, row_start, row_end, col0 + 2 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
+                _store_cols(acc3, rw, row_start, row_end, col0 + 3 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
             else:
                 if GATED:
                     acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
@@ -390,9 +428,11 @@ if gluon is not None:
         quantized in 1x128 groups, their scales into outs_ptr [R, N / 128] float32 (row stride stride_outs); outs_ptr
         unused otherwise."""
         dtype: gl.constexpr = a_desc.dtype
-        WB: gl.constexpr = 2 if GATED else 1
+        WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256
+        WB: gl.constexpr = 2 if GATED or WIDE else 1  # weight buffers a slot (gate and up; WIDE: two 128-row halves)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        w_bufs = gl.allocate_shared_memory(dtype, [WB * STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [WB * STAGES, BLOCK_N // 2 if WIDE else BLOCK_N, BLOCK_K],
+                                           w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -433,6 +473,8 @@ def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, sche
             return False
         if gated and (w.shape[1] % 256 or a.shape[1] % 128):
             return False
+        if not gated and cfg.block_n == 256 and w.shape[1] % 256:  # the wide down: two whole weight-scale blocks
+            return False
     elif scheme != "none" or a_scale is not None or a.dtype not in (torch.bfloat16, torch.float16):
         return False
     return expert_rows(w) is not None and tma_rows(a, a.stride(0)) and tma_rows(w, w.stride(1))
@@ -456,8 +498,10 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     dt = _GL_DTYPE[a.dtype]
     a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [bm, bk], smem_layout((bm, bk), dt))
     per_expert = expert_rows(w)  # 0 for an expert stride of 0: every expert reads the same rows
-    w_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1], [bn, bk],
-                              smem_layout((bn, bk), dt))
+    wide = a_scale is not None and not gated and bn == 256  # the wide fp8-block down: [128, BLOCK_K] boxes, two a step
+    w_box = bn // 2 if wide else bn
+    w_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1], [w_box, bk],
+                              smem_layout((w_box, bk), dt))
     blk, nblk = block_table(layout, bm)
     programs = min(num_sms(a.device), blk.shape[1] * cdiv(n, bn))
     scaled = a_scale is not None

@@ -5,7 +5,8 @@ shared by every expert (stride 0); grids of 1 and 3 programs, so that each progr
 consumer warpgroups by turns; the layer through a tuned file that picks it. The gate_up: against a float64
 reference, rows by index (copied into order first) and in order, every activation, the same edge batches and
 grids. The fp8-block down: against the float64 reference of the dequantized operands and bit for bit against the
-Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches and grids. The
+Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches and grids, also
+in the wide 64 x 256 tiles. The
 fp8-block gate_up: bit for bit against the Triton kernel (fp8 intermediate and group scales) and, dequantized, against
 the float64 reference; rows in order and by index, K loops of 1-56 steps, the same edge batches and grids.
 Run: pytest -m gpu tests/gpu
@@ -131,6 +132,36 @@ def test_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, counts
     plain = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, GemmConfig(64, 128, 128, 8, 4, 3),
                  poison=True)
     assert torch.equal(got, plain)
+
+
+WIDE_TILES = [GemmConfig(64, 256, 128, 8, 4, s, warp_specialize=1) for s in (2, 4, 5)]
+
+
+@pytest.mark.parametrize("cfg", WIDE_TILES, ids=lambda c: f"s{c.num_stages}")
+@pytest.mark.parametrize("sms", [None, 1, 3])
+@pytest.mark.parametrize("counts,h,i", [
+    ([37, 0, 300, 1, 0, 129, 64, 2], 512, 768),   # empty experts, rows off the blocks; 6 K steps, 2 column tiles
+    ([0, 0, 513, 0], 256, 384),                    # every row to one expert; 3 steps
+    ([1], 256, 128),                               # one row; one step
+    ([90, 41, 7], 768, 320),                       # a partial last step
+    ([200, 300], 256, 14336),                      # Mixtral's K loop: 112 steps (bodies of 8)
+    ([3, 5], 512, 896),                            # 7 steps: bodies of 7
+])
+def test_wide_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, counts, h, i, poison, monkeypatch):
+    """The wide fp8-block down (64 x 256 tiles in quarters, two weight-scale blocks a tile): bit for bit the Triton
+    kernel's output and close to the float64 reference."""
+    if sms is not None:
+        monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
+    layout, a, a_s, q2, s2, rw = fp8_operands(counts, h, i)
+    assert down_ws.usable(a, a_s, q2, layout, "fp8-block", cfg, w_scale=s2)
+    got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
+    assert not got.isnan().any()
+    assert_close(got, fp8_reference(layout, a, a_s, q2, s2, rw), 1e-2, f"wide fp8 down {counts} H={h} I={i} sms={sms}")
+    plain = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, GemmConfig(64, 128, 128, 8, 4, 3),
+                 poison=True)
+    assert torch.equal(got, plain)
+    layout3, a3, a3_s, q3, s3, _ = fp8_operands([3, 4], 384, 256)  # H = 384: half a tile's scale blocks past the end
+    assert not down_ws.usable(a3, a3_s, q3, layout3, "fp8-block", cfg, w_scale=s3)
 
 
 def test_fp16_and_shared_weights(poison):
