@@ -90,3 +90,40 @@ def preset_weights(preset: str, scheme: str, cache: dict, device):
         torch.cuda.empty_cache()
         cache[(preset, scheme)] = random_weights(shape, device)
     return shape, cache[(preset, scheme)]
+
+
+def gemm_rows(shape, tokens: int, gemm: str, device) -> list:
+    """Inputs of one GEMM at T = tokens, batches_for(T) routings (as the tuner times): a list of (a, a_scale or None,
+    RowLayout, routing weights [R]). gate_up: the batch's rows in order [R, H]; down: a random intermediate [R, I];
+    both quantized in 1x128 groups for fp8-block, else in the layer dtype (bf16)."""
+    from moeflow.kernels.autotune import batches_for
+    from moeflow.quant import create_scheme
+    out = []
+    for b in range(batches_for(tokens)):
+        batch = random_batch(shape, tokens, device, seed=tokens * 1000 + b)
+        lay = RowLayout.of(batch)
+        a = (torch.randn(lay.rows, shape.inter, device=device).bfloat16() if gemm == "down"
+             else batch.hidden.bfloat16())
+        a_s = None
+        if shape.scheme == "fp8-block":
+            a, a_s = create_scheme("fp8-block").quantize_activation(a)
+        out.append((a, a_s, lay, batch.weights))
+    return out
+
+
+def gemm_runner(gemm: str, w, scheme: str):
+    """-> run(inputs, cfg, poison=False) -> (out, out scale or None) of gate_up (silu) or down on gemm_rows' inputs
+    with the ExpertWeights w."""
+    from moeflow.kernels.down import down
+    from moeflow.kernels.gate_up import gate_up
+    if gemm == "down":
+        return lambda d, cfg, poison=False: (down(d[0], d[1], w.w2, w.w2_scale, d[3], d[2], scheme, torch.bfloat16,
+                                                  cfg, poison=poison), None)
+    return lambda d, cfg, poison=False: gate_up(d[0], d[1], w.w13, w.w13_scale, d[2], scheme, "silu",
+                                                torch.bfloat16, cfg, poison=poison)
+
+
+def same_bits(got, want, valid) -> bool:
+    """Whether two (out, out scale or None) pairs agree bit for bit on the valid rows (fp8 compared as bytes)."""
+    as_bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t
+    return all(torch.equal(as_bits(g)[valid], as_bits(x)[valid]) for g, x in zip(got, want) if g is not None)

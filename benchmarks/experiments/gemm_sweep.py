@@ -1,0 +1,114 @@
+"""Experiment (GPU): one GEMM of the layer alone at variants of a table entry, graph-timed as the tuner times it
+(batches_for(T) routings; any setup launch such as the row-block table's included), each output compared bit for bit
+with a reference output; then OUT/override/: copies of the shipped tables whose entries of that GEMM at the timed T
+take the fastest bit-equal variant where it beat the shipped entry by 2% or more (a MOEFLOW_KERNEL_CONFIG_DIR for a
+layer A/B; GAIN=1.0 takes any faster one).
+
+SWEEP=ws (default; fp8-block): the warp-specialized kernels (kernels/warp_specialized.py): GEMM=gate_up its 64 x 128
+fp8-block gate_up, GEMM=down its 64 x 128 and wide 64 x 256 downs; reference: the Triton kernel at 64 x 128 (the
+Gluon kernels give the same bits). SWEEP=order (SCHEME=none or fp8-block): the shipped entry with another tile order
+(GROUP_M 4, 8, 16, 32) or one stage more or fewer, where fit() keeps it; reference: the shipped entry's output.
+
+    PYTHONPATH=$PWD [GEMM=down] [SWEEP=order] [SCHEME=none] \
+        python benchmarks/experiments/gemm_sweep.py OUT_DIR [preset:T,...]
+"""
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from moeflow.kernels.autotune import _layer_parts, graph_time_ms, random_batch
+from moeflow.kernels.configs import SHIPPED_DIR, GemmConfig, fit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gemm_case import gemm_rows, gemm_runner, preset_weights, same_bits  # noqa: E402
+
+ROWS = [(p, t) for p in ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3") for t in (1024, 2048, 4096, 8192, 16384)]
+GEMM = os.environ.get("GEMM", "gate_up")
+SWEEP = os.environ.get("SWEEP", "ws")
+SCHEME = os.environ.get("SCHEME", "fp8-block")
+WS_VARIANTS = {"gate_up": [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1)
+                           for g, s in ((8, 3), (8, 4), (8, 5), (16, 4))],
+               "down": [GemmConfig(64, bn, 128, g, 4, s, warp_specialize=1)
+                        for bn, g, s in ((128, 8, 6), (256, 8, 3), (256, 8, 4), (256, 8, 5), (256, 16, 4))]}[GEMM]
+GAIN = float(os.environ.get("GAIN", "1.02"))
+
+
+def variants(shipped: GemmConfig, shape) -> list[GemmConfig]:
+    """The configs SWEEP times against the shipped entry (module docstring)."""
+    if SWEEP == "ws":
+        return WS_VARIANTS
+    out = [replace(shipped, group_m=g) for g in (4, 8, 16, 32)]
+    out += [replace(shipped, num_stages=shipped.num_stages + d) for d in (-1, 1)]
+    nbytes = 1 if SCHEME != "none" else 2
+    fitted = [fit(c, fused_pair=GEMM == "gate_up", scheme=SCHEME, elem_bytes=nbytes,
+                  n_size=shape.inter if GEMM == "gate_up" else shape.hidden) for c in out]
+    return [c for i, c in enumerate(fitted) if c != shipped and c not in fitted[:i] and c == out[i]]
+
+
+def main():
+    out_dir = Path(sys.argv[1])
+    rows = ROWS
+    if len(sys.argv) > 2:
+        rows = [(p, int(t)) for p, t in (r.split(":") for r in sys.argv[2].split(","))]
+    dev = torch.device("cuda")
+    res, weights, picks = [], {}, {}
+    for preset, t in rows:
+        shape, w = preset_weights(preset, SCHEME, weights, dev)
+        ins = gemm_rows(shape, t, GEMM, dev)
+        kcfg = _layer_parts(shape)[1].kernel_config(random_batch(shape, t, dev, seed=t * 1000),
+                                                    SimpleNamespace(w13=w.w13, w2=w.w2))
+        run = gemm_runner(GEMM, w, SCHEME)
+        shipped = kcfg.down if GEMM == "down" else kcfg.gate_up
+        want = run(ins[0], GemmConfig(64, 128, 128, 8, 4, 3) if SWEEP == "ws" else shipped)
+        valid = ins[0][2].valid_rows()
+        fl = 2 * t * shape.top_k * shape.hidden * shape.inter * (2 if GEMM == "gate_up" else 1)
+        tried = variants(shipped, shape)
+
+        def timed(cfg):
+            try:
+                same = same_bits(run(ins[0], cfg, poison=True), want, valid)
+                us = graph_time_ms([lambda d=d: run(d, cfg) for d in ins], 20) * 1e3
+                return dict(us=round(us, 1), tflops=round(fl / us / 1e6), bit_equal=same)
+            except Exception as exc:  # recorded, not fatal
+                return dict(error=repr(exc)[:300])
+
+        row = dict(preset=preset, T=t, gemm=GEMM, shipped_cfg=str(shipped), shipped=timed(shipped))
+        names = {_name(v): v for v in tried}
+        for name, v in names.items():
+            row[name] = timed(v)
+        res.append(row)
+        best = min((k for k in names if "us" in row[k] and row[k]["bit_equal"]), key=lambda k: row[k]["us"],
+                   default=None)
+        ship = row["shipped"].get("us")
+        if best and ship and row[best]["us"] * GAIN <= ship:
+            picks.setdefault(shape, {})[t] = names[best]
+        print(f"{preset:14} {SCHEME:9} {GEMM:7} T={t:6} shipped {ship} " + " ".join(
+            f"{k} {row[k].get('us')}{'' if row[k].get('bit_equal') else '!'}" for k in names)
+            + f"  pick {best if shape in picks and t in picks[shape] else '-'}", flush=True)
+        ins = None  # free the batches before the next row
+        torch.cuda.empty_cache()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"sweep_{SWEEP}_{SCHEME}_{GEMM}.json").write_text(json.dumps(res, indent=1))
+    over = out_dir / "override"
+    over.mkdir(exist_ok=True)
+    for shape, by_t in picks.items():
+        name = f"E={shape.num_experts},N={shape.inter},K={shape.hidden},device=NVIDIA_H200,scheme={SCHEME}.json"
+        src = over / name if (over / name).is_file() else SHIPPED_DIR / name  # another GEMM's sweep wrote it first
+        table = json.loads(src.read_text())
+        for t, cfg in by_t.items():
+            table["configs"][str(t)][GEMM] = cfg.to_dict()
+        (over / name).write_text(json.dumps(table, indent=1))
+        print("override", name, sorted(by_t), flush=True)
+
+
+def _name(v: GemmConfig) -> str:
+    return f"{'ws_' if v.warp_specialize else ''}{v.block_m}x{v.block_n}g{v.group_m}s{v.num_stages}"
+
+
+if __name__ == "__main__":
+    main()
