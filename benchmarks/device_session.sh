@@ -8,8 +8,8 @@
 #
 #   1. pytest -m gpu: the single-GPU suites (triton, one-launch layer, layer graph, runners, transformers, the
 #      command line, the Gluon fp8-block gate_up whose 64- and 128-row tiles the H200 tables use), GPU 0; then
-#      the Gluon down and warp-specialized kernels' suites (step gpu_tests_gluon; its warp-specialized file took about 4 minutes in parts
-#      on 2026-12-03: run it in its own call with ONLY=gpu_tests_gluon), GPU 0
+#      the Gluon down and warp-specialized kernels' suites (step gpu_tests_gluon; the warp-specialized file
+#      took about 4 minutes, in parts, on 2026-12-03: run it in its own call with ONLY=gpu_tests_gluon), GPU 0
 #   2. with 2 GPUs: pytest -m gpu tests/gpu/test_gpu_ep.py, then benchmarks/bench_ep.py --profile
 #   3. benchmarks/bench_layer.py: PERF.md's 36 rows, triton runner, GPU 0
 #   4. the T=1 and 16 rows again with MOEFLOW_TRITON_PDL=0 (programmatic dependent launch off), GPU 0
