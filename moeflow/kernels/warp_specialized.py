@@ -345,10 +345,14 @@ if gluon is not None:
             i = j // 2  # this consumer's i-th tile: wait until the other has issued its K loop before this one
             mbarrier.wait(turn.index(c), (i - c + 1) & 1, pred=(c == 1) | (i > 0))
             rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
-            if GATED and SCALED:  # fp8-block gate_up: BLOCK_N 128, one weight-scale block and one output group
+            if SCALED and (GATED or WIDE):  # fp8-block tiles in quarters (_k_loop_quarters)
                 as_rows = as_ptr + rows_ld * stride_as
-                gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn  # the gate rows' block row
-                us = gs + (N // 128) * stride_wsn  # the up rows'
+                if GATED:  # BLOCK_N 128: the gate rows' weight-scale block, and the up rows' I / 128 blocks on
+                    gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn
+                    us = gs + (N // 128) * stride_wsn
+                else:  # WIDE, BLOCK_N 256: two weight-scale blocks, the second 128 rows past the first
+                    gs = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
+                    us = gs + stride_wsn
                 acc0 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
                 acc1 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
                 acc2 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
@@ -356,24 +360,16 @@ if gluon is not None:
                 acc0, acc1, acc2, acc3, d_a, d_b = _k_loop_quarters(
                     a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc0, acc1, acc2, acc3, d_a, d_b,
                     as_rows, gs, us, STAGES, UNROLL, QN)
-                _store_fp8_groups(acc0, acc1, acc2, acc3, row_start, row_end, pid_n, out_ptr, outs_ptr, stride_out,
-                                  stride_outs, ACT, INTER_DTYPE, BLOCK_M, QN)
-            elif WIDE:  # fp8-block down, BLOCK_N 256: two weight-scale blocks, the second 128 rows past the first
-                as_rows = as_ptr + rows_ld * stride_as
-                lo = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
-                acc0 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
-                acc1 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
-                acc2 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
-                acc3 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
-                acc0, acc1, acc2, acc3, d_a, d_b = _k_loop_quarters(
-                    a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc0, acc1, acc2, acc3, d_a, d_b,
-                    as_rows, lo, lo + stride_wsn, STAGES, UNROLL, QN)
-                rw = gl.load(rw_ptr + rows_ld)
-                col0 = pid_n * BLOCK_N
-                _store_cols(acc0, rw, row_start, row_end, col0, out_ptr, stride_out, N, BLOCK_M, QN)
-                _store_cols(acc1, rw, row_start, row_end, col0 + QN, out_ptr, stride_out, N, BLOCK_M, QN)
-                _store_cols(acc2, rw, row_start, row_end, col0 + 2 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
-                _store_cols(acc3, rw, row_start, row_end, col0 + 3 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
+                if GATED:
+                    _store_fp8_groups(acc0, acc1, acc2, acc3, row_start, row_end, pid_n, out_ptr, outs_ptr,
+                                      stride_out, stride_outs, ACT, INTER_DTYPE, BLOCK_M, QN)
+                else:
+                    rw = gl.load(rw_ptr + rows_ld)
+                    col0 = pid_n * BLOCK_N
+                    _store_cols(acc0, rw, row_start, row_end, col0, out_ptr, stride_out, N, BLOCK_M, QN)
+                    _store_cols(acc1, rw, row_start, row_end, col0 + QN, out_ptr, stride_out, N, BLOCK_M, QN)
+                    _store_cols(acc2, rw, row_start, row_end, col0 + 2 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
+                    _store_cols(acc3, rw, row_start, row_end, col0 + 3 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
             else:
                 if GATED:
                     acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
