@@ -212,10 +212,9 @@ def ws_fits(cfg: GemmConfig, gated: bool, scheme: str = "none") -> bool:
     if cfg.num_warps != 4 or cfg.split_k != 1:
         return False
     if scheme == "fp8-block":
-        if gated or (cfg.block_m, cfg.block_n) == (64, 256):
-            return cfg.block_m == 64 and cfg.block_n == (128 if gated else 256) and cfg.block_k == 128 \
-                and 2 <= cfg.num_stages <= 5
-        return ((cfg.block_m, cfg.block_n) in ((64, 128), (128, 64)) and cfg.block_k == 128
+        if (cfg.block_m, cfg.block_n) == ((64, 128) if gated else (64, 256)):  # tiles in quarters, 40 KB stages
+            return cfg.block_k == 128 and 2 <= cfg.num_stages <= 5
+        return (not gated and (cfg.block_m, cfg.block_n) in ((64, 128), (128, 64)) and cfg.block_k == 128
                 and 2 <= cfg.num_stages <= 8)
     return (scheme == "none" and cfg.block_m == 128 and cfg.block_n == (64 if gated else 128) and cfg.block_k == 64
             and 2 <= cfg.num_stages <= 6)
