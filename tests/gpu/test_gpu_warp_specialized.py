@@ -122,13 +122,19 @@ FP8_TILES = [GemmConfig(64, 128, 128, 8, 4, 4, warp_specialize=1), GemmConfig(64
 def test_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, counts, h, i, poison, monkeypatch):
     """fp8-block (SCALED): close to the float64 reference of the dequantized operands, and bit for bit the Triton
     kernel's output (the same float32 sums in the same order: each step's product times its scales, added)."""
-    if sms is not None:
+    check_fp8_down(cfg, sms, counts, h, i, monkeypatch, "ws fp8 down")
+
+
+def check_fp8_down(cfg, sms, counts, h, i, monkeypatch, what):
+    """The fp8-block down at cfg on sms programs (None: one a SM) on fresh operands: usable, no unwritten (NaN)
+    element, within 1e-2 of the float64 reference, and bit for bit the Triton kernel's output."""
+    if sms is not None:  # few programs: each runs many tiles, its consumers by turns
         monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
     layout, a, a_s, q2, s2, rw = fp8_operands(counts, h, i)
     assert down_ws.usable(a, a_s, q2, layout, "fp8-block", cfg, w_scale=s2)
     got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
     assert not got.isnan().any()
-    assert_close(got, fp8_reference(layout, a, a_s, q2, s2, rw), 1e-2, f"ws fp8 down {counts} H={h} I={i} sms={sms}")
+    assert_close(got, fp8_reference(layout, a, a_s, q2, s2, rw), 1e-2, f"{what} {counts} H={h} I={i} sms={sms}")
     plain = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, GemmConfig(64, 128, 128, 8, 4, 3),
                  poison=True)
     assert torch.equal(got, plain)
@@ -150,16 +156,7 @@ WIDE_TILES = [GemmConfig(64, 256, 128, 8, 4, s, warp_specialize=1) for s in (2, 
 def test_wide_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, counts, h, i, poison, monkeypatch):
     """The wide fp8-block down (64 x 256 tiles in quarters, two weight-scale blocks a tile): bit for bit the Triton
     kernel's output and close to the float64 reference."""
-    if sms is not None:
-        monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
-    layout, a, a_s, q2, s2, rw = fp8_operands(counts, h, i)
-    assert down_ws.usable(a, a_s, q2, layout, "fp8-block", cfg, w_scale=s2)
-    got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
-    assert not got.isnan().any()
-    assert_close(got, fp8_reference(layout, a, a_s, q2, s2, rw), 1e-2, f"wide fp8 down {counts} H={h} I={i} sms={sms}")
-    plain = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, GemmConfig(64, 128, 128, 8, 4, 3),
-                 poison=True)
-    assert torch.equal(got, plain)
+    check_fp8_down(cfg, sms, counts, h, i, monkeypatch, "wide fp8 down")
     layout3, a3, a3_s, q3, s3, _ = fp8_operands([3, 4], 384, 256)  # H = 384: half a tile's scale blocks past the end
     assert not down_ws.usable(a3, a3_s, q3, layout3, "fp8-block", cfg, w_scale=s3)
 
