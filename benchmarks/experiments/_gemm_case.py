@@ -71,9 +71,7 @@ def time_variant(run, layout, got, want):
     try:
         handle = run()
         torch.cuda.synchronize()
-        valid = layout.valid_rows()
-        as_bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t
-        bits = all(torch.equal(as_bits(g)[valid], as_bits(w)[valid]) for g, w in zip(got, want, strict=True))
+        bits = same_bits(got, want, layout.valid_rows())
         return dict(us=round(graph_time_ms([run], 40) * 1e3, 1), bit_equal=bits), handle
     except Exception as exc:
         return dict(error=repr(exc)[:300]), None
@@ -124,6 +122,8 @@ def gemm_runner(gemm: str, w, scheme: str):
 
 
 def same_bits(got, want, valid) -> bool:
-    """Whether two (out, out scale or None) pairs agree bit for bit on the valid rows (fp8 compared as bytes)."""
+    """Whether two equally long tuples of output tensors (such as (out, out scale or None)) agree bit for bit on the
+    valid rows; fp8 compared as bytes, None entries of got skipped."""
     as_bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t
-    return all(torch.equal(as_bits(g)[valid], as_bits(x)[valid]) for g, x in zip(got, want) if g is not None)
+    return all(torch.equal(as_bits(g)[valid], as_bits(x)[valid]) for g, x in zip(got, want, strict=True)
+               if g is not None)
