@@ -120,6 +120,34 @@ def test_local_sort_by_segments_quantizes_the_tokens(t, k, e, h, scheme, form, p
     assert torch.equal(got[5].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[6], sc)
 
 
+@pytest.mark.parametrize("h,scheme", [(1500, "fp8-block"), (384, "fp8-block"), (640, "fp8-tensor")])
+def test_sorts_quantize_several_tokens_a_part(monkeypatch, h, scheme, poison_empty):
+    """Quantizing parts of several tokens each (align.quant_rows, here forced by a low _QUANT_PARTS; 37 tokens leave
+    a part-filled last one): the segment sort's and the one-launch sort's tokens bit for bit
+    kernels/quant.quantize_activation's."""
+    from moeflow.dispatch.expert_sort import sort_by_segments
+    from moeflow.kernels import align
+    from moeflow.kernels.quant import quantize_activation
+    monkeypatch.setattr(align, "_QUANT_PARTS", 4)
+    t, k, e = 37, 4, 16
+    assert align.quant_rows(t, 2, 1024) == 8 and align.quant_rows(t, 1, 512) == 8  # 5 parts of 8 tokens
+    ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
+    w = torch.rand(t, k)
+    x = (torch.randn(t, h) * torch.rand(t, 1) * 10).half()
+    x[0, :128] = 0  # an all-zero group / part of a row
+    q, sc = quantize_activation(x, scheme)
+    for got in (sort_by_segments(ids, w, e, x, scheme), align.sort_copies(ids, w, e, x, scheme)):
+        assert torch.equal(got[5].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[6], sc)
+
+
+def test_quant_rows_keeps_parts_few_and_enough():
+    """align.quant_rows: one token a part for small batches; up to 8192 elements a part past _QUANT_PARTS parts
+    (Qwen3's H = 2048 in two parts of 1024 columns: T = 16384 takes 8 tokens a part, 4096 parts)."""
+    from moeflow.kernels.align import quant_rows
+    assert quant_rows(1, 2, 1024) == 1 and quant_rows(512, 2, 1024) == 1 and quant_rows(1024, 2, 1024) == 2
+    assert quant_rows(16384, 2, 1024) == 8 and quant_rows(4096, 7, 1024) == 8 and quant_rows(4096, 1, 256) == 4
+
+
 def test_sort_by_segment_many_segments(monkeypatch, segments, poison_empty):
     """A small histogram table forces many short segments (1200 copies, 8 bins: segments of 256):
     the prefix sums across segments carry the order."""

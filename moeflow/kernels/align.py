@@ -68,7 +68,7 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
                         x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
                         TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
                         QUANT_X: tl.constexpr = 0, BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        QROWS: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Programs 0 .. cdiv(copies, BLOCK_I)-1 place copies; the next cdiv(E + 1, BLOCK_E) write
     offsets (and counts) for BLOCK_E experts each; with QUANT_X (1: fp8-tensor, 2: fp8-channel, 3: fp8-block)
     the rest quantize the tokens x [T, H] (T = num_tokens = copies / TOP_K) -> xq [T, H] fp8, xs [T, G] float32,
@@ -108,32 +108,35 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
         tl.store(counts_ptr + e, equal, mask=e < num_experts)
     else:
         quantize_token_part(x_ptr, xq_ptr, xs_ptr, pid - copy_blocks - tl.cdiv(num_experts + 1, BLOCK_E), H, stride_x,
-                            stride_xq, stride_xs, num_tokens, QUANT_X, BLOCK_H, ROUND_IN_FP32)
+                            stride_xq, stride_xs, num_tokens, QUANT_X, BLOCK_H, ROUND_IN_FP32, QROWS)
 
 
 @triton.jit
 def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride_xs, T,
-                        QUANT_X: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+                        QUANT_X: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+                        QROWS: tl.constexpr = 1):
     """Part q of the tokens' quantization x [T, H] -> xq [T, H] fp8, xs [T, G] float32, as
-    kernels/quant.py computes it: QUANT_X 3 (fp8-block) the columns c * BLOCK_H .. of token
-    q // cdiv(H, BLOCK_H) (c = q % cdiv(H, BLOCK_H); BLOCK_H / 128 groups); 1 (fp8-tensor) the same columns,
-    by the amax of all of x, which every part takes again (T * H < 2**30 reads a part: meant for decode-sized
-    batches, expert_sort.TENSOR_QUANT_IN_SORT_MAX), xs [T, 1] all equal; 2 (fp8-channel) token q's row amax, then its
-    row; 0: nothing. The sorts' extra programs run it (token_quant_launch says how many)."""
-    if QUANT_X == 1 or QUANT_X == 3:  # part q: BLOCK_H columns of one token
+    kernels/quant.py computes it: QUANT_X 3 (fp8-block) the columns c * BLOCK_H .. of tokens
+    (q // cdiv(H, BLOCK_H)) * QROWS .. + QROWS - 1 (c = q % cdiv(H, BLOCK_H); BLOCK_H / 128 groups a token);
+    1 (fp8-tensor) the same columns, by the amax of all of x, which every part takes again (T * H < 2**30 reads a
+    part: meant for decode-sized batches, expert_sort.TENSOR_QUANT_IN_SORT_MAX), xs [T, 1] all equal; 2
+    (fp8-channel) token q's row amax, then its row; 0: nothing. The sorts' extra programs run it
+    (token_quant_launch says how many, and QROWS)."""
+    if QUANT_X == 1 or QUANT_X == 3:  # part q: BLOCK_H columns of QROWS tokens
         per_token = tl.cdiv(H, BLOCK_H)
-        t = (q // per_token).to(tl.int64)
+        t = (q // per_token).to(tl.int64) * QROWS + tl.arange(0, QROWS)
         c = q % per_token
         cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
-        ok = cols < H
-        xv = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        ok = (t < T)[:, None] & (cols < H)[None, :]
+        xv = tl.load(x_ptr + t[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         if QUANT_X == 3:
-            xg = tl.reshape(xv, (BLOCK_H // 128, 128))
-            scale = fp8_scale(tl.max(tl.abs(xg), axis=1))
-            tl.store(xq_ptr + t * stride_xq + cols, tl.reshape(to_fp8(xg, scale[:, None], ROUND_IN_FP32), (BLOCK_H,)),
-                     mask=ok)
+            xg = tl.reshape(xv, (QROWS, BLOCK_H // 128, 128))
+            scale = fp8_scale(tl.max(tl.abs(xg), axis=2))
+            tl.store(xq_ptr + t[:, None] * stride_xq + cols[None, :],
+                     tl.reshape(to_fp8(xg, scale[:, :, None], ROUND_IN_FP32), (QROWS, BLOCK_H)), mask=ok)
             groups = c * (BLOCK_H // 128) + tl.arange(0, BLOCK_H // 128)
-            tl.store(xs_ptr + t * stride_xs + groups, scale, mask=groups < tl.cdiv(H, 128))
+            tl.store(xs_ptr + t[:, None] * stride_xs + groups[None, :], scale,
+                     mask=(t < T)[:, None] & (groups < tl.cdiv(H, 128))[None, :])
         else:
             n = T * H  # below 2**30 (token_quant_launch); T may come specialized to a plain 1
             amax = tl.zeros((_TENSOR_AMAX_BLOCK,), dtype=tl.float32)
@@ -142,9 +145,9 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
                 xa = tl.load(x_ptr + (i // H).to(tl.int64) * stride_x + i % H, mask=i < n, other=0.0)
                 amax = tl.maximum(amax, tl.abs(xa.to(tl.float32)))
             scale = fp8_scale(tl.max(amax, axis=0))
-            tl.store(xq_ptr + t * stride_xq + cols, to_fp8(xv, scale, ROUND_IN_FP32), mask=ok)
+            tl.store(xq_ptr + t[:, None] * stride_xq + cols[None, :], to_fp8(xv, scale, ROUND_IN_FP32), mask=ok)
             if c == 0:
-                tl.store(xs_ptr + t * stride_xs, scale)
+                tl.store(xs_ptr + t * stride_xs, tl.zeros((QROWS,), tl.float32) + scale, mask=t < T)
     elif QUANT_X == 2:
         t = q.to(tl.int64)
         amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -159,6 +162,7 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
             tl.store(xq_ptr + t * stride_xq + cols, to_fp8(xv, scale, ROUND_IN_FP32), mask=cols < H)
 
 
+_QUANT_PARTS = 1024  # quant_rows keeps at least this many parts (8 a streaming multiprocessor on H200)
 SORT_QUANT_CODES = {"fp8-tensor": 1, "fp8-channel": 2, "fp8-block": 3}  # schemes the sorts quantize tokens for: QUANT_X
 _TENSOR_AMAX_BLOCK = tl.constexpr(4096)  # elements of x a fp8-tensor part reads per step of its amax loop
 
@@ -178,11 +182,27 @@ def token_quant_launch(x: Tensor | None, scheme: str, t: int, unused: Tensor):
     if code == 1 and x.numel() >= 2 ** 30:  # the amax loop's int32 indices run up to a block past T * H
         raise ValueError(f"fp8-tensor tokens are quantized in the sort below 2**30 elements, got {tuple(x.shape)}")
     block_h = min(1024, next_pow2(max(h, 128)))  # up to 8 fp8-block groups per program
-    parts = 0 if not h else t if code == 2 else t * cdiv(h, block_h)
+    qrows = 1 if code == 2 else quant_rows(t, cdiv(h, block_h), block_h)
+    parts = 0 if not h else t if code == 2 else cdiv(t, qrows) * cdiv(h, block_h)
     xq = torch.empty((t, h), dtype=FP8_DTYPE, device=x.device)
     xs = torch.empty((t, cdiv(h, 128) if code == 3 else 1), dtype=torch.float32, device=x.device)
     args = (x, xq, xs, h, x.stride(0), xq.stride(0), xs.stride(0), t)
-    return parts, args, dict(QUANT_X=code, BLOCK_H=block_h, ROUND_IN_FP32=interpreting()), (xq, xs)
+    return parts, args, dict(QUANT_X=code, BLOCK_H=block_h, ROUND_IN_FP32=interpreting(), QROWS=qrows), (xq, xs)
+
+
+def quant_rows(t: int, per_token: int, block_h: int) -> int:
+    """Tokens a quantizing part takes (quantize_token_part's QROWS): one while the parts would number at most
+    _QUANT_PARTS, else up to 8192 elements a part, keeping at least _QUANT_PARTS parts. A program a token
+    (and BLOCK_H columns) had the GPU start tens of thousands of small programs at large T, at about 1.3 ns
+    each on H200 (benchmarks/results/route_shapes_*: 16384 one-warp programs of 8 scores took 20.7 µs, 1024 of
+    128 took 2.2): 32768 programs for Qwen3's T = 16384 where its 101 MB of traffic take 24 µs. Measured, the
+    whole sort with the quantization (benchmarks/results/glue_large_T_2026-12-03_h200.md): Qwen3 T = 16384 53.3
+    -> 38.4 µs, DeepSeek-V3 T = 16384 154.3 -> 99.5, 1.14-1.18x at T = 4096 (1.38x DeepSeek-V3), the same at
+    T = 1024."""
+    rows = 1
+    while rows * 2 * block_h <= 8192 and cdiv(t, rows * 2) * per_token >= _QUANT_PARTS:
+        rows *= 2
+    return rows
 
 
 def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Tensor | None = None,

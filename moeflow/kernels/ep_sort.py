@@ -46,7 +46,8 @@ def _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K: tl.constexpr, SEG: t
 def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num_segs,
                          x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
                          TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, QUANT_X: tl.constexpr = 0,
-                         BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, PDL: tl.constexpr = False):
+                         BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, QROWS: tl.constexpr = 1,
+                         PDL: tl.constexpr = False):
     """Program s < num_segs: hist[s, key] over the copies of segment s (key: the id, E_local where it
     is < 0). Programs past them (QUANT_X, the local dispatcher's FP8 layers): part s - num_segs of the
     tokens' quantization (align.quantize_token_part)."""
@@ -59,7 +60,7 @@ def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num
         tl.store(hist_ptr + s * BINS + tl.arange(0, BINS), tl.histogram(key, BINS, mask=ok))
     else:
         quantize_token_part(x_ptr, xq_ptr, xs_ptr, s - num_segs, H, stride_x, stride_xq, stride_xs, num_tokens,
-                            QUANT_X, BLOCK_H, ROUND_IN_FP32)
+                            QUANT_X, BLOCK_H, ROUND_IN_FP32, QROWS)
 
 
 @triton.jit
@@ -135,7 +136,8 @@ def _whole_sort_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sort
                        e_local, stride_ids, stride_w,
                        x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
                        TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, QUANT_X: tl.constexpr = 0,
-                       BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, PDL: tl.constexpr = False):
+                       BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, QROWS: tl.constexpr = 1,
+                       PDL: tl.constexpr = False):
     """One launch (whole_sort): program 0 sorts every copy as one segment of SEG >= num_copies, its histogram taken
     in registers; programs past it (QUANT_X) quantize part pid - 1 of the tokens (align.quantize_token_part)."""
     pdl_start(PDL)
@@ -149,7 +151,7 @@ def _whole_sort_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sort
                tl.zeros((BINS,), dtype=tl.int64), num_copies, n, e_local, stride_ids, stride_w, TOP_K, SEG, BINS)
     else:
         quantize_token_part(x_ptr, xq_ptr, xs_ptr, s - 1, H, stride_x, stride_xq, stride_xs, num_tokens,
-                            QUANT_X, BLOCK_H, ROUND_IN_FP32)
+                            QUANT_X, BLOCK_H, ROUND_IN_FP32, QROWS)
 
 
 _SEGMENT_TABLE = 8192  # most (segment, key) histogram cells one place program loads (the one-table form)
