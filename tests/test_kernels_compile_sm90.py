@@ -111,6 +111,14 @@ for grouped, e_pow2, k in ((1, 128, 8), (8, 256, 8), (1, 8, 2), (1, 1024, 8)):  
         logits_ptr="*bf16", bias_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32", scale="fp32")),
         dict(K=k, K_POW2=k, E_POW2=e_pow2, SIGMOID=grouped > 1, RENORM=True, HAS_BIAS=grouped > 1, GROUPS=grouped,
              TOPK_GROUPS=min(grouped, 4), BLOCK_T=block_t), num_warps=warps)
+from moeflow.kernels.route_stream import _route_stream_kernel, stream_shape
+for grouped, e_pow2, scoring in ((1, 128, "softmax"), (8, 256, "sigmoid"), (1, 128, "softmax-sum")):
+    lanes, warps = stream_shape(16384, e_pow2, grouped)  # Qwen3, DeepSeek-V3, a softmax needing its row's sum
+    out[f"route_stream groups={grouped} E={e_pow2} {scoring}"] = compile_for_hopper(
+        _route_stream_kernel, ints(_route_stream_kernel, dict(logits_ptr="*bf16", bias_ptr="*fp32", ids_ptr="*i32",
+                                                              w_ptr="*fp32", scale="fp32")),
+        dict(K=8, E_POW2=e_pow2, SIGMOID=grouped > 1, RENORM=scoring != "softmax-sum", HAS_BIAS=grouped > 1,
+             GROUPS=grouped, TOPK_GROUPS=min(grouped, 4), LANES=lanes, BLOCK_T=32 * warps // lanes), num_warps=warps)
 from moeflow.kernels.ep_rows import _copy_slots_kernel, _pack_rows_kernel, _scatter_rows_kernel
 for groups in (56, 0):  # fp8-block payload (scales), layer-dtype payload; the second through a table (p2p)
     out[f"pack_rows groups={groups}"] = compile_for_hopper(_pack_rows_kernel, ints(_pack_rows_kernel, dict(
@@ -136,6 +144,9 @@ for qx in (1, 3):
     out[f"segment_hist quant_x={qx}"] = compile_for_hopper(_segment_hist_kernel, ints(_segment_hist_kernel, dict(
         ids_ptr="*i32", hist_ptr="*i32", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32")),
         dict(TOP_K=8, SEG=1024, BINS=256, QUANT_X=qx, BLOCK_H=1024), num_warps=4)
+out["segment_hist quant_x=3 qrows=8"] = compile_for_hopper(_segment_hist_kernel, ints(_segment_hist_kernel, dict(
+    ids_ptr="*i32", hist_ptr="*i32", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32")),
+    dict(TOP_K=8, SEG=256, BINS=256, QUANT_X=3, BLOCK_H=1024, QROWS=8), num_warps=4)  # 8 tokens a part
 place_ptrs = dict(ids_ptr="*i32", w_ptr="*fp32", hist_ptr="*i32", counts_ptr="*i32", offsets_ptr="*i64",
                   source_ptr="*i64", sorted_w_ptr="*fp32", pos_ptr="*i64", before_ptr="*i32", totals_ptr="*i32")
 out["segment_place"] = compile_for_hopper(_segment_place_kernel, ints(_segment_place_kernel, place_ptrs),
@@ -168,11 +179,12 @@ print(json.dumps(out))
 
 def test_every_kernel_compiles_for_sm90():
     usage = compile_without_interpreter(COMPILE_ALL)
-    assert len(usage) == 55
+    assert len(usage) == 59
     for name, (regs, spill) in usage.items():
         assert 0 < regs <= 255, name
-        if name.startswith("route"):  # one warp per token's row: its scores stay in registers
+        if name.startswith("route"):  # a warp (or threads) per token's row: its scores stay in registers
             assert spill == 0, (name, regs, spill)
+    assert usage["segment_hist quant_x=3 qrows=8"][1] == 0
     assert usage["segment_place"][1] == 0, "the in-register sort of 8192 copies spills at 16 warps"
     assert usage["segment_place scanned"][1] == 0 and usage["segment_scan"][1] == 0
     assert usage["whole_sort quant_x=3"][1] == 0

@@ -748,6 +748,53 @@ def test_route_kernel_rows_per_program(e, k, bias):
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("case", ROUTING)
+def test_route_stream_kernel_matches_the_torch_router(case, lanes):
+    """kernels/route_stream.py (threads a token: lanes): the same expert ids (in order) and weights as
+    routing/torch_topk.py, a last block past T, and a row of exact ties picking the lowest ids in order; softmax
+    with groups runs kernels/route.py instead (streams())."""
+    from moeflow import MoEConfig
+    from moeflow.kernels.route import route
+    from moeflow.kernels.route_stream import streams
+    from moeflow.routing import create_router
+    fields = ROUTING[case]
+    cfg = MoEConfig(num_experts=64, hidden_size=16, intermediate_size=16, top_k=6, **fields)
+    t = 37
+    logits = torch.randn(t, 64) * 3
+    logits[5] = 0.5
+    bias = torch.full((64,), 0.05) if cfg.use_correction_bias else None  # one value: the tied row stays tied
+    if bias is not None:
+        bias[7:40:3] = -0.1
+    want_ids, want_w = create_router(cfg, "torch")(logits, bias)
+    args = (6, cfg.scoring, cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
+    ids, w = route(logits, bias, *args, lanes=lanes, num_warps=1)
+    assert streams(cfg.scoring, bias is not None, cfg.num_expert_groups) == (case != "grouped (DeepSeek-V2)")
+    rest = torch.arange(t) != 5
+    assert ids.dtype == torch.int32 and torch.equal(ids[rest], want_ids[rest])
+    if bias is None:
+        assert torch.equal(ids[5], torch.arange(6, dtype=torch.int32))
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
+    assert torch.equal(ids, route(logits, bias, *args, lanes=0)[0])  # the warp-per-token kernel's ids
+
+
+@pytest.mark.parametrize("e,k,lanes,t", [(100, 8, 4, 9), (13, 3, 1, 1), (128, 8, 8, 33)])
+def test_route_stream_kernel_odd_shapes(e, k, lanes, t):
+    """The streaming kernel past a part-filled last chunk (E not a multiple of 4 * lanes), one token, and 8
+    threads a token."""
+    from moeflow import MoEConfig
+    from moeflow.kernels.route import route
+    from moeflow.routing import create_router
+    for scoring, renorm in (("softmax", True), ("softmax", False), ("sigmoid", True)):
+        cfg = MoEConfig(num_experts=e, hidden_size=16, intermediate_size=16, top_k=k, scoring=scoring,
+                        renormalize=renorm)
+        logits = torch.randn(t, e) * 3
+        want_ids, want_w = create_router(cfg, "torch")(logits, None)
+        ids, w = route(logits, None, k, scoring, renorm, lanes=lanes, num_warps=1)
+        assert torch.equal(ids, want_ids), (scoring, renorm)
+        torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
+
+
 def test_tune_merge_keeps_other_token_counts(monkeypatch, tmp_path):
     """`moeflow tune --merge` rewrites the token counts it tunes and keeps the file's others
     (the search itself is replaced: it needs a GPU)."""

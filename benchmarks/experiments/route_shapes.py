@@ -1,28 +1,37 @@
-"""The routing kernel's launch shape (tokens per program, warps) against its time, per preset and T.
+"""The routing kernels' launch shapes against their time, per preset and T: kernels/route.py's (tokens per
+program, warps), "BxW", and kernels/route_stream.py's (threads a token, warps), "sLxW", where it applies.
 
     CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD python benchmarks/experiments/route_shapes.py [OUT.json]
+    (TOKENS=1,4096, PRESETS=qwen3-30b-a3b, SHAPES=1x1,2x1 and STREAM=4x1,8x2 narrow the sweep)
 µs per call: a CUDA graph of 16 calls on 16 different logits tensors, replayed (do_bench median) / 16.
 The ids and weights of every shape are checked equal to the torch router's first.
 """
 import json
+import os
 import sys
 
 import torch
 from triton.testing import do_bench
 
 from moeflow.kernels.route import launch_shape, route
+from moeflow.kernels.route_stream import stream_pays, streams
 from moeflow.presets import preset_config
 from moeflow.routing import create_router
 
-PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
-TOKENS = (1, 4, 16, 128, 1024, 16384)
+PRESETS = tuple(os.environ.get("PRESETS", "qwen3-30b-a3b,mixtral-8x7b,deepseek-v3").split(","))
+TOKENS = tuple(int(t) for t in os.environ.get("TOKENS", "1,4,16,128,1024,16384").split(","))
 SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (1, 2), (4, 2), (8, 2), (16, 2), (16, 4), (32, 4), (8, 4))
+STREAM = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4))
+if "SHAPES" in os.environ:  # e.g. SHAPES=1x1,2x1 STREAM=4x1,8x2 (empty: none)
+    SHAPES = tuple(tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",") if s)
+if "STREAM" in os.environ:
+    STREAM = tuple(tuple(int(v) for v in s.split("x")) for s in os.environ["STREAM"].split(",") if s)
 CALLS = 16
 
 
-def per_call_us(cfg, logits, bias, block_t, warps):
+def per_call_us(cfg, logits, bias, **shape):
     args = (cfg.top_k, cfg.scoring, cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
-    fn = lambda: [route(lg, bias, *args, block_t=block_t, num_warps=warps) for lg in logits]  # noqa: E731
+    fn = lambda: [route(lg, bias, *args, **shape) for lg in logits]  # noqa: E731
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -45,13 +54,17 @@ def main():
             logits = [torch.randn(t, cfg.num_experts, device="cuda") * 4 for _ in range(CALLS)]
             want = torch_router(logits[0], bias)
             row = dict(preset=preset, T=t, auto=launch_shape(e_pow2), us={})
-            for bt, w in SHAPES:
-                if bt * e_pow2 > 16384 or (bt > 1 and bt > 2 * t):
-                    continue
+            shapes = [(f"{bt}x{w}", dict(block_t=bt, num_warps=w, lanes=0)) for bt, w in SHAPES
+                      if bt * e_pow2 <= 16384 and not (bt > 1 and bt > 2 * t)]
+            if streams(cfg.scoring, bias is not None, cfg.num_expert_groups):
+                shapes += [(f"s{ln}x{w}", dict(lanes=ln, num_warps=w)) for ln, w in STREAM
+                           if 4 * ln <= e_pow2 // cfg.num_expert_groups]
+            row["auto_stream"] = stream_pays(t, e_pow2)
+            for name, shape in shapes:
                 ids, wts = route(logits[0], bias, cfg.top_k, cfg.scoring, cfg.renormalize, cfg.num_expert_groups,
-                                 cfg.topk_groups, cfg.routed_scaling_factor, block_t=bt, num_warps=w)
+                                 cfg.topk_groups, cfg.routed_scaling_factor, **shape)
                 ok = torch.equal(ids, want[0]) and torch.allclose(wts, want[1], rtol=1e-5, atol=1e-6)
-                row["us"][f"{bt}x{w}"] = round(per_call_us(cfg, logits, bias, bt, w), 2) if ok else "WRONG"
+                row["us"][name] = round(per_call_us(cfg, logits, bias, **shape), 2) if ok else "WRONG"
             out.append(row)
             best = min((v, k) for k, v in row["us"].items() if v != "WRONG")
             print(f"{preset:14s} T={t:6d} auto={row['auto']} best {best[1]} {best[0]:.2f} us | "

@@ -114,15 +114,23 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
 
 def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renormalize: bool,
           num_groups: int = 1, topk_groups: int = 1, scaling: float = 1.0,
-          block_t: int | None = None, num_warps: int | None = None) -> tuple[Tensor, Tensor]:
+          block_t: int | None = None, num_warps: int | None = None, lanes: int | None = None) -> tuple[Tensor, Tensor]:
     """logits [T, E], bias [E] or None -> (ids [T, K] int32, weights [T, K] float32) (module docstring).
-    block_t, num_warps: override launch_shape's choice (experiments)."""
+    Large batches of routers without groups run kernels/route_stream.py (stream_pays).
+    block_t, num_warps: override launch_shape's choice; lanes: run the streaming kernel with this many threads a
+    token (and num_warps, default 4) where it applies, 0 never (experiments)."""
+    from .route_stream import stream_launch, stream_pays, stream_shape, streams
     t, e = logits.shape
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     if t == 0:
         return ids, w
     e_pow2 = next_pow2(e)  # grouped: E a power of two (routing/triton_topk.py's caps)
+    if streams(scoring, bias is not None, num_groups) and (stream_pays(t, e_pow2) if lanes is None else lanes > 0):
+        auto_lanes, auto_warps = stream_shape(t, e_pow2, num_groups)
+        stream_launch(logits, bias, ids, w, top_k, scoring, renormalize, num_groups, topk_groups, scaling,
+                      lanes or auto_lanes, num_warps or auto_warps, pdl(logits.device))
+        return ids, w
     b = bias.float().contiguous() if bias is not None else w
     auto_t, auto_w = launch_shape(e_pow2)
     block_t, num_warps = block_t or auto_t, num_warps or auto_w
