@@ -14,10 +14,12 @@ Softmax with a bias or groups: kernels/route.py (streams()).
 Why: kernels/route.py gives each token a warp and runs K argmax reductions over it, each a chain of shuffles of
 64-bit keys; at large T that is bound by instructions (Qwen3's 128 experts top-8: 20.4 µs at T = 16384 in a CUDA
 graph, benchmarks/results/route_shapes_2026-11-30_h200_*.log, where the launch and the 8 MB of logits take about
-2). Here LANES threads share a token: each walks its own columns (16-byte loads of 4, lane l taking columns
-4l .. 4l + 3 of every 4 * LANES), keeping the K best in registers by a sorted insertion (K compares and selects a
+2). Here LANES threads share a token: each issues the loads of its share of the row at once (16-byte loads of 4,
+lane l taking columns 4l .. 4l + 3 of every 4 * LANES: E_POW2 / LANES values a thread; a loop that waited for one
+chunk at a time ran 1.3-1.8x slower), keeps the K best in registers by a sorted insertion (K compares and selects a
 column, no shuffles), and the lanes' K lists merge at the end in K rounds of one max over the LANES lanes
 (route._order_key's keys: value, then lowest index). BLOCK_T = 32 * num_warps / LANES tokens a program.
+Measured (benchmarks/results/glue_large_T_2026-12-03_h200.md): stream_shape's docstring.
 Which kernel runs: route.route, by streams() and stream_pays().
 """
 from __future__ import annotations
