@@ -10,7 +10,8 @@ Semantics are those of routing/torch_topk.py (its torch code is the reference): 
 the topk_groups best groups stay; ids = top-k of the choice among kept experts; weights = the
 unbiased scores of those ids, renormalized (sum + 1e-20) and times routed_scaling_factor.
 Ties pick the lowest index (torch.topk's order among exact ties is unspecified).
-The router backend around it, with what it supports, is routing/triton_topk.py.
+The router backend around it, with what it supports, is routing/triton_topk.py. Batches of 2048 tokens or more
+of 64-256 experts run kernels/route_stream.py instead (a few threads a token; route() picks), with the same ids.
 """
 from __future__ import annotations
 
