@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import pdl_start
+from .common import cdiv, next_pow2, pdl_start
 from .route import NEG, _key_value, _order_key
 
 
@@ -224,11 +224,11 @@ def stream_launch(logits, bias, ids, w, top_k: int, scoring: str, renormalize: b
                   topk_groups: int, scaling: float, lanes: int, num_warps: int, pdl_kw: dict) -> None:
     """Launch _route_stream_kernel into ids [T, K] int32 and w [T, K] float32 (route.route checked the case)."""
     t, e = logits.shape
-    e_pow2 = triton.next_power_of_2(e)
+    e_pow2 = next_pow2(e)
     if lanes < 1 or 4 * lanes > e_pow2 // num_groups or 32 * num_warps % lanes:
         raise ValueError(f"{lanes} threads a token do not fit {e} experts in {num_groups} groups and {num_warps} warps")
     block_t = 32 * num_warps // lanes
-    _route_stream_kernel[(triton.cdiv(t, block_t),)](
+    _route_stream_kernel[(cdiv(t, block_t),)](
         logits, bias if bias is not None else w, ids, w, t, e, logits.stride(0), float(scaling),
         K=top_k, E_POW2=e_pow2, SIGMOID=scoring == "sigmoid", RENORM=renormalize, HAS_BIAS=bias is not None,
         GROUPS=num_groups, TOPK_GROUPS=topk_groups, LANES=lanes, BLOCK_T=block_t, num_warps=num_warps, **pdl_kw)
