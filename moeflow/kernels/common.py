@@ -426,3 +426,26 @@ def _properties_of(index: int):
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (see to_fp8)."""
     return moeflow_env.TRITON_INTERPRET.get_bool()
+
+
+# ---------------------------------------------------------------- routing: top-k keys
+NEG_INF = tl.constexpr(float("-inf"))  # the routers' masked choice (kernels/route.py, route_stream.py)
+
+
+@triton.jit
+def order_key(x, idx, N: tl.constexpr):
+    """float32 x and its column idx (0 .. N-1) -> int64 keys ordered as (x ascending, idx descending):
+    the float's bits made monotone (negative values' magnitude bits flipped) in the high word, N-1-idx
+    in the low word. One max over the keys then gives the largest x and, among exact ties, the lowest
+    index. (-0.0 orders below +0.0, which routing's scores never produce as a tie: softmax and
+    sigmoid are >= +0.)"""
+    bits = x.to(tl.int32, bitcast=True)
+    mono = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (mono.to(tl.int64) << 32) | (N - 1 - idx).to(tl.int64)
+
+
+@triton.jit
+def key_value(key):
+    """The float32 value of an order_key."""
+    mono = (key >> 32).to(tl.int32)
+    return tl.where(mono < 0, mono ^ 0x7FFFFFFF, mono).to(tl.float32, bitcast=True)

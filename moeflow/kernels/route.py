@@ -20,35 +20,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import cdiv, next_pow2, pdl, pdl_start
-
-NEG = tl.constexpr(float("-inf"))
-
-
-@triton.jit
-def _order_key(x, idx, N: tl.constexpr):
-    """float32 x and its column idx (0 .. N-1) -> int64 keys ordered as (x ascending, idx descending):
-    the float's bits made monotone (negative values' magnitude bits flipped) in the high word, N-1-idx
-    in the low word. One max over the keys then gives the largest x and, among exact ties, the lowest
-    index. (-0.0 orders below +0.0, which routing's scores never produce as a tie: softmax and
-    sigmoid are >= +0.)"""
-    bits = x.to(tl.int32, bitcast=True)
-    mono = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (mono.to(tl.int64) << 32) | (N - 1 - idx).to(tl.int64)
-
-
-@triton.jit
-def _key_value(key):
-    """The float32 value of an _order_key."""
-    mono = (key >> 32).to(tl.int32)
-    return tl.where(mono < 0, mono ^ 0x7FFFFFFF, mono).to(tl.float32, bitcast=True)
-
+from .common import NEG_INF, cdiv, key_value, next_pow2, order_key, pdl, pdl_start
+from .route_stream import stream_launch, stream_pays, stream_shape, streams
 
 @triton.jit
 def _argmax_first(x, idx, N: tl.constexpr):
     """(max key, lowest index holding the max value) along the last axis of a [BLOCK_T, N] block,
-    in one reduction (see _order_key)."""
-    key = tl.max(_order_key(x, idx[None, :], N), axis=1)
+    in one reduction (see common.order_key)."""
+    key = tl.max(order_key(x, idx[None, :], N), axis=1)
     return key, (N - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
 
 
@@ -64,33 +43,33 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
     t_ld = tl.minimum(t, T - 1)  # rows past T repeat the last token; never stored
     e = tl.arange(0, E_POW2)
     ok = e < E
-    x = tl.load(logits_ptr + t_ld[:, None] * stride_l + e[None, :], mask=ok[None, :], other=NEG).to(tl.float32)
+    x = tl.load(logits_ptr + t_ld[:, None] * stride_l + e[None, :], mask=ok[None, :], other=NEG_INF).to(tl.float32)
     if SIGMOID:
-        score = tl.where(ok[None, :], tl.sigmoid(x), NEG)
+        score = tl.where(ok[None, :], tl.sigmoid(x), NEG_INF)
     else:
         mx = tl.max(x, axis=1)
         ex = tl.where(ok[None, :], tl.exp(x - mx[:, None]), 0.0)
-        score = tl.where(ok[None, :], ex / tl.sum(ex, axis=1)[:, None], NEG)
+        score = tl.where(ok[None, :], ex / tl.sum(ex, axis=1)[:, None], NEG_INF)
     choice = score
     if HAS_BIAS:
-        choice = tl.where(ok[None, :], score + tl.load(bias_ptr + e, mask=ok, other=0.0)[None, :], NEG)
+        choice = tl.where(ok[None, :], score + tl.load(bias_ptr + e, mask=ok, other=0.0)[None, :], NEG_INF)
     if GROUPS > 1:  # keep the TOPK_GROUPS best groups (E % GROUPS == 0, E_POW2 == E here)
         PER: tl.constexpr = E_POW2 // GROUPS
         c3 = tl.reshape(choice, (BLOCK_T, GROUPS, PER))
         j = tl.arange(0, PER)
         if HAS_BIAS:  # sum of the two best (the first max removed once)
-            top = tl.max(_order_key(c3, j[None, None, :], PER), axis=2)
+            top = tl.max(order_key(c3, j[None, None, :], PER), axis=2)
             first = PER - 1 - (top & 0xFFFFFFFF)
-            second = tl.max(tl.where(j[None, None, :] == first[:, :, None], NEG, c3), axis=2)
-            gscore = _key_value(top) + second
+            second = tl.max(tl.where(j[None, None, :] == first[:, :, None], NEG_INF, c3), axis=2)
+            gscore = key_value(top) + second
         else:
             gscore = tl.max(c3, axis=2)
         g = tl.arange(0, GROUPS)
         keep = tl.zeros((BLOCK_T, GROUPS), dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUPS):
-            _, gi = _argmax_first(tl.where(keep, NEG, gscore), g, GROUPS)
+            _, gi = _argmax_first(tl.where(keep, NEG_INF, gscore), g, GROUPS)
             keep = keep | (g[None, :] == gi[:, None])
-        choice = tl.reshape(tl.where(keep[:, :, None], c3, NEG), (BLOCK_T, E_POW2))
+        choice = tl.reshape(tl.where(keep[:, :, None], c3, NEG_INF), (BLOCK_T, E_POW2))
     kk = tl.arange(0, K_POW2)
     ids = tl.zeros((BLOCK_T, K_POW2), dtype=tl.int32)
     wts = tl.zeros((BLOCK_T, K_POW2), dtype=tl.float32)
@@ -102,9 +81,9 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
         if HAS_BIAS:  # the unbiased score of the chosen expert
             w_k = tl.sum(tl.where(hit, score, 0.0), axis=1)
         else:  # the choice is the score itself
-            w_k = _key_value(key)
+            w_k = key_value(key)
         wts = tl.where(kk[None, :] == k, w_k[:, None], wts)
-        taken = tl.where(hit, NEG, taken)
+        taken = tl.where(hit, NEG_INF, taken)
     if RENORM:
         wts = wts / (tl.sum(wts, axis=1)[:, None] + 1e-20)
     out = t[:, None] * K + kk[None, :]
@@ -117,10 +96,9 @@ def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renorma
           num_groups: int = 1, topk_groups: int = 1, scaling: float = 1.0,
           block_t: int | None = None, num_warps: int | None = None, lanes: int | None = None) -> tuple[Tensor, Tensor]:
     """logits [T, E], bias [E] or None -> (ids [T, K] int32, weights [T, K] float32) (module docstring).
-    Large batches of routers without groups run kernels/route_stream.py (stream_pays).
+    Large batches run kernels/route_stream.py where it computes the router (streams, stream_pays).
     block_t, num_warps: override launch_shape's choice; lanes: run the streaming kernel with this many threads a
-    token (and num_warps, default 4) where it applies, 0 never (experiments)."""
-    from .route_stream import stream_launch, stream_pays, stream_shape, streams
+    token (and num_warps, default stream_shape's) where it applies, 0 never (experiments)."""
     t, e = logits.shape
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)

@@ -18,7 +18,7 @@ graph, benchmarks/results/route_shapes_2026-11-30_h200_*.log, where the launch a
 lane l taking columns 4l .. 4l + 3 of every 4 * LANES: E_POW2 / LANES values a thread; a loop that waited for one
 chunk at a time ran 1.3-1.8x slower), keeps the K best in registers by a sorted insertion (K compares and selects a
 column, no shuffles), and the lanes' K lists merge at the end in K rounds of one max over the LANES lanes
-(route._order_key's keys: value, then lowest index). BLOCK_T = 32 * num_warps / LANES tokens a program.
+(common.order_key's keys: value, then lowest index). BLOCK_T = 32 * num_warps / LANES tokens a program.
 Measured (benchmarks/results/glue_large_T_2026-12-03_h200.md): stream_shape's docstring.
 Which kernel runs: route.route, by streams() and stream_pays().
 """
@@ -27,8 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, pdl_start
-from .route import NEG, _key_value, _order_key
+from .common import NEG_INF, cdiv, key_value, next_pow2, order_key, pdl_start
 
 
 @triton.jit
@@ -59,16 +58,16 @@ def _split4(x):
 @triton.jit
 def _chunk(row, bias_ptr, c0, E, SCORES: tl.constexpr, HAS_BIAS: tl.constexpr, LANES: tl.constexpr):
     """The choices of columns c0 .. c0 + 4 * LANES - 1 of the rows (row: [BLOCK_T] pointers) -> [BLOCK_T,
-    4 * LANES] float32: the logit, or SCORES sigmoid(x) (+ bias); NEG past E. Loaded as one run of 4 * LANES
+    4 * LANES] float32: the logit, or SCORES sigmoid(x) (+ bias); NEG_INF past E. Loaded as one run of 4 * LANES
     columns, so that lane l's 4l .. 4l + 3 come in one 16-byte load and stay in its thread (_columns)."""
     cols = c0 + tl.arange(0, 4 * LANES)
     ok = cols < E
-    x = tl.load(row[:, None] + cols[None, :], mask=ok[None, :], other=NEG).to(tl.float32)
+    x = tl.load(row[:, None] + cols[None, :], mask=ok[None, :], other=NEG_INF).to(tl.float32)
     if SCORES:  # sigmoid scores (streams() sends softmax with a bias or groups to kernels/route.py)
         x = tl.sigmoid(x)
         if HAS_BIAS:
             x = x + tl.load(bias_ptr + cols, mask=ok, other=0.0)[None, :]
-        x = tl.where(ok[None, :], x, NEG)
+        x = tl.where(ok[None, :], x, NEG_INF)
     return x
 
 
@@ -101,10 +100,10 @@ def _group_score(t1, t2, lane, HAS_BIAS: tl.constexpr, LANES: tl.constexpr):
     """A group's score from its lanes' two best [BLOCK_T, LANES] -> [BLOCK_T]: with a bias the sum of the group's
     two best entries (the lane holding the best gives its second, the others their best), else its best."""
     if HAS_BIAS:
-        key = _order_key(t1, lane[None, :], LANES)
+        key = order_key(t1, lane[None, :], LANES)
         best = tl.max(key, axis=1)
         second = tl.max(tl.where(key == best[:, None], t2, t1), axis=1)
-        return _key_value(best) + second
+        return key_value(best) + second
     else:
         return tl.max(t1, axis=1)
 
@@ -127,7 +126,7 @@ def _route_stream_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, s
     vals = ()
     ids = ()
     for k in tl.static_range(K):
-        vals = vals + (tl.full((BLOCK_T, LANES), NEG, tl.float32),)
+        vals = vals + (tl.full((BLOCK_T, LANES), NEG_INF, tl.float32),)
         ids = ids + (tl.zeros((BLOCK_T, LANES), tl.int32),)
     # every chunk's loads issued at once (the whole row: E_POW2 / LANES values a thread), then taken in column order
     W: tl.constexpr = 4 * LANES
@@ -139,11 +138,11 @@ def _route_stream_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, s
         sel = ()  # the TOPK_GROUPS best groups: scores and indices, [BLOCK_T] each
         sel_g = ()
         for s in tl.static_range(TOPK_GROUPS):
-            sel = sel + (tl.full((BLOCK_T,), NEG, tl.float32),)
+            sel = sel + (tl.full((BLOCK_T,), NEG_INF, tl.float32),)
             sel_g = sel_g + (tl.full((BLOCK_T,), -1, tl.int32),)
         for g in tl.static_range(GROUPS):
-            t1 = tl.full((BLOCK_T, LANES), NEG, tl.float32)
-            t2 = tl.full((BLOCK_T, LANES), NEG, tl.float32)
+            t1 = tl.full((BLOCK_T, LANES), NEG_INF, tl.float32)
+            t2 = tl.full((BLOCK_T, LANES), NEG_INF, tl.float32)
             for i in tl.static_range(CPG):
                 x0, x1, x2, x3, col = _columns(xs[g * CPG + i], 0, LANES, BLOCK_T)
                 t1, t2 = _top2(t1, t2, x0)
@@ -159,8 +158,8 @@ def _route_stream_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, s
             keep = keep[:, None]
             for i in tl.static_range(CPG):
                 x0, x1, x2, x3, col = _columns(xs[g * CPG + i], (g * CPG + i) * W, LANES, BLOCK_T)
-                vals, ids = _insert4(vals, ids, tl.where(keep, x0, NEG), tl.where(keep, x1, NEG),
-                                     tl.where(keep, x2, NEG), tl.where(keep, x3, NEG), col, K)
+                vals, ids = _insert4(vals, ids, tl.where(keep, x0, NEG_INF), tl.where(keep, x1, NEG_INF),
+                                     tl.where(keep, x2, NEG_INF), tl.where(keep, x3, NEG_INF), col, K)
     else:
         for c in tl.static_range(E_POW2 // W):
             x0, x1, x2, x3, col = _columns(xs[c], c * W, LANES, BLOCK_T)
@@ -170,17 +169,17 @@ def _route_stream_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, s
     out_ids = ()
     out_v = ()
     for k in tl.static_range(K):
-        key = _order_key(vals[0], ids[0], E_POW2)
+        key = order_key(vals[0], ids[0], E_POW2)
         best = tl.max(key, axis=1)
         win = key == best[:, None]
         out_ids = out_ids + ((E_POW2 - 1 - (best & 0xFFFFFFFF)).to(tl.int32),)
-        out_v = out_v + (_key_value(best),)
+        out_v = out_v + (key_value(best),)
         shifted = ()
         sh_ids = ()
         for j in tl.static_range(K - 1):
             shifted = shifted + (tl.where(win, vals[j + 1], vals[j]),)
             sh_ids = sh_ids + (tl.where(win, ids[j + 1], ids[j]),)
-        vals = shifted + (tl.where(win, NEG, vals[K - 1]),)
+        vals = shifted + (tl.where(win, NEG_INF, vals[K - 1]),)
         ids = sh_ids + (ids[K - 1],)
     wts = ()
     total = tl.full((BLOCK_T,), 0.0 if RENORM else 1.0, tl.float32)  # the weights' divisor
