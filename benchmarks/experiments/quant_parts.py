@@ -13,6 +13,7 @@ import torch
 from triton.testing import do_bench
 
 from moeflow.dispatch.expert_sort import sort_and_quantize
+from moeflow.graphs import capture_graph
 from moeflow.kernels import align
 
 CASES = (("qwen3-30b-a3b", 128, 8, 2048, (1024, 4096, 16384)), ("mixtral-8x7b", 8, 2, 4096, (1024, 4096, 16384)),
@@ -22,15 +23,7 @@ CALLS = 4
 
 def graph_us(batches):
     fn = lambda: [sort_and_quantize(ids, w, e, x, "fp8-block") for ids, w, e, x in batches]  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=10, rep=50, return_mode="median") * 1e3 / CALLS
+    return do_bench(capture_graph(fn).replay, warmup=10, rep=50, return_mode="median") * 1e3 / CALLS
 
 
 def main():

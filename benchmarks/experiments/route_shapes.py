@@ -14,6 +14,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from moeflow.graphs import capture_graph
 from moeflow.kernels.route import launch_shape, route
 from moeflow.kernels.route_stream import stream_pays, streams
 from moeflow.presets import preset_config
@@ -33,15 +34,7 @@ CALLS = 16
 def per_call_us(cfg, logits, bias, **shape):
     args = (cfg.top_k, cfg.scoring, cfg.renormalize, cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
     fn = lambda: [route(lg, bias, *args, **shape) for lg in logits]  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=10, rep=30, return_mode="median") * 1e3 / CALLS
+    return do_bench(capture_graph(fn).replay, warmup=10, rep=30, return_mode="median") * 1e3 / CALLS
 
 
 def main():
