@@ -213,9 +213,10 @@ def stream_shape(t: int, e_pow2: int, num_groups: int = 1) -> tuple[int, int]:
     """(LANES, warps) of the streaming kernel: threads a token and warps a program. Measured on H200 for Qwen3's
     128 experts (benchmarks/results/glue_large_T_2026-12-03_h200.md), µs in a CUDA graph against kernels/route.py's
     one warp a token: 8 threads a token, one warp a program, 2.74 against 4.08 at T = 2048 and 3.74 against 6.31
-    at T = 4096; 4 threads, 8.04 against 20.86 at T = 16384. DeepSeek-V3's grouped 256 at T = 4096: 8.42 against
-    12.76. At most a group's experts / 4 threads a token."""
-    lanes = 8 if t < 8192 else 4
+    at T = 4096; 4 threads, 8.04 against 20.86 at T = 16384 (8: 8.62). DeepSeek-V3's grouped 256: 8 threads, 8.42
+    against 12.76 at T = 4096 and 21.48 against 43.71 at T = 16384 (4: 24.31). So from T = 8192 a thread takes 32
+    of the row's values (at least 4 threads); at most a group's experts / 4 threads a token."""
+    lanes = 8 if t < 8192 else max(4, e_pow2 // 32)
     return max(1, min(lanes, e_pow2 // 16, e_pow2 // num_groups // 4)), 1
 
 
