@@ -5,7 +5,8 @@ program, warps), "BxW", and kernels/route_stream.py's (threads a token, warps), 
     (TOKENS=1,4096, PRESETS=qwen3-30b-a3b, SHAPES=1x1,2x1 and STREAM=4x1,8x2 narrow the sweep)
 µs per call: a CUDA graph of 16 calls on 16 different logits tensors, replayed (do_bench median) / 16.
 The ids and weights of every shape are checked equal to the torch router's first, in all but 1 in 1000 rows (rows
-within an ulp of a tie may pick either: DeepSeek-V3's float32 sigmoids at T = 16384); "WRONG" otherwise.
+with an exact float32 tie may pick either; before common.exact_sigmoid, DeepSeek-V3's rows within an ulp of one
+did too, torch's and Triton's float32 sigmoids then differing by an ulp); "WRONG" otherwise.
 """
 import json
 import os

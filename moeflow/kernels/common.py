@@ -149,6 +149,7 @@ def grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
 # at about 14 (a range test and fix-up around each MUFU; sm_90a SASS of the fp8-block gate_up's epilogue). Triton
 # decides at decoration time whether a kernel runs in its CPU interpreter, which has no libdevice; so is this.
 _FAST_SIGMOID = tl.constexpr(not moeflow_env.TRITON_INTERPRET.get_bool())
+_SUBNORMAL_RCP = tl.constexpr(2.0 ** 126)  # 1 / y is subnormal from here
 
 
 @triton.jit
@@ -157,6 +158,26 @@ def sigmoid(x):
     (|x| > 87) it gives exactly 1 or 0, where torch's is within 2**-126 of them."""
     if _FAST_SIGMOID:
         return libdevice.fast_dividef(1.0, 1.0 + libdevice.fast_expf(-x))
+    else:
+        return tl.sigmoid(x)
+
+
+@triton.jit
+def exact_sigmoid(x):
+    """torch.sigmoid's float32 bits on CUDA wherever they are normal: 1 / (1 + exp(-x)) with CUDA's expf
+    (libdevice.exp), as torch's kernel computes it, and the reciprocal from the GPU's approximate one plus a Newton
+    step in FMAs, which rounds 1 / y correctly for every float32 y in [1, 2**126) on H200 (checked for all of them).
+    Where 1 / y would be subnormal (x below about -87.3) it gives 0. The routers rank sigmoid(x) + bias on it, so
+    they pick torch's experts wherever the float32 choices do not tie exactly. On H200
+    (benchmarks/results/sigmoid_bits_2026-12-03_h200.md) an IEEE division (div_rn) gave torch's bits too, but cost
+    DeepSeek-V3's routing 0.4 µs at T = 1 and 4-6 µs at T = 4096-16384; the Newton step (timed without the select
+    for subnormals) ran as fast as tl.sigmoid. tl.sigmoid differs from torch in 36% of randn * 4, by up to 15 ulps.
+    The interpreter (no libdevice): tl.sigmoid."""
+    if _FAST_SIGMOID:  # compiled
+        y = 1.0 + libdevice.exp(-x)
+        q = libdevice.fast_dividef(1.0, y)
+        q = tl.fma(q, tl.fma(-y, q, 1.0), q)  # one Newton step: 1 / y correctly rounded for y in [1, 2**126)
+        return tl.where(y < _SUBNORMAL_RCP, q, 0.0)
     else:
         return tl.sigmoid(x)
 

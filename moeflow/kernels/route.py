@@ -9,7 +9,8 @@ Semantics are those of routing/torch_topk.py (its torch code is the reference): 
 (+ bias); grouped: a group's score is the sum of its two best choices (with a bias) or its best,
 the topk_groups best groups stay; ids = top-k of the choice among kept experts; weights = the
 unbiased scores of those ids, renormalized (sum + 1e-20) and times routed_scaling_factor.
-Ties pick the lowest index (torch.topk's order among exact ties is unspecified).
+Ties pick the lowest index (torch.topk's order among exact ties is unspecified). Sigmoid scores are torch's float32
+bits (common.exact_sigmoid), so the ids are torch's wherever the float32 choices do not tie exactly.
 The router backend around it, with what it supports, is routing/triton_topk.py. Batches of 2048 tokens or more
 of 64-256 experts run kernels/route_stream.py instead (a few threads a token; route() picks), with the same ids.
 """
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import NEG_INF, cdiv, key_value, next_pow2, order_key, pdl, pdl_start
+from .common import NEG_INF, cdiv, exact_sigmoid, key_value, next_pow2, order_key, pdl, pdl_start
 from .route_stream import stream_launch, stream_pays, stream_shape, streams
 
 @triton.jit
@@ -45,7 +46,7 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
     ok = e < E
     x = tl.load(logits_ptr + t_ld[:, None] * stride_l + e[None, :], mask=ok[None, :], other=NEG_INF).to(tl.float32)
     if SIGMOID:
-        score = tl.where(ok[None, :], tl.sigmoid(x), NEG_INF)
+        score = tl.where(ok[None, :], exact_sigmoid(x), NEG_INF)
     else:
         mx = tl.max(x, axis=1)
         ex = tl.where(ok[None, :], tl.exp(x - mx[:, None]), 0.0)

@@ -10,6 +10,7 @@ The semantics of routing/torch_topk.py (its torch code is the reference):
                    num_expert_groups groups (a first pass scores them: the sum of a group's two best choices
                    with a bias, else its best), ties to the lowest group; weights the unbiased sigmoid(x);
 sigmoid weights renormalized (sum + 1e-20) if asked; then times routed_scaling_factor. Ties pick the lowest index.
+Sigmoids are torch's float32 bits (common.exact_sigmoid), so the ids are torch's but at exact ties.
 Softmax with a bias or groups: kernels/route.py (streams()).
 Why: kernels/route.py gives each token a warp and runs K argmax reductions over it, each a chain of shuffles of
 64-bit keys; at large T that is bound by instructions (Qwen3's 128 experts top-8: 20.4 µs at T = 16384 in a CUDA
@@ -27,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import NEG_INF, cdiv, key_value, next_pow2, order_key, pdl_start
+from .common import NEG_INF, cdiv, exact_sigmoid, key_value, next_pow2, order_key, pdl_start
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def _chunk(row, bias_ptr, c0, E, SCORES: tl.constexpr, HAS_BIAS: tl.constexpr, L
     ok = cols < E
     x = tl.load(row[:, None] + cols[None, :], mask=ok[None, :], other=NEG_INF).to(tl.float32)
     if SCORES:  # sigmoid scores (streams() sends softmax with a bias or groups to kernels/route.py)
-        x = tl.sigmoid(x)
+        x = exact_sigmoid(x)
         if HAS_BIAS:
             x = x + tl.load(bias_ptr + cols, mask=ok, other=0.0)[None, :]
         x = tl.where(ok[None, :], x, NEG_INF)
@@ -190,11 +191,11 @@ def _route_stream_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, s
         total = tl.sum(tl.sum(tl.reshape(acc, (BLOCK_T, LANES, 4)), axis=2), axis=1)
     for k in tl.static_range(K):
         if HAS_BIAS:  # the unbiased score of the picked expert, from its logit
-            w_k = tl.sigmoid(tl.load(logits_ptr + t_ld * stride_l + out_ids[k]).to(tl.float32))
+            w_k = exact_sigmoid(tl.load(logits_ptr + t_ld * stride_l + out_ids[k]).to(tl.float32))
         elif SCORES:  # the choices were the scores
             w_k = out_v[k]
         elif SIGMOID:
-            w_k = tl.sigmoid(out_v[k])
+            w_k = exact_sigmoid(out_v[k])
         else:  # softmax: exp(v_k - v_0), over the sum of the K picked (RENORM) or of the whole row
             w_k = tl.exp(out_v[k] - out_v[0])
         if RENORM:
