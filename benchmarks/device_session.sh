@@ -24,7 +24,9 @@
 #      over copies of them: the candidates include split-K forms of both GEMMs), GPU 0; copy the files
 #      back into moeflow/kernels/configs/ only after comparing the layer rows
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
-# can skip it: ONLY='layer_bench$|moeflow_bench').
+# can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
+# tests in 420 s (compiling as it went), so they are three steps now: gpu_tests_triton (test_gpu_triton.py),
+# gpu_tests_layers (the other files of step 1) and gpu_tests_gluon; one call may not reach all three.
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
 # files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
 set -u
@@ -53,8 +55,9 @@ step() {  # step NAME SECONDS COMMAND...: run if time is left, bounded by SECOND
     echo "$name: exit $? at ${SECONDS}s: $(tail -n 1 "$R/$name.log")" >> "$S"
 }
 
-step gpu_tests 450 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
-    tests/gpu/test_gpu_fused_layer.py tests/gpu/test_gpu_layer_graph.py tests/gpu/test_gpu_runners.py \
+step gpu_tests_triton 450 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py
+step gpu_tests_layers 300 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_fused_layer.py \
+    tests/gpu/test_gpu_layer_graph.py tests/gpu/test_gpu_runners.py \
     tests/gpu/test_gpu_hf.py tests/gpu/test_gpu_cli.py tests/gpu/test_gpu_gate_up_wgmma.py
 step gpu_tests_gluon 420 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_down_wgmma.py \
     tests/gpu/test_gpu_warp_specialized.py
@@ -90,7 +93,7 @@ for preset in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
             --quant "$quant" --tokens 256,512,2048,8192 --merge --out "$R/tuned"
     done
 done
-grep -hE "FAILED|Error" "$R"/*_tests.log 2>/dev/null | head -20 >> "$S"
+grep -hE "FAILED|Error" "$R"/*tests*.log 2>/dev/null | head -20 >> "$S"
 tar czf "$OUT/results.tgz" -C "$R" .
 cp "$S" "$OUT/summary.txt"
 cat "$S"

@@ -341,6 +341,31 @@ def test_sort_and_quantize_on_gpu(t, e, h, scheme):
     assert torch.equal(got[5].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[6], sc)
 
 
+def test_exact_sigmoid_gives_torchs_bits_on_gpu():
+    """kernels/common.exact_sigmoid on CUDA: torch.sigmoid's float32 bits on fresh randn * 8 and on every 37th
+    float32 pattern (with abs <= 100, a random start) wherever 1 + exp(-x) < 2**126; 0 beyond, where torch's result
+    is subnormal or 0. Output poisoned with NaN first."""
+    import triton
+    import triton.language as tl
+
+    from moeflow.kernels.common import exact_sigmoid
+
+    @triton.jit
+    def _kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, exact_sigmoid(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+    start = int(torch.randint(0, 37, ()))
+    grid = torch.arange(-(1 << 31) + start, (1 << 31) - 1, 37, device="cuda", dtype=torch.int64).to(torch.int32)
+    f = grid.view(torch.float32)
+    for x in (torch.randn(1 << 22, device="cuda") * 8, f[torch.isfinite(f) & (f.abs() <= 100)].contiguous()):
+        got = torch.full_like(x, float("nan"))
+        _kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), BLOCK=1024)
+        normal = 1 + torch.exp(-x) < 2.0 ** 126  # float32, as the kernel tests it (torch's exp is CUDA's expf)
+        assert torch.equal(got[normal].view(torch.int32), torch.sigmoid(x[normal]).view(torch.int32))
+        assert bool((got[~normal] == 0).all()) and bool((torch.sigmoid(x[~normal]) < 2.0 ** -125).all())
+
+
 def _exact_ties(cfg, logits, bias):
     """Rows where two of the K + 1 best float32 choices, as the torch router ranks them (the logits, or the scores +
     bias), are equal, or grouped, the topk_groups-th and next group's: there torch.topk may order or pick either,
