@@ -1,6 +1,8 @@
 """router="triton": the whole routing of routing/torch_topk.py in one Triton launch on CUDA
 (kernels/route.py): scores, grouped selection with the correction bias, top-k, renormalization and
-scaling. The same expert ids as the torch router and weights to float32 rounding.
+scaling. The same expert ids as the torch router on CUDA (its sigmoid has torch's float32 bits:
+kernels/common.exact_sigmoid; rows whose choices tie exactly may order or pick them differently) and weights
+to float32 rounding. Batches of 2048 tokens or more of 64-256 experts run kernels/route_stream.py.
 
 At decode sizes the torch router is ~10 small kernels; measured on one H200 (whole layer as a
 CUDA graph, benchmarks/results/branches_2026-11-30_h200_95ead73.md) the one launch saves 7-43 µs
