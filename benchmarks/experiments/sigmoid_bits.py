@@ -57,15 +57,19 @@ def _newton_rcp(y):
 
 @triton.jit
 def _rcp_kernel(first_bits, n, bad_ptr, BLOCK: tl.constexpr):
-    """bad[0] += y whose rcp_rn differs from div_rn(1, y), bad[1] += whose Newton step does; y's bits first_bits + i."""
+    """bad[0] += y whose rcp_rn differs from div_rn(1, y), bad[1] += whose Newton step does; bad[2], bad[3]: the
+    same among y < 2**126; y's bits first_bits + i."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     y = (first_bits + i).to(tl.int32).to(tl.float32, bitcast=True)
     want = tl.math.div_rn(1.0, y).to(tl.int32, bitcast=True)
     a = libdevice.rcp_rn(y).to(tl.int32, bitcast=True) != want
     b = _newton_rcp(y).to(tl.int32, bitcast=True) != want
+    low = ok & (y < 2.0 ** 126)
     tl.atomic_add(bad_ptr, tl.sum((a & ok).to(tl.int32), 0))
     tl.atomic_add(bad_ptr + 1, tl.sum((b & ok).to(tl.int32), 0))
+    tl.atomic_add(bad_ptr + 2, tl.sum((a & low).to(tl.int32), 0))
+    tl.atomic_add(bad_ptr + 3, tl.sum((b & low).to(tl.int32), 0))
 
 
 VARIANTS = ("tl.sigmoid", "libdevice_exp_div_rn", "libdevice_exp", "fast", "libdevice_exp_rcp_rn",
@@ -88,12 +92,13 @@ def main():
             out.append(row)
             print(f"{name:24s} {vname:22s} differ {row['differ']:>10d} of {row['n']:>10d}  max ulps {row['max_ulps']}")
     first, last = 0x3F800000, 0x7F7FFFFF  # 1.0 .. the largest float32
-    bad = torch.zeros(2, dtype=torch.int32, device="cuda")
+    bad = torch.zeros(4, dtype=torch.int32, device="cuda")
     _rcp_kernel[(triton.cdiv(last + 1 - first, 4096),)](first, last + 1 - first, bad, BLOCK=4096)
-    row = dict(input="every y in [1, 2**128)", n=last + 1 - first, rcp_rn_differ=int(bad[0]), newton_differ=int(bad[1]))
+    row = dict(input="every y in [1, 2**128)", n=last + 1 - first, rcp_rn_differ=int(bad[0]), newton_differ=int(bad[1]),
+               rcp_rn_differ_below_2_126=int(bad[2]), newton_differ_below_2_126=int(bad[3]))
     out.append(row)
     print(f"reciprocal of every y in [1, 2**128): rcp_rn differs {row['rcp_rn_differ']}, Newton {row['newton_differ']}"
-          f" of {row['n']}")
+          f" of {row['n']}; below 2**126: {row['rcp_rn_differ_below_2_126']} and {row['newton_differ_below_2_126']}")
     if len(sys.argv) > 1:
         json.dump(out, open(sys.argv[1], "w"), indent=1)
 
