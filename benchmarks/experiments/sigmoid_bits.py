@@ -10,7 +10,7 @@ the count of elements whose bits differ from torch.sigmoid's, and the largest di
   libdevice_exp         libdevice.exp and the default division
   fast                  kernels/common.sigmoid (fast_expf and fast_dividef)
   libdevice_exp_rcp_rn  libdevice.exp and an IEEE reciprocal (rcp_rn: the same correctly rounded 1 / y)
-  libdevice_exp_newton  libdevice.exp, fast_dividef's reciprocal and one Newton step in FMAs (no branch)
+  libdevice_exp_newton  libdevice.exp and kernels/common.newton_rcp: fast_dividef's reciprocal, one Newton step
   exact_sigmoid         kernels/common.exact_sigmoid: the Newton form, 0 where 1 / (1 + exp(-x)) is subnormal
 Then every float32 y in [1, 2**128) (1 + exp(-x) takes no other value): the count of y whose reciprocal by
 rcp_rn and by the Newton step differ from div_rn(1, y).
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from moeflow.kernels.common import exact_sigmoid
+from moeflow.kernels.common import exact_sigmoid, newton_rcp
 from moeflow.kernels.common import sigmoid as fast_sigmoid
 
 
@@ -40,19 +40,13 @@ def _sig_kernel(x_ptr, out_ptr, n, VARIANT: tl.constexpr, BLOCK: tl.constexpr):
         y = 1.0 / (1.0 + libdevice.exp(-x))
     elif VARIANT == 3:
         y = fast_sigmoid(x)
-    elif VARIANT == 6:
-        y = exact_sigmoid(x)
     elif VARIANT == 4:
         y = libdevice.rcp_rn(1.0 + libdevice.exp(-x))
+    elif VARIANT == 5:
+        y = newton_rcp(1.0 + libdevice.exp(-x))
     else:
-        y = _newton_rcp(1.0 + libdevice.exp(-x))
+        y = exact_sigmoid(x)
     tl.store(out_ptr + offs, y, mask=ok)
-
-
-@triton.jit
-def _newton_rcp(y):
-    q = libdevice.fast_dividef(1.0, y)
-    return tl.fma(q, tl.fma(-y, q, 1.0), q)
 
 
 @triton.jit
@@ -64,7 +58,7 @@ def _rcp_kernel(first_bits, n, bad_ptr, BLOCK: tl.constexpr):
     y = (first_bits + i).to(tl.int32).to(tl.float32, bitcast=True)
     want = tl.math.div_rn(1.0, y).to(tl.int32, bitcast=True)
     a = libdevice.rcp_rn(y).to(tl.int32, bitcast=True) != want
-    b = _newton_rcp(y).to(tl.int32, bitcast=True) != want
+    b = newton_rcp(y).to(tl.int32, bitcast=True) != want
     low = ok & (y < 2.0 ** 126)
     tl.atomic_add(bad_ptr, tl.sum((a & ok).to(tl.int32), 0))
     tl.atomic_add(bad_ptr + 1, tl.sum((b & ok).to(tl.int32), 0))

@@ -163,22 +163,29 @@ def sigmoid(x):
 
 
 @triton.jit
+def newton_rcp(y):
+    """1 / y from the GPU's approximate reciprocal (fast_dividef) and one Newton step in FMAs, no branch: the IEEE
+    result for y in [1, 2**126) on H200 (exact_sigmoid); 0 from 2**126, NaN at infinity. Compiled kernels only."""
+    q = libdevice.fast_dividef(1.0, y)
+    return tl.fma(q, tl.fma(-y, q, 1.0), q)
+
+
+@triton.jit
 def exact_sigmoid(x):
     """torch.sigmoid's float32 bits on CUDA wherever they are normal: 1 / (1 + exp(-x)) with CUDA's expf
     (libdevice.exp), as torch's kernel computes it, and the reciprocal from the GPU's approximate one plus a Newton
     step in FMAs. On H200, against an IEEE division over every float32 y in [1, 2**128), that reciprocal differed in
     as many y as [2**126, 2**128) holds, less one (there 1 / y is subnormal and the approximation gives 0); on a grid
-    of 60 million sigmoid inputs it differed exactly where y >= 2**126. There (x below about -87.3) this gives 0. The routers rank sigmoid(x) + bias on it, so
-    they pick torch's experts wherever the float32 choices do not tie exactly. On H200
-    (benchmarks/results/sigmoid_bits_2026-12-03_h200.md) an IEEE division (div_rn) gave torch's bits too, but cost
-    DeepSeek-V3's routing 0.4 µs at T = 1 and 4-6 µs at T = 4096-16384; the Newton step (timed without the select
-    for subnormals) ran as fast as tl.sigmoid. tl.sigmoid differs from torch in 36% of randn * 4, by up to 15 ulps.
+    of 60 million sigmoid inputs it differed exactly where y >= 2**126. There (x below about -87.3) this gives 0.
+    The routers rank sigmoid(x) + bias on it, so they pick torch's experts wherever the float32 choices do not tie
+    exactly. On H200 (benchmarks/results/sigmoid_bits_2026-12-03_h200.md) an IEEE division (div_rn) gave torch's
+    bits too, but cost DeepSeek-V3's routing 0.4 µs at T = 1 and 4-6 µs at T = 4096-16384; the Newton step (timed
+    without the select for subnormals) ran as fast as tl.sigmoid. tl.sigmoid differs from torch in 36% of randn * 4,
+    by up to 15 ulps.
     The interpreter (no libdevice): tl.sigmoid."""
     if _FAST_SIGMOID:  # compiled
         y = 1.0 + libdevice.exp(-x)
-        q = libdevice.fast_dividef(1.0, y)
-        q = tl.fma(q, tl.fma(-y, q, 1.0), q)  # one Newton step: 1 / y correctly rounded for y in [1, 2**126)
-        return tl.where(y < _SUBNORMAL_RCP, q, 0.0)
+        return tl.where(y < _SUBNORMAL_RCP, newton_rcp(y), 0.0)
     else:
         return tl.sigmoid(x)
 

@@ -14,10 +14,10 @@ a stable argsort of ``where(ids >= 0, ids, E_local)`` in j order, its first n): 
 copies keep j order.
 One, two or three launches, no host synchronization. Up to _WHOLE_COPIES copies (whole_sort) one program sorts
 them all in registers. Up to _RECOUNT_COPIES (recount; off until timed on a GPU) one launch of segment programs,
-each counting every copy's key itself, replaces the histogram and place launches below. Larger batches: a histogram of keys per segment of copies; then each
-segment sorts its (key, j) pairs in registers and places them from the histograms' prefix sums. The work
-does not grow with E_local (an earlier version scanned all copies once per expert: 95 µs at 65536
-copies over 128 experts where this takes 33, sort_variants_2026-11-30_h200_323572f.json).
+each counting every copy's key itself, replaces the histogram and place launches below. Larger batches: a
+histogram of keys per segment of copies; then each segment sorts its (key, j) pairs in registers and places them
+from the histograms' prefix sums. The work does not grow with E_local (an earlier version scanned all copies once
+per expert: 95 µs at 65536 copies over 128 experts where this takes 33, sort_variants_2026-11-30_h200_323572f.json).
 The prefix sums: where the whole table of (segment, key) counts is small (segment_size), every place
 program reads all of it and sums what it needs (two launches); past that a scan launch between the two
 writes each segment's counts of earlier segments and the totals, one program per block of keys, and a
@@ -263,7 +263,7 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     if whole_sort(copies) or recount(copies):
         every = max(16, next_pow2(copies))
         seg = every if whole_sort(copies) else min(every, _RECOUNT_SEG)
-        segs = cdiv(copies, seg) if copies else 1
+        segs = max(1, cdiv(copies, seg))
         _whole_sort_kernel[(segs + parts,)](ids, weights, counts, offsets, source, sorted_w, copy_pos, copies, n,
                                             e_local, ids.stride(0), weights.stride(0), segs, *quant_args, TOP_K=k,
                                             SEG=seg, BINS=bins, ALL=every, **quant_consts,
