@@ -6,7 +6,8 @@
 # Give the commit as a literal from your checkout: the device tool copies the working tree, and a
 # `git rev-parse` evaluated on the GPU machine read stale metadata there (bcedbe1 all of one session).
 #
-#   0. pytest -m gpu -k "sigmoid or router or recount" (step gpu_tests_new: 2026-12-03's changes not yet run on a GPU)
+#   0. with NEW_TESTS=<pytest -k expression>: those tests of tests/gpu/test_gpu_triton.py first (step gpu_tests_new:
+#      the changes no GPU has run yet), GPU 0
 #   1. pytest -m gpu: the single-GPU suites (triton, one-launch layer, layer graph, runners, transformers, the
 #      command line, the Gluon fp8-block gate_up whose 64- and 128-row tiles the H200 tables use), GPU 0; then
 #      the Gluon down and warp-specialized kernels' suites (step gpu_tests_gluon; the warp-specialized file
@@ -56,10 +57,11 @@ step() {  # step NAME SECONDS COMMAND...: run if time is left, bounded by SECOND
     echo "$name: exit $? at ${SECONDS}s: $(tail -n 1 "$R/$name.log")" >> "$S"
 }
 
-# first, the checks of 2026-12-03's changes that no GPU has run yet (exact_sigmoid's final form, the router test on it,
-# the sort's recount form); the same tests run again inside gpu_tests_triton
-step gpu_tests_new 120 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
-    -k "sigmoid or router or recount"
+# first, the tests of changes no GPU has run yet (NEW_TESTS); they run again inside gpu_tests_triton
+if [ -n "${NEW_TESTS:-}" ]; then
+    step gpu_tests_new 120 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
+        -k "$NEW_TESTS"
+fi
 step gpu_tests_triton 450 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py
 step gpu_tests_layers 300 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_fused_layer.py \
     tests/gpu/test_gpu_layer_graph.py tests/gpu/test_gpu_runners.py \

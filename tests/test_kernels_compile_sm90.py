@@ -157,14 +157,10 @@ out["segment_place scanned"] = compile_for_hopper(_segment_place_kernel, ints(_s
 out["segment_scan"] = compile_for_hopper(_segment_scan_kernel, ints(_segment_scan_kernel, dict(
     hist_ptr="*i32", before_ptr="*i32", totals_ptr="*i32")), dict(BINS=512, KB=16, S_POW2=512), num_warps=16)
 from moeflow.kernels.ep_sort import _whole_sort_kernel
-whole_ptrs = dict(ids_ptr="*i32", w_ptr="*fp32", counts_ptr="*i32", offsets_ptr="*i64", source_ptr="*i64",
-                  sorted_w_ptr="*fp32", pos_ptr="*i64", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32")
-out["whole_sort quant_x=3"] = compile_for_hopper(_whole_sort_kernel, ints(_whole_sort_kernel, whole_ptrs),
-                                                 dict(TOP_K=8, SEG=256, BINS=512, ALL=256, QUANT_X=3, BLOCK_H=1024),
-                                                 num_warps=4)
-out["recount_sort quant_x=3"] = compile_for_hopper(_whole_sort_kernel, ints(_whole_sort_kernel, whole_ptrs),
-                                                   dict(TOP_K=8, SEG=256, BINS=256, ALL=4096, QUANT_X=3, BLOCK_H=1024),
-                                                   num_warps=16)  # Qwen3 T=512: 4096 copies, 16 segments
+out["whole_sort quant_x=3"] = compile_for_hopper(_whole_sort_kernel, ints(_whole_sort_kernel, dict(
+    ids_ptr="*i32", w_ptr="*fp32", counts_ptr="*i32", offsets_ptr="*i64", source_ptr="*i64", sorted_w_ptr="*fp32",
+    pos_ptr="*i64", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32")),
+    dict(TOP_K=8, SEG=256, BINS=512, QUANT_X=3, BLOCK_H=1024), num_warps=4)
 from moeflow.kernels.ep_rows import _blank_rows_kernel
 for table in (False, True):
     out[f"blank_rows table={table}"] = compile_for_hopper(_blank_rows_kernel, ints(_blank_rows_kernel, dict(
@@ -183,7 +179,7 @@ print(json.dumps(out))
 
 def test_every_kernel_compiles_for_sm90():
     usage = compile_without_interpreter(COMPILE_ALL)
-    assert len(usage) == 60
+    assert len(usage) == 59
     for name, (regs, spill) in usage.items():
         assert 0 < regs <= 255, name
         if name.startswith("route"):  # a warp (or threads) per token's row: its scores stay in registers
@@ -191,7 +187,7 @@ def test_every_kernel_compiles_for_sm90():
     assert usage["segment_hist quant_x=3 qrows=8"][1] == 0
     assert usage["segment_place"][1] == 0, "the in-register sort of 8192 copies spills at 16 warps"
     assert usage["segment_place scanned"][1] == 0 and usage["segment_scan"][1] == 0
-    assert usage["whole_sort quant_x=3"][1] == 0 and usage["recount_sort quant_x=3"][1] == 0
+    assert usage["whole_sort quant_x=3"][1] == 0
 
 
 CASES = [  # (kernel, scheme, (block_m, block_n, block_k, group_m, warps, stages), most registers, most spill bytes)

@@ -2,9 +2,8 @@
 dispatch/_ep_rows.sorted_batch (sort_copies_by_expert_torch; its invariants are checked in
 tests/test_ep_rows.py). Inputs are strided views of a packed buffer (ids columns, then weights
 columns, then more: row stride > K, as RowCodec.unpack gives); outputs start poisoned (0x7f bytes), so
-an element the kernels forget to write shows. Each case runs in the three forms: one program sorting every copy
-(whole_sort, up to ep_sort._WHOLE_COPIES), the segment launches (forced by a threshold of 0), and one launch of
-several programs each counting every copy's key (recount, forced by its threshold)."""
+an element the kernels forget to write shows. Each case runs in both forms: one program sorting every copy
+(whole_sort, up to ep_sort._WHOLE_COPIES) and the segment launches (forced by a threshold of 0)."""
 import pytest
 import torch
 
@@ -43,15 +42,11 @@ def received(r, k, e_local, case):
     return ids, weights
 
 
-@pytest.fixture(params=["whole", "segments", "recount"])
+@pytest.fixture(params=["whole", "segments"])
 def form(request, monkeypatch):
-    """The sort's form under test: "whole" (one program, the default up to _WHOLE_COPIES), "segments" (the
-    histogram launch, then the place launch) or "recount" (one launch of segments of 16 copies, each program
-    counting every copy's key itself)."""
+    """The sort's form under test: "whole" (one program, the default up to _WHOLE_COPIES) or "segments"."""
     from moeflow.kernels import ep_sort
     monkeypatch.setattr(ep_sort, "_WHOLE_COPIES", 1 << 20 if request.param == "whole" else 0)
-    monkeypatch.setattr(ep_sort, "_RECOUNT_COPIES", 1 << 20 if request.param == "recount" else 0)
-    monkeypatch.setattr(ep_sort, "_RECOUNT_SEG", 16)
     return request.param
 
 

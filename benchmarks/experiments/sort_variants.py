@@ -14,13 +14,10 @@ from a CUDA graph (20 calls per graph, median of 5 replays), µs per call.
   equal     whether the segment sort's outputs equal torch's, all five, exactly
   segment_table  the same in its two-launch form at every size (one histogram table read by every
             place program, segments lengthened to cap it): the form before the scan launch
-  recount   the same function's one launch of segments of ep_sort._RECOUNT_SEG copies, each program counting every
-            copy's key itself (no histogram launch), up to 8192; recount_equal: its outputs against torch's
 At 323572f a third way ran beside them ("scan": one program per (expert, segment) reading every
 copy of its segment, work growing with E; sort_variants_2026-11-30_h200_323572f.json): it lost to
 "segment" from 1024 copies up and was removed.
-Chooses expert_sort.ONE_LAUNCH_COPIES, ep_sort._WHOLE_COPIES, ep_sort._RECOUNT_COPIES and ep_sort.sort_pays: which
-way each size takes.
+Chooses expert_sort.ONE_LAUNCH_COPIES, ep_sort._WHOLE_COPIES and ep_sort.sort_pays: which way each size takes.
 """
 import json
 import statistics
@@ -52,16 +49,14 @@ def graph_us(fn, calls=20, reps=5):
     return statistics.median(out)
 
 
-def forced(whole: bool, fn, recount: bool = False):
-    """fn() with ep_sort's whole sort forced on (every size) or off, and its recount form on or off."""
+def forced(whole: bool, fn):
+    """fn() with ep_sort's whole sort forced on (every size) or off."""
     def call():
-        keep = ep_sort._WHOLE_COPIES, ep_sort._RECOUNT_COPIES
-        ep_sort._WHOLE_COPIES = (1 << 40) if whole else 0
-        ep_sort._RECOUNT_COPIES = (1 << 40) if recount else 0
+        keep, ep_sort._WHOLE_COPIES = ep_sort._WHOLE_COPIES, (1 << 40) if whole else 0
         try:
             return fn()
         finally:
-            ep_sort._WHOLE_COPIES, ep_sort._RECOUNT_COPIES = keep
+            ep_sort._WHOLE_COPIES = keep
     return call
 
 
@@ -87,10 +82,6 @@ def main():
                 row["whole"] = graph_us(forced(True, lambda: sort_copies_by_expert(ids, w, e, n)))
                 row["whole_equal"] = all(torch.equal(a, b) for a, b in zip(
                     forced(True, lambda: sort_by_segments(ids, w, e))(), want))
-            if 256 < n <= 8192:
-                row["recount"] = graph_us(forced(False, lambda: sort_copies_by_expert(ids, w, e, n), recount=True))
-                row["recount_equal"] = all(torch.equal(a, b) for a, b in zip(
-                    forced(False, lambda: sort_by_segments(ids, w, e), recount=True)(), want))
             if n <= 131072:  # past that its segments grow to 16384+ copies sorted in registers
                 table_seg, ep_sort._TABLE_SEG = ep_sort._TABLE_SEG, 1 << 40  # the two-launch form at every size
                 row["segment_table"] = graph_us(forced(False, lambda: sort_copies_by_expert(ids, w, e, n)))
@@ -99,8 +90,8 @@ def main():
                 row["one"] = graph_us(lambda: sort_copies(ids, w, e))
             rows.append(row)
             print(" ".join(f"{k_}={v:.1f}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()), flush=True)
-    if args:
-        json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), open(args[0], "w"), indent=1)
+            if args:  # after every row: a run cut short by a time limit keeps the rows it reached
+                json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), open(args[0], "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ The same values, bit for bit, as the torch reference (dispatch/_ep_reference.sor
 a stable argsort of ``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert,
 copies keep j order.
 One, two or three launches, no host synchronization. Up to _WHOLE_COPIES copies (whole_sort) one program sorts
-them all in registers. Up to _RECOUNT_COPIES (recount; off until timed on a GPU) one launch of segment programs,
-each counting every copy's key itself, replaces the histogram and place launches below. Larger batches: a
-histogram of keys per segment of copies; then each segment sorts its (key, j) pairs in registers and places them
-from the histograms' prefix sums. The work does not grow with E_local (an earlier version scanned all copies once
-per expert: 95 µs at 65536 copies over 128 experts where this takes 33, sort_variants_2026-11-30_h200_323572f.json).
+them all in registers. Larger batches: a histogram of keys per segment of copies; then each
+segment sorts its (key, j) pairs in registers and places them from the histograms' prefix sums. The work
+does not grow with E_local (an earlier version scanned all copies once per expert: 95 µs at 65536
+copies over 128 experts where this takes 33, sort_variants_2026-11-30_h200_323572f.json).
 The prefix sums: where the whole table of (segment, key) counts is small (segment_size), every place
 program reads all of it and sums what it needs (two launches); past that a scan launch between the two
 writes each segment's counts of earlier segments and the totals, one program per block of keys, and a
@@ -134,35 +133,24 @@ def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, sou
 
 @triton.jit
 def _whole_sort_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, num_copies, n,
-                       e_local, stride_ids, stride_w, num_segs,
+                       e_local, stride_ids, stride_w,
                        x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
-                       TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, ALL: tl.constexpr,
-                       QUANT_X: tl.constexpr = 0, BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False,
-                       QROWS: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """One launch: program s < num_segs counts the keys of every copy (ALL >= num_copies lanes) in registers, all
-    of them, those before its segment and its own, and places segment s (_place), so no histogram launch comes
-    first. With one segment of SEG == ALL (whole_sort) that is one program sorting every copy; several (recount)
-    each count the whole batch again. Programs past them (QUANT_X) quantize part s - num_segs of the tokens
-    (align.quantize_token_part)."""
+                       TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, QUANT_X: tl.constexpr = 0,
+                       BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, QROWS: tl.constexpr = 1,
+                       PDL: tl.constexpr = False):
+    """One launch (whole_sort): program 0 sorts every copy as one segment of SEG >= num_copies, its histogram taken
+    in registers; programs past it (QUANT_X) quantize part pid - 1 of the tokens (align.quantize_token_part)."""
     pdl_start(PDL)
     s = tl.program_id(0)
-    if s < num_segs:
-        ids = _segment_ids(ids_ptr, s - s, num_copies, stride_ids, TOP_K, ALL)  # segment 0 of ALL: every copy
+    if s == 0:
+        ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K, SEG)
         key = tl.where(ids >= 0, ids, e_local)
-        j = tl.arange(0, ALL)
-        ok = j < num_copies
-        total = tl.histogram(key, BINS, mask=ok).to(tl.int64)
-        if SEG == ALL:  # one segment: every copy
-            mine = total
-            before = tl.zeros((BINS,), dtype=tl.int64)
-        else:
-            first = s * SEG
-            before = tl.histogram(key, BINS, mask=ok & (j < first)).to(tl.int64)
-            mine = tl.histogram(key, BINS, mask=ok & (j >= first) & (j < first + SEG)).to(tl.int64)
-        _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, s, mine, total, before,
-               num_copies, n, e_local, stride_ids, stride_w, TOP_K, SEG, BINS)
+        ok = tl.arange(0, SEG) < num_copies
+        mine = tl.histogram(key, BINS, mask=ok).to(tl.int64)
+        _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, s, mine, mine,
+               tl.zeros((BINS,), dtype=tl.int64), num_copies, n, e_local, stride_ids, stride_w, TOP_K, SEG, BINS)
     else:
-        quantize_token_part(x_ptr, xq_ptr, xs_ptr, s - num_segs, H, stride_x, stride_xq, stride_xs, num_tokens,
+        quantize_token_part(x_ptr, xq_ptr, xs_ptr, s - 1, H, stride_x, stride_xq, stride_xs, num_tokens,
                             QUANT_X, BLOCK_H, ROUND_IN_FP32, QROWS)
 
 
@@ -208,18 +196,6 @@ def whole_sort(copies: int) -> bool:
     return copies <= _WHOLE_COPIES
 
 
-# Copies up to which the segment sort runs as one launch of several programs, each counting every copy's key
-# itself (_whole_sort_kernel with segments of _RECOUNT_SEG): no histogram launch before the place programs. Off (0):
-# not yet timed on a GPU (benchmarks/experiments/sort_variants.py's "recount" column times it against "segment").
-_RECOUNT_COPIES = 0
-_RECOUNT_SEG = 256
-
-
-def recount(copies: int) -> bool:
-    """Whether sort_copies_by_expert takes the one-launch recount form for ``copies`` (past whole_sort's size)."""
-    return copies <= _RECOUNT_COPIES
-
-
 def _whole_warps(seg: int) -> int:
     """Warps of the whole sort's launch: 8 elements a thread up to 16 warps."""
     return max(4, min(16, seg // 256))
@@ -260,14 +236,11 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
     copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
     parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, counts)
-    if whole_sort(copies) or recount(copies):
-        every = max(16, next_pow2(copies))
-        seg = every if whole_sort(copies) else min(every, _RECOUNT_SEG)
-        segs = max(1, cdiv(copies, seg))
-        _whole_sort_kernel[(segs + parts,)](ids, weights, counts, offsets, source, sorted_w, copy_pos, copies, n,
-                                            e_local, ids.stride(0), weights.stride(0), segs, *quant_args, TOP_K=k,
-                                            SEG=seg, BINS=bins, ALL=every, **quant_consts,
-                                            num_warps=_whole_warps(every), **pdl(dev))
+    if whole_sort(copies):
+        whole = max(16, next_pow2(copies))
+        _whole_sort_kernel[(1 + parts,)](ids, weights, counts, offsets, source, sorted_w, copy_pos, copies, n, e_local,
+                                         ids.stride(0), weights.stride(0), *quant_args, TOP_K=k, SEG=whole, BINS=bins,
+                                         **quant_consts, num_warps=_whole_warps(whole), **pdl(dev))
         return (source, sorted_w, counts, offsets, copy_pos, *quantized)
     seg, scanned = segment_size(copies, bins)
     segs = max(1, cdiv(copies, seg))

@@ -341,26 +341,6 @@ def test_sort_and_quantize_on_gpu(t, e, h, scheme):
     assert torch.equal(got[5].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[6], sc)
 
 
-@pytest.mark.parametrize("t,e,h,scheme", [(128, 128, 2048, "fp8-block"), (512, 128, 2048, "none"),
-                                         (128, 256, 7168, "fp8-block"), (1000, 8, 4096, "fp8-channel")])
-def test_recount_sort_on_gpu(t, e, h, scheme, monkeypatch):
-    """kernels/ep_sort's recount form (one launch, each segment program counting every copy's key; off by default
-    until timed) forced at Qwen3's T = 128 and 512, DeepSeek-V3's T = 128 and Mixtral's T = 1000: the sort equals
-    the torch sort, and with a scheme the tokens are quantize_activation's bit for bit."""
-    from moeflow.dispatch.expert_sort import sort_by_expert_torch, sort_by_segments
-    from moeflow.kernels import ep_sort
-    monkeypatch.setattr(ep_sort, "_WHOLE_COPIES", 0)
-    monkeypatch.setattr(ep_sort, "_RECOUNT_COPIES", 1 << 20)
-    if scheme != "none":
-        test_sort_and_quantize_on_gpu(t, e, h, scheme)
-        return
-    k = 8 if e > 8 else 2
-    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
-    w = torch.rand(t, k, device="cuda")
-    for got, want in zip(sort_by_segments(ids, w, e), sort_by_expert_torch(ids, w, e), strict=True):
-        assert torch.equal(got, want)
-
-
 def test_exact_sigmoid_gives_torchs_bits_on_gpu():
     """kernels/common.exact_sigmoid on CUDA: torch.sigmoid's float32 bits on fresh randn * 8 and on every 37th
     float32 pattern (with abs <= 100, a random start) wherever 1 + exp(-x) < 2**126; 0 beyond, where torch's result
