@@ -29,6 +29,8 @@
 # can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
 # tests in 420 s (compiling as it went), so they are three steps now: gpu_tests_triton (test_gpu_triton.py),
 # gpu_tests_layers (the other files of step 1) and gpu_tests_gluon; one call may not reach all three.
+# pytest runs with -v: a step cut by its time limit prints no failure summary, and a -q log's dots did not name
+# the test that failed (a cut gpu_tests_triton run at bb6f075 left one F; counted, test_tune_searches_one_launch_tiles).
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
 # files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
 set -u
@@ -59,17 +61,17 @@ step() {  # step NAME SECONDS COMMAND...: run if time is left, bounded by SECOND
 
 # first, the tests of changes no GPU has run yet (NEW_TESTS); they run again inside gpu_tests_triton
 if [ -n "${NEW_TESTS:-}" ]; then
-    step gpu_tests_new 120 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py \
+    step gpu_tests_new 120 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu tests/gpu/test_gpu_triton.py \
         -k "$NEW_TESTS"
 fi
-step gpu_tests_triton 450 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_triton.py
-step gpu_tests_layers 300 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_fused_layer.py \
+step gpu_tests_triton 450 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu tests/gpu/test_gpu_triton.py
+step gpu_tests_layers 300 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu tests/gpu/test_gpu_fused_layer.py \
     tests/gpu/test_gpu_layer_graph.py tests/gpu/test_gpu_runners.py \
     tests/gpu/test_gpu_hf.py tests/gpu/test_gpu_cli.py tests/gpu/test_gpu_gate_up_wgmma.py
-step gpu_tests_gluon 420 env CUDA_VISIBLE_DEVICES=0 python -m pytest -q -m gpu tests/gpu/test_gpu_down_wgmma.py \
+step gpu_tests_gluon 420 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu tests/gpu/test_gpu_down_wgmma.py \
     tests/gpu/test_gpu_warp_specialized.py
 if [ "$GPUS" -ge 2 ]; then
-    step ep_tests 120 python -m pytest -q -m gpu tests/gpu/test_gpu_ep.py
+    step ep_tests 120 python -m pytest -v -m gpu tests/gpu/test_gpu_ep.py
     step ep_bench 120 torchrun --standalone --nproc-per-node 2 benchmarks/bench_ep.py --profile --skip layer \
         --out "$R/ep_bench.json"
     grep -E "^(alltoall|lowlatency)" "$R/ep_bench.log" | cut -c1-300 >> "$S"

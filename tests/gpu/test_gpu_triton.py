@@ -489,8 +489,12 @@ def test_tune_searches_one_launch_tiles_on_gpu(scheme):
     big = FUSED_TUNE_MAX_TOKENS * 2
     table, measured = tune(shape, [1, big], rep_ms=2, log=lambda s: None, indexed_rows=True)
     m = measured["1"]
-    assert m["layer_separate"] > 0 and m["layer_fused"] > 0
-    assert (table[1].fused is not None) == (m["layer_fused"] < m["layer_separate"])
+    assert m["layer_separate"] > 0 and m.get("layer_fused", 0) > 0, f"every one-launch tile set refused: {m}"
+    # measured holds µs rounded to 0.01; the pick compared the unrounded times, so a rounded tie allows either
+    if table[1].fused is not None:
+        assert m["layer_fused"] <= m["layer_separate"], m
+    else:
+        assert m["layer_fused"] >= m["layer_separate"], m
     assert table[big].fused is None and "layer_fused" not in measured[str(big)]
     if table[1].fused is not None:  # the recorded tiles run right (fresh weights, poisoned, repeated, oracle)
         from fused_cases import check_fused
