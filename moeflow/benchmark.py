@@ -156,6 +156,20 @@ def target_summary(rows: list[dict], time_key: str = "layer_graph_us") -> dict:
             "dsv3_fp8_block_tflops": tflops}
 
 
+def rebased_rows(rows: list[dict], ceilings: dict) -> list[dict]:
+    """bench_layer.py's rows with floor_us and roof_pct recomputed at other ``ceilings`` ({"bf16_flops", "fp8_flops",
+    "bandwidth"}, as bench.json stores them), so that runs whose re-measured ceilings differ compare on one basis.
+    Each row's FLOPs and bytes come back from its tflops and gbs over its headline time (layer_graph_us, else
+    layer_us); fp8 schemes take fp8_flops, "none" bf16_flops."""
+    out = []
+    for r in rows:
+        best_us = r.get("layer_graph_us") or r["layer_us"]
+        peak = ceilings["bf16_flops"] if r["scheme"] == "none" else ceilings["fp8_flops"]
+        floor_us = max(r["tflops"] * best_us / peak * 1e12, r["gbs"] * best_us / ceilings["bandwidth"] * 1e9)
+        out.append({**r, "floor_us": floor_us, "roof_pct": 100.0 * floor_us / best_us})
+    return out
+
+
 def format_target_summary(s: dict, label: str) -> str:
     """target_summary's dict as four lines against PERF.md's targets."""
     g = f"{s['geomean_pct']:.1f}%" if s["geomean_pct"] is not None else "-"

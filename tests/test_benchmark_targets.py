@@ -1,7 +1,15 @@
 """PERF.md's four target lines as benchmark.target_summary computes them from bench_layer.py's rows."""
+import json
 import math
+import pathlib
+import runpy
+import sys
 
-from moeflow.benchmark import format_target_summary, target_summary
+import pytest
+
+from moeflow.benchmark import format_target_summary, rebased_rows, target_summary
+
+COMPARE_RUNS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compare_runs.py"
 
 
 def _row(preset, scheme, t, floor, graph, clean=None, anchor=None, tflops=1.0):
@@ -41,3 +49,41 @@ def test_no_rows_and_the_printed_lines():
     assert "geometric mean 56.3% of roofline over 4 rows" in text
     assert "rows below 60%: 1" in text and "1 of 3" in text and "750 TFLOP/s" in text
     assert "- (row not run)" in format_target_summary(empty, "x")
+
+
+def test_rebased_rows_recompute_the_floor_at_other_ceilings():
+    """benchmark.rebased_rows: FLOPs and bytes back from tflops and gbs over the headline time; the floor is the
+    larger of the two at the given ceilings, the scheme's peak (fp8 or bf16); the input rows are left as they were."""
+    rows = [dict(preset="p", scheme="none", runner="triton", T=1, layer_us=99.0, layer_graph_us=10.0,
+                 tflops=2.0, gbs=3000.0, floor_us=1.0, roof_pct=10.0),  # 20 MFLOP, 30 MB
+            dict(preset="p", scheme="fp8-block", runner="triton", T=4096, layer_us=100.0, layer_graph_us=None,
+                 tflops=500.0, gbs=100.0, floor_us=1.0, roof_pct=1.0)]  # 50 GFLOP, 10 MB (layer_us: no graph)
+    ceil = dict(bf16_flops=1e12, fp8_flops=1e15, bandwidth=2e12)
+    a, b = rebased_rows(rows, ceil)
+    assert math.isclose(a["floor_us"], 20.0) and math.isclose(a["roof_pct"], 200.0)  # 20 MFLOP at 1 TFLOP/s
+    assert math.isclose(b["floor_us"], 50.0) and math.isclose(b["roof_pct"], 50.0)  # 50 GFLOP at 1 PFLOP/s
+    a, _ = rebased_rows(rows, dict(ceil, bf16_flops=1e15))
+    assert math.isclose(a["floor_us"], 15.0)  # now the bytes bound: 30 MB at 2 TB/s
+    assert rows[0]["floor_us"] == 1.0 and rows[1]["roof_pct"] == 1.0
+
+
+def test_compare_runs_prints_both_runs_and_the_rebased_lines(tmp_path, capsys):
+    """benchmarks/compare_runs.py on two bench.json files: a row's ratio, the spread, and three target blocks."""
+    row = dict(preset="p", scheme="none", runner="triton", T=1, layer_us=50.0, layer_graph_us=10.0,
+               layer_clean_us=9.0, tflops=2.0, gbs=3000.0, floor_us=5.0, roof_pct=50.0, anchor_us=None)
+    paths = []
+    for name, us, ceil in (("old", 10.0, 4e12), ("new", 12.0, 2e12)):
+        r = dict(row, layer_graph_us=us, tflops=2.0 * 10.0 / us, gbs=3000.0 * 10.0 / us)
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(dict(ceilings=dict(bf16_flops=1e12, fp8_flops=2e12, bandwidth=ceil),
+                                             rows=[r])))
+    argv, sys.argv = sys.argv, ["compare_runs.py", *map(str, paths)]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(COMPARE_RUNS), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "1.200" in out and "geometric mean 1.200" in out
+    assert out.count("targets, ") == 3 and "new run at the old run's ceilings" in out
