@@ -33,12 +33,15 @@
 # the test that failed (a cut gpu_tests_triton run at bb6f075 left one F; counted, test_tune_searches_one_launch_tiles).
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
 # files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
+# Compiled kernels travel between calls (benchmarks/triton_cache.sh): the call restores .triton-cache/ if it was
+# carried, and leaves $OUT/triton-cache.tgz.part* to copy there for the next call's carry [".triton-cache"].
 set -u
 OUT=${OUT:-./gpu-results}
 R=$(mktemp -d)
 DEADLINE_S=${DEADLINE_S:-540}
 export PYTHONPATH=${PYTHONPATH:-$PWD} MOEFLOW_DIST_TIMEOUT_S=${MOEFLOW_DIST_TIMEOUT_S:-60}
 export MOEFLOW_COMMIT=${MOEFLOW_COMMIT:-unknown}
+source benchmarks/triton_cache.sh restore
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 mkdir -p "$OUT"
 S="$R/summary.txt"
@@ -104,5 +107,6 @@ for preset in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
 done
 grep -hE "FAILED|Error" "$R"/*tests*.log 2>/dev/null | head -20 >> "$S"
 tar czf "$OUT/results.tgz" -C "$R" .
+bash benchmarks/triton_cache.sh save "$OUT" 2>> "$S"
 cp "$S" "$OUT/summary.txt"
 cat "$S"
