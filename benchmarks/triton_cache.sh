@@ -25,12 +25,11 @@ case "${1:-}" in
 restore)
     export TRITON_CACHE_DIR=$DIR
     mkdir -p "$DIR"
-    touch "$DIR/.call-start"
     if ls .triton-cache/triton-cache.tgz.part* > /dev/null 2>&1; then
         cat .triton-cache/triton-cache.tgz.part* | tar xzf - -C / && \
             echo "triton cache: $(find "$DIR" -name '*.cubin' | wc -l) kernels restored" >&2
-        touch "$DIR/.call-start"  # after the restore: files newer than this one were written by this call
     fi
+    touch "$DIR/.call-start"  # after the restore: files newer than this one were written by this call
     ;;
 save)
     out=${2:?usage: triton_cache.sh save OUT_DIR}

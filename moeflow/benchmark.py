@@ -49,8 +49,12 @@ def layer_bytes(cfg: MoEConfig, tokens: int, hit: float | None = None) -> float:
 
 
 def roofline_seconds(cfg: MoEConfig, tokens: int, ceilings: Ceilings = Ceilings(), hit: float | None = None) -> float:
-    peak = ceilings.fp8_flops if cfg.quant.startswith("fp8") else ceilings.bf16_flops
-    return max(layer_flops(cfg, tokens) / peak, layer_bytes(cfg, tokens, hit) / ceilings.bandwidth)
+    return floor_seconds(layer_flops(cfg, tokens), layer_bytes(cfg, tokens, hit), cfg.quant.startswith("fp8"), ceilings)
+
+
+def floor_seconds(flops: float, nbytes: float, fp8: bool, ceilings: Ceilings) -> float:
+    """PERF.md's floor: max(FLOPs / the matrix peak (fp8 or bf16), bytes / the bandwidth)."""
+    return max(flops / (ceilings.fp8_flops if fp8 else ceilings.bf16_flops), nbytes / ceilings.bandwidth)
 
 
 def time_fn(fn, device: torch.device, min_seconds: float = 0.2, max_reps: int = 200, warmup: int = 2) -> float:
@@ -161,11 +165,11 @@ def rebased_rows(rows: list[dict], ceilings: dict) -> list[dict]:
     "bandwidth"}, as bench.json stores them), so that runs whose re-measured ceilings differ compare on one basis.
     Each row's FLOPs and bytes come back from its tflops and gbs over its headline time (layer_graph_us, else
     layer_us); fp8 schemes take fp8_flops, "none" bf16_flops."""
+    c = Ceilings(**ceilings)
     out = []
     for r in rows:
         best_us = r.get("layer_graph_us") or r["layer_us"]
-        peak = ceilings["bf16_flops"] if r["scheme"] == "none" else ceilings["fp8_flops"]
-        floor_us = max(r["tflops"] * best_us / peak * 1e12, r["gbs"] * best_us / ceilings["bandwidth"] * 1e9)
+        floor_us = 1e6 * floor_seconds(r["tflops"] * best_us * 1e6, r["gbs"] * best_us * 1e3, r["scheme"] != "none", c)
         out.append({**r, "floor_us": floor_us, "roof_pct": 100.0 * floor_us / best_us})
     return out
 

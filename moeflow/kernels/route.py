@@ -24,6 +24,7 @@ from torch import Tensor
 from .common import NEG_INF, cdiv, exact_sigmoid, key_value, next_pow2, order_key, pdl, pdl_start
 from .route_stream import stream_launch, stream_pays, stream_shape, streams
 
+
 @triton.jit
 def _argmax_first(x, idx, N: tl.constexpr):
     """(max key, lowest index holding the max value) along the last axis of a [BLOCK_T, N] block,
