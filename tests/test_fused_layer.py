@@ -29,25 +29,16 @@ from oracle import assert_close
 CASES = [("none", torch.float32), ("none", torch.float16), ("fp8-block", torch.float16), ("fp8-block", torch.float32)]
 
 
-@pytest.fixture(params=[False, True], ids=["two_dots", "pair"])
-def pair(request, monkeypatch):
-    """Both forms of gate_up's K step (fused_layer._PAIR_GATE_UP): two dots, or the gate and up tiles in one copy
-    and one dot."""
-    import moeflow.kernels.fused_layer as fused
-    monkeypatch.setattr(fused, "_PAIR_GATE_UP", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("scheme,dtype", CASES, ids=lambda v: str(v).removeprefix("torch."))
 @pytest.mark.parametrize("t", [1, 3])
-def test_against_references(scheme, dtype, t, pair):
+def test_against_references(scheme, dtype, t):
     check(scheme, dtype, t, e=5, h=256, i=128, k=2, cfg=FusedConfig(32, 64, 64, 64, num_stages=2))
 
 
 @pytest.mark.parametrize("splits", [(2, 3), (3, 1), (1, 5)])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16)],
                          ids=["none", "fp8-block"])
-def test_split_k(scheme, dtype, splits, pair):
+def test_split_k(scheme, dtype, splits):
     """K steps split over programs in either GEMM, the last program of a tile adding the partials: uneven
     splits (3 of 4 gate_up steps), a split with no steps (5 of 4 down steps: I = 256 / 128 x top-2)."""
     check(scheme, dtype, 2, e=5, h=512, i=256, k=2, cfg=FusedConfig(64, 128, 64, 128, split1=splits[0],
@@ -55,55 +46,21 @@ def test_split_k(scheme, dtype, splits, pair):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
-def test_odd_sizes_with_k_tails(dtype, pair):
+def test_odd_sizes_with_k_tails(dtype):
     """H = 48, I = 40 (not multiples of the 32-wide K steps or 16-wide tiles), 3 experts of 7, top-3."""
     check("none", dtype, 3, e=7, h=48, i=40, k=3, cfg=FusedConfig(16, 32, 16, 32))
 
 
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16)],
                          ids=["none", "fp8-block"])
-def test_every_token_on_one_expert(scheme, dtype, pair):
+def test_every_token_on_one_expert(scheme, dtype):
     """Expert 2 in every token's top-k (its weights read by every token's copy), the others barely used."""
     check(scheme, dtype, 4, e=6, h=128, i=256, k=2, cfg=FusedConfig(64, 128, 32, 128), one_expert=2)
 
 
-def test_top_1_and_other_activations(pair):
+def test_top_1_and_other_activations():
     for act in ("gelu", "gelu_tanh"):
         check("none", torch.float32, 2, e=4, h=64, i=32, k=1, cfg=FusedConfig(16, 16, 32, 16), activation=act)
-
-
-@pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("none", torch.float16), ("fp8-block", torch.float16)],
-                         ids=["none-float32", "none-float16", "fp8-block"])
-def test_pair_gives_the_two_dots_bits(scheme, dtype, monkeypatch):
-    """_PAIR_GATE_UP on and off: the same products in the same order, so the same bits (split K in gate_up too),
-    and the paired form reads w13 through one descriptor of [2, BLOCK_N1, BLOCK_K1] boxes."""
-    import moeflow.kernels.fused_layer as fused
-    from moeflow.kernels.common import pair_operand
-    t, e, h, i, k = 3, 5, 256, 128, 2
-    w13, s13, w2, s2 = weights(scheme, dtype, e, h, i)
-    x = torch.randn(t, h).to(dtype)
-    ids, w = routing(t, e, k)
-    cfg = fit_fused(FusedConfig(64, 128, 64, 128, split1=2), scheme)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(fused, "_PAIR_GATE_UP", on)
-        sync = torch.zeros(counters_size(t, k, h, i, cfg), dtype=torch.int32)
-        outs.append(fused_layer(x, ids, w, w13, s13, w2, s2, scheme, "silu", dtype, cfg, sync, poison=True))
-    assert torch.equal(outs[0], outs[1])
-    desc, step = pair_operand(w13, cfg.block_n1, cfg.block_k1)
-    assert desc.shape == [2 * e, i, h] and desc.block_shape == [2, 64, 128] and step == 2
-
-
-def test_pair_operand_where_tma_cannot_read():
-    """pair_operand: None for an odd 2N, experts not back to back, or rows TMA cannot address; index step 0 for
-    experts sharing one weight (stride 0)."""
-    from moeflow.kernels.common import pair_operand
-    assert pair_operand(torch.randn(3, 7, 64), 16, 32) is None
-    assert pair_operand(torch.randn(3, 16, 64)[:, :8], 16, 32) is None  # expert stride 16 * 64 for 8 rows
-    assert pair_operand(torch.randn(3, 16, 63)[:, :, :62], 16, 32) is None  # rows 63 elements apart: not 16-byte
-    shared = torch.randn(1, 16, 64).expand(3, 16, 64)
-    desc, step = pair_operand(shared, 16, 32)
-    assert step == 0 and desc.shape == [2, 8, 64]
 
 
 def test_no_tokens():
@@ -114,7 +71,7 @@ def test_no_tokens():
     assert out.shape == (0, 32)
 
 
-def test_counters_reused_across_launches(pair):
+def test_counters_reused_across_launches():
     """The counters one launch leaves are the next launch's: three launches of different T on one buffer."""
     w13, _, w2, _ = weights("none", torch.float32, 4, 64, 32)
     cfg = FusedConfig(16, 32, 16, 32, split1=2, split2=2)

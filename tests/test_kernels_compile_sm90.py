@@ -256,42 +256,6 @@ def test_fused_layer_compiles_for_sm90():
             assert has_wgmma == wgmma, what
 
 
-FUSED_PAIR = r"""
-import json, re, sys, torch
-from moeflow.kernels.configs import FusedConfig
-from moeflow.kernels.registers import fused_layer_ptx, ptxas_path, ptxas_report
-if ptxas_path() is None:
-    print(json.dumps(None)); sys.exit(0)
-dt = {"bf16": torch.bfloat16, "fp16": torch.float16}
-out = []
-for s, d, c, pair in json.loads(sys.argv[1]):
-    ptx = fused_layer_ptx(s, dt[d], FusedConfig(*c), True, 8, pair)
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^[$](L__BB0_[0-9]+):", l.strip()))}
-    loop = next((labels[m.group(1)], i) for i, l in enumerate(lines)  # the first loop: gate_up's K steps
-                if (m := re.search(r"bra(?:[.]uni)?[ \t]+[$](L__BB0_[0-9]+);", l)) and labels.get(m.group(1), i) < i)
-    body = "\n".join(lines[loop[0]:loop[1] + 1])
-    regs, spill, _ = ptxas_report(ptx)
-    out.append([regs, spill, body.count("wgmma.mma_async"), body.count("wgmma.wait_group"),
-                body.count("cp.async.bulk.tensor")])
-print(json.dumps(out))
-"""
-FUSED_PAIR_CASES = [(s, "bf16", c, pair) for s, c in (("fp8-block", (128, 128, 64, 128, 4, 3, 2, 8)),
-                                                      ("none", (64, 128, 64, 128, 4, 3, 1, 8)))
-                    for pair in (False, True)]  # the H200 tables' tiles
-
-
-def test_fused_pair_waits_once_a_step():
-    """The one-launch layer's gate_up K step at the tables' tiles (sm_90a PTX of its first loop): with PAIR the gate
-    and up tiles come in one TMA copy and their 16 wgmmas wait once; without, two copies and two waits. Both
-    without spills."""
-    usage = compile_without_interpreter(FUSED_PAIR, json.dumps(FUSED_PAIR_CASES))
-    for (scheme, _, cfg, pair), (regs, spill, mmas, waits, copies) in zip(FUSED_PAIR_CASES, usage):
-        what = f"{scheme} {cfg} pair={pair}"
-        assert 0 < regs <= 255 and spill == 0, (what, regs, spill)
-        assert (mmas, waits, copies) == ((16, 1, 1) if pair else (16, 2, 2)), (what, mmas, waits, copies)
-
-
 GLUON_COMPILE = """
 import importlib, importlib.util, json, sys, torch
 from moeflow.kernels.registers import compile_gluon_for_hopper, gluon_ptx, ptxas_path

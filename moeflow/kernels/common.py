@@ -381,25 +381,6 @@ def weight_operand(w: Tensor, block_n: int, block_k: int):
     return (w, 0) if desc is None else (desc, per_expert)
 
 
-def pair_operand(w: Tensor, block_n: int, block_k: int):
-    """How the one-launch layer (fused_layer.py, PAIR) reads a column tile's gate rows and up rows of w [E, 2N, K]
-    (last dimension contiguous) in one TMA copy, as one dot's operand.
-
-    -> (TensorDescriptor over the halves [E * 2, N, K] with [2, block_n, block_k] boxes, 2): expert e's gate half
-       is index 2e, its up half 2e + 1; rows past N and columns past K read as zero. (Descriptor over [2, N, K], 0)
-       for an expert stride of 0 (every expert reads the same rows). None where TMA cannot address w (as
-       weight_operand) or 2N is odd.
-    """
-    e, n2, k = w.shape
-    per_expert = expert_rows(w)
-    if per_expert is None or n2 % 2 or n2 == 0 or k == 0 or not tma_rows(w, w.stride(1)):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    n, row = n2 // 2, w.stride(1)
-    halves = 2 * e if per_expert else 2
-    return TensorDescriptor(w, [halves, n, k], [n * row, row, 1], [2, block_n, block_k]), (2 if per_expert else 0)
-
-
 def expert_rows(w: Tensor) -> int | None:
     """w [E, N, K] read as rows [E * N, K]: expert e's rows start at row e * (this): N, or 0 for an
     expert stride of 0 (every expert reads the same rows); None where the experts are not back to

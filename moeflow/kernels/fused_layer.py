@@ -35,13 +35,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import (QUANT_CODES, cdiv, fp8_scale, gated_act, interpreting, next_pow2, pair_operand, pdl, pdl_launch,
-                     pdl_wait, to_fp8, weight_operand)
+from .common import (QUANT_CODES, cdiv, fp8_scale, gated_act, interpreting, next_pow2, pdl, pdl_launch, pdl_wait,
+                     to_fp8, weight_operand)
 
 FUSED_SCHEMES = ("none", "fp8-block")  # QUANT codes 0 and 3 below; TritonRunner declares the same
-# Whether gate_up items read each step's gate and up tiles in one TMA copy and run them as one dot (PAIR): sm_90a
-# then waits for the tensor cores once a step instead of twice (PTX). Off (False): not yet timed on a GPU.
-_PAIR_GATE_UP = False
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -148,11 +145,8 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
                   w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn,
                   TOP_K: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr,
                   BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr, W13_TMA: tl.constexpr,
-                  PAIR: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """Gate_up work item ``item``: copy c, columns j * BLOCK_N1 .., K steps of split s (_fused_layer_kernel).
-    PAIR: w13 is common.pair_operand's descriptor (w13_rows: the halves' index step an expert); each step's gate
-    and up tiles come in one copy and run as one dot of 2 * BLOCK_N1 rows, so the step waits for the tensor cores
-    once, not once a dot (the same products, the same bits)."""
+                  DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """Gate_up work item ``item``: copy c, columns j * BLOCK_N1 .., K steps of split s (_fused_layer_kernel)."""
     tiles1 = tl.cdiv(I, BLOCK_N1)
     tile = item // SPLIT1
     s = item % SPLIT1
@@ -167,8 +161,6 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
     us_ptr = gs_ptr + (I // 128) * stride_w13sn
     acc_g = tl.zeros((BLOCK_N1, 16), dtype=tl.float32)  # transposed: the weight rows are the dot's M
     acc_u = tl.zeros((BLOCK_N1, 16), dtype=tl.float32)
-    acc = tl.zeros((2 * BLOCK_N1, 16), dtype=tl.float32)  # PAIR: the gate rows, then the up rows
-    half = tl.arange(0, 2 * BLOCK_N1) < BLOCK_N1
     g_row0 = (e * w13_rows + j * BLOCK_N1).to(tl.int32)  # TMA: rows past I are never stored
     steps = tl.cdiv(H, BLOCK_K1)
     per = tl.cdiv(steps, SPLIT1)
@@ -180,25 +172,15 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
         x_next, gs_next, us_next = _x_step(x_row, gs_ptr, us_ptr, tl.minimum(kb + 1, steps - 1), H, QUANT, BLOCK_K1)
         k0 = kb * BLOCK_K1
         xb, x_s = _row_operand(x_cur, QUANT, ROUND_IN_FP32)
-        if PAIR:
-            wp = tl.reshape(w13.load([e * w13_rows, j * BLOCK_N1, k0]), (2 * BLOCK_N1, BLOCK_K1))
-            if QUANT == 3:  # x_s * gs for the gate rows, x_s * us for the up rows, as the two dots below
-                acc = _step(acc, wp, xb, tl.where(half, gs, us)[:, None] * x_s, True, DOT_IEEE)
-            else:
-                acc = _step(acc, wp, xb, 1.0, False, DOT_IEEE)
+        wg = _weight_tile(w13, g_row0, g_rows, stride_w13e, stride_w13n, e, k0, H, W13_TMA, BLOCK_K1)
+        wu = _weight_tile(w13, g_row0 + I, g_rows + I, stride_w13e, stride_w13n, e, k0, H, W13_TMA, BLOCK_K1)
+        if QUANT == 3:  # 128 % BLOCK_N1 == 0: the tile's rows share one weight-scale block
+            acc_g = _step(acc_g, wg, xb, x_s * gs, True, DOT_IEEE)
+            acc_u = _step(acc_u, wu, xb, x_s * us, True, DOT_IEEE)
         else:
-            wg = _weight_tile(w13, g_row0, g_rows, stride_w13e, stride_w13n, e, k0, H, W13_TMA, BLOCK_K1)
-            wu = _weight_tile(w13, g_row0 + I, g_rows + I, stride_w13e, stride_w13n, e, k0, H, W13_TMA, BLOCK_K1)
-            if QUANT == 3:  # 128 % BLOCK_N1 == 0: the tile's rows share one weight-scale block
-                acc_g = _step(acc_g, wg, xb, x_s * gs, True, DOT_IEEE)
-                acc_u = _step(acc_u, wu, xb, x_s * us, True, DOT_IEEE)
-            else:
-                acc_g = _step(acc_g, wg, xb, 1.0, False, DOT_IEEE)
-                acc_u = _step(acc_u, wu, xb, 1.0, False, DOT_IEEE)
-    if PAIR:
-        g, u = tl.split(tl.permute(tl.reshape(_column0(acc), (2, BLOCK_N1)), (1, 0)))
-    else:
-        g, u = _column0(acc_g), _column0(acc_u)
+            acc_g = _step(acc_g, wg, xb, 1.0, False, DOT_IEEE)
+            acc_u = _step(acc_u, wu, xb, 1.0, False, DOT_IEEE)
+    g, u = _column0(acc_g), _column0(acc_u)
     finish = True
     if SPLIT1 > 1:  # the last split of the tile adds the partials and finishes it
         both = tl.reshape(tl.join(g, u), (2 * BLOCK_N1,))  # g0 u0 g1 u1 ...
@@ -282,8 +264,7 @@ def _fused_layer_kernel(
         TOP_K: tl.constexpr, K_POW2: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr,
         INTER_DTYPE: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr,
         BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W13_TMA: tl.constexpr,
-        W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PDL: tl.constexpr = False,
-        PAIR: tl.constexpr = False):
+        W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """sync_ptr int32, zero at launch (counters_size): [0] tickets taken, [1] down tiles done, [2 + c] copy c's
     finished gate_up tiles, then (SPLIT1 > 1) one count per gate_up tile, then (SPLIT2 > 1) one per down tile.
     inter_ptr [T * K, I] scratch in the layer dtype; part1_ptr [gate_up tiles, SPLIT1, 2 * BLOCK_N1] and part2_ptr
@@ -298,7 +279,7 @@ def _fused_layer_kernel(
     if item < items1:
         _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, sync_ptr, split1_counts, T, H, I,
                       w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn, TOP_K, QUANT, ACT,
-                      INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, PAIR, DOT_IEEE, ROUND_IN_FP32)
+                      INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, DOT_IEEE, ROUND_IN_FP32)
     else:
         _down_item(item - items1, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, split2_counts,
                    T, H, I, w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out, TOP_K, K_POW2, QUANT,
@@ -341,8 +322,7 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         if cfg.split1 > 1 else out
     part2 = fill((tiles2, cfg.split2, cfg.block_n2), float("nan"), dtype=torch.float32, device=x.device) \
         if cfg.split2 > 1 else out
-    paired = pair_operand(w13, cfg.block_n1, cfg.block_k1) if _PAIR_GATE_UP else None
-    w13_arg, w13_rows = paired or weight_operand(w13, cfg.block_n1, cfg.block_k1)
+    w13_arg, w13_rows = weight_operand(w13, cfg.block_n1, cfg.block_k1)
     w2_arg, w2_rows = weight_operand(w2, cfg.block_n2, cfg.block_k2)
     s13 = w13_scale if w13_scale is not None else w13
     s2 = w2_scale if w2_scale is not None else w2
@@ -355,8 +335,7 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
         INTER_DTYPE=_TL_DTYPE[dtype], BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1,
         BLOCK_N2=cfg.block_n2, BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=w13_arg is not w13,
         W2_TMA=w2_arg is not w2, DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=interpreting(),
-        PAIR=paired is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl(x.device, early_start=False))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl(x.device, early_start=False))
     return out
 
 

@@ -89,15 +89,9 @@ def gemm_ptx(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma:
     return _compile_ptx(fn, sig, const, attrs, cfg.num_warps, cfg.num_stages)
 
 
-def fused_layer_usage(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, top_k: int = 8, pair: bool = False):
+def fused_layer_usage(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, top_k: int = 8):
     """kernels/fused_layer.py compiled for sm_90a with FusedConfig ``cfg`` -> (registers per thread, spill-store
-    bytes, whether its dots run as wgmma). pair: gate_up's gate and up tiles in one copy and one dot (PAIR)."""
-    regs, spill, _ = ptxas_report(ptx := fused_layer_ptx(scheme, dtype, cfg, tma, top_k, pair))
-    return regs, spill, "wgmma.mma_async" in ptx
-
-
-def fused_layer_ptx(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, top_k: int = 8, pair: bool = False) -> str:
-    """fused_layer_usage's compilation -> the sm_90a PTX."""
+    bytes, whether its dots run as wgmma)."""
     from .fused_layer import _fused_layer_kernel as fn
     q = QUANT_CODES[scheme]
     act = "fp8e4nv" if q else _ELEM[dtype]
@@ -107,18 +101,18 @@ def fused_layer_ptx(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, top_
                part2_ptr="*fp32")
     for name, rows, k in (("w13", cfg.block_n1, cfg.block_k1), ("w2", cfg.block_n2, cfg.block_k2)):
         sig[name] = f"tensordesc<{act}[{rows}, {k}]>" if tma else "*" + act
-    if pair:
-        sig["w13"] = f"tensordesc<{act}[2, {cfg.block_n1}, {cfg.block_k1}]>"
     const = dict(TOP_K=top_k, K_POW2=max(2, next_pow2(top_k)), QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype],
                  BLOCK_N1=cfg.block_n1, BLOCK_K1=cfg.block_k1, SPLIT1=cfg.split1, BLOCK_N2=cfg.block_n2,
-                 BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=tma or pair, W2_TMA=tma,
-                 DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=False, PDL=True, PAIR=pair)
+                 BLOCK_K2=cfg.block_k2, SPLIT2=cfg.split2, W13_TMA=tma, W2_TMA=tma,
+                 DOT_IEEE=dtype == torch.float32 and q == 0, ROUND_IN_FP32=False, PDL=True)
     aligned = {"H", "I", "stride_x", "stride_out", "stride_w13e", "stride_w13n", "stride_w2e", "stride_w2n",
                "w13_rows", "w2_rows"}  # specialized as multiples of 16
     sig = {n: t for n, t in sig.items() if n not in const}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n in aligned}
-    return _compile_ptx(fn, sig, const, attrs, cfg.num_warps, cfg.num_stages)
+    ptx = _compile_ptx(fn, sig, const, attrs, cfg.num_warps, cfg.num_stages)
+    regs, spill, _ = ptxas_report(ptx)
+    return regs, spill, "wgmma.mma_async" in ptx
 
 
 def compile_for_hopper(fn, signature: dict, constexprs: dict, attrs: dict | None = None, num_warps: int = 4,

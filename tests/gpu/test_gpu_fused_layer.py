@@ -31,26 +31,6 @@ def test_against_references(scheme, dtype, cfg, t):
     run(scheme, dtype, t, e=16, h=384, i=256, k=4, cfg=cfg, repeats=3)
 
 
-@pytest.mark.parametrize("t", [1, 4])
-@pytest.mark.parametrize("scheme,cfg,h,i", [
-    ("fp8-block", FusedConfig(128, 128, 64, 128, 4, 3, 2, 8), 2048, 768),  # Qwen3-30B-A3B's H200 table tiles
-    ("none", FusedConfig(64, 128, 64, 128, 4, 3, 1, 8), 2048, 768),
-    ("fp8-block", FusedConfig(128, 128, 64, 128, 4, 3, 2, 8), 7168, 2048),  # DeepSeek-V3's shape
-    ("none", FusedConfig(64, 128, 128, 128, 4, 3), 200, 136)],  # K tails and part-filled column tiles
-    ids=["qwen3-fp8-block", "qwen3-bf16", "dsv3-fp8-block", "odd-bf16"])
-def test_pair_form_on_gpu(scheme, cfg, h, i, t, monkeypatch):
-    """fused_layer._PAIR_GATE_UP (each step's gate and up tiles in one copy and one dot): against the oracle and the
-    torch reference (poisoned, repeated launches), and bit for bit the two-dot form's output."""
-    import moeflow.kernels.fused_layer as fused
-    monkeypatch.setattr(fused, "_PAIR_GATE_UP", True)
-    seed = int(torch.randint(1 << 30, ()))  # fresh data, drawn twice the same
-    torch.manual_seed(seed)
-    paired = run(scheme, torch.bfloat16, t, e=16, h=h, i=i, k=8, cfg=cfg, repeats=3)
-    monkeypatch.setattr(fused, "_PAIR_GATE_UP", False)
-    torch.manual_seed(seed)
-    assert torch.equal(paired, run(scheme, torch.bfloat16, t, e=16, h=h, i=i, k=8, cfg=cfg))
-
-
 @pytest.mark.parametrize("t", [1, 5])
 def test_odd_sizes(t):
     """H = 200, I = 136: K tails in both GEMMs and part-filled column tiles; 7 experts, top-3."""
