@@ -33,7 +33,9 @@ Three partitions (gl.warp_specialize):
     accumulator quarter while the next runs, as kernels/gate_up_wgmma.py's loop; the epilogue quantizes the groups.
     The wide fp8-block down runs the same loop on a 64 x 256 tile: its two weight buffers a slot hold the tile's
     two 128-row halves (two weight-scale blocks), the epilogue stores four 64-column quarters times the routing
-    weight. Each consumer runs its own 64-row tile (a ping-pong): the 128-row tile split between the two consumers, both
+    weight. TOP_K > 0 (the down of a local batch, MOEFLOW_TRITON_COMBINE): after storing a tile the consumer
+    counts its rows in and sums the tokens whose K copies it completed (_combine_tile), so no top-k sum launch
+    follows. Each consumer runs its own 64-row tile (a ping-pong): the 128-row tile split between the two consumers, both
     reading each slot, ran 0.70-0.92x the shipped Gluon gate_up (commit 3d7b312,
     benchmarks/results/ws_fp8_gate_up_2026-12-01_h200_3d7b312.md).
 Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
