@@ -47,9 +47,6 @@ class RunnerCaps:
     # schemes for which it can run a single-process layer's dispatch, experts and combine together (one launch
     # for small batches: ExpertRunner.fused_config / run_fused), where the dispatcher declares ``fusable``
     fused_layer: frozenset[str] = frozenset()
-    # where the dispatcher declares ``fusable``, it can also do the combine (each token's copies summed) for a
-    # batch by index (ExpertRunner.run_combined: copy_rows and source_rows given), or decline it batch by batch
-    combines: bool = False
     # its run never synchronizes with the host and keeps no data-dependent shapes: a call can be captured in a CUDA
     # graph and replayed on new inputs of the same shapes (what moeflow.graphs needs of every stage)
     graph_safe: bool = False

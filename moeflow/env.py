@@ -84,11 +84,6 @@ TRITON_FUSED = EnvVar(
     "Triton runner, single-process layers: run a small batch's dispatch, experts and combine in one launch where "
     "the tuned table (or the T=1 default) gives tiles for it (kernels/fused_layer.py). Set 0 for the separate "
     "launches (sort, gate_up, down, top-k sum) at every batch size (comparisons, debugging).")
-TRITON_COMBINE = EnvVar(
-    "MOEFLOW_TRITON_COMBINE", "0",
-    "Triton runner, single-process layers: where the warp-specialized down GEMM runs (large batches), its launch also "
-    "sums each token's copies (the combine; kernels/warp_specialized.py), instead of a top-k sum launch after it. "
-    "Off by default until timed on a GPU; set 1 to use it.")
 TRITON_PAIR_TILES = EnvVar(
     "MOEFLOW_TRITON_PAIR_TILES", "1",
     "Triton runner, the Gluon fp8-block gate_up at 128-row tiles: a row block of at most 64 rows (an expert's "
@@ -104,7 +99,7 @@ TRITON_INTERPRET = EnvVar(
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
 ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_PDL, TRITON_FUSED,
-       TRITON_COMBINE, TRITON_PAIR_TILES, EAGER_GRAPHS, TRITON_INTERPRET)
+       TRITON_PAIR_TILES, EAGER_GRAPHS, TRITON_INTERPRET)
 # the switches a layer's forward path reads on every call: a graph captured under one setting replays that setting's
 # launches, so moeflow.graphs keys its graphs by their values
-PATH_SWITCHES = (TRITON_TMA, TRITON_PDL, TRITON_FUSED, TRITON_COMBINE, TRITON_PAIR_TILES)
+PATH_SWITCHES = (TRITON_TMA, TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES)

@@ -219,8 +219,8 @@ def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, t
 
     Where the plan allows it (Plan.fused_layer) and the runner's tuned data has a one-launch config for T
     tokens, the runner runs dispatch, experts and combine together; else dispatch -> experts (in the
-    runner's layout) -> combine, where the runner may do the combine itself (Plan.fused_combine). between (no
-    arguments): work to overlap with the dispatch exchange (the shared experts), called once either way."""
+    runner's layout) -> combine. between (no arguments): work to overlap with the dispatch exchange (the
+    shared experts), called once either way."""
     fused = runner.fused_config(hidden.shape[0], weights) if plan.fused_layer else None
     if fused is not None:
         out = runner.run_fused(hidden, topk_ids, topk_weights, weights, fused)
@@ -228,10 +228,6 @@ def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, t
     pending = dispatcher.dispatch_start(hidden, topk_ids, topk_weights)
     extra = between() if between else None
     batch, handle = dispatcher.dispatch_wait(pending)
-    if plan.fused_combine:  # the runner may sum each token's copies itself (the dispatcher's combine is bookkeeping)
-        out = runner.run_combined(batch, weights)
-        if out is not None:
-            return out, extra
     expert_out = run_in_layout(runner, batch, weights)
     return dispatcher.combine_wait(dispatcher.combine_start(expert_out, handle)), extra
 

@@ -34,9 +34,6 @@ class Plan:
     # the runner may run dispatch, experts and combine together (RunnerCaps.fused_layer, DispatcherCaps.fusable);
     # for which batch sizes it does is the runner's tuned data (ExpertRunner.fused_config)
     fused_layer: bool = False
-    # the runner's expert stage may also sum each token's copies (RunnerCaps.combines, DispatcherCaps.fusable, rows by
-    # index); for which batches it does is the runner's choice (ExpertRunner.run_combined)
-    fused_combine: bool = False
     # router, dispatcher and runner all declare graph_safe and the layout is native: a call can be captured in a CUDA
     # graph and replayed (moeflow.graphs replays eager calls of small batches from one)
     graph_safe: bool = False
@@ -182,17 +179,13 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
     if fused:
         reasons += (f"small batches: dispatch, experts and combine in one {runner!r} launch where its tuned "
                     f"configs say so (dispatcher {dispatcher!r} only sorts and sums)",)
-    combine = indexed and DISPATCHERS.get(dispatcher).caps.fusable and RUNNERS.get(runner).caps.combines
-    if combine:
-        reasons += (f"combine in the experts' launches: {runner!r} may sum each token's copies itself "
-                    f"(dispatcher {dispatcher!r} then only sorts)",)
     reasons += (why_t,)
     graph_safe = (layout == runner_layout and env.device_type == "cuda" and DISPATCHERS.get(dispatcher).caps.graph_safe
                   and RUNNERS.get(runner).caps.graph_safe and ROUTERS.get(router).caps.graph_safe)
     if graph_safe:
         reasons += ("CUDA-graph safe: eager calls of small batches replay a captured graph (MOEFLOW_EAGER_GRAPHS)",)
-    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed_rows=indexed,
-                router=router, fused_layer=fused, fused_combine=combine, graph_safe=graph_safe)
+    return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router,
+                fused, graph_safe)
 
 
 def cell_status(cfg: MoEConfig, env: Environment) -> str:

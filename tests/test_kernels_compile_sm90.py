@@ -457,13 +457,9 @@ jobs += [(torch.float8_e4m3fn, False, bm, bn, 128, stages, u) for bm, bn, stages
 jobs += [(torch.float8_e4m3fn, True, 64, 128, 128, stages, u) for stages, u in ((4, 8), (5, 8), (3, 7), (2, 1))]
 # the wide fp8-block down, 64 x 256 in quarters: Qwen3's 6 steps, DeepSeek-V3's 16 and Mixtral's 112 (bodies of 8), 1
 jobs += [(torch.float8_e4m3fn, False, 64, 256, 128, stages, u) for stages, u in ((5, 6), (4, 8), (3, 1))]
-jobs = [job + (0,) for job in jobs]
-# the down with the top-k sum in its epilogue (TOP_K 8): bf16 128 x 128, the fp8-block 64 x 128, 128 x 64 and wide tiles
-jobs += [(torch.bfloat16, False, 128, 128, 64, 2, 0, 8), (torch.float8_e4m3fn, False, 64, 128, 128, 4, 6, 8),
-         (torch.float8_e4m3fn, False, 128, 64, 128, 6, 7, 8), (torch.float8_e4m3fn, False, 64, 256, 128, 5, 6, 8)]
 gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"),
          torch.float8_e4m3fn: (gl.float8e4nv, "")}
-for dtype, gated, bm, bn, bk, stages, u, top_k in jobs:
+for dtype, gated, bm, bn, bk, stages, u in jobs:
     t = torch.empty(256, 256, dtype=dtype)
     gdt, name = gl_of[dtype]
     desc = lambda rows: mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [rows, bk],
@@ -472,15 +468,13 @@ for dtype, gated, bm, bn, bk, stages, u, top_k in jobs:
     out_ty = "*" + (name or ("fp8e4nv" if gated else "bf16"))  # fp8-block: the down's out bf16, the gate_up's fp8
     w_box = 128 if bn == 256 else bn  # the wide down loads its 256 weight rows as two 128-row boxes
     sig = dict(a_desc=desc(bm), w_desc=desc(w_box), rw_ptr="*fp32", out_ptr=out_ty, blk_ptr="*i32",
-               nblk_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32", outs_ptr="*fp32", src_ptr="*i64", copy_ptr="*i64",
-               cnt_ptr="*i32", sum_ptr=out_ty)
+               nblk_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32", outs_ptr="*fp32")
     sig.update({n: "i32" for n in fn.arg_names if n not in sig})
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,
-                 LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0, SCALED=u > 0, UNROLL=max(u, 1),
-                 TOP_K=top_k)
+                 LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0, SCALED=u > 0, UNROLL=max(u, 1))
     # compiled as the JIT specializes the shipped launches: these are multiples of 16 at every shipped shape
     aligned = ["rw_ptr", "out_ptr", "blk_ptr", "nblk_ptr", "as_ptr", "ws_ptr", "outs_ptr", "N", "K", "stride_out",
-               "stride_wse", "src_ptr", "copy_ptr", "cnt_ptr", "sum_ptr", "stride_sum"]
+               "stride_wse"]
     out.append(compile_gluon_for_hopper(fn, sig, const, 4, maxnreg=ws.MAXNREG, aligned=aligned))
 print(json.dumps(out))
 """
@@ -489,7 +483,7 @@ print(json.dumps(out))
 def test_warp_specialized_gemms_compile_without_spills():
     """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages; the fp8-block
     down's loop bodies of 1-8 steps, 2-8 stages, all three tiles; the fp8-block gate_up's bodies of 1-8 steps, 2-5
-    stages; the down with the top-k sum in its epilogue, TOP_K 8) under its launch's register cap:
+    stages) under its launch's register cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas
     neither serializes the wgmmas (C7514) nor injects waits (C7517)."""
     for regs, spill, notes in compile_without_interpreter(WS_DOWN_COMPILE):

@@ -76,12 +76,6 @@ class ExpertRunner(ABC):
         single-process layer after routing, with a config ``fused_config`` returned."""
         raise TypeError(f"runner {self.name!r} declares no fused layer")  # unreachable: the plan never asks
 
-    def run_combined(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor | None:
-        """Plan.fused_combine (the runner declares ``caps.combines``): the batch's outputs with each token's copies
-        summed, [T, H] as the dispatcher's combine gives them, for the batches the runner chooses; None for the
-        others (run() and the dispatcher's combine follow)."""
-        return None
-
     def input_activations(self, batch_hidden: Tensor, batch_scale: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The GEMM input for the first GEMM: the dispatcher's quantized payload as is, or the
         layer-dtype rows quantized now by the scheme. [M, H] -> (q [M, H], scale [M, G] | None)."""

@@ -7,9 +7,6 @@
       -> down + route w    kernels/down.py    -> [N, H] / [E, C, H] layer dtype
 Small single-process batches, where the tuned table says so (MoEKernelConfig.fused): route's ids and weights
 straight into kernels/fused_layer.py, one launch for the local dispatcher's sort, both GEMMs and its top-k sum.
-Other batches from the local dispatcher with MOEFLOW_TRITON_COMBINE=1 (Plan.fused_combine): where the
-warp-specialized down runs, its launch also sums each token's copies (kernels/down.Combine), so the top-k sum launch
-goes; elsewhere the runner runs that sum itself (the same bits).
 No host synchronization and no data-dependent shape anywhere: a call can be captured in a CUDA
 graph (the decode path). Kernel configs come from tuned JSON files (kernels/configs.py).
 This module imports triton lazily: the registry lists the runner where triton is absent and
@@ -47,7 +44,6 @@ class TritonRunner(ExpertRunner):
         note="fused Triton GEMMs (activation, routing weight and FP8 quantization fused)",
         indexed_rows=True,  # gate_up loads each sorted row from its token's row (ExpertBatch.source_rows)
         fused_layer=_FUSED,
-        combines=True,  # run_combined: the warp-specialized down's launch sums each token's copies (kernels/down.py)
         graph_safe=True,  # no host synchronization, no data-dependent shape (tests/gpu/test_gpu_triton.py captures it)
     )
 
@@ -64,37 +60,21 @@ class TritonRunner(ExpertRunner):
     def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
         return self.run_with(batch, weights, self.kernel_config(batch, weights))
 
-    def run_combined(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor | None:
-        """A local dispatcher's sorted batch by index (copy_rows [T, K] and source_rows given), with
-        MOEFLOW_TRITON_COMBINE=1 -> [T, H] ``config.dtype``: the experts' outputs with each token's K copies summed
-        (the dispatcher's combine, the same bits); the sum in the down launch's epilogue where the warp-specialized
-        down runs (kernels/down.Combine), else reduce.moe_sum after it. Other batches, or the switch off -> None:
-        run() and the dispatcher's combine follow."""
-        if (batch.layout != SORTED or batch.copy_rows is None or batch.source_rows is None
-                or batch.copy_rows.dim() != 2 or not moeflow_env.TRITON_COMBINE.get_bool()):
-            return None
-        return self.run_with(batch, weights, self.kernel_config(batch, weights), combine=True)
-
-    def run_with(self, batch: ExpertBatch, weights: ExpertWeights, kcfg, poison: bool = False,
-                 combine: bool = False) -> Tensor:
+    def run_with(self, batch: ExpertBatch, weights: ExpertWeights, kcfg, poison: bool = False) -> Tensor:
         """run() with explicit kernel configs ``kcfg`` (a MoEKernelConfig; tests and tuning call it).
 
-        Returns [N, H] (sorted) or [E, C, H] (masked, zeros in empty slots), ``config.dtype``; combine (a sorted
-        batch with copy_rows [T, K] and source_rows): [T, H], each token's copies summed (run_combined).
+        Returns [N, H] (sorted) or [E, C, H] (masked, zeros in empty slots), ``config.dtype``.
         poison: fill every intermediate and output buffer with NaN first, so unwritten elements show.
         Weights are used through their strides (the last dimension contiguous, as the layer's
         parameters are; an expert dimension of stride 0 is fine).
         """
         from ..kernels.common import RowLayout, unit_stride_rows
-        from ..kernels.down import Combine, down
+        from ..kernels.down import down
         from ..kernels.gate_up import gate_up
-        from ..kernels.reduce import moe_sum
         from ..kernels.quant import down_input, quantize_activation, quantize_rows
         config, scheme = self.config, self.scheme
         h = config.hidden_size
         layout = RowLayout.of(batch)
-        if combine and layout.rows == 0:
-            return torch.zeros((batch.copy_rows.shape[0], h), dtype=config.dtype, device=batch.hidden.device)
         if layout.rows == 0:
             return empty_output(batch, h, config.dtype)
         src = batch.source_rows  # rows by index: quantize the S source rows once, gather in gate_up
@@ -111,16 +91,8 @@ class TritonRunner(ExpertRunner):
                                source_rows=None if src is None else src.contiguous(),
                                copy_rows=None if batch.copy_rows is None else batch.copy_rows.contiguous())
         a, a_scale = down_input(inter, extra, scheme.name)
-        summed = None
-        if combine:
-            copy_rows, t = batch.copy_rows.contiguous(), batch.copy_rows.shape[0]
-            summed = Combine(src.contiguous(), copy_rows,
-                             torch.full((t, h), float("nan"), dtype=config.dtype, device=x.device) if poison else
-                             torch.empty((t, h), dtype=config.dtype, device=x.device))
         out = down(a, a_scale, weights.w2, weights.w2_scale, batch.weights.reshape(-1).float().contiguous(),
-                   layout, scheme.name, config.dtype, kcfg.down, poison, combine=summed)
-        if summed is not None:
-            return summed.out if summed.done else moe_sum(out, summed.copy_rows.view(-1), summed.copy_rows.shape[1])
+                   layout, scheme.name, config.dtype, kcfg.down, poison)
         return out.view(*batch.hidden.shape[:-1], h) if batch.layout == MASKED else out
 
     def kernel_config(self, batch: ExpertBatch, weights: ExpertWeights):

@@ -19,8 +19,6 @@ order into the output (deterministic; float32 sums of partial sums, so not bit-e
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -30,25 +28,6 @@ from .common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, expert_
                      num_sms, pdl, pdl_launch, pdl_wait, per_col, per_row, row_major, rows_operand, scale_block,
                      sorted_block, split_steps, tile_dot, tile_dot_acc, tile_ids, weight_operand)
 from .gate_up import _expert_of_row, _scale_strides
-
-
-@dataclass
-class Combine:
-    """The top-k sum asked of the down launch (TritonRunner.run_combined): source [R] int64, the token of each
-    sorted row; copy_rows [T, K] int64, the row of each token's copy k (-1: none); out [T, H] layer dtype, each
-    token's K rows of the down's output summed in float32 in k order (reduce.moe_sum's bits). done: set by down()
-    where its launch did the sum (the warp-specialized kernel, kernels/warp_specialized._combine_tile); else the
-    caller sums."""
-    source: Tensor
-    copy_rows: Tensor
-    out: Tensor
-    done: bool = False
-    cnt: Tensor | None = None  # the last launch's counts (tests check they are left zero)
-
-    def counts(self, col_tiles: int) -> Tensor:
-        """The launch's counts [T, col_tiles] int32, zero (the launch leaves them zero)."""
-        self.cnt = torch.zeros((self.copy_rows.shape[0], col_tiles), dtype=torch.int32, device=self.out.device)
-        return self.cnt
 
 
 @triton.jit(do_not_specialize=["num_blocks_m", "w_rows_per_expert"])
@@ -195,12 +174,10 @@ def _split_sum_kernel(part_ptr, out_ptr, rows, H, SPLIT_K: tl.constexpr, BLOCK_H
 
 
 def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,
-         layout: RowLayout, scheme: str, dtype: torch.dtype, cfg, poison: bool = False,
-         combine: Combine | None = None) -> Tensor:
+         layout: RowLayout, scheme: str, dtype: torch.dtype, cfg, poison: bool = False) -> Tensor:
     """a [R, I] (+ a_scale [R, G]), w2 [E, H, I] (+ scale), route_w [R] float32 -> out [R, H] ``dtype``.
     Rows of empty masked slots are zero. cfg: a GemmConfig. poison: NaN-fill the output (and a split
-    K's workspace) first. combine (a sorted batch): where the warp-specialized kernel runs, it also writes the
-    top-k sum into combine.out and sets combine.done; the other kernels leave that to the caller."""
+    K's workspace) first."""
     r, i = a.shape
     _, h, _ = w2.shape
     out = torch.full((r, h), float("nan"), dtype=dtype, device=a.device) if poison else \
@@ -210,10 +187,7 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
         if cfg.warp_specialize and a.is_cuda:
             from . import warp_specialized  # Gluon: loaded on CUDA only
             if warp_specialized.usable(a, a_scale, w2, layout, scheme, cfg, w_scale=w2_scale):
-                warp_specialized.launch(a, w2, route_w, layout, cfg, out, a_scale=a_scale, w_scale=w2_scale,
-                                        combine=combine)
-                if combine is not None:
-                    combine.done = True
+                warp_specialized.launch(a, w2, route_w, layout, cfg, out, a_scale=a_scale, w_scale=w2_scale)
                 return out
         if cfg.scale_overlap and a.is_cuda:
             from . import down_wgmma  # Gluon: loaded on CUDA only

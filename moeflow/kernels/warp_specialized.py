@@ -33,9 +33,7 @@ Three partitions (gl.warp_specialize):
     accumulator quarter while the next runs, as kernels/gate_up_wgmma.py's loop; the epilogue quantizes the groups.
     The wide fp8-block down runs the same loop on a 64 x 256 tile: its two weight buffers a slot hold the tile's
     two 128-row halves (two weight-scale blocks), the epilogue stores four 64-column quarters times the routing
-    weight. TOP_K > 0 (the down of a local batch, MOEFLOW_TRITON_COMBINE): after storing a tile the consumer
-    counts its rows in and sums the tokens whose K copies it completed (_combine_tile), so no top-k sum launch
-    follows. Each consumer runs its own 64-row tile (a ping-pong): the 128-row tile split between the two consumers, both
+    weight. Each consumer runs its own 64-row tile (a ping-pong): the 128-row tile split between the two consumers, both
     reading each slot, ran 0.70-0.92x the shipped Gluon gate_up (commit 3d7b312,
     benchmarks/results/ws_fp8_gate_up_2026-12-01_h200_3d7b312.md).
 Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
@@ -159,13 +157,12 @@ if gluon is not None:
     @gluon.jit
     def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr,
-                TOP_K: gl.constexpr):
+                SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
         """The loader warp (module docstring, How); c unused (the workers share a signature). GATED: each step
         also loads the up rows (N rows after the gate rows) into the slot's second weight buffer."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
          num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
-         outs_ptr, stride_outs, src_ptr, copy_ptr, cnt_ptr, sum_ptr, stride_sum, flags) = p
+         outs_ptr, stride_outs) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down: two 128-row halves
@@ -326,48 +323,13 @@ if gluon is not None:
                  mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
     @gluon.jit
-    def _combine_tile(row_start, row_end, pid_n, num_pid_n, y_ptr, stride_y, N, src_ptr, copy_ptr, cnt_ptr, sum_ptr,
-                      stride_sum, flags, TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The top-k sum in the down's epilogue (TOP_K > 0), after the tile's rows of y [R, N] are stored: each row
-        counts itself in at cnt[token, pid_n] (cnt_ptr [T, num_pid_n] int32, zero between launches; the token from
-        src_ptr [R] int64); the row whose count completes its token's TOP_K copies sums their rows of y at this
-        tile's columns, in k order (copy_ptr [T * TOP_K] int64: the row of copy k of token t, -1 counts as zero),
-        float32, into sum_ptr [T, N] (stride_sum), and zeroes the count: reduce.moe_sum's bits. flags: this
-        consumer's [128] int32 shared scratch. Rows of other programs are read through L2 (.cg)."""
-        gl.thread_barrier()  # every thread of this warpgroup has stored its part of the tile
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a row per thread: each count taken once
-        i = gl.arange(0, 128, layout=one)
-        mine = (i < BLOCK_M) & (row_start + i < row_end)
-        cnt = cnt_ptr + gl.load(src_ptr + row_start + i, mask=mine, other=0) * num_pid_n + pid_n
-        ones = gl.full([128], 1, gl.int32, one)
-        done = mine & (gl.atomic_add(cnt, ones, mask=mine, sem="acq_rel", scope="gpu") == TOP_K - 1)
-        gl.store(cnt, ones * 0, mask=done)
-        flags.store(done.to(gl.int32))
-        gl.thread_barrier()  # the flags, and the completing rows' acquire, before any thread reads
-        QC: gl.constexpr = 64 if BLOCK_M <= 64 else 32  # columns a pass: a float32 sum of 32 a thread (no spills)
-        cl: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (QC // 8), QC // 8], [4, 1], [1, 0])  # 16-byte loads
-        fin = flags.slice(0, BLOCK_M).load(gl.SliceLayout(1, cl)) != 0
-        rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, cl))
-        tok = gl.load(src_ptr + rows, mask=fin, other=0)
-        for q in gl.static_range(BLOCK_N // QC):
-            cols = pid_n * BLOCK_N + q * QC + gl.arange(0, QC, layout=gl.SliceLayout(0, cl))
-            m = fin[:, None] & (cols < N)[None, :]
-            acc = gl.zeros([BLOCK_M, QC], gl.float32, cl)
-            for k in gl.static_range(TOP_K):
-                row_k = gl.load(copy_ptr + tok * TOP_K + k, mask=fin, other=-1)
-                acc += gl.load(y_ptr + row_k[:, None] * stride_y + cols[None, :], mask=m & (row_k >= 0)[:, None],
-                               other=0.0, cache_modifier=".cg").to(gl.float32)
-            gl.store(sum_ptr + tok[:, None] * stride_sum + cols[None, :], acc.to(sum_ptr.dtype.element_ty), mask=m)
-
-    @gluon.jit
     def _consume(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                 SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr,
-                TOP_K: gl.constexpr):
+                 SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
         """Consumer warpgroup c: the program's tiles c, c + 2, ... (module docstring, How)."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
          num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
-         outs_ptr, stride_outs, src_ptr, copy_ptr, cnt_ptr, sum_ptr, stride_sum, flags) = p
+         outs_ptr, stride_outs) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down (module docstring)
@@ -408,9 +370,6 @@ if gluon is not None:
                     _store_cols(acc1, rw, row_start, row_end, col0 + QN, out_ptr, stride_out, N, BLOCK_M, QN)
                     _store_cols(acc2, rw, row_start, row_end, col0 + 2 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
                     _store_cols(acc3, rw, row_start, row_end, col0 + 3 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
-                    if TOP_K > 0:
-                        _combine_tile(row_start, row_end, pid_n, num_pid_n, out_ptr, stride_out, N, src_ptr,
-                                      copy_ptr, cnt_ptr, sum_ptr, stride_sum, flags.index(c), TOP_K, BLOCK_M, BLOCK_N)
             else:
                 if GATED:
                     acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
@@ -434,32 +393,26 @@ if gluon is not None:
                 cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
                 gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
                          mask=(rows < row_end)[:, None] & (cols < N)[None, :])
-                if TOP_K > 0:
-                    _combine_tile(row_start, row_end, pid_n, num_pid_n, out_ptr, stride_out, N, src_ptr, copy_ptr,
-                                  cnt_ptr, sum_ptr, stride_sum, flags.index(c), TOP_K, BLOCK_M, BLOCK_N)
 
     @gluon.jit
     def _consumer0(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                   SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr,
-                TOP_K: gl.constexpr):
-        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE, TOP_K)
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
+        _consume(p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE)
 
     @gluon.jit
     def _consumer1(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                   SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr,
-                TOP_K: gl.constexpr):
-        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE, TOP_K)
+                   SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
+        _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE)
 
     @gluon.jit(do_not_specialize=["num_blocks", "num_programs", "w_rows_per_expert"])
     def _ws_gemm_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, as_ptr, ws_ptr, num_blocks, num_programs,
                         N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn, outs_ptr, stride_outs,
-                        src_ptr, copy_ptr, cnt_ptr, sum_ptr, stride_sum,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                         GATED: gl.constexpr = False, ACT: gl.constexpr = 0, SCALED: gl.constexpr = False,
-                        UNROLL: gl.constexpr = 1, INTER_DTYPE: gl.constexpr = gl.bfloat16, TOP_K: gl.constexpr = 0):
+                        UNROLL: gl.constexpr = 1, INTER_DTYPE: gl.constexpr = gl.bfloat16):
         """out [R, N] from a [R, K] (a_desc: TMA descriptor, [BLOCK_M, BLOCK_K] boxes; rows past a block's end are
         read, never stored) and the weight rows [E * W, K] (w_desc, [BLOCK_N, BLOCK_K] boxes; expert e's from
         e * w_rows_per_expert); both zero-fill past K. down: N = H, K = I, W = H, times rw_ptr's routing weight.
@@ -469,8 +422,7 @@ if gluon is not None:
         [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body. GATED and
         SCALED (BLOCK_N 128): out float8_e4m3fn, act(gate) * up rounded to INTER_DTYPE (the layer dtype), then
         quantized in 1x128 groups, their scales into outs_ptr [R, N / 128] float32 (row stride stride_outs); outs_ptr
-        unused otherwise. TOP_K > 0 (down): the top-k sum too (_combine_tile: src_ptr, copy_ptr, cnt_ptr, sum_ptr,
-        stride_sum); unused otherwise."""
+        unused otherwise."""
         dtype: gl.constexpr = a_desc.dtype
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256
         WB: gl.constexpr = 2 if GATED or WIDE else 1  # weight buffers a slot (gate and up; WIDE: two 128-row halves)
@@ -480,8 +432,6 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        flags = gl.allocate_shared_memory(gl.int32, [2, 128 if TOP_K > 0 else 1],
-                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a consumer's combine flags
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
@@ -490,14 +440,13 @@ if gluon is not None:
         fence_async_shared()
         p = (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
              num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
-             outs_ptr, stride_outs, src_ptr, copy_ptr, cnt_ptr, sum_ptr, stride_sum, flags)
+             outs_ptr, stride_outs)
         gl.warp_specialize(
             [(_consumer0, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL,
-                           INTER_DTYPE, TOP_K)),
+                           INTER_DTYPE)),
              (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL,
-                           INTER_DTYPE, TOP_K)),
-             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE,
-                        TOP_K))],
+                           INTER_DTYPE)),
+             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -529,14 +478,13 @@ def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, sche
 
 def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg, out: Tensor, gated: bool = False,
            act: int = 0, a_scale: Tensor | None = None, w_scale: Tensor | None = None, out_scale: Tensor | None = None,
-           dtype: torch.dtype = torch.bfloat16, most_unroll: int = 8, combine=None) -> None:
+           dtype: torch.dtype = torch.bfloat16, most_unroll: int = 8) -> None:
     """Write out [R, N] (module docstring); usable() must have said True. down: w = down_proj [E, H, I], out
     [R, H], route_w [R] float32; fp8-block: with a_scale [R, I / 128] and w_scale (down_proj_scale_inv)
     [E, H / 128, I / 128] float32. gated (gate_up): w = gate_up_proj [E, 2I, H], out [R, I], act a
     common.ACT_CODES value, route_w unused; fp8-block: a_scale [R, H / 128], w_scale (gate_up_proj_scale_inv)
     [E, 2I / 128, H / 128], out float8_e4m3fn and out_scale [R, I / 128] float32 (its 1x128 groups), dtype the
-    layer dtype the activation is rounded to first. most_unroll: the most K steps of an fp8-block loop body.
-    combine (down only): a down.Combine whose out [T, N] also receives the top-k sum of out's rows (_combine_tile)."""
+    layer dtype the activation is rounded to first. most_unroll: the most K steps of an fp8-block loop body."""
     r, k = a.shape
     e, w_rows, _ = w.shape
     n = out.shape[1]
@@ -556,12 +504,9 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     steps = cdiv(k, bk)
     as_, ws_ = (a_scale, w_scale) if scaled else (out, out)
     outs = out_scale if out_scale is not None else as_
-    top_k = combine.copy_rows.shape[1] if combine is not None else 0
-    src, copies, counts, summed = (combine.source, combine.copy_rows, combine.counts(cdiv(n, bn)), combine.out) \
-        if combine is not None else (blk, blk, blk, out)
     _ws_gemm_kernel[(programs,)](
         a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1], programs, n,
         k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0, ws_.stride(1) if scaled else 0,
-        outs, outs.stride(0), src, copies, counts, summed, summed.stride(0), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        outs, outs.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled,
         UNROLL=unroll(steps, most_unroll) if scaled else 1, INTER_DTYPE=_INTER[dtype], num_warps=4, maxnreg=MAXNREG)
