@@ -455,6 +455,8 @@ jobs += [(torch.float8_e4m3fn, False, bm, bn, 128, stages, u) for bm, bn, stages
          ((64, 128, 4, 6), (64, 128, 8, 8), (64, 128, 3, 1), (128, 64, 6, 7), (128, 64, 4, 8))]
 # fp8-block gate_up, 64 x 128: bodies of 8 (Qwen3's 16 steps, Mixtral's 32, DeepSeek-V3's 56), 7, 1; 2-5 stages
 jobs += [(torch.float8_e4m3fn, True, 64, 128, 128, stages, u) for stages, u in ((4, 8), (5, 8), (3, 7), (2, 1))]
+# the same 128 x 128, the two consumers 64 rows each (COOP): 2-4 stages
+jobs += [(torch.float8_e4m3fn, True, 128, 128, 128, stages, u) for stages, u in ((4, 8), (3, 7), (2, 1))]
 # the wide fp8-block down, 64 x 256 in quarters: Qwen3's 6 steps, DeepSeek-V3's 16 and Mixtral's 112 (bodies of 8), 1
 jobs += [(torch.float8_e4m3fn, False, 64, 256, 128, stages, u) for stages, u in ((5, 6), (4, 8), (3, 1))]
 gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"),
@@ -483,7 +485,7 @@ print(json.dumps(out))
 def test_warp_specialized_gemms_compile_without_spills():
     """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages; the fp8-block
     down's loop bodies of 1-8 steps, 2-8 stages, all three tiles; the fp8-block gate_up's bodies of 1-8 steps, 2-5
-    stages) under its launch's register cap:
+    stages, and its 128-row tiles shared by the two consumers at 2-4) under its launch's register cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas
     neither serializes the wgmmas (C7514) nor injects waits (C7517)."""
     for regs, spill, notes in compile_without_interpreter(WS_DOWN_COMPILE):

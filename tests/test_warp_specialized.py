@@ -54,6 +54,11 @@ def test_fit_keeps_warp_specialize_where_the_kernel_runs():
               elem_bytes=1, n_size=768).warp_specialize == 0  # 64 columns: half a group
     assert not kc.ws_fits(kc.GemmConfig(64, 128, 128, 8, 4, 6, warp_specialize=1), True, "fp8-block")  # 240 KB
     assert kc.ws_fits(kc.GemmConfig(64, 128, 128, 8, 4, 2, warp_specialize=1), True, "fp8-block")
+    # 128 x 128 (COOP: the two consumers 64 rows each), at most 4 stages of 48 KB
+    coop = ws(kc.GemmConfig(128, 128, 128, 16, 4, 6, warp_specialize=1), fused_pair=True, scheme="fp8-block",
+              elem_bytes=1, n_size=2048)
+    assert (coop.block_m, coop.warp_specialize, coop.num_stages) == (128, 1, 4)
+    assert not kc.ws_fits(kc.GemmConfig(128, 128, 128, 8, 4, 5, warp_specialize=1), True, "fp8-block")
     # the wide fp8-block down: 64 x 256 in quarters, at most 5 stages of 40 KB; not for the gate_up
     wide = ws(kc.GemmConfig(64, 256, 128, 8, 4, 7, warp_specialize=1), scheme="fp8-block", elem_bytes=1)
     assert (wide.block_n, wide.warp_specialize, wide.num_stages) == (256, 1, 5)

@@ -5,7 +5,8 @@ take the fastest bit-equal variant where it beat the shipped entry by 2% or more
 layer A/B; GAIN=1.0 takes any faster one).
 
 SWEEP=ws (default; fp8-block): the warp-specialized kernels (kernels/warp_specialized.py): GEMM=gate_up its 64 x 128
-fp8-block gate_up, GEMM=down its 64 x 128 and wide 64 x 256 downs; reference: the Triton kernel at 64 x 128 (the
+fp8-block gate_up (a tile a consumer) and its 128 x 128 one (COOP: the two consumers 64 rows each of a tile;
+WS_GATE_UP=pingpong or coop times only one of the two), GEMM=down its 64 x 128 and wide 64 x 256 downs; reference: the Triton kernel at 64 x 128 (the
 Gluon kernels give the same bits). SWEEP=order (SCHEME=none or fp8-block): the shipped entry with another tile order
 (GROUP_M 4, 8, 16, 32) or one stage more or fewer, where fit() keeps it; reference: the shipped entry's output.
 
@@ -31,8 +32,10 @@ ROWS = [(p, t) for p in ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3") for t i
 GEMM = os.environ.get("GEMM", "gate_up")
 SWEEP = os.environ.get("SWEEP", "ws")
 SCHEME = os.environ.get("SCHEME", "fp8-block")
-WS_VARIANTS = {"gate_up": [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1)
-                           for g, s in ((8, 3), (8, 4), (8, 5), (16, 4))],
+WS_VARIANTS = {"gate_up": [GemmConfig(bm, 128, 128, g, 4, s, warp_specialize=1)
+                           for bm, g, s in ((64, 8, 3), (64, 8, 4), (64, 8, 5), (64, 16, 4),
+                                            (128, 8, 3), (128, 8, 4), (128, 16, 3), (128, 16, 4))
+                           if os.environ.get("WS_GATE_UP", "all") in ("all", "coop" if bm == 128 else "pingpong")],
                "down": [GemmConfig(64, bn, 128, g, 4, s, warp_specialize=1)
                         for bn, g, s in ((128, 8, 6), (256, 8, 3), (256, 8, 4), (256, 8, 5), (256, 16, 4))]}[GEMM]
 GAIN = float(os.environ.get("GAIN", "1.02"))

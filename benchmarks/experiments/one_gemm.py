@@ -2,12 +2,15 @@
 
     PYTHONPATH=$PWD ncu --clock-control none -k regex:gate_up -s 1 -c 1 python benchmarks/experiments/one_gemm.py \
         qwen3-30b-a3b 4096 gate_up
+CFG='{"block_m": 128, ...}' (GemmConfig's fields, JSON) runs that tile instead of the shipped one.
 """
+import json
 import os
 import sys
 
 import torch
 
+from moeflow.kernels.configs import GemmConfig
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
 from moeflow.kernels.quant import down_input
@@ -19,6 +22,9 @@ from _gemm_case import fp8_block_case  # noqa: E402
 def main():
     preset, t, which = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     _, batch, layout, kcfg, w, xq, xs = fp8_block_case(preset, t, torch.device("cuda"))
+    if os.environ.get("CFG"):
+        forced = GemmConfig(**json.loads(os.environ["CFG"]))
+        kcfg = type(kcfg)(forced, kcfg.down) if which == "gate_up" else type(kcfg)(kcfg.gate_up, forced)
     run_gu = lambda: gate_up(xq, xs, w.w13, w.w13_scale, layout, "fp8-block", "silu", torch.bfloat16, kcfg.gate_up)
     inter, inter_s = run_gu()
     if which == "gate_up":

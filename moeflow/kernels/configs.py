@@ -207,11 +207,14 @@ def ws_fits(cfg: GemmConfig, gated: bool, scheme: str = "none") -> bool:
     accumulators, gate and up), 2-6 stages (32 KB each). fp8-block, BLOCK_K 128 (one scale group a step): the down
     an accumulator and two products by turns of 64 registers each, 64 x 128 or 128 x 64 tiles, 2-8 stages (24 KB
     each); the gate_up 64 x 128 tiles (one output group a row), four accumulator quarters and two quarter products
-    of 32 registers each, 2-5 stages (40 KB each: the x tile and 128 gate and 128 up weight rows); the down also
-    64 x 256 tiles in the same quarters, 2-5 stages of 40 KB."""
+    of 32 registers each, 2-5 stages (40 KB each: the x tile and 128 gate and 128 up weight rows), or 128 x 128
+    tiles shared by the two consumers (COOP, 64 rows each), 2-4 stages of 48 KB; the down also 64 x 256 tiles in
+    the same quarters, 2-5 stages of 40 KB."""
     if cfg.num_warps != 4 or cfg.split_k != 1:
         return False
     if scheme == "fp8-block":
+        if gated and (cfg.block_m, cfg.block_n) == (128, 128):  # COOP: 48 KB stages
+            return cfg.block_k == 128 and 2 <= cfg.num_stages <= 4
         if (cfg.block_m, cfg.block_n) == ((64, 128) if gated else (64, 256)):  # tiles in quarters, 40 KB stages
             return cfg.block_k == 128 and 2 <= cfg.num_stages <= 5
         return (not gated and (cfg.block_m, cfg.block_n) in ((64, 128), (128, 64)) and cfg.block_k == 128

@@ -135,6 +135,12 @@ def block_table_torch(layout: RowLayout, block_m: int) -> tuple[Tensor, Tensor]:
 
 
 if gluon is not None:
+    @gluon.constexpr_function
+    def coop(gated, scaled, block_m):
+        """Whether the two consumers share each tile (COOP, module docstring): the fp8-block gate_up's 128-row tiles,
+        too large for one consumer's registers, 64 rows each."""
+        return bool(gated) and bool(scaled) and int(block_m) == 128
+
     @gluon.jit
     def _tiles(nblk_ptr, num_programs, N, BLOCK_N: gl.constexpr):
         """-> (real row blocks, column tiles, tiles of this program)."""
@@ -243,25 +249,31 @@ if gluon is not None:
         return acc, d_a, d_b
 
     @gluon.jit
-    def _quarter(a_bufs, w_bufs, g, q: gl.constexpr, d, STAGES: gl.constexpr, QN: gl.constexpr):
+    def _quarter(a_bufs, w_bufs, g, q: gl.constexpr, d, STAGES: gl.constexpr, QN: gl.constexpr,
+                 ROW0: gl.constexpr):
         """Start step g's wgmma of quarter q of a tile in quarters into d's registers (d's values unused); the caller
         has waited for the step's tiles. The slot's two weight buffers 2 * slot and 2 * slot + 1 (gated: the gate and
         the up rows; the wide down: the tile's two 128-row halves) of 2 * QN rows each; q: 0 the first buffer's rows
-        0 .. QN - 1, 1 its rows QN .. 2QN - 1, 2 and 3 the same of the second."""
+        0 .. QN - 1, 1 its rows QN .. 2QN - 1, 2 and 3 the same of the second. The activation rows: d's rows of the
+        slot's tile from row ROW0 (COOP: each consumer its 64-row half of a 128-row tile)."""
         slot = g % STAGES
         w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * QN, QN, dim=0)
-        return warpgroup_mma(a_bufs.index(slot), w.permute((1, 0)), d, use_acc=False, is_async=True)
+        a = a_bufs.index(slot)
+        if a.shape[0] != d.shape[0]:
+            a = a.slice(ROW0, d.shape[0], dim=0)
+        return warpgroup_mma(a, w.permute((1, 0)), d, use_acc=False, is_async=True)
 
     @gluon.jit
     def _k_loop_quarters(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc0, acc1, acc2, acc3, d_a, d_b,
-                         as_rows, gs, us, STAGES: gl.constexpr, UNROLL: gl.constexpr, QN: gl.constexpr):
+                         as_rows, gs, us, STAGES: gl.constexpr, UNROLL: gl.constexpr, QN: gl.constexpr,
+                         ROW0: gl.constexpr = 0, TURNS: gl.constexpr = True):
         """fp8-block gate_up and wide down: the tile's four accumulator quarters (_quarter's order) plus every step's
         four quarter products, each scaled by the rows' group scale (as_rows + t) times its weight block's (gs + t for
         the first weight buffer's quarters, us + t for the second's), as kernels/gate_up_wgmma.py's K loop: the
         products by turns, each scaled into its quarter while the next runs, a step's last product finished during
         the next step's first; UNROLL steps a body, nothing in flight across its back edge. A step's slot is
         released once its last wgmma is done; turn_bar gets the other consumer's turn once the tile's last wgmma is
-        issued.
+        issued (TURNS; COOP runs without turns). ROW0: _quarter's.
         -> (acc0, acc1, acc2, acc3, d_a, d_b): the products' registers carry over to the next tile."""
         bodies = n // UNROLL
         for b in range(bodies):
@@ -273,20 +285,20 @@ if gluon is not None:
                 s_x = gl.load(as_rows + t)
                 s_g = s_x * gl.load(gs + t)
                 s_u_next = s_x * gl.load(us + t)
-                p_a = _quarter(a_bufs, w_bufs, g, 0, d_a, STAGES, QN)
+                p_a = _quarter(a_bufs, w_bufs, g, 0, d_a, STAGES, QN, ROW0)
                 if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this body)
                     d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
                     mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)  # every wgmma of step g - 1 is done
                     acc3 = _scaled_add(d_b, s_u, acc3)  # noqa: F821
                 s_u = s_u_next
-                p_b = _quarter(a_bufs, w_bufs, g, 1, d_b, STAGES, QN)
+                p_b = _quarter(a_bufs, w_bufs, g, 1, d_b, STAGES, QN, ROW0)
                 d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
                 acc0 = _scaled_add(d_a, s_g, acc0)
-                p_a = _quarter(a_bufs, w_bufs, g, 2, d_a, STAGES, QN)
+                p_a = _quarter(a_bufs, w_bufs, g, 2, d_a, STAGES, QN, ROW0)
                 d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))
                 acc1 = _scaled_add(d_b, s_g, acc1)
-                p_b = _quarter(a_bufs, w_bufs, g, 3, d_b, STAGES, QN)
-                if u == UNROLL - 1:
+                p_b = _quarter(a_bufs, w_bufs, g, 3, d_b, STAGES, QN, ROW0)
+                if TURNS and u == UNROLL - 1:
                     mbarrier.arrive(turn_bar, count=1, pred=last)
                 d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
                 acc2 = _scaled_add(d_a, s_u, acc2)
@@ -294,6 +306,15 @@ if gluon is not None:
             mbarrier.arrive(empty.index((g0 + b * UNROLL + UNROLL - 1) % STAGES), count=1)
             acc3 = _scaled_add(d_b, s_u, acc3)
         return acc0, acc1, acc2, acc3, d_a, d_b
+
+    @gluon.jit
+    def _pass_steps(ready, empty, g0, n, STAGES: gl.constexpr):
+        """COOP, consumer 1 of a block of at most 64 rows (none of them its own): release the tile's steps g0 ..
+        g0 + n - 1 without a wgmma, each once it has landed (so that no release counts towards a later phase)."""
+        for k in range(n):
+            g = g0 + k
+            mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+            mbarrier.arrive(empty.index(g % STAGES), count=1)
 
     @gluon.jit
     def _store_fp8_groups(acc0, acc1, acc2, acc3, row_start, row_end, pid_n, out_ptr, outs_ptr, stride_out,
@@ -326,7 +347,8 @@ if gluon is not None:
     def _consume(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
                  SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
-        """Consumer warpgroup c: the program's tiles c, c + 2, ... (module docstring, How)."""
+        """Consumer warpgroup c: the program's tiles c, c + 2, ...; COOP: every tile of the program, its rows
+        64c .. 64c + 63 (module docstring, How)."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
          num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
          outs_ptr, stride_outs) = p
@@ -334,18 +356,24 @@ if gluon is not None:
         n = gl.cdiv(K, BLOCK_K)
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down (module docstring)
         QN: gl.constexpr = 64 if SCALED and (GATED or WIDE) else BLOCK_N  # a product's columns
+        COOP: gl.constexpr = coop(GATED, SCALED, BLOCK_M)
+        CM: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M  # this consumer's rows of a tile
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, QN, 32 if SCALED else 16])
         st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
-        d_a = gl.zeros([BLOCK_M, QN], gl.float32, mma)  # SCALED: the two products by turns
-        d_b = gl.zeros([BLOCK_M, QN], gl.float32, mma)
-        for j in range(c, my_tiles, 2):
+        d_a = gl.zeros([CM, QN], gl.float32, mma)  # SCALED: the two products by turns
+        d_b = gl.zeros([CM, QN], gl.float32, mma)
+        for j in range(0 if COOP else c, my_tiles, 1 if COOP else 2):
             row_start, row_end, pid_n, _, expert = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
                                                          w_rows_per_expert, BLOCK_N, GROUP_M)
-            i = j // 2  # this consumer's i-th tile: wait until the other has issued its K loop before this one
-            mbarrier.wait(turn.index(c), (i - c + 1) & 1, pred=(c == 1) | (i > 0))
-            rows_ld = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), row_end - 1)
-            if SCALED and (GATED or WIDE):  # fp8-block tiles in quarters (_k_loop_quarters)
+            if not COOP:
+                i = j // 2  # this consumer's i-th tile: wait until the other has issued its K loop before this one
+                mbarrier.wait(turn.index(c), (i - c + 1) & 1, pred=(c == 1) | (i > 0))
+            first = row_start + c * CM if COOP else row_start  # this consumer's first row
+            rows_ld = gl.minimum(first + gl.arange(0, CM, layout=gl.SliceLayout(1, mma)), row_end - 1)
+            if COOP and c == 1 and first >= row_end:  # a block of at most 64 rows: consumer 0's alone
+                _pass_steps(ready, empty, j * n, n, STAGES)
+            elif SCALED and (GATED or WIDE):  # fp8-block tiles in quarters (_k_loop_quarters)
                 as_rows = as_ptr + rows_ld * stride_as
                 if GATED:  # BLOCK_N 128: the gate rows' weight-scale block, and the up rows' I / 128 blocks on
                     gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn
@@ -353,16 +381,16 @@ if gluon is not None:
                 else:  # WIDE, BLOCK_N 256: two weight-scale blocks, the second 128 rows past the first
                     gs = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
                     us = gs + stride_wsn
-                acc0 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
-                acc1 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
-                acc2 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
-                acc3 = gl.zeros([BLOCK_M, QN], gl.float32, mma)
+                acc0 = gl.zeros([CM, QN], gl.float32, mma)
+                acc1 = gl.zeros([CM, QN], gl.float32, mma)
+                acc2 = gl.zeros([CM, QN], gl.float32, mma)
+                acc3 = gl.zeros([CM, QN], gl.float32, mma)
                 acc0, acc1, acc2, acc3, d_a, d_b = _k_loop_quarters(
                     a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc0, acc1, acc2, acc3, d_a, d_b,
-                    as_rows, gs, us, STAGES, UNROLL, QN)
+                    as_rows, gs, us, STAGES, UNROLL, QN, c * CM, not COOP)
                 if GATED:
-                    _store_fp8_groups(acc0, acc1, acc2, acc3, row_start, row_end, pid_n, out_ptr, outs_ptr,
-                                      stride_out, stride_outs, ACT, INTER_DTYPE, BLOCK_M, QN)
+                    _store_fp8_groups(acc0, acc1, acc2, acc3, first, row_end, pid_n, out_ptr, outs_ptr,
+                                      stride_out, stride_outs, ACT, INTER_DTYPE, CM, QN)
                 else:
                     rw = gl.load(rw_ptr + rows_ld)
                     col0 = pid_n * BLOCK_N
@@ -434,7 +462,7 @@ if gluon is not None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2 if coop(GATED, SCALED, BLOCK_M) else 1)  # COOP: both consumers
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
         fence_async_shared()

@@ -230,10 +230,11 @@ def test_layer_through_a_tuned_file(make_layer, tmp_path, monkeypatch, scheme):
     assert torch.equal(replayed(lambda: layer.forward_topk(x, ids, w)), want), "graph replay"
 
 
-FP8_GU_TILES = [GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (2, 4, 5)]
+FP8_GU_TILES = ([GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (2, 4, 5)]
+                + [GemmConfig(128, 128, 128, 8, 4, s, warp_specialize=1) for s in (2, 4)])  # COOP: 64 rows a consumer
 
 
-@pytest.mark.parametrize("cfg", FP8_GU_TILES, ids=lambda c: f"s{c.num_stages}")
+@pytest.mark.parametrize("cfg", FP8_GU_TILES, ids=lambda c: f"{c.block_m}s{c.num_stages}")
 @pytest.mark.parametrize("sms", [None, 1, 3])
 @pytest.mark.parametrize("indexed", [False, True])
 @pytest.mark.parametrize("counts,h,i", [
@@ -252,7 +253,7 @@ def test_fp8_block_gate_up_matches_reference_and_the_triton_kernel(cfg, sms, ind
     into order first."""
     from test_gpu_gate_up_wgmma import SCH, operands as gu_operands, reference as gu_reference
     from moeflow.kernels.gate_up import gate_up
-    if sms is not None:  # few programs: each runs many tiles, its consumers by turns
+    if sms is not None:  # few programs: each runs many tiles, its consumers by turns (COOP: both on each)
         monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
     layout, x, xs, q, s = gu_operands(counts, h, i)
     assert down_ws.usable(x, xs, q, layout, "fp8-block", cfg, gated=True, w_scale=s)
