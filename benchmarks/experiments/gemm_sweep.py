@@ -6,7 +6,7 @@ layer A/B; GAIN=1.0 takes any faster one).
 
 SWEEP=ws (default; fp8-block): the warp-specialized kernels (kernels/warp_specialized.py): GEMM=gate_up its 64 x 128
 fp8-block gate_up (a tile a consumer) and its 128 x 128 one (COOP: the two consumers 64 rows each of a tile;
-WS_GATE_UP=pingpong or coop times only one of the two), GEMM=down its 64 x 128 and wide 64 x 256 downs; reference: the Triton kernel at 64 x 128 (the
+WS_GATE_UP=pingpong or coop times only one of the two; ONLY=name,... only the variants so named), GEMM=down its 64 x 128 and wide 64 x 256 downs; reference: the Triton kernel at 64 x 128 (the
 Gluon kernels give the same bits). SWEEP=order (SCHEME=none or fp8-block): the shipped entry with another tile order
 (GROUP_M 4, 8, 16, 32) or one stage more or fewer, where fit() keeps it; reference: the shipped entry's output.
 
@@ -39,6 +39,7 @@ WS_VARIANTS = {"gate_up": [GemmConfig(bm, 128, 128, g, 4, s, warp_specialize=1)
                "down": [GemmConfig(64, bn, 128, g, 4, s, warp_specialize=1)
                         for bn, g, s in ((128, 8, 6), (256, 8, 3), (256, 8, 4), (256, 8, 5), (256, 16, 4))]}[GEMM]
 GAIN = float(os.environ.get("GAIN", "1.02"))
+ONLY = [n for n in os.environ.get("ONLY", "").split(",") if n]  # e.g. ONLY=ws_128x128g8s3: those variants alone
 
 
 def variants(shipped: GemmConfig, shape) -> list[GemmConfig]:
@@ -70,7 +71,7 @@ def main():
         want = run(ins[0], GemmConfig(64, 128, 128, 8, 4, 3) if SWEEP == "ws" else shipped)
         valid = ins[0][2].valid_rows()
         fl = 2 * t * shape.top_k * shape.hidden * shape.inter * (2 if GEMM == "gate_up" else 1)
-        tried = variants(shipped, shape)
+        tried = [v for v in variants(shipped, shape) if not ONLY or _name(v) in ONLY]
 
         def timed(cfg):
             try:

@@ -33,9 +33,16 @@ Three partitions (gl.warp_specialize):
     accumulator quarter while the next runs, as kernels/gate_up_wgmma.py's loop; the epilogue quantizes the groups.
     The wide fp8-block down runs the same loop on a 64 x 256 tile: its two weight buffers a slot hold the tile's
     two 128-row halves (two weight-scale blocks), the epilogue stores four 64-column quarters times the routing
-    weight. Each consumer runs its own 64-row tile (a ping-pong): the 128-row tile split between the two consumers, both
-    reading each slot, ran 0.70-0.92x the shipped Gluon gate_up (commit 3d7b312,
-    benchmarks/results/ws_fp8_gate_up_2026-12-01_h200_3d7b312.md).
+    weight. Each consumer runs its own 64-row tile (a ping-pong), except in COOP.
+  - COOP (the fp8-block gate_up at BLOCK_M 128): the two consumers share each 128-row tile, 64 rows each, both
+    reading each slot (empty barriers of count 2), with no turns: each weight tile serves twice the rows, and the
+    epilogues no longer overlap a K loop. Both consumers run every tile's wgmmas, even where a block has at most 64
+    rows: a consumer 1 that instead passed such a block's steps ran ahead of consumer 0 from then on, its ring
+    short of loaded steps, and the kernel 1.2-1.3x slower (benchmarks/results/ws_coop_gate_up_2026-12-03_h200.md).
+    COOP measured 1.08x the ping-pong on Qwen3's gate_up at T = 16384 (1024 rows an expert), slower at T = 4096
+    and on DeepSeek-V3's shape (whose part-filled blocks the per-tile Gluon kernel runs as pair tiles), a tie on
+    Mixtral's T = 16384. A first COOP form (commit 3d7b312, before the refill changes) ran 0.70-0.92x
+    (benchmarks/results/ws_fp8_gate_up_2026-12-01_h200_3d7b312.md).
 Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
 (consumer 0) the rest, 248 (setmaxnreg). A consumer's accumulators: down one 128 x 128 tile, gate_up two
 128 x 64; SCALED an accumulator and two products of 64 x 128 (or 128 x 64); GATED and SCALED four quarters and
@@ -43,7 +50,8 @@ two products of 64 x 64 (the wide down too). ptxas sm_90a: no spills
 (tests/test_kernels_compile_sm90.py).
 Where: GemmConfig.warp_specialize (fit() keeps it on 128 x 128 x 64 down tiles and 128 x 64 x 64 gate_up tiles,
 layer dtype bf16/fp16, on fp8-block down tiles of 64 x 128 x 128, 128 x 64 x 128 or 64 x 256 x 128 (H a multiple
-of 256), and on fp8-block gate_up tiles of 64 x 128 x 128 with I and H multiples of 128: configs.ws_fits),
+of 256), and on fp8-block gate_up tiles of 64 x 128 x 128 or 128 x 128 x 128 (COOP) with I and H multiples of
+128: configs.ws_fits),
 sorted batches, CUDA compute capability 9.x, operands TMA-addressable; rows that come by index are copied into
 order first (gate_up.py, as for x_tma); down.py and gate_up.py run their own kernels otherwise.
 Measured on H200 (benchmarks/results/ws_down_2026-12-01_h200.md), alone: the down 1.23-1.30x the
@@ -371,9 +379,7 @@ if gluon is not None:
                 mbarrier.wait(turn.index(c), (i - c + 1) & 1, pred=(c == 1) | (i > 0))
             first = row_start + c * CM if COOP else row_start  # this consumer's first row
             rows_ld = gl.minimum(first + gl.arange(0, CM, layout=gl.SliceLayout(1, mma)), row_end - 1)
-            if COOP and c == 1 and first >= row_end:  # a block of at most 64 rows: consumer 0's alone
-                _pass_steps(ready, empty, j * n, n, STAGES)
-            elif SCALED and (GATED or WIDE):  # fp8-block tiles in quarters (_k_loop_quarters)
+            if SCALED and (GATED or WIDE):  # fp8-block tiles in quarters (_k_loop_quarters)
                 as_rows = as_ptr + rows_ld * stride_as
                 if GATED:  # BLOCK_N 128: the gate rows' weight-scale block, and the up rows' I / 128 blocks on
                     gs = ws_ptr + expert.to(gl.int64) * stride_wse + pid_n * stride_wsn
