@@ -54,8 +54,9 @@ WS_FP8_DOWN = ([GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (5
 # the warp-specialized fp8-block gate_up: 64 x 128 tiles, 3-5 stages of 40 KB; 1.03-1.15x the shipped gate_up on
 # Qwen3's shape at T = 1024-16384, 0.8-0.99x on Mixtral's and DeepSeek-V3's (benchmarks/results/ws_fp8_gate_up_*)
 WS_FP8_GATE_UP = [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1) for g, s in ((8, 4), (16, 4), (8, 5))]
-# its 128 x 128 tiles shared by the two consumers (COOP), 3 stages: 1.08x the 64-row form on Qwen3's shape at T = 16384,
-# slower at T = 4096 and on DeepSeek-V3's shape; Mixtral's T = 16384 a tie (benchmarks/results/ws_coop_gate_up_*)
+# its 128 x 128 tiles shared by the two consumers (COOP), 3 stages: 1.06-1.08x the 64-row form on Qwen3's shape at
+# T = 8192-16384, slower at T <= 4096 and on DeepSeek-V3's shape; Mixtral's T = 16384 a tie
+# (benchmarks/results/ws_coop_gate_up_*)
 WS_FP8_GATE_UP_COOP = [GemmConfig(128, 128, 128, g, 4, 3, warp_specialize=1) for g in (8, 16)]
 
 
