@@ -41,7 +41,8 @@ Three partitions (gl.warp_specialize):
     short of loaded steps, and the kernel 1.2-1.3x slower (benchmarks/results/ws_coop_gate_up_2026-12-03_h200.md).
     COOP measured 1.08x the ping-pong on Qwen3's gate_up at T = 16384 (1024 rows an expert) and 1.06x at 8192,
     slower at T <= 4096 and on DeepSeek-V3's shape (whose part-filled blocks the per-tile Gluon kernel runs as pair
-    tiles), a tie with the per-tile kernel on Mixtral's T = 16384 (alone and in the layer). A first COOP form (commit 3d7b312, before the refill changes) ran 0.70-0.92x
+    tiles), a tie with the per-tile kernel on Mixtral's T = 16384 (alone and in the layer). A first COOP form
+    (commit 3d7b312, before the refill changes) ran 0.70-0.92x
     (benchmarks/results/ws_fp8_gate_up_2026-12-01_h200_3d7b312.md).
 Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
 (consumer 0) the rest, 248 (setmaxnreg). A consumer's accumulators: down one 128 x 128 tile, gate_up two
@@ -314,15 +315,6 @@ if gluon is not None:
             mbarrier.arrive(empty.index((g0 + b * UNROLL + UNROLL - 1) % STAGES), count=1)
             acc3 = _scaled_add(d_b, s_u, acc3)
         return acc0, acc1, acc2, acc3, d_a, d_b
-
-    @gluon.jit
-    def _pass_steps(ready, empty, g0, n, STAGES: gl.constexpr):
-        """COOP, consumer 1 of a block of at most 64 rows (none of them its own): release the tile's steps g0 ..
-        g0 + n - 1 without a wgmma, each once it has landed (so that no release counts towards a later phase)."""
-        for k in range(n):
-            g = g0 + k
-            mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
-            mbarrier.arrive(empty.index(g % STAGES), count=1)
 
     @gluon.jit
     def _store_fp8_groups(acc0, acc1, acc2, acc3, row_start, row_end, pid_n, out_ptr, outs_ptr, stride_out,
