@@ -6,9 +6,11 @@ layer A/B; GAIN=1.0 takes any faster one).
 
 SWEEP=ws (default; fp8-block): the warp-specialized kernels (kernels/warp_specialized.py): GEMM=gate_up its 64 x 128
 fp8-block gate_up (a tile a consumer) and its 128 x 128 one (COOP: the two consumers 64 rows each of a tile;
-WS_GATE_UP=pingpong or coop times only one of the two; ONLY=name,... only the variants so named), GEMM=down its 64 x 128 and wide 64 x 256 downs; reference: the Triton kernel at 64 x 128 (the
-Gluon kernels give the same bits). SWEEP=order (SCHEME=none or fp8-block): the shipped entry with another tile order
-(GROUP_M 4, 8, 16, 32) or one stage more or fewer, where fit() keeps it; reference: the shipped entry's output.
+WS_GATE_UP=pingpong or coop times only one of the two), GEMM=down its 64 x 128 and wide 64 x 256 downs; reference:
+the Triton kernel at 64 x 128 (the Gluon kernels give the same bits). SWEEP=order (SCHEME=none or fp8-block): the
+shipped entry with another tile order (GROUP_M 4, 8, 16, 32) or one stage more or fewer, where fit() keeps it;
+reference: the shipped entry's output. Either sweep: ONLY=name,... times only the variants so named (as printed,
+e.g. ws_128x128g8s3).
 
     PYTHONPATH=$PWD [GEMM=down] [SWEEP=order] [SCHEME=none] \
         python benchmarks/experiments/gemm_sweep.py OUT_DIR [preset:T,...]

@@ -7,13 +7,13 @@ CFG='{"block_m": 128, ...}' (GemmConfig's fields, JSON) runs that tile instead o
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
 from moeflow.kernels.configs import GemmConfig
 from moeflow.kernels.down import down
 from moeflow.kernels.gate_up import gate_up
-from moeflow.kernels.quant import down_input
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _gemm_case import fp8_block_case  # noqa: E402
@@ -24,7 +24,7 @@ def main():
     _, batch, layout, kcfg, w, xq, xs = fp8_block_case(preset, t, torch.device("cuda"))
     if os.environ.get("CFG"):
         forced = GemmConfig(**json.loads(os.environ["CFG"]))
-        kcfg = type(kcfg)(forced, kcfg.down) if which == "gate_up" else type(kcfg)(kcfg.gate_up, forced)
+        kcfg = replace(kcfg, **{"gate_up" if which == "gate_up" else "down": forced})
     run_gu = lambda: gate_up(xq, xs, w.w13, w.w13_scale, layout, "fp8-block", "silu", torch.bfloat16, kcfg.gate_up)
     inter, inter_s = run_gu()
     if which == "gate_up":
