@@ -450,6 +450,10 @@ out = []
 jobs = [(torch.bfloat16, gated, 128, 64 if gated else 128, 64, stages, 0)
         for gated in (False, True) for stages in (2, 6)]
 jobs += [(torch.float16, gated, 128, 64 if gated else 128, 64, 5, 0) for gated in (False, True)]
+# COOP (the two consumers 64 rows each of a tile of 256 accumulator columns): 2 and 4 stages; 64-row tiles by turns
+jobs += [(torch.bfloat16, gated, 128, 128 if gated else 256, 64, stages, 0)
+         for gated in (False, True) for stages in (2, 4)]
+jobs += [(torch.bfloat16, False, 64, 256, 64, 4, 0), (torch.bfloat16, True, 64, 128, 64, 5, 0)]
 # fp8-block down: Qwen3's 6 steps, DeepSeek-V3's 16 (bodies of 8), one step, 7 steps; 64 x 128 and 128 x 64
 jobs += [(torch.float8_e4m3fn, False, bm, bn, 128, stages, u) for bm, bn, stages, u in
          ((64, 128, 4, 6), (64, 128, 8, 8), (64, 128, 3, 1), (128, 64, 6, 7), (128, 64, 4, 8))]
@@ -468,7 +472,7 @@ for dtype, gated, bm, bn, bk, stages, u in jobs:
                                                      gl.NVMMASharedLayout.get_default_for([rows, bk], gdt)))
     fn = ws._ws_gemm_kernel
     out_ty = "*" + (name or ("fp8e4nv" if gated else "bf16"))  # fp8-block: the down's out bf16, the gate_up's fp8
-    w_box = 128 if bn == 256 else bn  # the wide down loads its 256 weight rows as two 128-row boxes
+    w_box = 128 if bn == 256 and u else bn  # the wide fp8-block down loads its 256 weight rows as two 128-row boxes
     sig = dict(a_desc=desc(bm), w_desc=desc(w_box), rw_ptr="*fp32", out_ptr=out_ty, blk_ptr="*i32",
                nblk_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32", outs_ptr="*fp32")
     sig.update({n: "i32" for n in fn.arg_names if n not in sig})
@@ -483,7 +487,8 @@ print(json.dumps(out))
 
 
 def test_warp_specialized_gemms_compile_without_spills():
-    """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages; the fp8-block
+    """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages, also COOP and
+    64-row tiles; the fp8-block
     down's loop bodies of 1-8 steps, 2-8 stages, all three tiles; the fp8-block gate_up's bodies of 1-8 steps, 2-5
     stages, and its 128-row tiles shared by the two consumers at 2-4) under its launch's register cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas

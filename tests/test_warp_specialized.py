@@ -66,12 +66,22 @@ def test_fit_keeps_warp_specialize_where_the_kernel_runs():
     assert not kc.ws_fits(kc.GemmConfig(128, 256, 128, 8, 4, 4, warp_specialize=1), False, "fp8-block")
     assert ws(kc.GemmConfig(128, 128, 128, 8, 4, 4, warp_specialize=1), scheme="fp8-block",
               elem_bytes=1).warp_specialize == 0  # 128 x 128: three tiles of 128 registers
-    assert ws(cfg, fused_pair=True).warp_specialize == 0  # gate_up's tile is 128 x 64 (gate and up accumulators)
+    assert ws(cfg, fused_pair=True).num_stages == 4  # as a gate_up tile: COOP (below), 48 KB stages
     gu = kc.GemmConfig(128, 64, 64, 8, 4, 6, warp_specialize=1)
     assert ws(gu, fused_pair=True, n_size=768).warp_specialize == 1 and ws(gu, fused_pair=True).num_stages == 6
     assert ws(gu).warp_specialize == 0  # the down's tile is 128 x 128
     assert ws(gu, fused_pair=True, scheme="fp8-channel", elem_bytes=1).warp_specialize == 0
-    assert ws(kc.GemmConfig(128, 256, 64, 8, 4, 4, warp_specialize=1)).warp_specialize == 0  # 256 accumulator regs
+    # bf16 / fp16: 256 accumulator columns run as COOP (64 rows a consumer), at most 4 stages of 48 KB
+    for tile, gated in (((128, 256), False), ((128, 128), True)):
+        cp = ws(kc.GemmConfig(*tile, 64, 8, 4, 4, warp_specialize=1), fused_pair=gated, n_size=768)
+        assert (cp.block_m, cp.block_n, cp.warp_specialize, cp.num_stages) == (*tile, 1, 4)
+        assert not kc.ws_fits(kc.GemmConfig(*tile, 64, 8, 4, 5, warp_specialize=1), gated)
+    # and 64-row tiles a consumer, by turns: the 64 x 256 down at most 4 stages of 40 KB, the 64 x 128 gate_up 5
+    assert kc.ws_fits(kc.GemmConfig(64, 256, 64, 8, 4, 4, warp_specialize=1), False)
+    assert not kc.ws_fits(kc.GemmConfig(64, 256, 64, 8, 4, 5, warp_specialize=1), False)  # 238 KB with its epilogue
+    assert kc.ws_fits(kc.GemmConfig(64, 128, 64, 8, 4, 5, warp_specialize=1), True)
+    assert not kc.ws_fits(kc.GemmConfig(64, 128, 64, 8, 4, 4, warp_specialize=1), False)  # not a down tile
+    assert not kc.ws_fits(kc.GemmConfig(128, 256, 64, 8, 4, 4, warp_specialize=1), True)  # 512 accumulator columns
     assert ws(kc.GemmConfig(128, 128, 64, 8, 8, 4, warp_specialize=1)).warp_specialize == 0  # a consumer is 4 warps
     assert ws(kc.GemmConfig(128, 128, 64, 8, 4, 4, split_k=2, warp_specialize=1)).warp_specialize == 0
     assert ws(kc.GemmConfig(128, 128, 64, 8, 4, 4, warp_specialize=True)).warp_specialize == 1  # JSON true

@@ -34,27 +34,28 @@ Three partitions (gl.warp_specialize):
     The wide fp8-block down runs the same loop on a 64 x 256 tile: its two weight buffers a slot hold the tile's
     two 128-row halves (two weight-scale blocks), the epilogue stores four 64-column quarters times the routing
     weight. Each consumer runs its own 64-row tile (a ping-pong), except in COOP.
-  - COOP (the fp8-block gate_up at BLOCK_M 128): the two consumers share each 128-row tile, 64 rows each, both
-    reading each slot (empty barriers of count 2), with no turns: each weight tile serves twice the rows, and the
-    epilogues no longer overlap a K loop. Both consumers run every tile's wgmmas, even where a block has at most 64
-    rows: a consumer 1 that instead passed such a block's steps ran ahead of consumer 0 from then on, its ring
-    short of loaded steps, and the kernel 1.2-1.3x slower (benchmarks/results/ws_coop_gate_up_2026-12-03_h200.md).
-    COOP measured 1.08x the ping-pong on Qwen3's gate_up at T = 16384 (1024 rows an expert) and 1.06x at 8192,
-    slower at T <= 4096 and on DeepSeek-V3's shape (whose part-filled blocks the per-tile Gluon kernel runs as pair
+  - COOP (coop(): the fp8-block gate_up at BLOCK_M 128; bf16 / fp16 the 128 x 128 gate_up and the 128 x 256 down,
+    256 accumulator columns): the two consumers share each 128-row tile, 64 rows each, both reading each slot (empty
+    barriers of count 2), with no turns: each weight tile serves twice the rows, and the epilogues no longer overlap
+    a K loop. Both consumers run every tile's wgmmas, even where a block has at most 64 rows: a consumer 1 that
+    instead passed such a block's steps ran ahead of consumer 0 from then on, its ring short of loaded steps, and
+    the kernel 1.2-1.3x slower (benchmarks/results/ws_coop_gate_up_2026-12-03_h200.md). The fp8-block COOP gate_up
+    measured 1.08x the ping-pong on Qwen3's gate_up at T = 16384 (1024 rows an expert) and 1.06x at 8192, slower
+    at T <= 4096 and on DeepSeek-V3's shape (whose part-filled blocks the per-tile Gluon kernel runs as pair
     tiles), a tie with the per-tile kernel on Mixtral's T = 16384 (alone and in the layer). A first COOP form
     (commit 3d7b312, before the refill changes) ran 0.70-0.92x
     (benchmarks/results/ws_fp8_gate_up_2026-12-01_h200_3d7b312.md).
 Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
-(consumer 0) the rest, 248 (setmaxnreg). A consumer's accumulators: down one 128 x 128 tile, gate_up two
-128 x 64; SCALED an accumulator and two products of 64 x 128 (or 128 x 64); GATED and SCALED four quarters and
-two products of 64 x 64 (the wide down too). ptxas sm_90a: no spills
-(tests/test_kernels_compile_sm90.py).
-Where: GemmConfig.warp_specialize (fit() keeps it on 128 x 128 x 64 down tiles and 128 x 64 x 64 gate_up tiles,
-layer dtype bf16/fp16, on fp8-block down tiles of 64 x 128 x 128, 128 x 64 x 128 or 64 x 256 x 128 (H a multiple
-of 256), and on fp8-block gate_up tiles of 64 x 128 x 128 or 128 x 128 x 128 (COOP) with I and H multiples of
-128: configs.ws_fits),
-sorted batches, CUDA compute capability 9.x, operands TMA-addressable; rows that come by index are copied into
-order first (gate_up.py, as for x_tma); down.py and gate_up.py run their own kernels otherwise.
+(consumer 0) the rest, 248 (setmaxnreg). A consumer's accumulators: down one 128 x 128 or 64 x 256 tile (COOP: 64
+rows of 128 x 256), gate_up two 128 x 64 or 64 x 128 (COOP: 64 rows of two 128 x 128); SCALED an accumulator and
+two products of 64 x 128 (or 128 x 64); GATED and SCALED four quarters and two products of 64 x 64 (the wide down
+too). ptxas sm_90a: no spills (tests/test_kernels_compile_sm90.py).
+Where: GemmConfig.warp_specialize (fit() keeps it, layer dtype bf16/fp16 with BLOCK_K 64, on 128 x 128 and 64 x 256
+down tiles, 128 x 64 and 64 x 128 gate_up tiles, and the COOP 128 x 256 down and 128 x 128 gate_up; on fp8-block
+down tiles of 64 x 128 x 128, 128 x 64 x 128 or 64 x 256 x 128 (H a multiple of 256), and on fp8-block gate_up
+tiles of 64 x 128 x 128 or 128 x 128 x 128 (COOP) with I and H multiples of 128: configs.ws_fits), sorted
+batches, CUDA compute capability 9.x, operands TMA-addressable; rows that come by index are copied into order
+first (gate_up.py, as for x_tma); down.py and gate_up.py run their own kernels otherwise.
 Measured on H200 (benchmarks/results/ws_down_2026-12-01_h200.md), alone: the down 1.23-1.30x the
 tuned Triton down on Qwen3's shape at T = 4096-16384, 1.08-1.09x on DeepSeek-V3's, slower than the 128 x 256
 Triton tile on Mixtral's T = 16384; the gate_up 1.07-1.10x on Qwen3's (the copy included), slower on
@@ -65,7 +66,10 @@ T = 16384; 1.01-1.035x on those layers. The fp8-block gate_up (benchmarks/result
 16384 (layer 1.01x, 1.05x, 1.01-1.02x); 0.80-0.99x on Mixtral's and DeepSeek-V3's, whose 128-row tiles reuse each
 weight tile over twice the rows. The wide down (benchmarks/results/wide_down_2026-12-03_h200.md), 64 x 256 at 4-5
 stages: 1.03x and 1.14x the shipped 64 x 128 ws down on Qwen3's shape at T = 4096 and 16384, 1.07x and 1.14x on
-DeepSeek-V3's (layer 1.00-1.05x); slower at T = 1024 and on Mixtral's T >= 4096. The tuner picks per entry.
+DeepSeek-V3's (layer 1.00-1.05x); slower at T = 1024 and on Mixtral's T >= 4096. The bf16 COOP and 64-row tiles
+(benchmarks/results/ws_bf16_coop_2026-12-03_h200.md), alone against the tables' entries: the gate_up 1.05-1.31x on
+the three shapes at T = 1024-8192 and DeepSeek-V3's 16384, the COOP down 1.04-1.17x on DeepSeek-V3's T >= 4096 and
+Mixtral's 16384; the layer 1.04-1.12x at those T but Qwen3's 4096 (a tie). The tuner picks per entry.
 Imported only when a config asks for it on a CUDA device: CPU runs never load Gluon.
 """
 from __future__ import annotations
@@ -145,10 +149,13 @@ def block_table_torch(layout: RowLayout, block_m: int) -> tuple[Tensor, Tensor]:
 
 if gluon is not None:
     @gluon.constexpr_function
-    def coop(gated, scaled, block_m):
-        """Whether the two consumers share each tile (COOP, module docstring): the fp8-block gate_up's 128-row tiles,
-        too large for one consumer's registers, 64 rows each."""
-        return bool(gated) and bool(scaled) and int(block_m) == 128
+    def coop(gated, scaled, block_m, block_n):
+        """Whether the two consumers share each tile (COOP, module docstring), 64 rows each: 128-row tiles too large
+        for one consumer's registers. The fp8-block gate_up at BLOCK_M 128; unscaled (bf16, fp16), the tiles of 256
+        accumulator columns: the gate_up at 128 x 128 (gate and up) and the down at 128 x 256."""
+        if int(block_m) != 128:
+            return False
+        return bool(gated) if scaled else int(block_n) * (2 if gated else 1) == 256
 
     @gluon.jit
     def _tiles(nblk_ptr, num_programs, N, BLOCK_N: gl.constexpr):
@@ -201,25 +208,30 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
 
     @gluon.jit
-    def _k_loop(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, acc_u, STAGES: gl.constexpr, GATED: gl.constexpr):
+    def _k_loop(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, acc_u, STAGES: gl.constexpr, GATED: gl.constexpr,
+                ROW0: gl.constexpr = 0, TURNS: gl.constexpr = True):
         """acc + the tile's K steps g0 .. g0 + n - 1 (GATED: acc the gate's product and acc_u the up's, two wgmmas a
         step; acc_u unused otherwise), one step's wgmmas in flight, each step's slot released once the next step's
-        are issued and it is done; turn_bar gets the other consumer's turn once the last step's are issued
-        -> (acc, acc_u), every wgmma finished and every slot released."""
+        are issued and it is done; turn_bar gets the other consumer's turn once the last step's are issued (TURNS;
+        COOP runs without turns). The activation rows: acc's rows of the slot's tile from row ROW0 (COOP: each
+        consumer its 64-row half) -> (acc, acc_u), every wgmma finished and every slot released."""
         for k in range(n):
             g = g0 + k
             slot = g % STAGES
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            a = a_bufs.index(slot)
+            if a.shape[0] != acc.shape[0]:
+                a = a.slice(ROW0, acc.shape[0], dim=0)
             if GATED:
-                a = a_bufs.index(slot)
                 tok_g = warpgroup_mma(a, w_bufs.index(2 * slot).permute((1, 0)), acc, is_async=True)
                 tok_u = warpgroup_mma(a, w_bufs.index(2 * slot + 1).permute((1, 0)), acc_u, is_async=True)
                 acc, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(tok_g, tok_u))
             else:
-                tok = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                tok = warpgroup_mma(a, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
             mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step g - 1's slot
-        mbarrier.arrive(turn_bar, count=1)
+        if TURNS:
+            mbarrier.arrive(turn_bar, count=1)
         if GATED:
             acc, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_u))
         else:
@@ -356,11 +368,12 @@ if gluon is not None:
         n = gl.cdiv(K, BLOCK_K)
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down (module docstring)
         QN: gl.constexpr = 64 if SCALED and (GATED or WIDE) else BLOCK_N  # a product's columns
-        COOP: gl.constexpr = coop(GATED, SCALED, BLOCK_M)
+        COOP: gl.constexpr = coop(GATED, SCALED, BLOCK_M, BLOCK_N)
         CM: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M  # this consumer's rows of a tile
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, QN, 32 if SCALED else 16])
-        st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_N // 8), BLOCK_N // 8], [4, 1], [1, 0])
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [max(1, 32 // (BLOCK_N // 8)), min(32, BLOCK_N // 8)], [4, 1],
+                                            [1, 0])
         d_a = gl.zeros([CM, QN], gl.float32, mma)  # SCALED: the two products by turns
         d_b = gl.zeros([CM, QN], gl.float32, mma)
         for j in range(0 if COOP else c, my_tiles, 1 if COOP else 2):
@@ -398,13 +411,13 @@ if gluon is not None:
                     _store_cols(acc3, rw, row_start, row_end, col0 + 3 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
             else:
                 if GATED:
-                    acc_g = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-                    acc_u = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                    acc_g = gl.zeros([CM, BLOCK_N], gl.float32, mma)
+                    acc_u = gl.zeros([CM, BLOCK_N], gl.float32, mma)
                     acc_g, acc_u = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc_g, acc_u,
-                                           STAGES, True)
+                                           STAGES, True, c * CM, not COOP)
                     y = gated_act(acc_g, acc_u, ACT)
                 else:
-                    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+                    acc = gl.zeros([CM, BLOCK_N], gl.float32, mma)
                     if SCALED:  # row r's group scale of step t at as_rows[r] + t; the weight block's at ws_tile + t
                         as_rows = as_ptr + rows_ld * stride_as
                         ws_tile = _weight_scales(ws_ptr, expert, pid_n, N, stride_wse, stride_wsn, BLOCK_N)
@@ -412,10 +425,10 @@ if gluon is not None:
                                                        d_a, d_b, as_rows, ws_tile, STAGES, UNROLL)
                     else:
                         acc, _ = _k_loop(a_bufs, w_bufs, ready, empty, turn.index(1 - c), j * n, n, acc, acc, STAGES,
-                                         False)
+                                         False, c * CM, not COOP)
                     y = acc * gl.load(rw_ptr + rows_ld)[:, None]
                 y = gl.convert_layout(y.to(out_ptr.dtype.element_ty), st)  # 16-byte stores
-                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+                rows = first + gl.arange(0, CM, layout=gl.SliceLayout(1, st))
                 cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
                 gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y,
                          mask=(rows < row_end)[:, None] & (cols < N)[None, :])
@@ -460,7 +473,7 @@ if gluon is not None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2 if coop(GATED, SCALED, BLOCK_M) else 1)  # COOP: both consumers
+            mbarrier.init(empty.index(s), count=2 if coop(GATED, SCALED, BLOCK_M, BLOCK_N) else 1)  # COOP: both
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
         fence_async_shared()

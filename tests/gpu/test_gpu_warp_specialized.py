@@ -2,13 +2,14 @@
 The down: against a float64 reference on fresh random data with NaN-poisoned outputs: empty experts, every row to one
 expert, one row, no rows, K loops of 1, 2, 12 and 224 steps (a partial last step), H off the tiles, weights
 shared by every expert (stride 0); grids of 1 and 3 programs, so that each program runs many tiles through both
-consumer warpgroups by turns; the layer through a tuned file that picks it. The gate_up: against a float64
-reference, rows by index (copied into order first) and in order, every activation, the same edge batches and
-grids. The fp8-block down: against the float64 reference of the dequantized operands and bit for bit against the
-Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches and grids, also
-in the wide 64 x 256 tiles. The
-fp8-block gate_up: bit for bit against the Triton kernel (fp8 intermediate and group scales) and, dequantized, against
-the float64 reference; rows in order and by index, K loops of 1-56 steps, the same edge batches and grids.
+consumer warpgroups by turns; the layer through a tuned file that picks it. Its tiles: 128 x 128 and 64 x 256 a
+consumer, and 128 x 256 shared by the two (COOP). The gate_up: against a float64 reference, rows by index (copied
+into order first) and in order, every activation, the same edge batches and grids, in 128 x 64, 64 x 128 and
+128 x 128 (COOP) tiles. The fp8-block down: against the float64 reference of the dequantized operands and bit for
+bit against the Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches
+and grids, also in the wide 64 x 256 tiles. The fp8-block gate_up: bit for bit against the Triton kernel (fp8
+intermediate and group scales) and, dequantized, against the float64 reference; rows in order and by index, K
+loops of 1-56 steps, the same edge batches and grids.
 Run: pytest -m gpu tests/gpu
 """
 import pytest
@@ -27,8 +28,13 @@ if torch.cuda.is_available():
     from moeflow.kernels.common import RowLayout
     from moeflow.kernels.down import down
 
-TILES = [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (2, 5, 6)]
-GU_TILES = [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (2, 6)]
+TILES = ([GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (2, 5, 6)]
+         + [GemmConfig(128, 256, 64, 8, 4, s, warp_specialize=1) for s in (2, 4)]  # COOP: 64 rows a consumer
+         + [GemmConfig(64, 256, 64, 8, 4, 4, warp_specialize=1)])
+GU_TILES = ([GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (2, 6)]
+            + [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (2, 4)]  # COOP
+            + [GemmConfig(64, 128, 64, 8, 4, 5, warp_specialize=1)])
+tile_id = lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}"
 
 
 def operands(counts, h, i, dtype=torch.bfloat16, shared_weights=False):
@@ -51,7 +57,7 @@ def reference(layout, a, w, rw):
     return out
 
 
-@pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"s{c.num_stages}")
+@pytest.mark.parametrize("cfg", TILES, ids=tile_id)
 @pytest.mark.parametrize("sms", [None, 1, 3])
 @pytest.mark.parametrize("counts,h,i", [
     ([37, 0, 300, 1, 0, 129, 64, 2], 384, 768),   # empty experts, rows off the blocks; 12 K steps
@@ -70,7 +76,7 @@ def test_matches_reference(cfg, sms, counts, h, i, poison, monkeypatch):
     assert_close(got, reference(layout, a, w, rw), 1e-2, f"ws down {counts} H={h} I={i} sms={sms}")
 
 
-@pytest.mark.parametrize("cfg", GU_TILES, ids=lambda c: f"s{c.num_stages}")
+@pytest.mark.parametrize("cfg", GU_TILES, ids=tile_id)
 @pytest.mark.parametrize("sms", [None, 3])
 @pytest.mark.parametrize("indexed", [False, True])
 @pytest.mark.parametrize("counts,h,i,act", [
@@ -162,11 +168,12 @@ def test_wide_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, c
 
 
 def test_fp16_and_shared_weights(poison):
-    """fp16, and an expert stride of 0 (the tuner's compile jobs run such weights)."""
-    for dtype, shared in ((torch.float16, False), (torch.bfloat16, True)):
-        layout, a, w, rw = operands([5, 70, 0, 33], 256, 512, dtype, shared)
-        got = down(a, None, w, None, rw, layout, "none", dtype, TILES[1], poison=True)
-        assert_close(got, reference(layout, a, w, rw), 1e-2, f"{dtype} shared={shared}")
+    """fp16, and an expert stride of 0 (the tuner's compile jobs run such weights), by turns and COOP."""
+    for cfg in (TILES[1], TILES[4]):
+        for dtype, shared in ((torch.float16, False), (torch.bfloat16, True)):
+            layout, a, w, rw = operands([5, 70, 0, 33], 256, 512, dtype, shared)
+            got = down(a, None, w, None, rw, layout, "none", dtype, cfg, poison=True)
+            assert_close(got, reference(layout, a, w, rw), 1e-2, f"{dtype} shared={shared} {tile_id(cfg)}")
 
 
 def test_no_rows(poison):
@@ -191,7 +198,7 @@ def test_where_it_does_not_run():
     cfg = TILES[1]
     assert not down_ws.usable(a, None, w, masked, "none", cfg)
     assert not down_ws.usable(a.float(), None, w.float(), layout, "none", cfg)
-    assert not down_ws.usable(a, None, w, layout, "none", GemmConfig(128, 256, 64, 8, 4, 4, warp_specialize=1))
+    assert not down_ws.usable(a, None, w, layout, "none", GemmConfig(64, 128, 64, 8, 4, 4, warp_specialize=1))
     assert not fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).warp_specialize  # 128x128
     assert fit(cfg, fused_pair=False, scheme="none", elem_bytes=2, n_size=128).warp_specialize == 1
     layout8, a8, a8_s, q2, s2, _ = fp8_operands([3, 4], 128, 256)
