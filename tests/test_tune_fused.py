@@ -145,6 +145,24 @@ def test_fp8_block_candidates_keep_the_gluon_gate_up_where_offered(preset, token
     assert len(set(gu)) == len(gu) and len(set(dn)) == len(dn)
 
 
+@pytest.mark.parametrize("preset, tokens", [("qwen3-30b-a3b", 1024), ("deepseek-v3", 2048),  # middle family
+                                            ("mixtral-8x7b", 1024), ("deepseek-v3", 16384)])  # large tiles
+def test_bf16_candidates_keep_every_warp_specialized_tile(preset, tokens):
+    """bf16: the tuner offers the warp-specialized tiles by turns (128 x 64 and 64 x 128 gate_up, 128 x 128 down) and
+    COOP (128 x 128 gate_up, 128 x 256 down) in the middle and large families, and fit() keeps every one (a tile it
+    cannot run would come back with the flag 0 and time the Triton kernel instead)."""
+    from moeflow.kernels.configs import fit
+    from moeflow.presets import PRESETS
+    p = PRESETS[preset]
+    shape = autotune.Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], "none")
+    gu, dn = autotune.candidates(shape, tokens)
+    for cfgs, gated, n in ((gu, True, shape.inter), (dn, False, shape.hidden)):
+        assert all(fit(c, fused_pair=gated, scheme="none", elem_bytes=2, n_size=n) == c for c in cfgs)
+    assert {(c.block_m, c.block_n) for c in gu if c.warp_specialize} == {(128, 64), (64, 128), (128, 128)}
+    assert {(c.block_m, c.block_n) for c in dn if c.warp_specialize} == {(128, 128), (128, 256)}
+    assert set(autotune.WS_BF16_GATE_UP) <= set(gu) and set(autotune.WS_BF16_DOWN) <= set(dn)
+
+
 @pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel", "fp8-block"])
 def test_swapped_candidates_only_where_precise(scheme):
     """The tuner times swapped tiles (GemmConfig.swap_ab) for none and fp8-block at small and middle batches, never

@@ -58,6 +58,16 @@ WS_FP8_GATE_UP = [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1) for g, s 
 # T = 8192-16384, slower at T <= 4096 and on DeepSeek-V3's shape; Mixtral's T = 16384 a tie
 # (benchmarks/results/ws_coop_gate_up_*)
 WS_FP8_GATE_UP_COOP = [GemmConfig(128, 128, 128, g, 4, 3, warp_specialize=1) for g in (8, 16)]
+# bf16 / fp16 (BLOCK_K 64): the tiles a consumer by turns, 128 x 64 gate_up and 128 x 128 down, 5-6 stages; the
+# 64 x 128 gate_up by turns (5 stages) and the COOP tiles of 256 accumulator columns (the two consumers 64 rows each:
+# the 128 x 128 gate_up, the 128 x 256 down), 3-4 stages of 48 KB. Alone, against the tables they replaced: the
+# gate_up 1.05-1.31x on all three shapes at T = 1024-8192 (not Qwen3's T = 16384), the COOP down 1.04-1.17x on
+# DeepSeek-V3's T >= 4096 and Mixtral's T = 16384 (benchmarks/results/ws_bf16_coop_2026-12-03_h200.md)
+WS_BF16_GATE_UP = ([GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
+                   + [GemmConfig(64, 128, 64, 8, 4, 5, warp_specialize=1)]
+                   + [GemmConfig(128, 128, 64, g, 4, s, warp_specialize=1) for g, s in ((8, 3), (8, 4), (16, 4))])
+WS_BF16_DOWN = ([GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
+                + [GemmConfig(128, 256, 64, g, 4, 4, warp_specialize=1) for g in (8, 16)])
 
 
 def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmConfig]]:
@@ -102,8 +112,8 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
             gu += [GemmConfig(64, 128, 128, g, 4, s, scale_overlap=1) for g, s in ((4, 4), (8, 4), (8, 5))]
             gu += WS_FP8_GATE_UP
         if shape.scheme == "none":  # the warp-specialized Gluon kernels (kernels/warp_specialized.py)
-            gu += [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
-            dn += [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
+            gu += WS_BF16_GATE_UP
+            dn += WS_BF16_DOWN
     else:  # registers: gate_up holds two accumulators, so its big tiles need 8 warps (ptxas: no spills)
         gu = [GemmConfig(bm, bn, k, 8, w, s) for bm, bn, k, w, s in
               ((64, 128, bk, 8, 4), (64, 128, bk, 8, 3), (128, 64, bk, 8, 4), (128, 128, 64, 8, 3), (64, 64, bk, 4, 4),
@@ -113,8 +123,8 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
                (128, 64, bk, 4, 4, 0), (64, 128, bk, 4, 4, 2), (128, 128, bk, 8, 4 if bk == 64 else 3, 1))]
         if shape.scheme == "none":  # token rows through TMA: a gathered copy first, 172 registers instead of 255
             gu += [GemmConfig(128, 128, 64, 8, 8, s, x_tma=1) for s in (3, 4)]
-            gu += [GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]  # kernels/warp_specialized.py
-            dn += [GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
+            gu += WS_BF16_GATE_UP  # kernels/warp_specialized.py
+            dn += WS_BF16_DOWN
         if shape.scheme == "fp8-block":  # the Gluon K loops that overlap the scaling (kernels/*_wgmma.py)
             gu += [GemmConfig(128, 128, 128, 8, 8, s, scale_overlap=1) for s in (3, 4)] + WS_FP8_GATE_UP
             gu += WS_FP8_GATE_UP_COOP
