@@ -7,7 +7,9 @@ layer A/B; GAIN=1.0 takes any faster one).
 SWEEP=ws (default; fp8-block): the warp-specialized kernels (kernels/warp_specialized.py): GEMM=gate_up its 64 x 128
 fp8-block gate_up (a tile a consumer) and its 128 x 128 one (COOP: the two consumers 64 rows each of a tile;
 WS_GATE_UP=pingpong or coop times only one of the two), GEMM=down its 64 x 128 and wide 64 x 256 downs; reference:
-the Triton kernel at 64 x 128 (the Gluon kernels give the same bits). SWEEP=order (SCHEME=none or fp8-block): the
+the Triton kernel at 64 x 128 (the Gluon kernels give the same bits). With SCHEME=none its bf16 tiles (by turns at
+128 or 64 rows, COOP at 128); reference: the shipped entry, a variant taken where it is bit-equal or within 1e-2
+of it (rel_err: the largest difference over the largest output). SWEEP=order (SCHEME=none or fp8-block): the
 shipped entry with another tile order (GROUP_M 4, 8, 16, 32) or one stage more or fewer, where fit() keeps it;
 reference: the shipped entry's output. Either sweep: ONLY=name,... times only the variants so named (as printed,
 e.g. ws_128x128g8s3).
@@ -40,6 +42,13 @@ WS_VARIANTS = {"gate_up": [GemmConfig(bm, 128, 128, g, 4, s, warp_specialize=1)
                            if os.environ.get("WS_GATE_UP", "all") in ("all", "coop" if bm == 128 else "pingpong")],
                "down": [GemmConfig(64, bn, 128, g, 4, s, warp_specialize=1)
                         for bn, g, s in ((128, 8, 6), (256, 8, 3), (256, 8, 4), (256, 8, 5), (256, 16, 4))]}[GEMM]
+# SCHEME=none: the bf16 tiles, BLOCK_K 64: a tile a consumer by turns (128 or 64 rows), or COOP (128 rows, 64 each)
+WS_BF16_VARIANTS = {"gate_up": [GemmConfig(bm, bn, 64, g, 4, s, warp_specialize=1) for bm, bn, g, s in
+                                ((128, 64, 8, 5), (128, 64, 8, 6), (128, 128, 8, 3), (128, 128, 8, 4),
+                                 (128, 128, 16, 4), (64, 128, 8, 4), (64, 128, 8, 5))],
+                    "down": [GemmConfig(bm, bn, 64, g, 4, s, warp_specialize=1) for bm, bn, g, s in
+                             ((128, 128, 8, 5), (128, 128, 8, 6), (128, 256, 8, 3), (128, 256, 8, 4),
+                              (128, 256, 16, 4), (64, 256, 8, 3), (64, 256, 8, 4))]}[GEMM]
 GAIN = float(os.environ.get("GAIN", "1.02"))
 ONLY = [n for n in os.environ.get("ONLY", "").split(",") if n]  # e.g. ONLY=ws_128x128g8s3: those variants alone
 
@@ -47,7 +56,7 @@ ONLY = [n for n in os.environ.get("ONLY", "").split(",") if n]  # e.g. ONLY=ws_1
 def variants(shipped: GemmConfig, shape) -> list[GemmConfig]:
     """The configs SWEEP times against the shipped entry (module docstring)."""
     if SWEEP == "ws":
-        return WS_VARIANTS
+        return WS_BF16_VARIANTS if SCHEME == "none" else WS_VARIANTS
     out = [replace(shipped, group_m=g) for g in (4, 8, 16, 32)]
     out += [replace(shipped, num_stages=shipped.num_stages + d) for d in (-1, 1)]
     nbytes = 1 if SCHEME != "none" else 2
@@ -70,16 +79,19 @@ def main():
                                                     SimpleNamespace(w13=w.w13, w2=w.w2))
         run = gemm_runner(GEMM, w, SCHEME)
         shipped = kcfg.down if GEMM == "down" else kcfg.gate_up
-        want = run(ins[0], GemmConfig(64, 128, 128, 8, 4, 3) if SWEEP == "ws" else shipped)
+        want = run(ins[0], GemmConfig(64, 128, 128, 8, 4, 3) if SWEEP == "ws" and SCHEME != "none" else shipped)
         valid = ins[0][2].valid_rows()
         fl = 2 * t * shape.top_k * shape.hidden * shape.inter * (2 if GEMM == "gate_up" else 1)
         tried = [v for v in variants(shipped, shape) if not ONLY or _name(v) in ONLY]
 
         def timed(cfg):
             try:
-                same = same_bits(run(ins[0], cfg, poison=True), want, valid)
+                got = run(ins[0], cfg, poison=True)
+                same = same_bits(got, want, valid)
+                g, x = got[0][valid].float(), want[0][valid].float()  # the output (fp8: its bytes' values)
+                err = float((g - x).abs().max() / x.abs().max().clamp(min=1e-30)) if x.numel() else 0.0
                 us = graph_time_ms([lambda d=d: run(d, cfg) for d in ins], 20) * 1e3
-                return dict(us=round(us, 1), tflops=round(fl / us / 1e6), bit_equal=same)
+                return dict(us=round(us, 1), tflops=round(fl / us / 1e6), bit_equal=same, rel_err=err)
             except Exception as exc:  # recorded, not fatal
                 return dict(error=repr(exc)[:300])
 
@@ -88,8 +100,9 @@ def main():
         for name, v in names.items():
             row[name] = timed(v)
         res.append(row)
-        best = min((k for k in names if "us" in row[k] and row[k]["bit_equal"]), key=lambda k: row[k]["us"],
-                   default=None)
+        # bf16 kernels may sum a tile's products in another order: close to the shipped entry's output is enough
+        ok = lambda r: r["bit_equal"] or (SCHEME == "none" and r["rel_err"] < 1e-2)
+        best = min((k for k in names if "us" in row[k] and ok(row[k])), key=lambda k: row[k]["us"], default=None)
         ship = row["shipped"].get("us")
         if best and ship and row[best]["us"] * GAIN <= ship:
             picks.setdefault(shape, {})[t] = names[best]
