@@ -438,13 +438,14 @@ def test_wgmma_down_persistent_keeps_its_wgmmas_overlapped():
 
 WS_DOWN_COMPILE = """
 import importlib.util, json, sys, torch
-from moeflow.kernels.registers import compile_gluon_for_hopper, gluon_ptx, ptxas_path
+from moeflow.kernels.registers import gluon_compiled, ptxas_path, ptxas_report
 if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
     print(json.dumps(None)); sys.exit(0)
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
 from moeflow.kernels import warp_specialized as ws
+from moeflow.kernels.configs import _WS_UNSCALED_STAGES
 out = []
 # (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0: not SCALED)
 jobs = [(torch.bfloat16, gated, 128, 64 if gated else 128, 64, stages, 0)
@@ -463,9 +464,13 @@ jobs += [(torch.float8_e4m3fn, True, 64, 128, 128, stages, u) for stages, u in (
 jobs += [(torch.float8_e4m3fn, True, 128, 128, 128, stages, u) for stages, u in ((4, 8), (3, 7), (2, 1))]
 # the wide fp8-block down, 64 x 256 in quarters: Qwen3's 6 steps, DeepSeek-V3's 16 and Mixtral's 112 (bodies of 8), 1
 jobs += [(torch.float8_e4m3fn, False, 64, 256, 128, stages, u) for stages, u in ((5, 6), (4, 8), (3, 1))]
+# ws_fits' unscaled tiles at their most stages must fit the SM's shared memory, one stage past must overflow it
+jobs += [j for j in ((torch.bfloat16, gated, bm, bn, 64, most, 0) for (gated, bm, bn), most in
+                     _WS_UNSCALED_STAGES.items()) if j not in jobs]
+past = [(torch.bfloat16, gated, bm, bn, 64, most + 1, 0) for (gated, bm, bn), most in _WS_UNSCALED_STAGES.items()]
 gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"),
          torch.float8_e4m3fn: (gl.float8e4nv, "")}
-for dtype, gated, bm, bn, bk, stages, u in jobs:
+for dtype, gated, bm, bn, bk, stages, u in jobs + past:
     t = torch.empty(256, 256, dtype=dtype)
     gdt, name = gl_of[dtype]
     desc = lambda rows: mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [rows, bk],
@@ -481,7 +486,11 @@ for dtype, gated, bm, bn, bk, stages, u in jobs:
     # compiled as the JIT specializes the shipped launches: these are multiples of 16 at every shipped shape
     aligned = ["rw_ptr", "out_ptr", "blk_ptr", "nblk_ptr", "as_ptr", "ws_ptr", "outs_ptr", "N", "K", "stride_out",
                "stride_wse"]
-    out.append(compile_gluon_for_hopper(fn, sig, const, 4, maxnreg=ws.MAXNREG, aligned=aligned))
+    compiled = gluon_compiled(fn, sig, const, 4, maxnreg=ws.MAXNREG, aligned=aligned)
+    if (dtype, gated, bm, bn, bk, stages, u) in past:
+        out.append(("past", [gated, bm, bn, stages], compiled.metadata.shared))
+    else:
+        out.append(("fits", [gated, bm, bn, stages], compiled.metadata.shared, *ptxas_report(compiled.asm["ptx"])))
 print(json.dumps(out))
 """
 
@@ -492,10 +501,20 @@ def test_warp_specialized_gemms_compile_without_spills():
     down's loop bodies of 1-8 steps, 2-8 stages, all three tiles; the fp8-block gate_up's bodies of 1-8 steps, 2-5
     stages, and its 128-row tiles shared by the two consumers at 2-4) under its launch's register cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas
-    neither serializes the wgmmas (C7514) nor injects waits (C7517)."""
-    for regs, spill, notes in compile_without_interpreter(WS_DOWN_COMPILE):
-        assert spill == 0 and regs <= 168, (regs, spill)
+    neither serializes the wgmmas (C7514) nor injects waits (C7517). Every tile's program fits the SM's shared memory
+    (227 KB, the compiler's scratch included), and configs.ws_fits' unscaled tiles one stage past their most do not:
+    the stage limits there are shared memory's."""
+    from moeflow.kernels.registers import SM90_SHARED_BYTES
+    out = compile_without_interpreter(WS_DOWN_COMPILE)
+    for kind, tile, shared, *report in out:
+        if kind == "past":  # configs._WS_UNSCALED_STAGES: one stage more would not launch
+            assert shared > SM90_SHARED_BYTES, (tile, shared)
+            continue
+        regs, spill, notes = report
+        assert shared <= SM90_SHARED_BYTES, (tile, shared)
+        assert spill == 0 and regs <= 168, (tile, regs, spill)
         assert not [n for n in notes if "C7514" in n or "C7517" in n], notes
+    assert sum(kind == "past" for kind, *_ in out) == 6
 
 
 def test_block_table_kernel_compiles():

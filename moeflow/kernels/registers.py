@@ -23,6 +23,7 @@ import triton.language as tl
 from .common import QUANT_CODES, next_pow2
 from .configs import GemmConfig
 
+SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one program may take on an H100 / H200 (opt-in)
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -160,14 +161,20 @@ def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: i
 
 def gluon_ptx(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None, aligned=()) -> str:
     """compile_gluon_for_hopper's compilation -> the PTX for sm_90a."""
+    return gluon_compiled(fn, signature, constexprs, num_warps, maxnreg, aligned).asm["ptx"]
+
+
+def gluon_compiled(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None, aligned=()):
+    """triton.compile of a @gluon.jit kernel for sm_90a (compile_gluon_for_hopper's arguments) -> the compiled
+    kernel: its asm, and its metadata.shared, the bytes of shared memory a program takes (its allocations and the
+    compiler's scratch for layout changes; at most SM90_SHARED_BYTES on an H100 / H200)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     const_in = dict(constexprs, num_warps=num_warps) if "num_warps" in fn.arg_names else dict(constexprs)
     sig, const = _typed(fn, signature, const_in)
     options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
-    compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=divisible(fn, aligned)),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    return compiled.asm["ptx"]
+    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=divisible(fn, aligned)),
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _typed(fn, signature: dict, constexprs: dict) -> tuple[dict, dict]:
