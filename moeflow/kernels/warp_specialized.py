@@ -208,6 +208,15 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(w_desc, [w_row, k * BLOCK_K], bar, w_bufs.index(slot))
 
     @gluon.jit
+    def _rows_of(a_bufs, slot, d, ROW0: gl.constexpr):
+        """The activation rows of slot's tile that d (an accumulator or product) multiplies: all of them, or (COOP:
+        d holds half the tile's rows) the rows from ROW0 on, as many as d has."""
+        a = a_bufs.index(slot)
+        if a.shape[0] != d.shape[0]:
+            a = a.slice(ROW0, d.shape[0], dim=0)
+        return a
+
+    @gluon.jit
     def _k_loop(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, acc_u, STAGES: gl.constexpr, GATED: gl.constexpr,
                 ROW0: gl.constexpr = 0, TURNS: gl.constexpr = True):
         """acc + the tile's K steps g0 .. g0 + n - 1 (GATED: acc the gate's product and acc_u the up's, two wgmmas a
@@ -219,9 +228,7 @@ if gluon is not None:
             g = g0 + k
             slot = g % STAGES
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            a = a_bufs.index(slot)
-            if a.shape[0] != acc.shape[0]:
-                a = a.slice(ROW0, acc.shape[0], dim=0)
+            a = _rows_of(a_bufs, slot, acc, ROW0)
             if GATED:
                 tok_g = warpgroup_mma(a, w_bufs.index(2 * slot).permute((1, 0)), acc, is_async=True)
                 tok_u = warpgroup_mma(a, w_bufs.index(2 * slot + 1).permute((1, 0)), acc_u, is_async=True)
@@ -279,10 +286,7 @@ if gluon is not None:
         slot's tile from row ROW0 (COOP: each consumer its 64-row half of a 128-row tile)."""
         slot = g % STAGES
         w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * QN, QN, dim=0)
-        a = a_bufs.index(slot)
-        if a.shape[0] != d.shape[0]:
-            a = a.slice(ROW0, d.shape[0], dim=0)
-        return warpgroup_mma(a, w.permute((1, 0)), d, use_acc=False, is_async=True)
+        return warpgroup_mma(_rows_of(a_bufs, slot, d, ROW0), w.permute((1, 0)), d, use_acc=False, is_async=True)
 
     @gluon.jit
     def _k_loop_quarters(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc0, acc1, acc2, acc3, d_a, d_b,
