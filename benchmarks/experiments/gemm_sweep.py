@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moeflow.kernels.autotune import _layer_parts, graph_time_ms, random_batch
+from moeflow.kernels.autotune import WS_BF16_DOWN, WS_BF16_GATE_UP, _layer_parts, graph_time_ms, random_batch
 from moeflow.kernels.configs import SHIPPED_DIR, GemmConfig, fit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,13 +42,11 @@ WS_VARIANTS = {"gate_up": [GemmConfig(bm, 128, 128, g, 4, s, warp_specialize=1)
                            if os.environ.get("WS_GATE_UP", "all") in ("all", "coop" if bm == 128 else "pingpong")],
                "down": [GemmConfig(64, bn, 128, g, 4, s, warp_specialize=1)
                         for bn, g, s in ((128, 8, 6), (256, 8, 3), (256, 8, 4), (256, 8, 5), (256, 16, 4))]}[GEMM]
-# SCHEME=none: the bf16 tiles, BLOCK_K 64: a tile a consumer by turns (128 or 64 rows), or COOP (128 rows, 64 each)
-WS_BF16_VARIANTS = {"gate_up": [GemmConfig(bm, bn, 64, g, 4, s, warp_specialize=1) for bm, bn, g, s in
-                                ((128, 64, 8, 5), (128, 64, 8, 6), (128, 128, 8, 3), (128, 128, 8, 4),
-                                 (128, 128, 16, 4), (64, 128, 8, 4), (64, 128, 8, 5))],
-                    "down": [GemmConfig(bm, bn, 64, g, 4, s, warp_specialize=1) for bm, bn, g, s in
-                             ((128, 128, 8, 5), (128, 128, 8, 6), (128, 256, 8, 3), (128, 256, 8, 4),
-                              (128, 256, 16, 4), (64, 256, 8, 3), (64, 256, 8, 4))]}[GEMM]
+# SCHEME=none: the bf16 tiles the tuner offers (a tile a consumer by turns at 128 or 64 rows, or COOP: 128 rows,
+# 64 each; BLOCK_K 64), and a few it does not
+WS_BF16_VARIANTS = {"gate_up": WS_BF16_GATE_UP + [GemmConfig(64, 128, 64, 8, 4, 4, warp_specialize=1)],
+                    "down": WS_BF16_DOWN + [GemmConfig(bm, 256, 64, 8, 4, s, warp_specialize=1)
+                                            for bm, s in ((128, 3), (64, 3), (64, 4))]}[GEMM]
 GAIN = float(os.environ.get("GAIN", "1.02"))
 ONLY = [n for n in os.environ.get("ONLY", "").split(",") if n]  # e.g. ONLY=ws_128x128g8s3: those variants alone
 
