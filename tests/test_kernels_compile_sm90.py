@@ -463,6 +463,8 @@ jobs += [(torch.float8_e4m3fn, True, 64, 128, 128, stages, u) for stages, u in (
 jobs += [(torch.float8_e4m3fn, True, 128, 128, 128, stages, u) for stages, u in ((4, 8), (3, 7), (2, 1))]
 # the wide fp8-block down, 64 x 256 in quarters: Qwen3's 6 steps, DeepSeek-V3's 16 and Mixtral's 112 (bodies of 8), 1
 jobs += [(torch.float8_e4m3fn, False, 64, 256, 128, stages, u) for stages, u in ((5, 6), (4, 8), (3, 1))]
+# the same 128 x 256, the two consumers 64 rows each (COOP): 2-4 stages (5 would take 262 KB)
+jobs += [(torch.float8_e4m3fn, False, 128, 256, 128, stages, u) for stages, u in ((4, 8), (3, 6), (2, 1))]
 # ws_fits' unscaled tiles at their most stages must fit the SM's shared memory, one stage past must overflow it
 jobs += [j for j in ((torch.bfloat16, gated, bm, bn, 64, most, 0) for (gated, bm, bn), most in
                      _WS_UNSCALED_STAGES.items()) if j not in jobs]
@@ -498,7 +500,8 @@ def test_warp_specialized_gemms_compile_without_spills():
     """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages, also COOP and
     64-row tiles; the fp8-block
     down's loop bodies of 1-8 steps, 2-8 stages, all three tiles; the fp8-block gate_up's bodies of 1-8 steps, 2-5
-    stages, and its 128-row tiles shared by the two consumers at 2-4) under its launch's register cap:
+    stages, and its 128-row tiles shared by the two consumers at 2-4, as the wide down's) under its launch's register
+    cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas
     neither serializes the wgmmas (C7514) nor injects waits (C7517). Every tile's program fits the SM's shared memory
     (227 KB, the compiler's scratch included), and configs.ws_fits' unscaled tiles one stage past their most do not:

@@ -142,6 +142,9 @@ def test_fp8_block_candidates_keep_the_gluon_gate_up_where_offered(preset, token
     assert tiles == (set() if not gluon_gate_up else {64, 128} if m > 96 else {64})
     wide = [c for c in dn if c.warp_specialize and c.block_n == 256]  # the wide ws down, kept by fit()
     assert bool(wide) == gluon_gate_up
+    assert {c.block_m for c in wide} == (set() if not gluon_gate_up else {64, 128} if m > 96 else {64})  # COOP: large
+    for c in dn:
+        assert fit(c, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=shape.hidden) == c
     assert len(set(gu)) == len(gu) and len(set(dn)) == len(dn)
 
 

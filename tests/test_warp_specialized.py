@@ -63,7 +63,11 @@ def test_fit_keeps_warp_specialize_where_the_kernel_runs():
     wide = ws(kc.GemmConfig(64, 256, 128, 8, 4, 7, warp_specialize=1), scheme="fp8-block", elem_bytes=1)
     assert (wide.block_n, wide.warp_specialize, wide.num_stages) == (256, 1, 5)
     assert not kc.ws_fits(kc.GemmConfig(64, 256, 128, 8, 4, 4, warp_specialize=1), True, "fp8-block")
-    assert not kc.ws_fits(kc.GemmConfig(128, 256, 128, 8, 4, 4, warp_specialize=1), False, "fp8-block")
+    # and 128 x 256 shared by the two consumers (COOP, 64 rows each), at most 4 stages of 48 KB (213 KB compiled)
+    wide_coop = ws(kc.GemmConfig(128, 256, 128, 16, 4, 6, warp_specialize=1), scheme="fp8-block", elem_bytes=1)
+    assert (wide_coop.block_m, wide_coop.block_n, wide_coop.warp_specialize, wide_coop.num_stages) == (128, 256, 1, 4)
+    assert not kc.ws_fits(kc.GemmConfig(128, 256, 128, 8, 4, 5, warp_specialize=1), False, "fp8-block")
+    assert not kc.ws_fits(kc.GemmConfig(128, 256, 128, 8, 4, 4, warp_specialize=1), True, "fp8-block")
     assert ws(kc.GemmConfig(128, 128, 128, 8, 4, 4, warp_specialize=1), scheme="fp8-block",
               elem_bytes=1).warp_specialize == 0  # 128 x 128: three tiles of 128 registers
     assert ws(cfg, fused_pair=True).num_stages == 4  # as a gate_up tile: COOP (below), 48 KB stages

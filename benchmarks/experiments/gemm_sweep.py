@@ -6,7 +6,8 @@ layer A/B; GAIN=1.0 takes any faster one).
 
 SWEEP=ws (default; fp8-block): the warp-specialized kernels (kernels/warp_specialized.py): GEMM=gate_up its 64 x 128
 fp8-block gate_up (a tile a consumer) and its 128 x 128 one (COOP: the two consumers 64 rows each of a tile;
-WS_GATE_UP=pingpong or coop times only one of the two), GEMM=down its 64 x 128 and wide 64 x 256 downs; reference:
+WS_GATE_UP=pingpong or coop times only one of the two), GEMM=down its 64 x 128 and wide 64 x 256 downs and the wide
+128 x 256 COOP one (WS_DOWN=pingpong or coop likewise); reference:
 the Triton kernel at 64 x 128 (the Gluon kernels give the same bits). With SCHEME=none its bf16 tiles (by turns at
 128 or 64 rows, COOP at 128); reference: the shipped entry, a variant taken where it is bit-equal or within 1e-2
 of it (rel_err: the largest difference over the largest output). SWEEP=order (SCHEME=none or fp8-block): the
@@ -40,8 +41,10 @@ WS_VARIANTS = {"gate_up": [GemmConfig(bm, 128, 128, g, 4, s, warp_specialize=1)
                            for bm, g, s in ((64, 8, 3), (64, 8, 4), (64, 8, 5), (64, 16, 4),
                                             (128, 8, 3), (128, 8, 4), (128, 16, 3), (128, 16, 4))
                            if os.environ.get("WS_GATE_UP", "all") in ("all", "coop" if bm == 128 else "pingpong")],
-               "down": [GemmConfig(64, bn, 128, g, 4, s, warp_specialize=1)
-                        for bn, g, s in ((128, 8, 6), (256, 8, 3), (256, 8, 4), (256, 8, 5), (256, 16, 4))]}[GEMM]
+               "down": [GemmConfig(bm, bn, 128, g, 4, s, warp_specialize=1)
+                        for bm, bn, g, s in ((64, 128, 8, 6), (64, 256, 8, 3), (64, 256, 8, 4), (64, 256, 8, 5),
+                                             (64, 256, 16, 4), (128, 256, 8, 3), (128, 256, 8, 4), (128, 256, 16, 4))
+                        if os.environ.get("WS_DOWN", "all") in ("all", "coop" if bm == 128 else "pingpong")]}[GEMM]
 # SCHEME=none: the bf16 tiles the tuner offers (a tile a consumer by turns at 128 or 64 rows, or COOP: 128 rows,
 # 64 each; BLOCK_K 64), and a few it does not
 WS_BF16_VARIANTS = {"gate_up": WS_BF16_GATE_UP + [GemmConfig(64, 128, 64, 8, 4, 4, warp_specialize=1)],

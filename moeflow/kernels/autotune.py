@@ -58,6 +58,10 @@ WS_FP8_GATE_UP = [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1) for g, s 
 # T = 8192-16384, slower at T <= 4096 and on DeepSeek-V3's shape; Mixtral's T = 16384 a tie
 # (benchmarks/results/ws_coop_gate_up_*)
 WS_FP8_GATE_UP_COOP = [GemmConfig(128, 128, 128, g, 4, 3, warp_specialize=1) for g in (8, 16)]
+# the wide down at 128 x 256 shared by the two consumers (COOP), 3 stages: 1.02x the shipped downs on Mixtral's shape
+# at T = 4096-16384 and 1.07x on Qwen3's T = 16384 alone, a tie in the layer; 4 stages ran slower on Mixtral's shape
+# (benchmarks/results/ws_fp8_coop_down_2026-12-03_h200.md)
+WS_FP8_DOWN_COOP = [GemmConfig(128, 256, 128, g, 4, 3, warp_specialize=1) for g in (8, 16)]
 # bf16 / fp16 (BLOCK_K 64): the tiles a consumer by turns, 128 x 64 gate_up and 128 x 128 down, 5-6 stages; the
 # 64 x 128 gate_up by turns (5 stages) and the COOP tiles of 256 accumulator columns (the two consumers 64 rows each:
 # the 128 x 128 gate_up, the 128 x 256 down), 3-4 stages of 48 KB. Alone, against the tables they replaced: the
@@ -131,7 +135,7 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
             dn += [GemmConfig(bm, 128, 128, 8, w, s, p, scale_overlap=so) for bm, w, s, p, so in
                    ((128, 8, 4, 0, 1), (128, 8, 4, 0, 2), (128, 8, 3, 0, 1), (64, 4, 4, 0, 2),
                     (64, 4, 4, 2, 2), (64, 4, 3, 2, 2), (128, 8, 4, 1, 2))]  # p > 0: down_wgmma_persistent.py
-            dn += WS_FP8_DOWN
+            dn += WS_FP8_DOWN + WS_FP8_DOWN_COOP
     nbytes = 1 if shape.scheme != "none" else shape.dtype.itemsize
 
     def fitted(cfgs, pair, n):

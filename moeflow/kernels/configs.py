@@ -210,11 +210,12 @@ def ws_fits(cfg: GemmConfig, gated: bool, scheme: str = "none") -> bool:
     tiles, 2-8 stages (24 KB each); the gate_up 64 x 128 tiles (one output group a row), four accumulator quarters
     and two quarter products of 32 registers each, 2-5 stages (40 KB each: the x tile and 128 gate and 128 up weight
     rows), or 128 x 128 tiles shared by the two consumers (COOP, 64 rows each), 2-4 stages of 48 KB; the down also
-    64 x 256 tiles in the same quarters, 2-5 stages of 40 KB."""
+    64 x 256 tiles in the same quarters, 2-5 stages of 40 KB, or 128 x 256 ones shared by the two (COOP), 2-4 stages of
+    48 KB."""
     if cfg.num_warps != 4 or cfg.split_k != 1:
         return False
     if scheme == "fp8-block":
-        if gated and (cfg.block_m, cfg.block_n) == (128, 128):  # COOP: 48 KB stages
+        if (cfg.block_m, cfg.block_n) == ((128, 128) if gated else (128, 256)):  # COOP: 48 KB stages
             return cfg.block_k == 128 and 2 <= cfg.num_stages <= 4
         if (cfg.block_m, cfg.block_n) == ((64, 128) if gated else (64, 256)):  # tiles in quarters, 40 KB stages
             return cfg.block_k == 128 and 2 <= cfg.num_stages <= 5

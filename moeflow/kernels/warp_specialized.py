@@ -34,8 +34,8 @@ Three partitions (gl.warp_specialize):
     The wide fp8-block down runs the same loop on a 64 x 256 tile: its two weight buffers a slot hold the tile's
     two 128-row halves (two weight-scale blocks), the epilogue stores four 64-column quarters times the routing
     weight. Each consumer runs its own 64-row tile (a ping-pong), except in COOP.
-  - COOP (coop(): the fp8-block gate_up at BLOCK_M 128; bf16 / fp16 the 128 x 128 gate_up and the 128 x 256 down,
-    256 accumulator columns): the two consumers share each 128-row tile, 64 rows each, both reading each slot (empty
+  - COOP (coop(): the tiles of 256 accumulator columns at BLOCK_M 128, the 128 x 128 gate_up and the 128 x 256
+    down, bf16 / fp16 or fp8-block): the two consumers share each 128-row tile, 64 rows each, both reading each slot (empty
     barriers of count 2), with no turns: each weight tile serves twice the rows, and the epilogues no longer overlap
     a K loop. Both consumers run every tile's wgmmas, even where a block has at most 64 rows: a consumer 1 that
     instead passed such a block's steps ran ahead of consumer 0 from then on, its ring short of loaded steps, and
@@ -151,11 +151,9 @@ if gluon is not None:
     @gluon.constexpr_function
     def coop(gated, scaled, block_m, block_n):
         """Whether the two consumers share each tile (COOP, module docstring), 64 rows each: 128-row tiles too large
-        for one consumer's registers. The fp8-block gate_up at BLOCK_M 128; unscaled (bf16, fp16), the tiles of 256
-        accumulator columns: the gate_up at 128 x 128 (gate and up) and the down at 128 x 256."""
-        if int(block_m) != 128:
-            return False
-        return bool(gated) if scaled else int(block_n) * (2 if gated else 1) == 256
+        for one consumer's registers. Those of 256 accumulator columns at BLOCK_M 128: the gate_up at 128 x 128 (gate
+        and up) and the down at 128 x 256, unscaled (bf16, fp16) or fp8-block (in quarters)."""
+        return int(block_m) == 128 and int(block_n) * (2 if gated else 1) == 256
 
     @gluon.jit
     def _tiles(nblk_ptr, num_programs, N, BLOCK_N: gl.constexpr):
@@ -409,10 +407,10 @@ if gluon is not None:
                 else:
                     rw = gl.load(rw_ptr + rows_ld)
                     col0 = pid_n * BLOCK_N
-                    _store_cols(acc0, rw, row_start, row_end, col0, out_ptr, stride_out, N, BLOCK_M, QN)
-                    _store_cols(acc1, rw, row_start, row_end, col0 + QN, out_ptr, stride_out, N, BLOCK_M, QN)
-                    _store_cols(acc2, rw, row_start, row_end, col0 + 2 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
-                    _store_cols(acc3, rw, row_start, row_end, col0 + 3 * QN, out_ptr, stride_out, N, BLOCK_M, QN)
+                    _store_cols(acc0, rw, first, row_end, col0, out_ptr, stride_out, N, CM, QN)
+                    _store_cols(acc1, rw, first, row_end, col0 + QN, out_ptr, stride_out, N, CM, QN)
+                    _store_cols(acc2, rw, first, row_end, col0 + 2 * QN, out_ptr, stride_out, N, CM, QN)
+                    _store_cols(acc3, rw, first, row_end, col0 + 3 * QN, out_ptr, stride_out, N, CM, QN)
             else:
                 if GATED:
                     acc_g = gl.zeros([CM, BLOCK_N], gl.float32, mma)

@@ -146,10 +146,11 @@ def check_fp8_down(cfg, sms, counts, h, i, monkeypatch, what):
     assert torch.equal(got, plain)
 
 
-WIDE_TILES = [GemmConfig(64, 256, 128, 8, 4, s, warp_specialize=1) for s in (2, 4, 5)]
+WIDE_TILES = ([GemmConfig(64, 256, 128, 8, 4, s, warp_specialize=1) for s in (2, 4, 5)]
+              + [GemmConfig(128, 256, 128, 8, 4, s, warp_specialize=1) for s in (2, 4)])  # COOP: 64 rows a consumer
 
 
-@pytest.mark.parametrize("cfg", WIDE_TILES, ids=lambda c: f"s{c.num_stages}")
+@pytest.mark.parametrize("cfg", WIDE_TILES, ids=lambda c: f"m{c.block_m}s{c.num_stages}")
 @pytest.mark.parametrize("sms", [None, 1, 3])
 @pytest.mark.parametrize("counts,h,i", [
     ([37, 0, 300, 1, 0, 129, 64, 2], 512, 768),   # empty experts, rows off the blocks; 6 K steps, 2 column tiles
@@ -160,8 +161,8 @@ WIDE_TILES = [GemmConfig(64, 256, 128, 8, 4, s, warp_specialize=1) for s in (2, 
     ([3, 5], 512, 896),                            # 7 steps: bodies of 7
 ])
 def test_wide_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, counts, h, i, poison, monkeypatch):
-    """The wide fp8-block down (64 x 256 tiles in quarters, two weight-scale blocks a tile): bit for bit the Triton
-    kernel's output and close to the float64 reference."""
+    """The wide fp8-block down (64 x 256 tiles in quarters, two weight-scale blocks a tile; or 128 x 256 shared by
+    the two consumers, COOP): bit for bit the Triton kernel's output and close to the float64 reference."""
     check_fp8_down(cfg, sms, counts, h, i, monkeypatch, "wide fp8 down")
     layout3, a3, a3_s, q3, s3, _ = fp8_operands([3, 4], 384, 256)  # H = 384: half a tile's scale blocks past the end
     assert not down_ws.usable(a3, a3_s, q3, layout3, "fp8-block", cfg, w_scale=s3)
