@@ -52,7 +52,8 @@ two products of 64 x 128 (or 128 x 64); GATED and SCALED four quarters and two p
 too). ptxas sm_90a: no spills (tests/test_kernels_compile_sm90.py).
 Where: GemmConfig.warp_specialize (fit() keeps it, layer dtype bf16/fp16 with BLOCK_K 64, on 128 x 128 and 64 x 256
 down tiles, 128 x 64 and 64 x 128 gate_up tiles, and the COOP 128 x 256 down and 128 x 128 gate_up; on fp8-block
-down tiles of 64 x 128 x 128, 128 x 64 x 128 or 64 x 256 x 128 (H a multiple of 256), and on fp8-block gate_up
+down tiles of 64 x 128 x 128, 128 x 64 x 128, or 64 x 256 x 128 and 128 x 256 x 128 (COOP) with H a multiple of
+256, and on fp8-block gate_up
 tiles of 64 x 128 x 128 or 128 x 128 x 128 (COOP) with I and H multiples of 128: configs.ws_fits), sorted
 batches, CUDA compute capability 9.x, operands TMA-addressable; rows that come by index are copied into order
 first (gate_up.py, as for x_tma); down.py and gate_up.py run their own kernels otherwise.
@@ -69,7 +70,10 @@ stages: 1.03x and 1.14x the shipped 64 x 128 ws down on Qwen3's shape at T = 409
 DeepSeek-V3's (layer 1.00-1.05x); slower at T = 1024 and on Mixtral's T >= 4096. The bf16 COOP and 64-row tiles
 (benchmarks/results/ws_bf16_coop_2026-12-03_h200.md), alone against the tables' entries: the gate_up 1.05-1.31x on
 the three shapes at T = 1024-8192 and DeepSeek-V3's 16384, the COOP down 1.04-1.17x on DeepSeek-V3's T >= 4096 and
-Mixtral's 16384; the layer 1.04-1.12x at those T but Qwen3's 4096 (a tie). The tuner picks per entry.
+Mixtral's 16384; the layer 1.04-1.12x at those T but Qwen3's 4096 (a tie). The fp8-block COOP wide down
+(benchmarks/results/ws_fp8_coop_down_2026-12-03_h200.md), 128 x 256 at 3 stages: 1.02-1.07x the tables' downs alone
+on Qwen3's T = 16384, Mixtral's T = 4096 and 16384 and DeepSeek-V3's T = 16384, a gain in the layer on Mixtral's
+T = 16384 only (1.01-1.02x). The tuner picks per entry.
 Imported only when a config asks for it on a CUDA device: CPU runs never load Gluon.
 """
 from __future__ import annotations
