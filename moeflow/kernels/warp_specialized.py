@@ -35,11 +35,11 @@ Three partitions (gl.warp_specialize):
     two 128-row halves (two weight-scale blocks), the epilogue stores four 64-column quarters times the routing
     weight. Each consumer runs its own 64-row tile (a ping-pong), except in COOP.
   - COOP (coop(): the tiles of 256 accumulator columns at BLOCK_M 128, the 128 x 128 gate_up and the 128 x 256
-    down, bf16 / fp16 or fp8-block): the two consumers share each 128-row tile, 64 rows each, both reading each slot (empty
-    barriers of count 2), with no turns: each weight tile serves twice the rows, and the epilogues no longer overlap
-    a K loop. Both consumers run every tile's wgmmas, even where a block has at most 64 rows: a consumer 1 that
-    instead passed such a block's steps ran ahead of consumer 0 from then on, its ring short of loaded steps, and
-    the kernel 1.2-1.3x slower (benchmarks/results/ws_coop_gate_up_2026-12-03_h200.md). The fp8-block COOP gate_up
+    down, bf16 / fp16 or fp8-block): the two consumers share each 128-row tile, 64 rows each, both reading each slot
+    (empty barriers of count 2), with no turns: each weight tile serves twice the rows, and the epilogues no longer
+    overlap a K loop. Both consumers run every tile's wgmmas, even where a block has at most 64 rows: a consumer 1
+    that instead passed such a block's steps ran ahead of consumer 0 from then on, its ring short of loaded steps,
+    and the kernel 1.2-1.3x slower (benchmarks/results/ws_coop_gate_up_2026-12-03_h200.md). The fp8-block COOP gate_up
     measured 1.08x the ping-pong on Qwen3's gate_up at T = 16384 (1024 rows an expert) and 1.06x at 8192, slower
     at T <= 4096 and on DeepSeek-V3's shape (whose part-filled blocks the per-tile Gluon kernel runs as pair
     tiles), a tie with the per-tile kernel on Mixtral's T = 16384 (alone and in the layer). A first COOP form
