@@ -7,7 +7,8 @@ layer A/B; GAIN=1.0 takes any faster one).
 SWEEP=ws (default; fp8-block): the warp-specialized kernels (kernels/warp_specialized.py): GEMM=gate_up its 64 x 128
 fp8-block gate_up (a tile a consumer) and its 128 x 128 one (COOP: the two consumers 64 rows each of a tile;
 WS_GATE_UP=pingpong or coop times only one of the two), GEMM=down its 64 x 128 and wide 64 x 256 downs and the wide
-128 x 256 COOP one (WS_DOWN=pingpong or coop likewise); reference:
+128 x 256 COOP one (WS_DOWN=pingpong or coop likewise): the tuner's lists (autotune.WS_FP8_*) and a few tiles it
+does not offer; reference:
 the Triton kernel at 64 x 128 (the Gluon kernels give the same bits). With SCHEME=none its bf16 tiles (by turns at
 128 or 64 rows, COOP at 128); reference: the shipped entry, a variant taken where it is bit-equal or within 1e-2
 of it (rel_err: the largest difference over the largest output). SWEEP=order (SCHEME=none or fp8-block): the
@@ -27,7 +28,8 @@ from types import SimpleNamespace
 
 import torch
 
-from moeflow.kernels.autotune import WS_BF16_DOWN, WS_BF16_GATE_UP, _layer_parts, graph_time_ms, random_batch
+from moeflow.kernels.autotune import (WS_BF16_DOWN, WS_BF16_GATE_UP, WS_FP8_DOWN, WS_FP8_DOWN_COOP, WS_FP8_GATE_UP,
+                                      WS_FP8_GATE_UP_COOP, _layer_parts, graph_time_ms, random_batch)
 from moeflow.kernels.configs import SHIPPED_DIR, GemmConfig, fit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,14 +39,16 @@ ROWS = [(p, t) for p in ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3") for t i
 GEMM = os.environ.get("GEMM", "gate_up")
 SWEEP = os.environ.get("SWEEP", "ws")
 SCHEME = os.environ.get("SCHEME", "fp8-block")
-WS_VARIANTS = {"gate_up": [GemmConfig(bm, 128, 128, g, 4, s, warp_specialize=1)
-                           for bm, g, s in ((64, 8, 3), (64, 8, 4), (64, 8, 5), (64, 16, 4),
-                                            (128, 8, 3), (128, 8, 4), (128, 16, 3), (128, 16, 4))
-                           if os.environ.get("WS_GATE_UP", "all") in ("all", "coop" if bm == 128 else "pingpong")],
-               "down": [GemmConfig(bm, bn, 128, g, 4, s, warp_specialize=1)
-                        for bm, bn, g, s in ((64, 128, 8, 6), (64, 256, 8, 3), (64, 256, 8, 4), (64, 256, 8, 5),
-                                             (64, 256, 16, 4), (128, 256, 8, 3), (128, 256, 8, 4), (128, 256, 16, 4))
-                        if os.environ.get("WS_DOWN", "all") in ("all", "coop" if bm == 128 else "pingpong")]}[GEMM]
+# fp8-block: the warp-specialized tiles the tuner offers (64 rows a consumer by turns, or COOP: 128 rows, 64 each;
+# BLOCK_K 128), and a few it does not; WS_GATE_UP / WS_DOWN = pingpong or coop keeps one of the two forms
+_WS_FP8 = {"gate_up": (WS_FP8_GATE_UP + WS_FP8_GATE_UP_COOP
+                       + [GemmConfig(bm, 128, 128, 8, 4, s, warp_specialize=1) for bm, s in ((64, 3), (128, 4))]
+                       + [GemmConfig(128, 128, 128, 16, 4, 4, warp_specialize=1)]),
+           "down": (WS_FP8_DOWN + WS_FP8_DOWN_COOP
+                    + [GemmConfig(bm, 256, 128, g, 4, s, warp_specialize=1)
+                       for bm, g, s in ((64, 8, 3), (128, 8, 4), (128, 16, 4))])}[GEMM]
+_FORM = os.environ.get("WS_GATE_UP" if GEMM == "gate_up" else "WS_DOWN", "all")
+WS_VARIANTS = [c for c in _WS_FP8 if _FORM in ("all", "coop" if c.block_m == 128 else "pingpong")]
 # SCHEME=none: the bf16 tiles the tuner offers (a tile a consumer by turns at 128 or 64 rows, or COOP: 128 rows,
 # 64 each; BLOCK_K 64), and a few it does not
 WS_BF16_VARIANTS = {"gate_up": WS_BF16_GATE_UP + [GemmConfig(64, 128, 64, 8, 4, 4, warp_specialize=1)],
