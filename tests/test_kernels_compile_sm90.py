@@ -445,7 +445,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
 from moeflow.kernels import warp_specialized as ws
-from moeflow.kernels.configs import _WS_UNSCALED_STAGES
+from moeflow.kernels.configs import _WS_FP8_STAGES, _WS_UNSCALED_STAGES
 out = []
 # (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0: not SCALED)
 jobs = [(torch.bfloat16, gated, 128, 64 if gated else 128, 64, stages, 0)
@@ -465,10 +465,11 @@ jobs += [(torch.float8_e4m3fn, True, 128, 128, 128, stages, u) for stages, u in 
 jobs += [(torch.float8_e4m3fn, False, 64, 256, 128, stages, u) for stages, u in ((5, 6), (4, 8), (3, 1))]
 # the same 128 x 256, the two consumers 64 rows each (COOP): 2-4 stages (5 would take 262 KB)
 jobs += [(torch.float8_e4m3fn, False, 128, 256, 128, stages, u) for stages, u in ((4, 8), (3, 6), (2, 1))]
-# ws_fits' unscaled tiles at their most stages must fit the SM's shared memory, one stage past must overflow it
-jobs += [j for j in ((torch.bfloat16, gated, bm, bn, 64, most, 0) for (gated, bm, bn), most in
-                     _WS_UNSCALED_STAGES.items()) if j not in jobs]
-past = [(torch.bfloat16, gated, bm, bn, 64, most + 1, 0) for (gated, bm, bn), most in _WS_UNSCALED_STAGES.items()]
+# ws_fits' tiles at their most stages must fit the SM's shared memory, one stage past must overflow it
+limits = [(torch.bfloat16, gated, bm, bn, 64, most, 0) for (gated, bm, bn), most in _WS_UNSCALED_STAGES.items()]
+limits += [(torch.float8_e4m3fn, gated, bm, bn, 128, most, 8) for (gated, bm, bn), most in _WS_FP8_STAGES.items()]
+jobs += [j for j in limits if j not in jobs]
+past = [(dtype, gated, bm, bn, bk, most + 1, u) for dtype, gated, bm, bn, bk, most, u in limits]
 gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"),
          torch.float8_e4m3fn: (gl.float8e4nv, "")}
 for dtype, gated, bm, bn, bk, stages, u in jobs + past:
@@ -504,19 +505,19 @@ def test_warp_specialized_gemms_compile_without_spills():
     cap:
     no spills (the loader warp's 24 registers hold only scalars: the row blocks come from a table), and ptxas
     neither serializes the wgmmas (C7514) nor injects waits (C7517). Every tile's program fits the SM's shared memory
-    (227 KB, the compiler's scratch included), and configs.ws_fits' unscaled tiles one stage past their most do not:
+    (227 KB, the compiler's scratch included), and configs.ws_fits' tiles one stage past their most do not:
     the stage limits there are shared memory's."""
     from moeflow.kernels.registers import SM90_SHARED_BYTES
     out = compile_without_interpreter(WS_DOWN_COMPILE)
     for kind, tile, shared, *report in out:
-        if kind == "past":  # configs._WS_UNSCALED_STAGES: one stage more would not launch
+        if kind == "past":  # configs._WS_UNSCALED_STAGES and _WS_FP8_STAGES: one stage more would not launch
             assert shared > SM90_SHARED_BYTES, (tile, shared)
             continue
         regs, spill, notes = report
         assert shared <= SM90_SHARED_BYTES, (tile, shared)
         assert spill == 0 and regs <= 168, (tile, regs, spill)
         assert not [n for n in notes if "C7514" in n or "C7517" in n], notes
-    assert sum(kind == "past" for kind, *_ in out) == 6
+    assert sum(kind == "past" for kind, *_ in out) == 12
 
 
 def test_block_table_kernel_compiles():

@@ -203,24 +203,17 @@ def wgmma_down_fits(cfg: GemmConfig) -> bool:
 
 def ws_fits(cfg: GemmConfig, gated: bool, scheme: str = "none") -> bool:
     """Tiles kernels/warp_specialized.py runs: each consumer warpgroup a whole tile, 4 warps a consumer, no split
-    K. Scheme none: 128 accumulator registers a thread, BLOCK_K 64 (_WS_UNSCALED_STAGES): down 128 x 128 and
-    64 x 256, gate_up (gated: two accumulators, gate and up) 128 x 64 and 64 x 128; or the 128 x 256 down and
-    128 x 128 gate_up tiles shared by the two consumers (COOP, 64 rows each). fp8-block, BLOCK_K 128 (one scale
-    group a step): the down an accumulator and two products by turns of 64 registers each, 64 x 128 or 128 x 64
-    tiles, 2-8 stages (24 KB each); the gate_up 64 x 128 tiles (one output group a row), four accumulator quarters
-    and two quarter products of 32 registers each, 2-5 stages (40 KB each: the x tile and 128 gate and 128 up weight
-    rows), or 128 x 128 tiles shared by the two consumers (COOP, 64 rows each), 2-4 stages of 48 KB; the down also
-    64 x 256 tiles in the same quarters, 2-5 stages of 40 KB, or 128 x 256 ones shared by the two (COOP), 2-4 stages of
-    48 KB."""
+    K; the stages from 2 to the most the tile's shared memory allows. Scheme none (_WS_UNSCALED_STAGES): 128
+    accumulator registers a thread, BLOCK_K 64: down 128 x 128 and 64 x 256, gate_up (gated: two accumulators, gate and
+    up) 128 x 64 and 64 x 128; or the 128 x 256 down and 128 x 128 gate_up tiles shared by the two consumers (COOP,
+    64 rows each). fp8-block (_WS_FP8_STAGES), BLOCK_K 128 (one scale group a step): the down an accumulator and two
+    products by turns of 64 registers each, 64 x 128 or 128 x 64 tiles; the gate_up 64 x 128 tiles (one output group a
+    row) and the wide down 64 x 256, four accumulator quarters and two quarter products of 32 registers each; or
+    those at 128 rows shared by the two consumers (COOP: the 128 x 128 gate_up, the 128 x 256 down)."""
     if cfg.num_warps != 4 or cfg.split_k != 1:
         return False
     if scheme == "fp8-block":
-        if (cfg.block_m, cfg.block_n) == ((128, 128) if gated else (128, 256)):  # COOP: 48 KB stages
-            return cfg.block_k == 128 and 2 <= cfg.num_stages <= 4
-        if (cfg.block_m, cfg.block_n) == ((64, 128) if gated else (64, 256)):  # tiles in quarters, 40 KB stages
-            return cfg.block_k == 128 and 2 <= cfg.num_stages <= 5
-        return (not gated and (cfg.block_m, cfg.block_n) in ((64, 128), (128, 64)) and cfg.block_k == 128
-                and 2 <= cfg.num_stages <= 8)
+        return cfg.block_k == 128 and 2 <= cfg.num_stages <= _WS_FP8_STAGES.get((gated, cfg.block_m, cfg.block_n), 0)
     most = _WS_UNSCALED_STAGES.get((gated, cfg.block_m, cfg.block_n), 0) if scheme == "none" else 0
     return cfg.block_k == 64 and 2 <= cfg.num_stages <= most
 
@@ -232,6 +225,15 @@ _WS_UNSCALED_STAGES = {
     (False, 128, 128): 6, (True, 128, 64): 6,  # a 128-row tile a consumer, by turns: 32 KB stages
     (False, 128, 256): 4, (True, 128, 128): 4,  # COOP, 64 rows a consumer: 48 KB stages (229 KB at 4 for the down)
     (False, 64, 256): 4, (True, 64, 128): 5,  # a 64-row tile a consumer, by turns: 40 KB stages (238 KB at 5: over)
+}
+
+
+# ws_fits for fp8-block, BLOCK_K 128 (one scale group a step): (gated, BLOCK_M, BLOCK_N) -> the most stages whose shared
+# memory fits the SM's 227 KB, compiled for sm_90a (one stage more overflows it: tests/test_kernels_compile_sm90.py)
+_WS_FP8_STAGES = {
+    (False, 64, 128): 8, (False, 128, 64): 8,  # the down, an accumulator and two products by turns: 24 KB stages
+    (True, 64, 128): 5, (False, 64, 256): 5,  # a 64-row tile a consumer in quarters (the gate_up, the wide down): 40 KB
+    (True, 128, 128): 4, (False, 128, 256): 4,  # the same shared by the two consumers (COOP), 64 rows each: 48 KB
 }
 
 
