@@ -88,13 +88,12 @@ def _patch(form: str) -> None:
 
 
 def operand_bytes(layout, cfg, n_out: int, k: int, elem: int, gated: bool) -> int:
-    """Bytes of the activation and weight boxes every tile's K steps load (module docstring)."""
-    import torch
-    off = layout.meta.to(torch.int64).cpu()
-    blocks = int(((off[1:] - off[:-1] + cfg.block_m - 1) // cfg.block_m).sum())
-    tiles = blocks * -(-n_out // cfg.block_n)
+    """Bytes of the activation and weight boxes every tile's K steps load (module docstring); the row blocks are the
+    kernel's own (ws.block_table_torch)."""
+    from moeflow.kernels.common import cdiv
+    tiles = int(ws.block_table_torch(layout, cfg.block_m)[1]) * cdiv(n_out, cfg.block_n)
     w_rows = cfg.block_n * (2 if gated else 1)
-    return tiles * -(-k // cfg.block_k) * (cfg.block_m + w_rows) * cfg.block_k * elem
+    return tiles * cdiv(k, cfg.block_k) * (cfg.block_m + w_rows) * cfg.block_k * elem
 
 
 def child(form: str, rows: list[str]) -> list[dict]:
