@@ -150,7 +150,7 @@ WIDE_TILES = ([GemmConfig(64, 256, 128, 8, 4, s, warp_specialize=1) for s in (2,
               + [GemmConfig(128, 256, 128, 8, 4, s, warp_specialize=1) for s in (2, 4)])  # COOP: 64 rows a consumer
 
 
-@pytest.mark.parametrize("cfg", WIDE_TILES, ids=lambda c: f"m{c.block_m}s{c.num_stages}")
+@pytest.mark.parametrize("cfg", WIDE_TILES, ids=tile_id)
 @pytest.mark.parametrize("sms", [None, 1, 3])
 @pytest.mark.parametrize("counts,h,i", [
     ([37, 0, 300, 1, 0, 129, 64, 2], 512, 768),   # empty experts, rows off the blocks; 6 K steps, 2 column tiles
