@@ -12,6 +12,7 @@
 #      command line, the Gluon fp8-block gate_up whose 64- and 128-row tiles the H200 tables use), GPU 0; then
 #      the Gluon down and warp-specialized kernels' suites (step gpu_tests_gluon; the warp-specialized file
 #      took about 4 minutes, in parts, on 2026-12-03: run it in its own call with ONLY=gpu_tests_gluon), GPU 0
+#      then the eager-graph and torch.compile files (step gpu_tests_graphs), GPU 0
 #   2. with 2 GPUs: pytest -m gpu tests/gpu/test_gpu_ep.py, then benchmarks/bench_ep.py --profile
 #   3. benchmarks/bench_layer.py: PERF.md's 36 rows, triton runner, GPU 0
 #   4. the T=1 and 16 rows again with MOEFLOW_TRITON_PDL=0 (programmatic dependent launch off), GPU 0
@@ -75,6 +76,8 @@ step gpu_tests_layers 300 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu 
     tests/gpu/test_gpu_hf.py tests/gpu/test_gpu_cli.py tests/gpu/test_gpu_gate_up_wgmma.py
 step gpu_tests_gluon 420 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu tests/gpu/test_gpu_down_wgmma.py \
     tests/gpu/test_gpu_warp_specialized.py
+step gpu_tests_graphs 240 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu tests/gpu/test_gpu_eager_graphs.py \
+    tests/gpu/test_gpu_compile.py
 if [ "$GPUS" -ge 2 ]; then
     step ep_tests 120 python -m pytest -v -m gpu tests/gpu/test_gpu_ep.py
     step ep_bench 120 torchrun --standalone --nproc-per-node 2 benchmarks/bench_ep.py --profile --skip layer \
