@@ -3,7 +3,7 @@ and the triton runner decide to use it.
 
 The kernel against its torch reference (the same float32 math in the same order: near bit-exact) and against
 the float64 oracle (the scheme's tolerance), outputs and intermediates poisoned first, on fresh random data:
-fp16 / fp32 / fp8-block (the interpreter has no bf16: tests/gpu/test_gpu_fused_layer.py), non-power-of-two
+fp16 / fp32 / fp8-block / fp8-channel (the interpreter has no bf16: tests/gpu/test_gpu_fused_layer.py), non-power-of-two
 sizes with K tails, an expert shared by every token, top-1, T = 0. The interpreter runs programs one after
 another in ticket order, so its down items never wait; the GPU suite covers the waiting.
 """
@@ -26,7 +26,8 @@ from moeflow.quant import create_scheme
 from oracle import assert_close
 
 
-CASES = [("none", torch.float32), ("none", torch.float16), ("fp8-block", torch.float16), ("fp8-block", torch.float32)]
+CASES = [("none", torch.float32), ("none", torch.float16), ("fp8-block", torch.float16), ("fp8-block", torch.float32),
+         ("fp8-channel", torch.float16), ("fp8-channel", torch.float32)]
 
 
 @pytest.mark.parametrize("scheme,dtype", CASES, ids=lambda v: str(v).removeprefix("torch."))
@@ -36,8 +37,8 @@ def test_against_references(scheme, dtype, t):
 
 
 @pytest.mark.parametrize("splits", [(2, 3), (3, 1), (1, 5)])
-@pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16)],
-                         ids=["none", "fp8-block"])
+@pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16),
+                                          ("fp8-channel", torch.float16)], ids=["none", "fp8-block", "fp8-channel"])
 def test_split_k(scheme, dtype, splits):
     """K steps split over programs in either GEMM, the last program of a tile adding the partials: uneven
     splits (3 of 4 gate_up steps), a split with no steps (5 of 4 down steps: I = 256 / 128 x top-2)."""
@@ -51,8 +52,8 @@ def test_odd_sizes_with_k_tails(dtype):
     check("none", dtype, 3, e=7, h=48, i=40, k=3, cfg=FusedConfig(16, 32, 16, 32))
 
 
-@pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16)],
-                         ids=["none", "fp8-block"])
+@pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16),
+                                          ("fp8-channel", torch.float16)], ids=["none", "fp8-block", "fp8-channel"])
 def test_every_token_on_one_expert(scheme, dtype):
     """Expert 2 in every token's top-k (its weights read by every token's copy), the others barely used."""
     check(scheme, dtype, 4, e=6, h=128, i=256, k=2, cfg=FusedConfig(64, 128, 32, 128), one_expert=2)
@@ -140,13 +141,22 @@ def test_fused_launch_switched_off(monkeypatch):
     assert runner.fused_config(1, w) is None
 
 
+def test_default_tiles_fuse_one_token_of_the_measured_schemes():
+    """Without a tuned file the one launch runs at T=1 for none and fp8-block (measured faster on H200), not for
+    fp8-channel (measured no faster: a tuned entry may set it) nor fp8-tensor (the kernel has no such scheme)."""
+    from moeflow.kernels.configs import default_config
+    for scheme, fused in (("none", True), ("fp8-block", True), ("fp8-channel", False), ("fp8-tensor", False)):
+        assert (default_config(1, 8, 128, scheme).fused is not None) == fused, scheme
+        assert default_config(2, 8, 128, scheme).fused is None
+
+
 def test_plan_fuses_only_declared_cells():
     env = Environment("cuda", (9, 0))
     base = dict(num_experts=8, hidden_size=256, intermediate_size=128, top_k=2, device="cpu")
-    for scheme in ("none", "fp8-block"):
+    for scheme in ("none", "fp8-channel", "fp8-block"):
         p = plan(MoEConfig(**base, quant=scheme, runner="triton", dispatcher="local"), env)
         assert p.fused_layer and any("one 'triton' launch" in r for r in p.reasons)
-    for scheme in ("fp8-tensor", "fp8-channel"):  # the kernel has no such scheme: separate launches
+    for scheme in ("fp8-tensor",):  # the kernel has no such scheme (its scales span the batch): separate launches
         assert not plan(MoEConfig(**base, quant=scheme, runner="triton", dispatcher="local"), env).fused_layer
     for runner in ("grouped_mm", "reference"):  # runners that declare no fused layer
         assert not plan(MoEConfig(**base, runner=runner, dispatcher="local"), env).fused_layer

@@ -623,7 +623,7 @@ def test_shipped_table_is_named_for_its_shape_and_loads(path):
     for t, entry in table.items():
         assert isinstance(entry.gate_up, kc.GemmConfig) and isinstance(entry.down, kc.GemmConfig)
         if entry.fused is not None:
-            assert data["scheme"] in ("none", "fp8-block") and t <= 16
+            assert data["scheme"] in ("none", "fp8-channel", "fp8-block") and t <= 16
 
 
 def test_config_file_lookup(monkeypatch, tmp_path):

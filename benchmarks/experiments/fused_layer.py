@@ -2,9 +2,10 @@
 layer (route -> dispatch -> experts -> combine) replayed from a CUDA graph, L2 flushed (bench_layer.py's
 headline method), PERF.md's shapes. One H200.
 
-    PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/fused_layer.py [--tokens 1,2,4,8,16] [preset ...]
+    PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/fused_layer.py [--tokens 1,2,4,8,16]
+        [--schemes none,fp8-block] [preset ...]
 
-Per preset, scheme (none = bf16, fp8-block) and T: the shipped layer (what its table runs: on H200 the one launch
+Per preset, scheme (default none = bf16 and fp8-block; fp8-channel runs it too) and T: the shipped layer (what its table runs: on H200 the one launch
 at T = 1), each candidate tile set of kernels/tune_fused.py forced into the runner, then the shipped layer again
 (the drift between the two shipped timings bounds what a difference means); each candidate's error against the shipped layer's output. Candidates
 are compiled first in worker processes. Writes fused_layer.json under OUT; prints a table last.
@@ -36,19 +37,21 @@ def main():
     from moeflow.kernels.tune_fused import fused_candidates
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,2,4,8,16")
+    p.add_argument("--schemes", default="none,fp8-block", help="comma-separated quantization schemes")
     p.add_argument("presets", nargs="*", default=["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"])
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     out_dir = os.environ.get("OUT", ".")
     start = time.time()
-    shapes = [_shape(pr, s) for pr in args.presets for s in ("none", "fp8-block")]
+    schemes = args.schemes.split(",")
+    shapes = [_shape(pr, s) for pr in args.presets for s in schemes]
     jobs = {(sh, c, True) for sh in shapes for t in tokens for c in fused_candidates(sh, t)}
     precompile(list(jobs))
     print(f"compiled {len(jobs)} in {time.time() - start:.0f}s", file=sys.stderr, flush=True)
     ceil = ceilings()
     rows = []
     for preset in args.presets:
-        for scheme in ("none", "fp8-block"):
+        for scheme in schemes:
             case = Case(preset, scheme)
             runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
             e = case.cfg.num_experts

@@ -24,7 +24,7 @@ from .base import ExpertRunner, ExpertWeights, empty_output
 
 _FP8 = frozenset({"fp8-tensor", "fp8-channel", "fp8-block"})
 # kernels/fused_layer.FUSED_SCHEMES, named here without importing triton (tests/test_fused_layer.py checks they agree)
-_FUSED = frozenset({"none", "fp8-block"})
+_FUSED = frozenset({"none", "fp8-channel", "fp8-block"})
 FUSED_MAX_TOKENS = 64  # the one-launch layer's largest batch (it sizes the layer's counters)
 
 

@@ -137,12 +137,15 @@ def default_config(tokens: int, top_k: int, num_experts: int, scheme: str) -> Mo
     One token: the one-launch layer too (kernels/fused_layer.py, where the plan allows it), with the tiles that
     won most of the six T=1 layers measured on H200 (benchmarks/results/fused_layer_2026-12-01_h200.json): down
     programs of one copy each (SPLIT2 8), gate_up's K steps in two halves; fp8-block 128-wide tiles, bf16 64/128.
+    Not fp8-channel: its one launch (fp16 dots) measured no faster than its separate launches on the H200 presets
+    (benchmarks/results/fused_fp8_channel_2026-12-04_h200.md); a tuned table may still set it.
     """
     fp8 = scheme != "none"
     bk = 128 if fp8 else 64
     m = tokens * top_k / max(num_experts, 1)
     if m <= 16:  # (fp8-block: gate_up 128 wide, its groups quantized in the epilogue)
-        fused = FusedConfig(128 if fp8 else 64, 128, 128, 128, 4, 3, 2, 8) if tokens == 1 else None
+        fused = (FusedConfig(128 if fp8 else 64, 128, 128, 128, 4, 3, 2, 8)
+                 if tokens == 1 and scheme in ("none", "fp8-block") else None)
         return MoEKernelConfig(GemmConfig(16, 128 if scheme == "fp8-block" else 64, 128, 1, 4, 4),
                                GemmConfig(16, 64, 128, 1, 4, 4), fused)
     if m <= 128:

@@ -15,7 +15,14 @@ launch cannot deadlock whatever order the GPU starts programs in (and the CPU in
 one after another, never waits). The last down item to finish zeroes the counters for the next launch.
 fp8-block: each 1x128 group of x (gate_up) and of inter (down) is quantized inside the K step that reads it,
 the bits kernels/quant.quantize_groups gives; inter stays in the layer dtype (each down item quantizes the
-groups it reads). Scheme none: plain dots (float32 layers: IEEE float32).
+groups it reads). fp8-channel: x[t] is quantized with its row's scale (each gate_up item takes the row's amax over
+all of H before its K loop); each copy's inter row with its own, from the amax of its rounded values, which the
+gate_up items finishing its tiles fold into one counter a copy (an atomic max of the float's bits) before they
+count the tile in; the weights' per-row scales multiply the products (gate_up once at the end, down each step: a
+step's rows belong to one copy's expert). Its dots run in fp16 on the fp8 values (exact products, float32 sums):
+one per-row scale makes a row's whole quantization hinge on its largest value, and with fp8 wgmma dots (whose
+accumulator keeps fewer bits) that value's rounding moved often enough to put 1 in 16 layers 1e-2 off the float64
+oracle (benchmarks/results/fused_fp8_channel_2026-12-04_h200.md). Scheme none: plain dots (float32 layers: IEEE float32).
 Each dot is transposed, weights [BLOCK_N, BLOCK_K] times the token's row broadcast into 16 columns [BLOCK_K, 16]:
 the weight tile is the A operand, so tiles of 64 rows or more run as Hopper wgmma straight from shared memory
 (fp8 included; a 16-row A of tokens would run as mma.sync, whose fp8 operands Triton converts to fp16 first), and
@@ -38,19 +45,22 @@ from torch import Tensor
 from .common import (QUANT_CODES, cdiv, fp8_scale, gated_act, interpreting, next_pow2, pdl, pdl_launch, pdl_wait,
                      to_fp8, weight_operand)
 
-FUSED_SCHEMES = ("none", "fp8-block")  # QUANT codes 0 and 3 below; TritonRunner declares the same
+FUSED_SCHEMES = ("none", "fp8-channel", "fp8-block")  # QUANT codes 0, 2 and 3 below; TritonRunner declares the same
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
-def _row_operand(vals, QUANT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+def _row_operand(vals, row_scale, QUANT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """One K step of one row, vals [BLOCK_K] -> (the dot's B operand [BLOCK_K, 16]: the row in every column,
     its scale): fp8-block quantizes the step's 1x128 group (BLOCK_K == 128) as kernels/quant.quantize_groups;
-    else the values themselves and 1."""
+    fp8-channel quantizes with the whole row's scale ``row_scale``; else the values themselves and 1."""
     if QUANT == 3:
         v = vals.to(tl.float32)
         scale = fp8_scale(tl.max(tl.abs(v), axis=0))
         b = tl.broadcast_to(to_fp8(v, scale, ROUND_IN_FP32)[:, None], (v.shape[0], 16))
+    elif QUANT == 2:
+        scale = row_scale
+        b = tl.broadcast_to(to_fp8(vals.to(tl.float32), scale, ROUND_IN_FP32)[:, None], (vals.shape[0], 16))
     else:
         scale = 1.0
         b = tl.broadcast_to(vals[:, None], (vals.shape[0], 16))
@@ -93,6 +103,16 @@ def _column0(acc):
 
 
 @triton.jit
+def _row_amax(row_ptr, n, BLOCK: tl.constexpr):
+    """max |row[0 .. n)| in float32 (fp8-channel: x[t]'s per-token scale comes from it, as quant.quantize_activation)."""
+    m = tl.zeros((BLOCK,), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(n, BLOCK)):
+        rk = kb * BLOCK + tl.arange(0, BLOCK)
+        m = tl.maximum(m, tl.abs(tl.load(row_ptr + rk, mask=rk < n, other=0.0).to(tl.float32)))
+    return tl.max(m, axis=0)
+
+
+@triton.jit
 def _last_of(counter_ptr, part_ptr, s, vals, SPLIT: tl.constexpr, N: tl.constexpr):
     """Split K's deterministic sum: store this split's float32 partial vals [N] in slot s of part_ptr [SPLIT, N],
     count it in at counter_ptr -> (whether this program came last, the SPLIT partials summed in slot order: valid
@@ -123,21 +143,27 @@ def _x_step(x_row, gs_ptr, us_ptr, kb, H, QUANT: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
-def _inter_step(inter_ptr, ws_tile, stride_w2se, ids, wts, kk, t, st, steps, I, TOP_K: tl.constexpr,
-                QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _inter_step(inter_ptr, ws_tile, ws_rows, stride_w2se, ids, wts, a_scales, kk, t, st, steps, I,
+                TOP_K: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
     """What down's step st (copy st // steps, its K step st % steps) reads besides the weights -> (expert,
-    routing weight, inter[t * K + k, ..] [BLOCK_K] (zero past I), the weight scale (fp8-block; else 1)).
-    inter is read through L2 (.cg): other programs of this launch wrote it."""
+    routing weight, inter[t * K + k, ..] [BLOCK_K] (zero past I), the weight scale (fp8-block: the tile's block;
+    fp8-channel: its rows' [BLOCK_N], from ws_rows, the scales of expert 0 at the tile's rows; else 1), the copy's
+    inter scale from a_scales [K_POW2] (fp8-channel; else 1)). inter is read through L2 (.cg): other programs of
+    this launch wrote it."""
     k = st // steps
     e = tl.sum(tl.where(kk == k, ids, 0), axis=0)
     w_k = tl.sum(tl.where(kk == k, wts, 0.0), axis=0)
     rk = (st % steps) * BLOCK_K + tl.arange(0, BLOCK_K)
     vals = tl.load(inter_ptr + (t * TOP_K + k).to(tl.int64) * I + rk, mask=rk < I, other=0.0, cache_modifier=".cg")
+    a_k = 1.0
     if QUANT == 3:
         ws = tl.load(ws_tile + e.to(tl.int64) * stride_w2se + st % steps)
+    elif QUANT == 2:
+        ws = tl.load(ws_rows + e.to(tl.int64) * stride_w2se)
+        a_k = tl.sum(tl.where(kk == k, a_scales, 0.0), axis=0)
     else:
         ws = 1.0
-    return e, w_k, vals, ws
+    return e, w_k, vals, ws, a_k
 
 
 @triton.jit
@@ -161,6 +187,9 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
     us_ptr = gs_ptr + (I // 128) * stride_w13sn
     acc_g = tl.zeros((BLOCK_N1, 16), dtype=tl.float32)  # transposed: the weight rows are the dot's M
     acc_u = tl.zeros((BLOCK_N1, 16), dtype=tl.float32)
+    x_scale = 1.0
+    if QUANT == 2:  # per token: the row's scale from its amax over all of H, before the K loop
+        x_scale = fp8_scale(_row_amax(x_row, H, BLOCK_K1))
     g_row0 = (e * w13_rows + j * BLOCK_N1).to(tl.int32)  # TMA: rows past I are never stored
     steps = tl.cdiv(H, BLOCK_K1)
     per = tl.cdiv(steps, SPLIT1)
@@ -171,16 +200,23 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
         x_cur, gs, us = x_next, gs_next, us_next
         x_next, gs_next, us_next = _x_step(x_row, gs_ptr, us_ptr, tl.minimum(kb + 1, steps - 1), H, QUANT, BLOCK_K1)
         k0 = kb * BLOCK_K1
-        xb, x_s = _row_operand(x_cur, QUANT, ROUND_IN_FP32)
+        xb, x_s = _row_operand(x_cur, x_scale, QUANT, ROUND_IN_FP32)
         wg = _weight_tile(w13, g_row0, g_rows, stride_w13e, stride_w13n, e, k0, H, W13_TMA, BLOCK_K1)
         wu = _weight_tile(w13, g_row0 + I, g_rows + I, stride_w13e, stride_w13n, e, k0, H, W13_TMA, BLOCK_K1)
         if QUANT == 3:  # 128 % BLOCK_N1 == 0: the tile's rows share one weight-scale block
             acc_g = _step(acc_g, wg, xb, x_s * gs, True, DOT_IEEE)
             acc_u = _step(acc_u, wu, xb, x_s * us, True, DOT_IEEE)
+        elif QUANT == 2:  # fp16 dots of the fp8 values (exact): the row's and weight rows' scales come at the end
+            acc_g = _step(acc_g, wg.to(tl.float16), xb.to(tl.float16), 1.0, False, DOT_IEEE)
+            acc_u = _step(acc_u, wu.to(tl.float16), xb.to(tl.float16), 1.0, False, DOT_IEEE)
         else:
             acc_g = _step(acc_g, wg, xb, 1.0, False, DOT_IEEE)
             acc_u = _step(acc_u, wu, xb, 1.0, False, DOT_IEEE)
     g, u = _column0(acc_g), _column0(acc_u)
+    if QUANT == 2:  # the row's scale times each weight row's
+        ws_row = w13s_ptr + e.to(tl.int64) * stride_w13se
+        g = g * (x_scale * tl.load(ws_row + g_rows * stride_w13sn))
+        u = u * (x_scale * tl.load(ws_row + (g_rows + I) * stride_w13sn))
     finish = True
     if SPLIT1 > 1:  # the last split of the tile adds the partials and finishes it
         both = tl.reshape(tl.join(g, u), (2 * BLOCK_N1,))  # g0 u0 g1 u1 ...
@@ -190,6 +226,9 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
     if finish:
         h = gated_act(g, u, ACT).to(INTER_DTYPE)
         tl.store(inter_ptr + c.to(tl.int64) * I + cols, h, mask=cols < I)
+        if QUANT == 2:  # the copy's inter amax, over its rounded values: non-negative floats order as their bits
+            amax = tl.max(tl.where(cols < I, tl.abs(h.to(tl.float32)), 0.0), axis=0)
+            tl.atomic_max(sync_ptr + 2 + T * TOP_K + c, amax.to(tl.int32, bitcast=True), sem="relaxed")
         tl.debug_barrier()  # every thread's stores before the release below
         tl.atomic_add(sync_ptr + 2 + c, 1, sem="release")
 
@@ -221,22 +260,31 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
         ready = tl.atomic_add(sync_ptr + 2 + t * TOP_K + k, 0, sem="acquire")
         while ready < tiles1:
             ready = tl.atomic_add(sync_ptr + 2 + t * TOP_K + k, 0, sem="acquire")
+    a_scales = tl.zeros((K_POW2,), dtype=tl.float32)
+    if QUANT == 2:  # each copy's inter scale; the counters of the copies read here are final after the waits
+        bits = tl.load(sync_ptr + 2 + T * TOP_K + t * TOP_K + kk, mask=kk < TOP_K, other=0, cache_modifier=".cg")
+        a_scales = fp8_scale(bits.to(tl.float32, bitcast=True))
     acc = tl.zeros((BLOCK_N2, 16), dtype=tl.float32)  # transposed, as gate_up's
     ws_tile = w2s_ptr + (j * BLOCK_N2 // 128) * stride_w2sn  # 128 % BLOCK_N2 == 0: one weight-scale block row
+    ws_rows = w2s_ptr + n_rows * stride_w2sn  # fp8-channel: the tile's rows' scales (plus the expert's offset)
     last = TOP_K * steps - 1
     # copy st // steps, its K step st % steps; its inter values and weight scale loaded one step ahead (as gate_up's)
-    e_next, w_next, v_next, ws_next = _inter_step(inter_ptr, ws_tile, stride_w2se, ids, wts, kk, t, tl.minimum(
-        s * per, last), steps, I, TOP_K, QUANT, BLOCK_K2)
+    e_next, w_next, v_next, ws_next, a_next = _inter_step(inter_ptr, ws_tile, ws_rows, stride_w2se, ids, wts, a_scales,
+                                                          kk, t, tl.minimum(s * per, last), steps, I, TOP_K, QUANT,
+                                                          BLOCK_K2)
     for st in range(s * per, tl.minimum((s + 1) * per, last + 1)):
-        e, w_k, vals, ws = e_next, w_next, v_next, ws_next
-        e_next, w_next, v_next, ws_next = _inter_step(inter_ptr, ws_tile, stride_w2se, ids, wts, kk, t,
-                                                      tl.minimum(st + 1, last), steps, I, TOP_K, QUANT, BLOCK_K2)
+        e, w_k, vals, ws, a_k = e_next, w_next, v_next, ws_next, a_next
+        e_next, w_next, v_next, ws_next, a_next = _inter_step(inter_ptr, ws_tile, ws_rows, stride_w2se, ids, wts,
+                                                              a_scales, kk, t, tl.minimum(st + 1, last), steps, I,
+                                                              TOP_K, QUANT, BLOCK_K2)
         k0 = (st % steps) * BLOCK_K2
-        ab, a_s = _row_operand(vals, QUANT, ROUND_IN_FP32)
+        ab, a_s = _row_operand(vals, a_k, QUANT, ROUND_IN_FP32)
         wt = _weight_tile(w2, (e * w2_rows + j * BLOCK_N2).to(tl.int32), n_rows, stride_w2e, stride_w2n, e, k0, I,
                           W2_TMA, BLOCK_K2)
         if QUANT == 3:
             acc = _step(acc, wt, ab, w_k * a_s * ws, True, DOT_IEEE)
+        elif QUANT == 2:  # the step's rows belong to copy k's expert: its row scales, one a weight row; fp16 dot
+            acc = _step(acc, wt.to(tl.float16), ab.to(tl.float16), ((w_k * a_s) * ws)[:, None], True, DOT_IEEE)
         else:  # the routing weight scales each of the copy's step products
             acc = _step(acc, wt, ab, w_k, True, DOT_IEEE)
     y = _column0(acc)
@@ -250,9 +298,10 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
         if done == T * tiles2 - 1:  # the last tile: every ticket is taken and every count read
             tl.atomic_xchg(sync_ptr, 0)
             tl.atomic_xchg(sync_ptr + 1, 0)
-            for c0 in range(0, T * TOP_K, 128):
+            n_reset = T * TOP_K * (2 if QUANT == 2 else 1)  # the copies' counts (and fp8-channel's inter amaxes)
+            for c0 in range(0, n_reset, 128):
                 cc = c0 + tl.arange(0, 128)
-                tl.store(sync_ptr + 2 + cc, tl.zeros((128,), dtype=tl.int32), mask=cc < T * TOP_K)
+                tl.store(sync_ptr + 2 + cc, tl.zeros((128,), dtype=tl.int32), mask=cc < n_reset)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -266,14 +315,15 @@ def _fused_layer_kernel(
         BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W13_TMA: tl.constexpr,
         W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """sync_ptr int32, zero at launch (counters_size): [0] tickets taken, [1] down tiles done, [2 + c] copy c's
-    finished gate_up tiles, then (SPLIT1 > 1) one count per gate_up tile, then (SPLIT2 > 1) one per down tile.
+    finished gate_up tiles, [2 + T * K + c] copy c's inter amax (fp8-channel: float32 bits), then (SPLIT1 > 1) one
+    count per gate_up tile, then (SPLIT2 > 1) one per down tile.
     inter_ptr [T * K, I] scratch in the layer dtype; part1_ptr [gate_up tiles, SPLIT1, 2 * BLOCK_N1] and part2_ptr
     [down tiles, SPLIT2, BLOCK_N2] float32 split-K partials (unused without split). Grid: one program per work
     item, T * K * cdiv(I, BLOCK_N1) * SPLIT1 + T * cdiv(H, BLOCK_N2) * SPLIT2 (module docstring)."""
     pdl_wait(PDL)
     tiles1 = tl.cdiv(I, BLOCK_N1)
     items1 = T * TOP_K * tiles1 * SPLIT1
-    split1_counts = sync_ptr + 2 + T * TOP_K
+    split1_counts = sync_ptr + 2 + 2 * T * TOP_K
     split2_counts = split1_counts + (T * TOP_K * tiles1 if SPLIT1 > 1 else 0)
     item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     if item < items1:
@@ -289,7 +339,7 @@ def _fused_layer_kernel(
 
 def counters_size(tokens: int, top_k: int, hidden: int, inter: int, cfg) -> int:
     """int32 counters a launch of ``tokens`` tokens with FusedConfig ``cfg`` needs (the kernel's sync_ptr)."""
-    n = 2 + tokens * top_k
+    n = 2 + 2 * tokens * top_k
     if cfg.split1 > 1:
         n += tokens * top_k * cdiv(inter, cfg.block_n1)
     if cfg.split2 > 1:
@@ -301,7 +351,8 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
                 w2_scale: Tensor | None, scheme: str, activation: str, dtype: torch.dtype, cfg, sync: Tensor,
                 poison: bool = False) -> Tensor:
     """x [T, H] ``dtype`` (columns contiguous), topk_ids [T, K] int32, topk_weights [T, K] float32, w13 [E, 2I, H],
-    w2 [E, H, I] (scheme none: ``dtype``; fp8-block: float8_e4m3fn with scales [E, 2I/128, H/128], [E, H/128, I/128])
+    w2 [E, H, I] (scheme none: ``dtype``; fp8-block: float8_e4m3fn with scales [E, 2I/128, H/128], [E, H/128, I/128];
+    fp8-channel: float8_e4m3fn with scales [E, 2I], [E, H])
     -> out [T, H] ``dtype`` (module docstring). cfg: a FusedConfig (configs.py). sync: int32 [counters_size(...)] or
     longer, zero, owned by the caller (launches that overlap must not share it); the launch leaves it zero.
     poison: fill the intermediate and the output with NaN first (tests)."""
@@ -342,7 +393,7 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
 def fused_layer_torch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w13_scale: Tensor | None,
                       w2: Tensor, w2_scale: Tensor | None, scheme: str, activation: str, dtype: torch.dtype) -> Tensor:
     """Reference of fused_layer, float32 math in its order: each copy's gate_up from x[t] (fp8-block: its groups
-    quantized), act(gate) * up rounded to ``dtype``, down (fp8-block: inter's groups quantized), times the
+    quantized; fp8-channel: the row), act(gate) * up rounded to ``dtype``, down (inter quantized the same way), times the
     routing weight, summed over k in k order, rounded once -> [T, H] ``dtype``."""
     from ..experts.base import gated_activation
     from ..quant import create_scheme

@@ -1,5 +1,5 @@
 """The one-launch small-batch layer (kernels/fused_layer.py) on a GPU: bf16 (which the CPU interpreter cannot
-run), fp16 and fp8-block against the float64 oracle and the kernel's torch reference, outputs poisoned, odd
+run), fp16, fp8-block and fp8-channel against the float64 oracle and the kernel's torch reference, outputs poisoned, odd
 shapes; its down items really wait here (programs run side by side), so repeated launches and CUDA-graph
 replays must give the same bits every time (a missing release/acquire would show as a moving result).
 Run: pytest -m gpu tests/gpu/test_gpu_fused_layer.py
@@ -26,7 +26,8 @@ run = functools.partial(check_fused, device=DEV)
                                  FusedConfig(64, 128, 64, 128, 4, 4, 1, 8)],
                          ids=["32-32", "64-128", "16-16", "64-64-split", "64-64-copy-halves"])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.bfloat16), ("none", torch.float16),
-                                          ("fp8-block", torch.bfloat16)], ids=["bf16", "fp16", "fp8-block"])
+                                          ("fp8-block", torch.bfloat16), ("fp8-channel", torch.bfloat16)],
+                         ids=["bf16", "fp16", "fp8-block", "fp8-channel"])
 def test_against_references(scheme, dtype, cfg, t):
     run(scheme, dtype, t, e=16, h=384, i=256, k=4, cfg=cfg, repeats=3)
 
@@ -37,7 +38,7 @@ def test_odd_sizes(t):
     run("none", torch.bfloat16, t, e=7, h=200, i=136, k=3, cfg=FusedConfig(32, 64, 64, 64), repeats=3)
 
 
-@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+@pytest.mark.parametrize("scheme", ["none", "fp8-block", "fp8-channel"])
 def test_every_token_on_one_expert_at_the_largest_batch(scheme):
     """FUSED_MAX_TOKENS tokens, expert 3 in each one's top-8, split K in both GEMMs: every down item waits."""
     from moeflow.experts.triton import FUSED_MAX_TOKENS
@@ -49,7 +50,7 @@ def _table_with_fused(tmp_path, layer, fused_tokens):
     """A tuned file for the layer's shape in tmp_path: entries at 1 and 64 tokens, the fused tiles on 1 only
     (fused_tokens True) or on neither."""
     c = layer.config
-    small = GemmConfig(16, 128 if c.quant == "fp8-block" else 64, 128)
+    small = GemmConfig(16, 128 if c.quant != "none" else 64, 128)
     table = {1: MoEKernelConfig(small, small, FusedConfig(32, 128, 32, 128, 4, 4) if fused_tokens else None),
              64: MoEKernelConfig(GemmConfig(64, 128, 128, 4), GemmConfig(64, 128, 128, 4))}
     name = file_name(torch.cuda.get_device_name(), c.num_experts, c.intermediate_size, c.hidden_size, c.quant)
@@ -57,7 +58,7 @@ def _table_with_fused(tmp_path, layer, fused_tokens):
 
 
 @pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+@pytest.mark.parametrize("scheme", ["none", "fp8-block", "fp8-channel"])
 def test_layer_takes_the_fused_launch_from_its_table(make_layer, scheme, t, tmp_path, monkeypatch):
     """A layer whose tuned entry has fused tiles runs the one launch (T=1 and T=3: nearest entry 1): close to the
     oracle and to the same layer without them; a CUDA graph of a chain of six calls, replayed many times on

@@ -478,7 +478,7 @@ def test_tune_small_shape_on_gpu():
     assert 0.25 < per_call / whole < 0.42, (per_call, whole)
 
 
-@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+@pytest.mark.parametrize("scheme", ["none", "fp8-channel", "fp8-block"])
 def test_tune_searches_one_launch_tiles_on_gpu(scheme):
     """A single-process shape (rows by index): at T <= FUSED_TUNE_MAX_TOKENS tune times the whole layer after
     routing both ways and records fused tiles exactly where the one launch measured faster; a recorded tile set
