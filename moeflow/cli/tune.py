@@ -7,9 +7,9 @@ file the "triton" runner looks up (moeflow/kernels/configs.py names and reads it
     MOEFLOW_KERNEL_CONFIG_DIR=./configs python app.py      # the runner finds the file there
 
 Per token count: the gate_up and down GEMM configs; for a single-process layer (every expert local) of a scheme
-the one-launch layer runs (none, fp8-channel, fp8-block) at T <= 16 also its tiles (kernels/fused_layer.py), recorded only where
-the whole layer after routing measured faster in one launch than in the separate launches (--no-fused: not
-searched).
+the one-launch layer runs (none, fp8-channel, fp8-block) at T <= 16 also its tiles (kernels/fused_layer.py),
+recorded only where the whole layer after routing measured faster in one launch than in the separate launches
+(--no-fused: not searched).
 """
 from __future__ import annotations
 

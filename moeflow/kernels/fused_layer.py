@@ -22,7 +22,8 @@ count the tile in; the weights' per-row scales multiply the products (gate_up on
 step's rows belong to one copy's expert). Its dots run in fp16 on the fp8 values (exact products, float32 sums):
 one per-row scale makes a row's whole quantization hinge on its largest value, and with fp8 wgmma dots (whose
 accumulator keeps fewer bits) that value's rounding moved often enough to put 1 in 16 layers 1e-2 off the float64
-oracle (benchmarks/results/fused_fp8_channel_2026-12-04_h200.md). Scheme none: plain dots (float32 layers: IEEE float32).
+oracle (benchmarks/results/fused_fp8_channel_2026-12-04_h200.md).
+Scheme none: plain dots (float32 layers: IEEE float32).
 Each dot is transposed, weights [BLOCK_N, BLOCK_K] times the token's row broadcast into 16 columns [BLOCK_K, 16]:
 the weight tile is the A operand, so tiles of 64 rows or more run as Hopper wgmma straight from shared memory
 (fp8 included; a 16-row A of tokens would run as mma.sync, whose fp8 operands Triton converts to fp16 first), and
@@ -104,7 +105,8 @@ def _column0(acc):
 
 @triton.jit
 def _row_amax(row_ptr, n, BLOCK: tl.constexpr):
-    """max |row[0 .. n)| in float32 (fp8-channel: x[t]'s per-token scale comes from it, as quant.quantize_activation)."""
+    """max |row[0 .. n)| in float32 (fp8-channel: x[t]'s per-token scale comes from it, as
+    quant.quantize_activation)."""
     m = tl.zeros((BLOCK,), dtype=tl.float32)
     for kb in range(0, tl.cdiv(n, BLOCK)):
         rk = kb * BLOCK + tl.arange(0, BLOCK)
@@ -393,8 +395,8 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
 def fused_layer_torch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w13_scale: Tensor | None,
                       w2: Tensor, w2_scale: Tensor | None, scheme: str, activation: str, dtype: torch.dtype) -> Tensor:
     """Reference of fused_layer, float32 math in its order: each copy's gate_up from x[t] (fp8-block: its groups
-    quantized; fp8-channel: the row), act(gate) * up rounded to ``dtype``, down (inter quantized the same way), times the
-    routing weight, summed over k in k order, rounded once -> [T, H] ``dtype``."""
+    quantized; fp8-channel: the row), act(gate) * up rounded to ``dtype``, down (inter quantized the same way), times
+    the routing weight, summed over k in k order, rounded once -> [T, H] ``dtype``."""
     from ..experts.base import gated_activation
     from ..quant import create_scheme
     sch = create_scheme(scheme)
