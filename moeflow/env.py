@@ -82,8 +82,8 @@ TRITON_PDL = EnvVar(
 TRITON_FUSED = EnvVar(
     "MOEFLOW_TRITON_FUSED", "1",
     "Triton runner, single-process layers: run a small batch's dispatch, experts and combine in one launch where "
-    "the tuned table (or the T=1 default) gives tiles for it (kernels/fused_layer.py). Set 0 for the separate "
-    "launches (sort, gate_up, down, top-k sum) at every batch size (comparisons, debugging).")
+    "the tuned table (or the T=1 default, none and fp8-block) gives tiles for it (kernels/fused_layer.py). Set 0 "
+    "for the separate launches (sort, gate_up, down, top-k sum) at every batch size (comparisons, debugging).")
 TRITON_PAIR_TILES = EnvVar(
     "MOEFLOW_TRITON_PAIR_TILES", "1",
     "Triton runner, the Gluon fp8-block gate_up at 128-row tiles: a row block of at most 64 rows (an expert's "
