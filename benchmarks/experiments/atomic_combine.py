@@ -46,15 +46,21 @@ def scatter_add(y, tok, out, block_r=64, block_h=128):
                                                                              BLOCK_H=block_h, num_warps=4)
 
 
+def sorted_rows(t, h, k, e):
+    """Uniform random top-k routing of T tokens over E experts, its copies sorted by expert -> (row_of_copy
+    [T * K] int64: the row of y holding copy t * K + k, tok [T * K] int32: each row's token, y [T * K, H] bf16
+    random rows in that order)."""
+    ids = torch.rand(t, e, device="cuda").topk(k, dim=1).indices.flatten()
+    order = torch.sort(ids, stable=True).indices  # row r holds copy order[r]
+    row_of_copy = torch.empty_like(order)
+    row_of_copy[order] = torch.arange(order.numel(), device="cuda")
+    return row_of_copy, (order // k).to(torch.int32), torch.randn(t * k, h, device="cuda", dtype=torch.bfloat16)
+
+
 def main():
     out = []
     for name, t, h, k, e in SHAPES:
-        ids = torch.rand(t, e, device="cuda").topk(k, dim=1).indices.flatten()
-        order = torch.sort(ids, stable=True).indices  # row r holds copy order[r]
-        row_of_copy = torch.empty_like(order)
-        row_of_copy[order] = torch.arange(order.numel(), device="cuda")
-        tok = (order // k).to(torch.int32)
-        y = torch.randn(t * k, h, device="cuda", dtype=torch.bfloat16)
+        row_of_copy, tok, y = sorted_rows(t, h, k, e)
         ref = moe_sum(y, row_of_copy, k).float()
         out32 = torch.empty(t, h, device="cuda", dtype=torch.float32)
         out16 = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)

@@ -26,10 +26,8 @@ import triton.language as tl
 from moeflow.kernels.reduce import moe_sum
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from atomic_combine import SHAPES, sorted_rows  # noqa: E402  (the same shapes and routings as the element atomics')
 from sort_variants import graph_us  # noqa: E402
-
-SHAPES = [("qwen3-30b-a3b", 4096, 2048, 8, 128), ("qwen3-30b-a3b", 16384, 2048, 8, 128),
-          ("mixtral-8x7b", 4096, 4096, 2, 8), ("deepseek-v3", 4096, 7168, 8, 256)]
 
 
 def _red_asm(n_vals: int, kind: str) -> str:
@@ -73,12 +71,7 @@ def vector_red(y, tok, out, hot_rows=0, block_r=32, block_h=256):
 def main():
     out = []
     for name, t, h, k, e in SHAPES:
-        ids = torch.rand(t, e, device="cuda").topk(k, dim=1).indices.flatten()
-        order = torch.sort(ids, stable=True).indices  # row r holds copy order[r]
-        row_of_copy = torch.empty_like(order)
-        row_of_copy[order] = torch.arange(order.numel(), device="cuda")
-        tok = (order // k).to(torch.int32)
-        y = torch.randn(t * k, h, device="cuda", dtype=torch.bfloat16)
+        row_of_copy, tok, y = sorted_rows(t, h, k, e)
         ref = moe_sum(y, row_of_copy, k).double()  # today's output, rounded once
         out32 = torch.empty(t, h, device="cuda", dtype=torch.float32)
         out16 = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
