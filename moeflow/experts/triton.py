@@ -157,9 +157,10 @@ class TritonRunner(ExpertRunner):
         """The tuned table's entry nearest ``tokens`` (the table read once), or the documented defaults."""
         from ..kernels import configs as kc
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
+        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if self._table is None:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-            self._table = kc.find_table(name, e, i, h, self.scheme.name) or {}
+            self._table = kc.find_table(name, e, i, h, self.scheme.name, capability=cc) or {}
         if self._table:
             return kc.nearest(self._table, tokens)
-        return kc.default_config(tokens, self.config.top_k, e, self.scheme.name)
+        return kc.default_config(tokens, self.config.top_k, e, self.scheme.name, hidden=h, inter=i, capability=cc)

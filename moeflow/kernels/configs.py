@@ -3,8 +3,9 @@
 File name (written by `moeflow tune`):  E={E},N={I},K={H},device={GPU name},scheme={scheme}.json
     E local experts, N the expert intermediate size I, K the hidden size H, the GPU name with
     spaces as "_" (torch.cuda.get_device_name), scheme the quant scheme ("none" covers bf16/fp16).
-Content: {"device", "E", "N", "K", "scheme", "dtype", "top_k", "triton_version", "gate_up_rows",
+Content: {"device", "capability", "E", "N", "K", "scheme", "dtype", "top_k", "triton_version", "gate_up_rows",
           "configs": {"<T>": {"gate_up": {GemmConfig fields}, "down": {...}}, ...}, "measured_us": {...}}
+    capability: the GPU's compute capability [major, minor] (files without it are never borrowed by another GPU).
     gate_up_rows: how the tuner fed gate_up its rows, "by index" (single-process layer) or "in order"
     (expert parallelism); files written before it existed were timed in order. Other keys are free-form notes
     (fused_source, edits: entries set from a measurement other than the tuner's); --merge keeps them (table_notes).
@@ -13,8 +14,10 @@ Content: {"device", "E", "N", "K", "scheme", "dtype", "top_k", "triton_version",
     $MOEFLOW_KERNEL_CONFIG_DIR, then moeflow/kernels/configs/ (shipped).
 No file for this E: a file of the same device, N, K and scheme with the nearest expert count is
 borrowed, its token counts rescaled to the same rows per expert (expert parallelism runs a tuned
-model's shape with E / W local experts); a warning names the missing file.
-Defaults (no file of this N, K and scheme at all; a warning names the missing file): see ``default_config``.
+model's shape with E / W local experts); a warning names the missing file. No file of this device at all: one of
+another GPU with the same compute capability is borrowed the same way (the H200 tables serve an H100 or an H20).
+Defaults (no such file; a warning names the missing file): see ``default_config`` (on Hopper,
+kernels/sm90_defaults.py).
 """
 from __future__ import annotations
 
@@ -129,8 +132,11 @@ def file_name(device: str, e: int, n: int, k: int, scheme: str) -> str:
     return f"E={e},N={n},K={k},device={device.replace(' ', '_')},scheme={scheme}.json"
 
 
-def default_config(tokens: int, top_k: int, num_experts: int, scheme: str) -> MoEKernelConfig:
-    """Defaults by rows per expert m = tokens * top_k / E (uniform routing):
+def default_config(tokens: int, top_k: int, num_experts: int, scheme: str, *, hidden: int = 0, inter: int = 0,
+                   capability: tuple[int, int] | None = None) -> MoEKernelConfig:
+    """Defaults for a shape no tuned table covers. On Hopper (``capability`` (9, x); hidden H and inter I given) the
+    GEMM tiles the H200 tables agree on (kernels/sm90_defaults.py); elsewhere (the CPU interpreter) the generic tiles
+    below. Both by rows per expert m = tokens * top_k / E (uniform routing); generic:
     m <= 16: BLOCK_M 16, narrow N tiles (64) and deep K (128): weight streaming, many programs;
     m <= 128: BLOCK_M 64, 64-wide tiles, grouped order (row blocks of one expert share weight tiles in L2);
     larger: gate_up 64 x 128 with 8 warps (its two accumulators; larger tiles spill), down 64 x 256.
@@ -143,9 +149,12 @@ def default_config(tokens: int, top_k: int, num_experts: int, scheme: str) -> Mo
     fp8 = scheme != "none"
     bk = 128 if fp8 else 64
     m = tokens * top_k / max(num_experts, 1)
+    fused = (FusedConfig(128 if fp8 else 64, 128, 128, 128, 4, 3, 2, 8)
+             if tokens == 1 and scheme in ("none", "fp8-block") else None)
+    if capability is not None and capability[0] == 9 and hidden and inter:
+        from .sm90_defaults import sm90_gemm_configs
+        return MoEKernelConfig(*sm90_gemm_configs(m, scheme, hidden, inter), fused)
     if m <= 16:  # (fp8-block: gate_up 128 wide, its groups quantized in the epilogue)
-        fused = (FusedConfig(128 if fp8 else 64, 128, 128, 128, 4, 3, 2, 8)
-                 if tokens == 1 and scheme in ("none", "fp8-block") else None)
         return MoEKernelConfig(GemmConfig(16, 128 if scheme == "fp8-block" else 64, 128, 1, 4, 4),
                                GemmConfig(16, 64, 128, 1, 4, 4), fused)
     if m <= 128:
@@ -263,24 +272,29 @@ def _load(path: str, mtime: float) -> tuple[dict[int, MoEKernelConfig], dict[str
         raise error("MF603", path=path, why=f"{type(exc).__name__}: {exc}") from None
 
 
-def find_table(device: str, e: int, n: int, k: int, scheme: str) -> dict[int, MoEKernelConfig] | None:
-    """The tuned table for this shape; else one borrowed from the same device, N, K and scheme with
-    another expert count (expert parallelism: E local experts of a tuned model), its token counts
-    rescaled to the same rows per expert (T * E_tuned / E); else None (defaults). A warning names
-    the missing file in the last two cases."""
+def find_table(device: str, e: int, n: int, k: int, scheme: str,
+               capability: tuple[int, int] | None = None) -> dict[int, MoEKernelConfig] | None:
+    """The tuned table for this shape on ``device``; else one borrowed, with a warning naming the missing file:
+    first from the same device, N, K and scheme with another expert count (expert parallelism: E local experts of a
+    tuned model), its token counts rescaled to the same rows per expert (T * E_tuned / E); then from another GPU of
+    the same compute ``capability`` (a file whose header records it: the H200 tables serve an H100 or H20), the
+    nearest expert count first, rescaled the same way; else None (defaults, with a warning)."""
     name = file_name(device, e, n, k, scheme)
     for d in search_dirs():
         p = d / name
         if p.is_file():
             return _load(str(p), p.stat().st_mtime)[0]
     where = [str(d) for d in search_dirs()]
-    kin = _same_shape_other_e(device, e, n, k, scheme)
+    kin = _borrowable(device, e, n, k, scheme, capability)
     if kin is not None:
-        e_tuned, path = kin
+        e_tuned, path, tuned_on = kin
         table = _load(str(path), path.stat().st_mtime)[0]
-        warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {where}; borrowing {path.name!r} "
-                      f"(E={e_tuned}) at the same rows per expert (run `moeflow tune --local-experts {e}` to make one)",
-                      stacklevel=3)
+        whose = ("" if tuned_on == device else
+                 f", tuned on {tuned_on} (compute capability {capability[0]}.{capability[1]}, as this GPU's)")
+        at = f" (E={e_tuned}) at the same rows per expert" if e_tuned != e else ""
+        fix = f"moeflow tune --local-experts {e}" if tuned_on == device else "moeflow tune"
+        warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {where}; borrowing {path.name!r}{whose}{at} "
+                      f"(run `{fix}` on this GPU to make one)", stacklevel=3)
         # entry tuned at T tokens over E_tuned experts has the rows per expert of T * E / E_tuned tokens here
         return {max(1, round(t * e / e_tuned)): c for t, c in sorted(table.items())}
     warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {where}; "
@@ -288,21 +302,40 @@ def find_table(device: str, e: int, n: int, k: int, scheme: str) -> dict[int, Mo
     return None
 
 
-def _same_shape_other_e(device: str, e: int, n: int, k: int, scheme: str) -> tuple[int, Path] | None:
-    """(E, path) of a tuned file for (device, N, K, scheme) with the expert count nearest ``e`` (log
-    scale; ties: the earlier search directory, then the smaller E), or None."""
+def _borrowable(device: str, e: int, n: int, k: int, scheme: str,
+                capability: tuple[int, int] | None) -> tuple[int, Path, str] | None:
+    """(E, path, device tuned on) of the tuned file for (N, K, scheme) to borrow, or None. Files of this device
+    first, then of another device whose header's "capability" is ``capability``; among them the expert count
+    nearest ``e`` (log scale), then the earlier search directory, then the smaller E."""
     found = []
+    pattern = file_name("*", 0, n, k, scheme).replace("E=0,", "E=*,", 1)
     for rank, d in enumerate(search_dirs()):
-        for p in sorted(d.glob(file_name(device, 0, n, k, scheme).replace("E=0,", "E=*,", 1))):
+        for p in sorted(d.glob(pattern)):
             try:
                 e_tuned = int(p.name.split(",", 1)[0].removeprefix("E="))
             except ValueError:
                 continue
-            found.append((rank, abs(math.log(e_tuned / max(e, 1))), e_tuned, p))
+            named = p.name.split(",device=", 1)[1].rsplit(",scheme=", 1)[0]  # the device, spaces as "_"
+            other = named != device.replace(" ", "_")
+            header = _header(str(p), p.stat().st_mtime) if other else {}
+            if other and (capability is None or tuple(header.get("capability") or ()) != tuple(capability)):
+                continue
+            tuned_on = str(header.get("device", named)) if other else device
+            found.append((other, abs(math.log(e_tuned / max(e, 1))), rank, e_tuned, p, tuned_on))
     if not found:
         return None
-    _, _, e_tuned, path = min(found, key=lambda f: (f[1], f[0], f[2]))
-    return e_tuned, path
+    *_, e_tuned, path, tuned_on = min(found, key=lambda f: f[:4])
+    return e_tuned, path, tuned_on
+
+
+@lru_cache(maxsize=None)
+def _header(path: str, mtime: float) -> dict:
+    """A tuned file's top-level fields but its configs and measured times (MF603 when it does not read)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return {key: v for key, v in data.items() if key not in ("configs", "measured_us")}
+    except (OSError, ValueError, AttributeError) as exc:
+        raise error("MF603", path=path, why=f"{type(exc).__name__}: {exc}") from None
 
 
 def nearest(table: dict[int, MoEKernelConfig], tokens: int) -> MoEKernelConfig:
@@ -321,8 +354,7 @@ def table_notes(path: Path) -> dict:
     """A tuned file's top-level keys but its configs and measured_us: its header and any free-form notes (fused_source,
     edits: where an entry came from other than the tuner). `moeflow tune --merge` writes them back, its own header
     over the old one's fields; a note on an entry the merge re-tunes is then stale, to be edited by hand."""
-    data = json.loads(path.read_text())
-    return {k: v for k, v in data.items() if k not in ("configs", "measured_us")}
+    return dict(_header(str(path), path.stat().st_mtime))
 
 
 def write_table(path: Path, meta: dict, table: dict[int, MoEKernelConfig], measured: dict | None = None) -> None:

@@ -81,6 +81,37 @@ def test_odd_shapes(make_layer, poison, scheme):
     assert_close(layer.forward_topk(x, ids, w), layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), "odd")
 
 
+# shapes no tuned table covers (kernels/sm90_defaults.py picks their tiles on Hopper): K loops of at most 16 steps
+# of 128 (the warp-specialized tiles), and longer ones (fp8-block's per-tile Gluon kernels; bf16's 128 x 256 down)
+UNTUNED = {"short-k": dict(num_experts=16, hidden_size=1536, intermediate_size=1408, top_k=4),
+           "long-k": dict(num_experts=8, hidden_size=4608, intermediate_size=2304, top_k=2)}
+
+
+@pytest.mark.parametrize("shape", UNTUNED)
+@pytest.mark.parametrize("scheme,m", [(s, m) for s in ("none", "fp8-block") for m in (4, 32, 75, 256, 500)]
+                         + [("fp8-channel", 75), ("fp8-tensor", 256)])
+def test_hopper_defaults_on_untuned_shapes(make_layer, poison, shape, scheme, m):
+    """m rows an expert (uniform routing) of a shape without a tuned table: the runner warns, takes the Hopper rules'
+    tiles (their Gluon flags kept by fit) and matches the float64 oracle."""
+    from moeflow.kernels import configs as kc
+    from moeflow.kernels.sm90_defaults import sm90_gemm_configs
+    c = UNTUNED[shape]
+    e, k, h, i = c["num_experts"], c["top_k"], c["hidden_size"], c["intermediate_size"]
+    t = m * e // k
+    layer = make_layer(**c, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="triton")
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(t, e, k)
+    with pytest.warns(UserWarning, match="using defaults"):
+        out = layer.forward_topk(x, ids, w)
+    assert_close(out, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{shape} {scheme} m={m}")
+    batch, _ = layer.dispatcher.dispatch(x, ids, w)
+    used = layer.runner.kernel_config(batch, layer.expert_weights())
+    nbytes = 1 if scheme != "none" else 2
+    for got, want, pair, n in zip((used.gate_up, used.down), sm90_gemm_configs(t * k / e, scheme, h, i), (True, False),
+                                  (i, h)):
+        assert got == kc.fit(want, fused_pair=pair, scheme=scheme, elem_bytes=nbytes, n_size=n)
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_pointer_loads(make_layer, poison, scheme, monkeypatch):
     """MOEFLOW_TRITON_TMA=0: the weight tiles through pointer loads (the path of weights TMA cannot
