@@ -23,6 +23,24 @@ def oracle_moe(x, ids, w, w13, w2, activation, scheme, dtype):
     return torch.einsum("tkh,tk->th", y, w.double())
 
 
+def oracle_moe_grouped(x, ids, w, w13, w2, activation, scheme, dtype):
+    """oracle_moe computed expert by expert (float64 matmuls over each expert's copies) for batches whose
+    [T, K, 2I, H] gather would not fit in memory: the same operations in the same precision. -> [T, H] float64."""
+    t, k = ids.shape
+    xq = scheme.fake_quantize_activation(x).double()                        # [T, H]
+    flat = ids.long().flatten()                                              # copy t * K + k -> its expert
+    groups = [(e, (flat == e).nonzero().flatten()) for e in flat.unique().tolist()]
+    h = torch.empty(t * k, w13.shape[1], dtype=torch.float64, device=x.device)
+    for e, rows in groups:
+        h[rows] = xq[rows // k] @ w13[e].double().T
+    g, u = h.chunk(2, dim=-1)
+    aq = scheme.fake_quantize_activation((ACTS[activation](g) * u).to(dtype)).double()  # [T * K, I]
+    y = torch.empty(t * k, w2.shape[1], dtype=torch.float64, device=x.device)
+    for e, rows in groups:
+        y[rows] = aq[rows] @ w2[e].double().T
+    return (y.view(t, k, -1) * w.double()[..., None]).sum(1)
+
+
 def bits(t):
     """Floats as their bit patterns (torch.equal would call NaN != NaN and -0.0 == 0.0)."""
     return t.view(torch.int32) if t.dtype == torch.float32 else t
@@ -119,9 +137,11 @@ def shared_oracle(layer, x):
     return y
 
 
-def layer_oracle(layer, x, ids, w):
+def layer_oracle(layer, x, ids, w, grouped=False):
     """The whole layer in float64 for given routing: routed experts (oracle_moe on the dequantized
-    weights, activations fake-quantized by the layer's scheme) + shared experts. -> [T, H]."""
+    weights, activations fake-quantized by the layer's scheme; grouped: oracle_moe_grouped, for large
+    batches) + shared experts. -> [T, H]."""
     w13, w2 = dequantized_experts(layer)
     cfg = layer.config
-    return oracle_moe(x, ids, w, w13, w2, cfg.activation, layer.scheme, cfg.dtype) + shared_oracle(layer, x)
+    routed = oracle_moe_grouped if grouped else oracle_moe
+    return routed(x, ids, w, w13, w2, cfg.activation, layer.scheme, cfg.dtype) + shared_oracle(layer, x)

@@ -46,8 +46,9 @@ def test_hopper_tiles_survive_fit(scheme, e, h, i, k):
 
 def test_hopper_rules_follow_rows_per_expert_and_shape():
     """16-row tiles up to 16 rows an expert; the warp-specialized kernels past 48 (bf16, fp8-block with short K
-    loops); fp8-block's long K loops (H or I over 2048) take the per-tile Gluon kernels; bf16's down takes the
-    128 x 256 tile from H = 4096 past 128 rows an expert; fp8-tensor/-channel never a Gluon kernel."""
+    loops); fp8-block's long K loops (H or I over 2048) take the per-tile Gluon kernels; bf16's gate_up runs COOP
+    tiles from 48 to 96 rows an expert, past 384, and between them for H over 4096; bf16's down takes the 128 x 256
+    tile from H = 4096 past 96 rows an expert; fp8-tensor/-channel never a Gluon kernel."""
     for scheme in SCHEMES:
         assert all(c.block_m == 16 for c in sm90_gemm_configs(16, scheme, 2048, 768))
         assert all(c.block_m == 64 for c in sm90_gemm_configs(17, scheme, 2048, 768))
@@ -55,7 +56,10 @@ def test_hopper_rules_follow_rows_per_expert_and_shape():
     gate_up, down = sm90_gemm_configs(1000, "none", 2048, 768)
     assert (gate_up.block_m, gate_up.block_n, down.block_n) == (128, 128, 128)
     assert sm90_gemm_configs(1000, "none", 4096, 768)[1].block_n == 256
-    assert sm90_gemm_configs(100, "none", 4096, 768)[1].block_n == 128
+    assert sm90_gemm_configs(90, "none", 4096, 768)[1].block_n == 128
+    assert sm90_gemm_configs(90, "none", 2048, 768)[0].block_m == 128  # COOP gate_up from 48 to 96 rows
+    assert sm90_gemm_configs(200, "none", 4096, 768)[0].block_m == 64
+    assert sm90_gemm_configs(200, "none", 7168, 2048)[0].block_m == 128  # a long K loop: COOP
     short = sm90_gemm_configs(1000, "fp8-block", 2048, 768)
     assert all(c.warp_specialize and not c.scale_overlap for c in short)
     long_h, long_i = sm90_gemm_configs(1000, "fp8-block", 7168, 14336)

@@ -150,3 +150,17 @@ def test_fp8_tolerance_catches_unquantized_activations(scheme, dtype, make_layer
     fp8_acts = oracle_moe(x, ids, w, w13, w2, "silu", layer.scheme, dtype)
     plain_acts = oracle_moe(x, ids, w, w13, w2, "silu", create_scheme("none"), dtype)
     assert rel_err(plain_acts, fp8_acts) > 1.2 * rel_tol(scheme, dtype)
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel", "fp8-block"])
+def test_grouped_oracle_is_the_oracle(scheme, make_layer):
+    """oracle_moe_grouped (expert by expert, for batches too large to gather) computes what oracle_moe does: the same
+    float64 results to rounding, an expert without tokens and one expert with most of them included."""
+    from oracle import dequantized_experts, oracle_moe, oracle_moe_grouped
+    layer = make_layer(num_experts=7, hidden_size=128, intermediate_size=128, top_k=2, quant=scheme)  # 6: no tokens
+    x = torch.randn(23, 128)
+    ids = torch.stack([torch.where(torch.rand(23) < 0.7, 0, torch.randint(1, 5, (23,))), torch.randint(1, 5, (23,))], 1)
+    ids[ids[:, 0] == ids[:, 1], 1] = 5  # two distinct experts a token; expert 5 only where needed
+    w = torch.rand(23, 2)
+    args = (x, ids.int(), w, *dequantized_experts(layer), layer.config.activation, layer.scheme, torch.float32)
+    torch.testing.assert_close(oracle_moe_grouped(*args), oracle_moe(*args), rtol=1e-12, atol=1e-12)
