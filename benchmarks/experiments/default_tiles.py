@@ -9,7 +9,7 @@ DeepSeek-V2-Lite, gpt-oss-120b's expert sizes, Mixtral-8x22B). "table" on a shap
 and is skipped. Each row: the layer (route -> local dispatch -> triton runner -> combine) as one CUDA graph, do_bench
 µs (L2 flushed, median), the variants taking turns over --rounds rounds; the output against the reference runner's.
 Every variant's kernels are compiled first in parallel processes. Prints a table per round and the best of the rounds
-last; writes DIR/default_tiles.json.
+last; writes DIR/NAME.json (--name, default_tiles) after every (shape, scheme).
 """
 from __future__ import annotations
 
@@ -47,6 +47,20 @@ def use(variant: str) -> None:
     kc.default_config = _DEFAULT if variant == "sm90" else (lambda *a, capability=None, **k: _DEFAULT(*a, **k))
 
 
+def plannable(shape: str, scheme: str, env) -> bool:
+    """Whether the planner builds a single-process triton layer of this shape and scheme (fp8-block needs H and I
+    multiples of 128: gpt-oss-120b's 2880 is not)."""
+    from moeflow.errors import MoeflowError
+    from moeflow.planner import plan
+    try:
+        plan(presets.preset_config(shape, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="triton",
+                                   dispatcher="local"), env)
+        return True
+    except MoeflowError as exc:
+        print(f"skipped {shape} {scheme}: {exc}", file=sys.stderr)
+        return False
+
+
 def main() -> int:
     from bench_layer import Case
 
@@ -54,7 +68,6 @@ def main() -> int:
     from moeflow.capabilities import Environment
     from moeflow.experts import create_runner
     from moeflow.kernels.autotune import Shape, expanded_weights, precompile, random_batch
-    from moeflow.planner import check_runner
     from moeflow.quant import create_scheme
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -63,14 +76,13 @@ def main() -> int:
     p.add_argument("--tokens", default="128,1024,4096,16384")
     p.add_argument("--variants", default="table,generic,sm90")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--name", default="default_tiles", help="DIR/NAME.json")
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new (shape, scheme) after this")
     args = p.parse_args()
     start = time.time()
     env = Environment.detect(torch.device("cuda"))
     tokens = [int(t) for t in args.tokens.split(",")]
-    cells = [(s, q) for s in args.shapes.split(",") for q in args.schemes.split(",")
-             if not check_runner("triton", presets.preset_config(s, quant=q, dtype=torch.bfloat16, device="cuda",
-                                                                 runner="triton"), env)]
+    cells = [(s, q) for s in args.shapes.split(",") for q in args.schemes.split(",") if plannable(s, q, env)]
     variants = lambda shape: [v for v in args.variants.split(",") if v != "table" or shape not in EXTRA]
 
     jobs = []  # every variant's GEMM configs, compiled in worker processes first
@@ -120,8 +132,8 @@ def main() -> int:
                 for v, r in got.items()), flush=True)
         del case
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "default_tiles.json"), "w") as fh:
-        json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), fh, indent=1)
+        with open(os.path.join(args.out, args.name + ".json"), "w") as fh:  # after every cell: a cut run keeps them
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), fh, indent=1)
     print("\nbest of the rounds, µs (do_bench); ratio = generic / sm90 and table / sm90 (> 1: sm90 faster)")
     for shape_name, scheme in cells:
         for t in tokens:
