@@ -18,14 +18,16 @@ ALL_FLOAT = frozenset({torch.bfloat16, torch.float16, torch.float32})
 @dataclass(frozen=True)
 class Support:
     """One row of what a runner can do: on ``device`` it runs ``schemes`` for layer ``dtypes``
-    on GPUs of compute capability >= ``min_cc`` (ignored off CUDA), when hidden_size and
-    intermediate_size are multiples of ``align`` elements."""
+    on GPUs of compute capability >= ``min_cc`` and <= ``max_cc`` (the newest it has been run and validated on;
+    None: no bound; both ignored off CUDA), when hidden_size and intermediate_size are multiples of ``align``
+    elements."""
 
     device: str  # "cpu" | "cuda"
     schemes: frozenset[str]
     dtypes: frozenset[torch.dtype] = ALL_FLOAT
     min_cc: tuple[int, int] = (0, 0)
     align: int = 1
+    max_cc: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -94,12 +94,16 @@ EAGER_GRAPHS = EnvVar(
     "Largest batch (tokens) whose eager layer call is replayed from a CUDA graph captured for its shape "
     "(moeflow.graphs: one replay instead of the call's launches one by one, which cost the host more than the GPU at "
     "decode sizes). CUDA layers whose plan is graph-safe, outside any capture and torch.compile. 0 turns it off.")
+ALLOW_UNVALIDATED_GPU = EnvVar(
+    "MOEFLOW_ALLOW_UNVALIDATED_GPU", "0",
+    "Set 1 to let the planner build runners on GPUs newer than the compute capability they were validated on "
+    "(their declared max_cc: the Triton and grouped_mm runners, sm_90). Untested there: MF210 otherwise.")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
-ALL = (VALIDATE_INPUTS, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA, TRITON_PDL, TRITON_FUSED,
-       TRITON_PAIR_TILES, EAGER_GRAPHS, TRITON_INTERPRET)
+ALL = (VALIDATE_INPUTS, ALLOW_UNVALIDATED_GPU, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA,
+       TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES, EAGER_GRAPHS, TRITON_INTERPRET)
 # the switches a layer's forward path reads on every call: a graph captured under one setting replays that setting's
 # launches, so moeflow.graphs keys its graphs by their values
 PATH_SWITCHES = (TRITON_TMA, TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES)

@@ -233,6 +233,21 @@ Fix: read the codes listed for each candidate (moeflow explain CODE) and change 
 Example: moeflow check --preset small --quant fp8-block --device cpu
 """)
 
+_spec("MF210", UnsupportedError, "GPU newer than the runner has been validated on",
+      "runner {name!r} has been run and validated up to compute capability {newest}; this GPU has {have}; "
+      "valid runners here: {valid}",
+      """
+What: a runner declares the newest GPU architecture its kernels were run and checked on (Support.max_cc); the
+Triton and grouped_mm runners, sm_90 (H100/H200). A newer GPU (Blackwell, sm_100/sm_120) has other instructions
+(no wgmma) and, on sm_120, a third of the shared memory the tuned tiles plan for, so the planner does not pick an
+unvalidated runner there: it would compile and launch untested code, or fail at forward time.
+When: building the layer on a newer GPU with that runner named, or seeing it listed under MF209 with "auto"
+(which then picks a runner validated here, such as "reference").
+Fix: use a runner listed as valid; or, to try the runner anyway (untested: its results are not checked here),
+set MOEFLOW_ALLOW_UNVALIDATED_GPU=1 and run the test suite on that GPU first (pytest -m gpu tests/gpu).
+Example: MoE(..., runner="reference")   # or: MOEFLOW_ALLOW_UNVALIDATED_GPU=1 python app.py
+""")
+
 # ---------------------------------------------------------------- MF3xx: forward inputs
 _spec("MF301", InputError, "input has the wrong shape",
       "{name} has shape {shape}; expected {expected}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import env as moeflow_env
 from .capabilities import Environment
 from .config import MoEConfig
 from .dispatch import DISPATCHERS
@@ -102,7 +103,12 @@ def check_runner(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
             need = min(s.min_cc for s in dtyped)
             return error("MF204", kind="runner", name=name, need=f"{need[0]}.{need[1]}",
                          scheme=cfg.quant, have=f"{have[0]}.{have[1]}")
-        dtyped = capable
+        validated = [s for s in capable if s.max_cc is None or have <= s.max_cc]
+        if not validated and not moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
+            newest = max(s.max_cc for s in capable)
+            return error("MF210", name=name, newest=f"{newest[0]}.{newest[1]}", have=f"{have[0]}.{have[1]}",
+                         valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
+        dtyped = validated or capable
     row = dtyped[0]
     for fld in ("hidden_size", "intermediate_size"):
         value = getattr(cfg, fld)

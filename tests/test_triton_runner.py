@@ -271,6 +271,25 @@ def test_declared_capabilities():
         assert plan(cfg.replace(quant=scheme, runner="auto"), hopper).runner == "triton"
 
 
+def test_newer_gpus_are_refused_until_validated(monkeypatch):
+    """Blackwell (sm_100, sm_120): the Triton and grouped_mm runners were validated on sm_90 only, so the planner
+    refuses them there with MF210 naming the runners valid here, "auto" picks the reference runner, and
+    MOEFLOW_ALLOW_UNVALIDATED_GPU=1 lets them through (the user's own risk)."""
+    from moeflow.capabilities import Environment
+    from moeflow.planner import check_runner, plan
+    cfg = MoEConfig(**ALIGNED, quant="fp8-channel", dtype=torch.bfloat16, runner="triton")
+    for cc in ((10, 0), (12, 0)):
+        blackwell = Environment("cuda", cc)
+        for name in ("triton", "grouped_mm"):
+            err = check_runner(name, cfg, blackwell)
+            assert err.code == "MF210" and "'reference'" in str(err) and f"{cc[0]}.{cc[1]}" in str(err), str(err)
+        assert plan(cfg.replace(runner="auto"), blackwell).runner == "reference"
+        monkeypatch.setenv("MOEFLOW_ALLOW_UNVALIDATED_GPU", "1")
+        assert check_runner("triton", cfg, blackwell) is None
+        assert plan(cfg.replace(runner="auto"), blackwell).runner == "triton"
+        monkeypatch.delenv("MOEFLOW_ALLOW_UNVALIDATED_GPU")
+
+
 def test_plan_reads_rows_by_index_only_where_both_sides_declare_it():
     """local + triton: rows by index (no permuted copy); a runner without indexed_rows, or a
     converted layout, gets ordinary batches; run_in_layout gathers for such a runner."""

@@ -17,6 +17,7 @@ STANDARD = (
     ("CUDA sm_90 (H100/H200), one process", Environment("cuda", (9, 0), 1)),
     ("CUDA sm_90, expert-parallel (NCCL, 2+ ranks)", Environment("cuda", (9, 0), 2)),
     ("CUDA sm_80 (A100), one process", Environment("cuda", (8, 0), 1)),
+    ("CUDA sm_100 (B200), one process: newer than the GPU runners were validated on", Environment("cuda", (10, 0), 1)),
 )
 
 

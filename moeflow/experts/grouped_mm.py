@@ -25,8 +25,8 @@ class GroupedMMRunner(ExpertRunner):
         support=(
             Support("cpu", frozenset({"none"}), ALL_FLOAT),
             # CUDA: 16-byte aligned rows (8 bf16 / 16 fp8 elements); CUTLASS grouped GEMM on sm90.
-            Support("cuda", frozenset({"none"}), frozenset({torch.bfloat16}), min_cc=(9, 0), align=8),
-            Support("cuda", _FP8_ROWWISE, frozenset({torch.bfloat16}), min_cc=(9, 0), align=16),
+            Support("cuda", frozenset({"none"}), frozenset({torch.bfloat16}), min_cc=(9, 0), max_cc=(9, 0), align=8),
+            Support("cuda", _FP8_ROWWISE, frozenset({torch.bfloat16}), min_cc=(9, 0), max_cc=(9, 0), align=16),
         ),
         priority=20,
         note="torch._grouped_mm / torch._scaled_grouped_mm (row-wise FP8)",

@@ -35,9 +35,10 @@ class TritonRunner(ExpertRunner):
         support=(
             # Only what was run is declared: every cell the planner accepts is tested. Nothing
             # Hopper-only is needed for plain tl.dot (sm_80) or FP8 dots (sm_89), but both were
-            # validated on sm_90 (H200) alone; declare older GPUs once they have been run.
-            Support("cuda", frozenset({"none"}), ALL_FLOAT, min_cc=(9, 0)),
-            Support("cuda", _FP8, ALL_FLOAT, min_cc=(9, 0)),
+            # validated on sm_90 (H200) alone; declare older or newer GPUs once they have been run
+            # (max_cc: Blackwell has no wgmma, and sm_120 a third of the shared memory the tiles plan for).
+            Support("cuda", frozenset({"none"}), ALL_FLOAT, min_cc=(9, 0), max_cc=(9, 0)),
+            Support("cuda", _FP8, ALL_FLOAT, min_cc=(9, 0), max_cc=(9, 0)),
         ),
         requires=("triton",),
         priority=30,
