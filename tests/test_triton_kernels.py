@@ -807,6 +807,7 @@ def test_tune_merge_keeps_other_token_counts(monkeypatch, tmp_path):
     kc.write_table(tmp_path / name, {}, {1: a, 4096: b}, {"1": {"gate_up": 1.0, "down": 2.0}})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     monkeypatch.setattr(autotune, "tune", lambda shape, tokens, on_result, **kw:
                         on_result({4096: c}, {"4096": {"gate_up": 3.0, "down": 4.0}}))
     parser = argparse.ArgumentParser()
@@ -833,6 +834,7 @@ def test_tune_times_gate_up_rows_as_the_layer_feeds_them(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     monkeypatch.setattr(autotune, "tune", lambda shape, tokens, on_result, indexed_rows, **kw:
                         (seen.append((shape.num_experts, indexed_rows)), on_result({}, {})))
     parser = argparse.ArgumentParser()
@@ -842,7 +844,7 @@ def test_tune_times_gate_up_rows_as_the_layer_feeds_them(monkeypatch, tmp_path):
                                   "--device", "cpu", "--out", str(tmp_path)] + extra)
         assert args.func(args) == 0 and seen[-1] == want
         meta = json.loads((tmp_path / kc.file_name("GPU X", want[0], 32, 64, "none")).read_text())
-        assert meta["gate_up_rows"] == ("by index" if want[1] else "in order")
+        assert meta["gate_up_rows"] == ("by index" if want[1] else "in order") and meta["capability"] == [9, 0]
     shape = autotune.Shape(6, 64, 32, 2, "none")
     plain, indexed = autotune.random_batch(shape, 9, "cpu", seed=3), autotune.random_batch(shape, 9, "cpu", seed=3,
                                                                                            indexed=True)

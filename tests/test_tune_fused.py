@@ -66,6 +66,7 @@ def _run_cli(monkeypatch, out, extra, tuned):
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     monkeypatch.setattr(autotune, "tune", lambda shape, tokens, on_result, fused, **kw:
                         (seen.append(fused), on_result(dict(tuned), {str(t): {"gate_up": 1.0} for t in tuned})))
     parser = argparse.ArgumentParser()
