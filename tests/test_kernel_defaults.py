@@ -120,3 +120,21 @@ def test_shipped_tables_record_their_capability():
     for path in kc.SHIPPED_DIR.glob("*.json"):
         data = json.loads(path.read_text())
         assert data["device"] == "NVIDIA H200" and data["capability"] == [9, 0], path.name
+
+
+def test_table_source_says_where_the_tiles_come_from(monkeypatch, tmp_path):
+    """`moeflow check`'s line: this GPU's own file, a borrowed one (another expert count, another GPU of the same
+    capability), or the defaults (Hopper's rules on sm_90, the generic ones elsewhere); never a warning."""
+    import warnings
+    monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
+    entry = kc.MoEKernelConfig(kc.GemmConfig(16, 64, 128), kc.GemmConfig(16, 64, 128))
+    _table(tmp_path / kc.file_name("GPU A", 8, 128, 256, "none"), "GPU A", (9, 0), entry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kc.table_source("GPU A", 8, 128, 256, "none", (9, 0)).startswith("tuned file ")
+        assert "(E=8) at the same rows per expert" in kc.table_source("GPU A", 4, 128, 256, "none", (9, 0))
+        assert "tuned on GPU A" in kc.table_source("GPU B", 8, 128, 256, "none", (9, 0))
+        assert "Hopper rules" in kc.table_source("GPU B", 8, 128, 512, "none", (9, 0))
+        assert "generic defaults" in kc.table_source("GPU B", 8, 128, 256, "none", (10, 0))
+    shipped = kc.table_source("NVIDIA H100 80GB HBM3", 128, 768, 2048, "fp8-block", (9, 0))
+    assert "'E=128,N=768,K=2048,device=NVIDIA_H200,scheme=fp8-block.json', tuned on NVIDIA H200" in shipped

@@ -15,5 +15,13 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     cfg = config_from_args(args)  # MF1xx errors surface here
     env = Environment.detect(cfg.device)
-    print(plan(cfg, env))  # MF2xx errors surface here; cli.main prints them with exit code 2
+    chosen = plan(cfg, env)  # MF2xx errors surface here; cli.main prints them with exit code 2
+    print(chosen)
+    if chosen.runner == "triton":  # which tuned file (or defaults) its kernels take their tiles from
+        import torch
+
+        from ..kernels.configs import table_source
+        source = table_source(torch.cuda.get_device_name(cfg.device), cfg.num_experts // env.world_size,
+                              cfg.intermediate_size, cfg.hidden_size, cfg.quant, env.capability)
+        print(f"kernel configs: {source}")
     return 0

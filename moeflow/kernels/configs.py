@@ -280,21 +280,16 @@ def find_table(device: str, e: int, n: int, k: int, scheme: str,
     the same compute ``capability`` (a file whose header records it: the H200 tables serve an H100 or H20), the
     nearest expert count first, rescaled the same way; else None (defaults, with a warning)."""
     name = file_name(device, e, n, k, scheme)
-    for d in search_dirs():
-        p = d / name
-        if p.is_file():
-            return _load(str(p), p.stat().st_mtime)[0]
+    found = _lookup(device, e, n, k, scheme, capability)
+    if found is not None and found[0].name == name:
+        return _load(str(found[0]), found[0].stat().st_mtime)[0]
     where = [str(d) for d in search_dirs()]
-    kin = _borrowable(device, e, n, k, scheme, capability)
-    if kin is not None:
-        e_tuned, path, tuned_on = kin
+    if found is not None:
+        path, e_tuned, _ = found
         table = _load(str(path), path.stat().st_mtime)[0]
-        whose = ("" if tuned_on == device else
-                 f", tuned on {tuned_on} (compute capability {capability[0]}.{capability[1]}, as this GPU's)")
-        at = f" (E={e_tuned}) at the same rows per expert" if e_tuned != e else ""
-        fix = f"moeflow tune --local-experts {e}" if tuned_on == device else "moeflow tune"
-        warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {where}; borrowing {path.name!r}{whose}{at} "
-                      f"(run `{fix}` on this GPU to make one)", stacklevel=3)
+        fix = f"moeflow tune --local-experts {e}" if e_tuned != e else "moeflow tune"
+        warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {where}; borrowing "
+                      f"{_source(found, device, e, capability)} (run `{fix}` on this GPU to make one)", stacklevel=3)
         # entry tuned at T tokens over E_tuned experts has the rows per expert of T * E / E_tuned tokens here
         return {max(1, round(t * e / e_tuned)): c for t, c in sorted(table.items())}
     warnings.warn(f"moeflow: no tuned Triton MoE config {name!r} in {where}; "
@@ -302,9 +297,43 @@ def find_table(device: str, e: int, n: int, k: int, scheme: str,
     return None
 
 
+def table_source(device: str, e: int, n: int, k: int, scheme: str,
+                 capability: tuple[int, int] | None = None) -> str:
+    """Where a Triton layer of this shape on ``device`` takes its tiles from, in words (`moeflow check`): its tuned
+    file, a borrowed one (find_table's order), or the defaults (Hopper's rules or the generic ones)."""
+    found = _lookup(device, e, n, k, scheme, capability)
+    if found is not None and found[0].name == file_name(device, e, n, k, scheme):
+        return f"tuned file {str(found[0])!r}"
+    if found is not None:
+        return f"borrowed {_source(found, device, e, capability)} (no file {file_name(device, e, n, k, scheme)!r})"
+    rules = ("the Hopper rules (kernels/sm90_defaults.py)" if capability is not None and capability[0] == 9
+             else "the generic defaults (configs.default_config)")
+    return f"{rules}: no tuned file for this shape (run `moeflow tune` to make one)"
+
+
+def _lookup(device: str, e: int, n: int, k: int, scheme: str,
+            capability: tuple[int, int] | None) -> tuple[Path, int, str] | None:
+    """(path, its E, the device it was tuned on) of this shape's own tuned file (first search directory that has it),
+    else of the file find_table borrows (_borrowable), else None."""
+    for d in search_dirs():
+        p = d / file_name(device, e, n, k, scheme)
+        if p.is_file():
+            return p, e, device
+    return _borrowable(device, e, n, k, scheme, capability)
+
+
+def _source(found: tuple[Path, int, str], device: str, e: int, capability: tuple[int, int] | None) -> str:
+    """A borrowed file in words: its name, the GPU it was tuned on if another, its expert count if another."""
+    path, e_tuned, tuned_on = found
+    whose = ("" if tuned_on == device else
+             f", tuned on {tuned_on} (compute capability {capability[0]}.{capability[1]}, as this GPU's)")
+    at = f" (E={e_tuned}) at the same rows per expert" if e_tuned != e else ""
+    return f"{path.name!r}{whose}{at}"
+
+
 def _borrowable(device: str, e: int, n: int, k: int, scheme: str,
-                capability: tuple[int, int] | None) -> tuple[int, Path, str] | None:
-    """(E, path, device tuned on) of the tuned file for (N, K, scheme) to borrow, or None. Files of this device
+                capability: tuple[int, int] | None) -> tuple[Path, int, str] | None:
+    """(path, E, device tuned on) of the tuned file for (N, K, scheme) to borrow, or None. Files of this device
     first, then of another device whose header's "capability" is ``capability``; among them the expert count
     nearest ``e`` (log scale), then the earlier search directory, then the smaller E."""
     found = []
@@ -325,7 +354,7 @@ def _borrowable(device: str, e: int, n: int, k: int, scheme: str,
     if not found:
         return None
     *_, e_tuned, path, tuned_on = min(found, key=lambda f: f[:4])
-    return e_tuned, path, tuned_on
+    return path, e_tuned, tuned_on
 
 
 @lru_cache(maxsize=None)

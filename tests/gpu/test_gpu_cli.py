@@ -26,3 +26,14 @@ def test_bench_on_gpu_graph_timed_with_roofline_and_plot(tmp_path):
         assert r["rel_err"] is None or r["rel_err"] < 3e-2
     if "--png" in args:
         assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_check_says_where_the_triton_tiles_come_from(capsys):
+    """`moeflow check` on the GPU: a preset with a shipped table names its file on an H200 (or the borrowed H200
+    file on another sm_90 GPU); a shape no table covers names the Hopper rules."""
+    assert main(["check", "--preset", "qwen3-30b-a3b", "--quant", "fp8-block", "--device", "cuda"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("kernel configs: ") and "E=128,N=768,K=2048,device=NVIDIA_H200,scheme=fp8-block.json" in line
+    assert main(["check", "--experts", "16", "--hidden", "1536", "--inter", "1408", "--topk", "4", "--device",
+                 "cuda"]) == 0
+    assert "the Hopper rules (kernels/sm90_defaults.py)" in capsys.readouterr().out
