@@ -137,7 +137,8 @@ def main() -> int:
     print("\nbest of the rounds, µs (do_bench); ratio = generic / sm90 and table / sm90 (> 1: sm90 faster)")
     for shape_name, scheme in cells:
         for t in tokens:
-            got = {r["variant"]: min(r["us"]) for r in rows if (r["shape"], r["scheme"], r["T"]) == (shape_name, scheme, t)}
+            got = {r["variant"]: min(r["us"]) for r in rows
+                   if (r["shape"], r["scheme"], r["T"]) == (shape_name, scheme, t)}
             if "sm90" not in got:
                 continue
             ratios = " ".join(f"{v}/sm90 {got[v] / got['sm90']:.3f}" for v in ("generic", "table") if v in got)

@@ -5,10 +5,11 @@ headline method), PERF.md's shapes. One H200.
     PYTHONPATH=$PWD OUT=DIR python benchmarks/experiments/fused_layer.py [--tokens 1,2,4,8,16]
         [--schemes none,fp8-block] [preset ...]
 
-Per preset, scheme (default none = bf16 and fp8-block; fp8-channel runs it too) and T: the shipped layer (what its table runs: on H200 the one launch
-at T = 1), each candidate tile set of kernels/tune_fused.py forced into the runner, then the shipped layer again
-(the drift between the two shipped timings bounds what a difference means); each candidate's error against the shipped layer's output. Candidates
-are compiled first in worker processes. Writes fused_layer.json under OUT; prints a table last.
+Per preset, scheme (default none = bf16 and fp8-block; fp8-channel runs it too) and T: the shipped layer (what
+its table runs: on H200 the one launch at T = 1), each candidate tile set of kernels/tune_fused.py forced into the
+runner, then the shipped layer again (the drift between the two shipped timings bounds what a difference means);
+each candidate's error against the shipped layer's output. Candidates are compiled first in worker processes. Writes
+fused_layer.json under OUT; prints a table last.
 """
 import argparse
 import json

@@ -66,9 +66,10 @@ def run(args) -> int:
     print(f"tuning {shape} on {device} for T={tokens}", file=sys.stderr)
     path = out_dir / kc.file_name(device, e, cfg.intermediate_size, cfg.hidden_size, cfg.quant)
     indexed = e == cfg.num_experts  # a single-process layer hands gate_up its rows by index; EP batches are sorted
-    meta = dict(device=device, capability=list(torch.cuda.get_device_capability()), E=e, N=cfg.intermediate_size, K=cfg.hidden_size, scheme=cfg.quant,
-                dtype=str(cfg.dtype).removeprefix("torch."), top_k=cfg.top_k, triton_version=triton.__version__,
-                torch_version=torch.__version__, gate_up_rows="by index" if indexed else "in order")
+    meta = dict(device=device, capability=list(torch.cuda.get_device_capability()), E=e, N=cfg.intermediate_size,
+                K=cfg.hidden_size, scheme=cfg.quant, dtype=str(cfg.dtype).removeprefix("torch."), top_k=cfg.top_k,
+                triton_version=triton.__version__, torch_version=torch.__version__,
+                gate_up_rows="by index" if indexed else "in order")
     kept, kept_us = {}, {}
     if args.merge and path.is_file():
         kept, kept_us = kc.read_table(path)

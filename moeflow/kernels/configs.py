@@ -262,13 +262,25 @@ def search_dirs() -> list[Path]:
 
 
 @lru_cache(maxsize=None)
-def _load(path: str, mtime: float) -> tuple[dict[int, MoEKernelConfig], dict[str, dict]]:
-    """A tuned file, read once per (path, modification time) -> (its configs by token count, its measured_us)."""
+def _parsed(path: str, mtime: float) -> dict:
+    """A tuned file's JSON object, read once per (path, modification time); MF603 when it does not read as one."""
     try:
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+        return data
+    except (OSError, ValueError, TypeError) as exc:
+        raise error("MF603", path=path, why=f"{type(exc).__name__}: {exc}") from None
+
+
+@lru_cache(maxsize=None)
+def _load(path: str, mtime: float) -> tuple[dict[int, MoEKernelConfig], dict[str, dict]]:
+    """A tuned file -> (its configs by token count, its measured_us), built once per (path, modification time)."""
+    data = _parsed(path, mtime)
+    try:
         return ({int(t): MoEKernelConfig.from_dict(c) for t, c in data["configs"].items()},
                 dict(data.get("measured_us", {})))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise error("MF603", path=path, why=f"{type(exc).__name__}: {exc}") from None
 
 
@@ -357,14 +369,9 @@ def _borrowable(device: str, e: int, n: int, k: int, scheme: str,
     return path, e_tuned, tuned_on
 
 
-@lru_cache(maxsize=None)
 def _header(path: str, mtime: float) -> dict:
     """A tuned file's top-level fields but its configs and measured times (MF603 when it does not read)."""
-    try:
-        data = json.loads(Path(path).read_text())
-        return {key: v for key, v in data.items() if key not in ("configs", "measured_us")}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise error("MF603", path=path, why=f"{type(exc).__name__}: {exc}") from None
+    return {key: v for key, v in _parsed(path, mtime).items() if key not in ("configs", "measured_us")}
 
 
 def nearest(table: dict[int, MoEKernelConfig], tokens: int) -> MoEKernelConfig:
@@ -383,7 +390,7 @@ def table_notes(path: Path) -> dict:
     """A tuned file's top-level keys but its configs and measured_us: its header and any free-form notes (fused_source,
     edits: where an entry came from other than the tuner). `moeflow tune --merge` writes them back, its own header
     over the old one's fields; a note on an entry the merge re-tunes is then stale, to be edited by hand."""
-    return dict(_header(str(path), path.stat().st_mtime))
+    return _header(str(path), path.stat().st_mtime)
 
 
 def write_table(path: Path, meta: dict, table: dict[int, MoEKernelConfig], measured: dict | None = None) -> None:

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 # the one launch lost at T >= 8 on every H200 preset (benchmarks/results/fused_layer_2026-12-01_h200.md: each copy
 # reads its expert's weights, T tokens over few experts up to T * K / experts hit times): larger T is not searched
 FUSED_TUNE_MAX_TOKENS = 16
-# fp8-block and fp8-channel (BLOCK_N1, BLOCK_N2, stages, SPLIT1, SPLIT2), BLOCK_K 128: tiles of 64 rows or more run wgmma; SPLIT2 a
-# multiple of top-k: each down program reads one copy (or part of one), so it waits for that copy's gate_up tiles only
+# fp8-block and fp8-channel (BLOCK_N1, BLOCK_N2, stages, SPLIT1, SPLIT2), BLOCK_K 128: tiles of 64 rows or more run
+# wgmma; SPLIT2 a multiple of top-k: each down program reads one copy (or part of one), so it waits for that copy's
+# gate_up tiles only
 FUSED_FP8 = [(64, 64, 4, 1, 8), (64, 64, 4, 2, 8), (128, 128, 3, 2, 8), (64, 128, 4, 1, 8), (64, 64, 4, 4, 8),
              (128, 64, 3, 2, 8), (64, 64, 4, 2, 4), (128, 128, 3, 2, 4), (64, 64, 6, 2, 16), (128, 128, 3, 1, 16)]
 # scheme none, 2-byte layers (BN1, BK1, BN2, BK2, stages, SPLIT1, SPLIT2)
