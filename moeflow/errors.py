@@ -489,6 +489,19 @@ When: moeflow bench --png on a machine without matplotlib (checked before the be
 Fix: pip install 'moeflow[plot]' (or matplotlib), or leave --png out and plot the --csv / --json rows elsewhere.
 Example: pip install 'moeflow[plot]' && moeflow bench --png bench.png
 """)
+_spec("MF607", ToolError, "no kernel config computed correct values",
+      "moeflow tune: none of the {count} {gemm} candidates for T={tokens} computed values within the reference's "
+      "tolerance on {device} (the fastest refused, with their relative errors: {examples})",
+      """
+What: `moeflow tune` checks the fastest candidate of each GEMM against the float64 reference (its outputs
+poisoned first) before it records it, and falls back to the next fastest if the output is wrong. Here every
+candidate computed wrong values: a fault of the kernels or of the Triton compiler on this GPU, not of the shape.
+When: moeflow tune (each token count, after timing).
+Fix: check that the Triton version is the tested one (`moeflow env`); run the GPU tests
+(pytest -m gpu tests/gpu/test_gpu_tune_candidates.py) and report the failure with `moeflow env`'s output.
+Until then the layer runs on the shipped tables or the documented defaults for this shape.
+Example: pip install triton==3.6.0 && moeflow tune --preset qwen3-30b-a3b --quant fp8-block
+""")
 # ---------------------------------------------------------------- MF7xx: model integration (transformers)
 _spec("MF701", UnsupportedError, "transformers is not installed",
       "{what} needs the optional package 'transformers': {why}",

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import error
 from ..graphs import capture_graph
 from ..layouts import SORTED, ExpertBatch
 from ..quant import FP8_DTYPE, create_scheme
+from . import verify
 from .configs import FusedConfig, GemmConfig, MoEKernelConfig, fit
 from .tune_fused import FUSED_MAX_REL_ERR, fused_candidates, fused_searched, layer_times, pick_fused, usable
 
@@ -343,6 +345,46 @@ def gemm_runners(shape: Shape, weights):
     return run_gate_up, run_down
 
 
+def gemm_checks(shape: Shape, weights):
+    """(check_gate_up, check_down): gemm_runners' two GEMMs run once more with their outputs poisoned, against the
+    reference (kernels/verify.py) -> relative error.
+    check_gate_up(cfg, gemm_inputs' tuple), check_down(cfg, a, a_scale, route_w, layout), sorted batches."""
+    from .down import down
+    from .gate_up import gate_up
+
+    def check_gate_up(c, inp):
+        batch, layout, xq, xs = inp
+        inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, shape.scheme, "silu", shape.dtype, c,
+                               poison=True, source_rows=batch.source_rows)
+        rows = batch.source_rows  # rows by index: the kernel read x[rows[r]] for row r
+        x_rows = (xq, xs) if rows is None else (xq[rows], None if xs is None else xs[rows])
+        err = verify.gemm_error("gate_up", shape.scheme, "silu", layout.meta, x_rows,
+                                (weights.w13, weights.w13_scale), (inter, extra), shape.dtype)
+        return err
+
+    def check_down(c, a, a_s, route_w, layout):
+        out = down(a, a_s, weights.w2, weights.w2_scale, route_w, layout, shape.scheme, shape.dtype, c, poison=True)
+        err = verify.gemm_error("down", shape.scheme, "silu", layout.meta, (a, a_s, route_w),
+                                (weights.w2, weights.w2_scale), (out,), shape.dtype)
+        return err
+
+    return check_gate_up, check_down
+
+
+def _fastest_correct(gemm: str, tokens: int, cfgs: list[GemmConfig], ms: list[float], check):
+    """The fastest of ``cfgs`` (times ``ms``) whose output check(cfg) -> relative error passes -> (it, its ms,
+    [{"gemm", "config", "rel_err" (None: not finite)}] of the faster ones refused); MF607 if none passes."""
+    order = sorted(range(len(cfgs)), key=ms.__getitem__)
+    best, refused = verify.first_correct(order, lambda j: check(cfgs[j]))
+    notes = [{"gemm": gemm, "config": cfgs[j].to_dict(), "rel_err": float(f"{e:.3g}") if math.isfinite(e) else None}
+             for j, e in refused]
+    if best is None:
+        worst = ", ".join(f"{cfgs[j]} ({e:.3g})" for j, e in refused[:4])
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "this machine"
+        raise error("MF607", gemm=gemm, tokens=tokens, count=len(cfgs), device=device, examples=worst)
+    return cfgs[best], ms[best], notes
+
+
 def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, on_result=None,
          indexed_rows: bool = False, fused: bool = True):
     """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us[, "layer_separate": us, "layer_fused": us]}}) for
@@ -353,6 +395,7 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
     dev = torch.device("cuda")
     weights = random_weights(shape, dev)
     run_gu, run_dn = gemm_runners(shape, weights)
+    check_gu, check_dn = gemm_checks(shape, weights)
     plans = {t: candidates(shape, t) for t in token_counts}
     fused_plans = {t: fused_candidates(shape, t) if fused and fused_searched(shape, t, indexed_rows) else []
                    for t in token_counts}
@@ -366,16 +409,22 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
         inputs = gemm_inputs(shape, routings, indexed_rows)  # per batch: (batch, layout, x, x scale)
         gu_c, dn_c = plans[t]
         gu_t = [graph_time_ms([lambda c=c, i=i: run_gu(c, i) for i in inputs], rep_ms) for c in gu_c]
-        best_gu = gu_c[min(range(len(gu_c)), key=gu_t.__getitem__)]
+        best_gu, gu_ms, refused = _fastest_correct("gate_up", t, gu_c, gu_t, lambda c: check_gu(c, inputs[0]))
         down_in = []
         for inp in inputs:
             a, a_s = down_input(*run_gu(best_gu, inp), shape.scheme)
             down_in.append((a, a_s, inp[0].weights, inp[1]))
         dn_t = [graph_time_ms([lambda c=c, d=d: run_dn(c, *d) for d in down_in], rep_ms) for c in dn_c]
-        best_dn = dn_c[min(range(len(dn_c)), key=dn_t.__getitem__)]
+        best_dn, dn_ms, refused_dn = _fastest_correct("down", t, dn_c, dn_t, lambda c: check_dn(c, *down_in[0]))
+        refused += refused_dn
         table[t] = MoEKernelConfig(best_gu, best_dn)
-        measured[str(t)] = {"gate_up": round(min(gu_t) * 1e3, 2), "down": round(min(dn_t) * 1e3, 2)}
-        line = f"  T={t:>6}: gate_up {min(gu_t) * 1e3:9.1f} us {best_gu}  down {min(dn_t) * 1e3:9.1f} us {best_dn}"
+        measured[str(t)] = {"gate_up": round(gu_ms * 1e3, 2), "down": round(dn_ms * 1e3, 2)}
+        if refused:  # faster candidates whose output was wrong: a kernel or compiler fault to report
+            measured[str(t)]["refused"] = refused
+            for r in refused:
+                log(f"  T={t:>6}: refused {r['gemm']} {GemmConfig(**r['config'])}: relative error "
+                    f"{'not finite' if r['rel_err'] is None else r['rel_err']} against the reference")
+        line = f"  T={t:>6}: gate_up {gu_ms * 1e3:9.1f} us {best_gu}  down {dn_ms * 1e3:9.1f} us {best_dn}"
         if fused_plans[t]:
             sep, timed = layer_times(parts, weights, routings, table[t], fused_plans[t], rep_ms)
             best = pick_fused(sep, timed)

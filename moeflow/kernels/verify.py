@@ -1,0 +1,95 @@
+"""Check a timed kernel config's output before `moeflow tune` records it (kernels/autotune.tune).
+
+Timing alone would record a config that runs fast and computes wrong values: a compiler fault at one tile
+shape, a race in a warp-specialized pipeline, a tile the fit guards let through. tune() therefore runs the
+fastest candidate of each GEMM once more with its outputs poisoned (NaN first) and compares it with the torch
+reference; a candidate that fails is refused (logged, and listed in the file's "measured" notes) and the next
+fastest is checked, so a table only ever holds configs that computed right on this GPU.
+
+The check (``gemm_error``), sorted layout (rows in order, as the tuner's batches):
+  - every output element written: no NaN left in any row (the kernels' poison fill);
+  - the rows of a sample of experts (the ones holding the first and the last rows, the fullest, and others
+    spread over the rest; at most ``SAMPLE_EXPERTS``) within ``MAX_REL_ERR`` of the reference, computed in
+    float64 expert by expert from the same quantized operands (whole-layer references of DeepSeek-V3's 256
+    experts would take tens of GB): relative Frobenius error.
+The limit catches faults, not rounding: a correct output is off by its own rounding only (bf16 ~3e-3, fp16 ~3e-4;
+gate_up's fp8 groups are compared with the reference quantized the same way, which leaves ~0: against the
+unquantized reference they would be ~2.5e-2 off), while a row block left unwritten, a wrong expert's weights or a
+K step missing are off by 0.2-1.4 or NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..experts.base import gated_activation
+from ..quant import FP8_DTYPE, create_scheme
+
+SAMPLE_EXPERTS = 8
+MAX_REL_ERR = 2e-2
+
+
+def sample_experts(offsets: list[int], limit: int = SAMPLE_EXPERTS) -> list[int]:
+    """offsets [E + 1] (sorted layout) -> up to ``limit`` (>= 3) experts with rows, ascending: the first and last
+    such expert, the one with the most rows, and others spread evenly between them."""
+    filled = [e for e in range(len(offsets) - 1) if offsets[e + 1] > offsets[e]]
+    if len(filled) <= limit:
+        return filled
+    fullest = max(filled, key=lambda e: offsets[e + 1] - offsets[e])
+    spread = {filled[round(j * (len(filled) - 1) / (limit - 2))] for j in range(limit - 1)}  # both ends included
+    return sorted(spread | {fullest})
+
+
+def gemm_error(gemm: str, scheme: str, activation: str, offsets: Tensor, inputs: tuple, weights: tuple,
+               outputs: tuple, layer_dtype: torch.dtype = torch.bfloat16) -> float:
+    """A sorted-layout GEMM's output against the reference -> relative error (inf if any element is not finite).
+
+    gemm "gate_up": inputs (x [R, H] layer dtype or fp8, x_scale [R, G] or None), weights (w13 [E, 2I, H],
+    w13_scale or None), outputs (inter [R, I], extra): inter in the layer dtype, or fp8 groups with extra their
+    scale [R, I/128] float32 (any other extra, the amax fp8-tensor / fp8-channel gather, is not checked)
+    -> act(gate) * up.
+    gemm "down": inputs (a [R, I], a_scale, route_w [R] float32), weights (w2 [E, H, I], w2_scale),
+    outputs (out [R, H],) -> route_w * (a @ w2[e].T).
+    offsets: [E + 1] int64, expert e's rows offsets[e] .. offsets[e + 1]. An fp8 output is compared with the
+    reference rounded to ``layer_dtype`` and quantized by the scheme as the kernel's epilogue does: what remains
+    are rounding flips where float32 and float64 sums straddle a step."""
+    sch = create_scheme(scheme)
+    out = outputs[0]
+    out_scale = outputs[1] if out.dtype == FP8_DTYPE else None
+    got_all = sch.dequantize_activation(out, out_scale) if out_scale is not None else out.float()
+    if not bool(torch.isfinite(got_all).all()):
+        return math.inf
+    offs = offsets.tolist()
+    w, w_scale = weights
+    a, a_scale = inputs[0], inputs[1]
+    num, den = 0.0, 0.0
+    for e in sample_experts(offs):
+        lo, hi = offs[e], offs[e + 1]
+        af = (sch.dequantize_activation(a[lo:hi], a_scale[lo:hi]) if a_scale is not None else a[lo:hi].float())
+        wf = sch.dequantize_weight(w[e:e + 1], None if w_scale is None else w_scale[e:e + 1])[0]
+        prod = af.double() @ wf.double().T
+        if gemm == "gate_up":
+            ref = gated_activation(prod, activation)
+            ref = (sch.fake_quantize_activation(ref.to(layer_dtype)) if out_scale is not None else ref).double()
+        else:
+            ref = prod * inputs[2][lo:hi].double()[:, None]
+        got = got_all[lo:hi].double()
+        num += (got - ref).norm().item() ** 2
+        den += ref.norm().item() ** 2
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return math.sqrt(num / den)
+
+
+def first_correct(order: list, check) -> tuple[object | None, list[tuple[object, float]]]:
+    """Candidates ``order`` (fastest first), check(c) -> relative error -> (the first whose error is within
+    MAX_REL_ERR, or None; [(candidate, error)] of those refused before it)."""
+    refused = []
+    for c in order:
+        err = check(c)
+        if err <= MAX_REL_ERR:  # NaN never is
+            return c, refused
+        refused.append((c, err))
+    return None, refused
