@@ -667,6 +667,42 @@ def test_config_file_missing_and_malformed(monkeypatch, tmp_path):
     assert getattr(info.value, "code", None) == "MF603"
 
 
+@pytest.mark.parametrize("entry,what", [
+    ({"block_m": 48}, "gate_up.block_m = 48: a power of two"),
+    ({"block_n": "128"}, "gate_up.block_n = '128': an integer"),
+    ({"num_warps": 3}, "gate_up.num_warps = 3: one of 1, 2, 4, 8, 16"),
+    ({"num_stages": 0}, "gate_up.num_stages = 0: from 1 to 8"),
+    ({"block_k": 512}, "gate_up.block_k = 512: a power of two from 1 to 256"),
+    ({"swap_ab": 2}, "gate_up.swap_ab = 2: from 0 to 1"),
+    ({"blockm": 64}, "gate_up: .*unexpected keyword argument 'blockm'"),
+    ({"num_warps": 4.0}, "gate_up.num_warps = 4.0: an integer"),
+])
+def test_config_file_hand_edited_wrong(monkeypatch, tmp_path, entry, what):
+    """An entry a person edited into a file of $MOEFLOW_KERNEL_CONFIG_DIR with a value no kernel takes: MF603 at the
+    lookup, naming the field and what it may hold, instead of a compile error inside the forward."""
+    monkeypatch.setenv("MOEFLOW_KERNEL_CONFIG_DIR", str(tmp_path))
+    good = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    body = {"configs": {"16": {"gate_up": {**good, **entry}, "down": good}}}
+    (tmp_path / kc.file_name("Some GPU", 3, 5, 7, "none")).write_text(json.dumps(body))
+    with pytest.raises(Exception, match=what) as info:
+        kc.find_table("Some GPU", 3, 5, 7, "none")
+    assert getattr(info.value, "code", None) == "MF603"
+
+
+def test_fit_brings_oversized_tiles_within_budget():
+    """Tiles no tuner writes (a hand-edited file): the accumulators are held to 256 float32 registers a thread and
+    one stage to the shared-memory budget; the one launch's stages likewise. The tuner's candidates and the shipped
+    tables are left as they were (tests/test_kernel_defaults.py, test_tune_fused.py)."""
+    g = kc.fit(kc.GemmConfig(256, 256, 256, 1, 4, 8), fused_pair=True, scheme="none", elem_bytes=4, n_size=1024)
+    assert 2 * g.block_m * g.block_n <= 256 * 32 * 4 and min(g.block_m, g.block_n) >= 16
+    assert g.num_stages * (g.block_m * g.block_k + 2 * g.block_k * g.block_n) * 4 <= 200 * 1024
+    d = kc.fit(kc.GemmConfig(256, 256, 256, 1, 16, 8), fused_pair=False, scheme="none", elem_bytes=2, n_size=1024)
+    assert (d.block_m, d.block_n) == (256, 256) and (d.block_m * d.block_k + d.block_k * d.block_n) * 2 <= 200 * 1024
+    f = kc.fit_fused(kc.FusedConfig(256, 256, 256, 256, 4, 8), "none")
+    assert f.num_stages * 2 * f.block_n1 * f.block_k1 * 2 <= 200 * 1024 and f.block_n2 * f.block_k2 * 2 <= 200 * 1024
+    assert f.block_n1 >= 16 and f.block_k1 >= 16
+
+
 def test_fit_rules():
     """fp8-block: BLOCK_K divides 128; gate_up BLOCK_N of 128 or more is 128 (or 256 when I allows),
     narrower ones stay (the groups are then quantized by a separate kernel); shared memory bounded

@@ -124,8 +124,39 @@ class MoEKernelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEKernelConfig":
-        return cls(GemmConfig(**d["gate_up"]), GemmConfig(**d["down"]),
-                   FusedConfig(**d["fused"]) if d.get("fused") else None)
+        """A tuned file's entry -> the configs; ValueError / TypeError / KeyError naming what a hand-edited entry got
+        wrong (the lookup turns them into MF603 at the layer's first forward, not a compile error inside it)."""
+        return cls(checked(GemmConfig, d["gate_up"], "gate_up"), checked(GemmConfig, d["down"], "down"),
+                   checked(FusedConfig, d["fused"], "fused") if d.get("fused") else None)
+
+
+# what a tuned file's fields may hold (fit() and fit_fused() then adapt them to the scheme and shared memory):
+# block sizes powers of two up to 256, the rest integers in these ranges; JSON true / false read as 1 / 0
+_POW2 = ("block_m", "block_n", "block_k", "block_n1", "block_k1", "block_n2", "block_k2")
+_RANGES = {"group_m": (1, 64), "num_stages": (1, 8), "programs_per_sm": (0, 8), "split_k": (1, 64),
+           "scale_overlap": (0, 2), "x_tma": (0, 1), "warp_specialize": (0, 1), "swap_ab": (0, 1), "split1": (1, 64),
+           "split2": (1, 64)}
+
+
+def checked(cls, d: dict, what: str):
+    """``cls(**d)`` (GemmConfig or FusedConfig) with every field checked: integers, block sizes powers of two in
+    1..256, num_warps 1, 2, 4, 8 or 16, the others in _RANGES; unknown or missing fields raise TypeError."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{what}: a JSON object of fields, not {type(d).__name__}")
+    for key, v in d.items():
+        if not isinstance(v, int):  # bool is an int: true / false read as 1 / 0
+            raise TypeError(f"{what}.{key} = {v!r}: an integer")
+        if key in _POW2 and not (1 <= v <= 256 and v & (v - 1) == 0):
+            raise ValueError(f"{what}.{key} = {v}: a power of two from 1 to 256 (Triton's tiles)")
+        if key == "num_warps" and v not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{what}.num_warps = {v}: one of 1, 2, 4, 8, 16")
+        lo, hi = _RANGES.get(key, (v, v))
+        if not lo <= v <= hi:
+            raise ValueError(f"{what}.{key} = {v}: from {lo} to {hi}")
+    try:
+        return cls(**{k: int(v) for k, v in d.items()})
+    except TypeError as exc:  # a field unknown or missing
+        raise TypeError(f"{what}: {exc}") from None
 
 
 def file_name(device: str, e: int, n: int, k: int, scheme: str) -> str:
@@ -169,7 +200,10 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     fp8-block: BLOCK_K must divide 128 (one activation group per step). gate_up: BLOCK_N of 128
     or more quantizes the 1x128 groups in the epilogue (128, or 256 where n_size (I) allows);
     BLOCK_N of 16-64 (more programs for small batches) leaves that to a separate kernel.
-    fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. scale_overlap stays only on
+    fp8 dots need BLOCK_K >= 32; every dot needs 16 x 16 tiles at least. Accumulators past 256 float32 registers a
+    thread (gate_up holds two) halve the larger of BLOCK_N and BLOCK_M. Stages beyond the shared-memory budget are
+    dropped; a tile whose single stage is over it (only a hand-edited file has one) halves BLOCK_K, then BLOCK_N,
+    then BLOCK_M until it fits. scale_overlap stays only on
     an fp8-block tile the Gluon kernel runs (wgmma_gate_up_fits, wgmma_down_fits); gate_up's is 1.
     x_tma stays (as 0 or 1) on gate_up only. warp_specialize stays (as 1) only on a tile the Gluon kernel
     runs (ws_fits: bf16/fp16, or fp8-block). swap_ab stays (as 1) where neither Gluon kernel does.
@@ -181,8 +215,18 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
             bn = 256 if bn >= 256 and n_size % 256 == 0 else 128
     stages = max(cfg.num_stages, 1)
     b_tiles = 2 if fused_pair else 1
-    while stages > 1 and stages * (bm * bk + b_tiles * bk * bn) * elem_bytes > _SMEM_BUDGET:
+    smem = lambda: stages * (bm * bk + b_tiles * bk * bn) * elem_bytes
+    while stages > 1 and smem() > _SMEM_BUDGET:
         stages -= 1
+    while b_tiles * bm * bn > 256 * 32 * max(cfg.num_warps, 1) and max(bm, bn) > 16:  # accumulators a thread
+        bn, bm = (bn // 2, bm) if bn >= bm else (bn, bm // 2)
+    while smem() > _SMEM_BUDGET:  # one stage still too big (a hand-edited file): halve K, then N, then M
+        if bk > (128 if scheme == "fp8-block" else 32):
+            bk //= 2
+        elif bn > 64:
+            bn //= 2
+        else:
+            bm //= 2
     fitted = replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
                      x_tma=int(bool(cfg.x_tma)) if fused_pair else 0)
     keep_ws = (elem_bytes == 2 or scheme == "fp8-block") and ws_fits(fitted, gated=fused_pair, scheme=scheme)
@@ -196,13 +240,22 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
 
 def fit_fused(cfg: FusedConfig, scheme: str) -> FusedConfig:
     """Make ``cfg`` valid for the scheme: tiles of 16 columns at least (the dots' N), BLOCK_K of 16 at least
-    (fp8: 32); fp8-block: BLOCK_K 128 and BLOCK_N at most 128 (powers of two, so dividing 128)."""
+    (fp8: 32); fp8-block: BLOCK_K 128 and BLOCK_N at most 128 (powers of two, so dividing 128); no more stages than
+    fit the shared-memory budget with 2-byte weights (fp8: 1), a gate_up item's two tiles or a down item's one (a
+    tile over it at one stage, only in a hand-edited file, halves its BLOCK_K, then its BLOCK_N)."""
     bn1, bn2 = max(cfg.block_n1, 16), max(cfg.block_n2, 16)
     bk_min = 32 if scheme != "none" else 16
     bk1, bk2 = max(cfg.block_k1, bk_min), max(cfg.block_k2, bk_min)
     if scheme == "fp8-block":
         bn1, bn2, bk1, bk2 = min(bn1, 128), min(bn2, 128), 128, 128
-    return replace(cfg, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, num_stages=max(cfg.num_stages, 1),
+    elem = 1 if scheme != "none" else 2
+    while 2 * bn1 * bk1 * elem > _SMEM_BUDGET:  # a gate_up item's gate and up tiles (only a hand-edited file)
+        bk1, bn1 = (bk1 // 2, bn1) if bk1 > bk_min else (bk1, bn1 // 2)
+    while bn2 * bk2 * elem > _SMEM_BUDGET:
+        bk2, bn2 = (bk2 // 2, bn2) if bk2 > bk_min else (bk2, bn2 // 2)
+    per_stage = max(2 * bn1 * bk1, bn2 * bk2) * elem
+    stages = max(1, min(cfg.num_stages, _SMEM_BUDGET // per_stage))
+    return replace(cfg, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, num_stages=stages,
                    split1=max(cfg.split1, 1), split2=max(cfg.split2, 1))
 
 
