@@ -670,7 +670,8 @@ def test_config_file_missing_and_malformed(monkeypatch, tmp_path):
 @pytest.mark.parametrize("entry,what", [
     ({"block_m": 48}, "gate_up.block_m = 48: a power of two"),
     ({"block_n": "128"}, "gate_up.block_n = '128': an integer"),
-    ({"num_warps": 3}, "gate_up.num_warps = 3: one of 1, 2, 4, 8, 16"),
+    ({"num_warps": 3}, "gate_up.num_warps = 3: one of 1, 2, 4, 8"),
+    ({"num_warps": 16}, "gate_up.num_warps = 16: one of 1, 2, 4, 8"),
     ({"num_stages": 0}, "gate_up.num_stages = 0: from 1 to 8"),
     ({"block_k": 512}, "gate_up.block_k = 512: a power of two from 1 to 256"),
     ({"swap_ab": 2}, "gate_up.swap_ab = 2: from 0 to 1"),
@@ -696,9 +697,9 @@ def test_fit_brings_oversized_tiles_within_budget():
     g = kc.fit(kc.GemmConfig(256, 256, 256, 1, 4, 8), fused_pair=True, scheme="none", elem_bytes=4, n_size=1024)
     assert 2 * g.block_m * g.block_n <= 256 * 32 * 4 and min(g.block_m, g.block_n) >= 16
     assert g.num_stages * (g.block_m * g.block_k + 2 * g.block_k * g.block_n) * 4 <= 200 * 1024
-    d = kc.fit(kc.GemmConfig(256, 256, 256, 1, 16, 8), fused_pair=False, scheme="none", elem_bytes=2, n_size=1024)
+    d = kc.fit(kc.GemmConfig(256, 256, 256, 1, 8, 8), fused_pair=False, scheme="none", elem_bytes=2, n_size=1024)
     assert (d.block_m, d.block_n) == (256, 256) and (d.block_m * d.block_k + d.block_k * d.block_n) * 2 <= 200 * 1024
-    f = kc.fit_fused(kc.FusedConfig(256, 256, 256, 256, 4, 8), "none")
+    f = kc.fit_fused(kc.FusedConfig(256, 256, 256, 256, 8, 8), "none")
     assert f.num_stages * 2 * f.block_n1 * f.block_k1 * 2 <= 200 * 1024 and f.block_n2 * f.block_k2 * 2 <= 200 * 1024
     assert f.block_n1 >= 16 and f.block_k1 >= 16
 
