@@ -185,3 +185,24 @@ def test_fp8_group_outputs_are_checked_against_the_same_quantization():
     swapped = q.clone()
     swapped[[0, 1]] = q[[1, 0]]
     assert not err(swapped, s) <= verify.MAX_REL_ERR
+
+
+@interp
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel"])
+def test_gathered_amax_is_checked(scheme):
+    """fp8-tensor / fp8-channel gate_up also returns the amax of |inter| it gathered (atomic max), which sets the down
+    input's scale: the kernel's passes; one row's (or the tensor's) amax off, or left at zero, is refused."""
+    shape, weights, (check_gu, _), inp, _, gu, _ = _setup(scheme, tokens=9)
+    from moeflow.kernels.gate_up import gate_up
+    batch, layout, xq, xs = inp
+    inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, scheme, "silu", shape.dtype, gu[0])
+
+    def err(extra):
+        return verify.gemm_error("gate_up", scheme, "silu", layout.meta, (xq, xs), (weights.w13, weights.w13_scale),
+                                 (inter, extra), shape.dtype)
+
+    assert extra.shape == ((1,) if scheme == "fp8-tensor" else (inter.shape[0],))
+    assert err(extra) < verify.MAX_REL_ERR / 10
+    off = extra.clone()
+    off[-1] *= 1.5
+    assert err(off) == float("inf") and err(torch.zeros_like(extra)) == float("inf")

@@ -7,7 +7,8 @@ reference; a candidate that fails is refused (logged, and listed in the file's "
 fastest is checked, so a table only ever holds configs that computed right on this GPU.
 
 The check (``gemm_error``), sorted layout (rows in order, as the tuner's batches):
-  - every output element written: no NaN left in any row (the kernels' poison fill);
+  - every output element written: no NaN left in any row (the kernels' poison fill); gate_up's gathered amax
+    (fp8-tensor, fp8-channel) that of its output;
   - the rows of a sample of experts (the ones holding the first and the last rows, the fullest, and others
     spread over the rest; at most ``SAMPLE_EXPERTS``) within ``MAX_REL_ERR`` of the reference, computed in
     float64 expert by expert from the same quantized operands (whole-layer references of DeepSeek-V3's 256
@@ -48,8 +49,8 @@ def gemm_error(gemm: str, scheme: str, activation: str, offsets: Tensor, inputs:
 
     gemm "gate_up": inputs (x [R, H] layer dtype or fp8, x_scale [R, G] or None), weights (w13 [E, 2I, H],
     w13_scale or None), outputs (inter [R, I], extra): inter in the layer dtype, or fp8 groups with extra their
-    scale [R, I/128] float32 (any other extra, the amax fp8-tensor / fp8-channel gather, is not checked)
-    -> act(gate) * up.
+    scale [R, I/128] float32 -> act(gate) * up; fp8-tensor / fp8-channel's extra, the amax of |inter| the kernel
+    gathers (one [1] or a row's [R]), must match the output's own within 1% (else inf).
     gemm "down": inputs (a [R, I], a_scale, route_w [R] float32), weights (w2 [E, H, I], w2_scale),
     outputs (out [R, H],) -> route_w * (a @ w2[e].T).
     offsets: [E + 1] int64, expert e's rows offsets[e] .. offsets[e + 1]. An fp8 output is compared with the
@@ -61,6 +62,11 @@ def gemm_error(gemm: str, scheme: str, activation: str, offsets: Tensor, inputs:
     got_all = sch.dequantize_activation(out, out_scale) if out_scale is not None else out.float()
     if not bool(torch.isfinite(got_all).all()):
         return math.inf
+    extra = outputs[1] if len(outputs) > 1 else None
+    if gemm == "gate_up" and out_scale is None and extra is not None:  # fp8-tensor / -channel: the amax gathered
+        amax = out.float().abs().amax(dim=1) if extra.numel() == out.shape[0] else out.float().abs().amax().reshape(1)
+        if out.shape[0] and not torch.allclose(extra.float(), amax, rtol=1e-2, atol=0):
+            return math.inf
     offs = offsets.tolist()
     w, w_scale = weights
     a, a_scale = inputs[0], inputs[1]
