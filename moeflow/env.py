@@ -31,10 +31,29 @@ class EnvVar:
         return value
 
     def get_bool(self) -> bool:
-        return self.get().strip().lower() in ("1", "true", "yes", "on")
+        """1 / true / yes / on -> True; 0 / false / no / off / empty -> False. Anything else: MF107 for moeflow's
+        own variables; False for another program's (TRITON_INTERPRET: read as Triton reads it)."""
+        raw = self.get().strip().lower()
+        if raw in _TRUE:
+            return True
+        if raw in _FALSE or not self.name.startswith("MOEFLOW_"):
+            return False
+        raise _invalid(self, "expected 1 or 0 (also true / false, yes / no, on / off)")
 
     def get_float(self) -> float:
-        return float(self.get())
+        """The value as a number (MF107 if it is not one)."""
+        try:
+            return float(self.get())
+        except ValueError:
+            raise _invalid(self, "expected a number") from None
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _invalid(var: EnvVar, why: str):
+    from .errors import error  # errors imports nothing of moeflow's; deferred all the same, env is imported first
+    return error("MF107", name=var.name, value=var.get(), why=why)
 
 
 class one_reading:

@@ -144,7 +144,9 @@ _spec("MF107", ConfigError, "invalid environment variable",
       "{name}={value!r} is invalid: {why}",
       """
 What: an environment variable moeflow reads (`moeflow env` lists them) holds a value it cannot use.
-When: the first call that reads it (MOEFLOW_EAGER_GRAPHS: every eager forward on CUDA).
+When: the first call that reads it (MOEFLOW_EAGER_GRAPHS: every eager forward on CUDA; a switch such as
+MOEFLOW_TRITON_PDL that is neither 1 nor 0: the first call that consults it; MOEFLOW_DIST_TIMEOUT_S that is not a
+number: building an expert-parallel layer).
 Fix: set it to a value of the kind `moeflow env` describes, or unset it for the default.
 Example: MOEFLOW_EAGER_GRAPHS=16 (the largest batch replayed from a CUDA graph), MOEFLOW_EAGER_GRAPHS=0 (off)
 """)

@@ -81,3 +81,34 @@ def test_a_layer_call_runs_inside_one_reading_and_the_next_call_reads_again(monk
     monkeypatch.setenv("MOEFLOW_VALIDATE_INPUTS", "0")
     monkeypatch.setattr("moeflow.layer._check_ids", lambda *a: pytest.fail("MOEFLOW_VALIDATE_INPUTS=0 was not seen"))
     moe.forward_topk(x, ids, w)
+
+
+@pytest.mark.parametrize("raw,want", [("1", True), ("TRUE", True), (" yes ", True), ("on", True), ("0", False),
+                                      ("false", False), ("No", False), ("off", False), ("", False)])
+def test_switches_read_the_usual_spellings(monkeypatch, raw, want):
+    monkeypatch.setenv("MOEFLOW_TRITON_PDL", raw)
+    assert moeflow_env.TRITON_PDL.get_bool() is want
+
+
+@pytest.mark.parametrize("raw", ["2", "enable", "y e s", "-1"])
+def test_a_switch_of_moeflow_with_another_value_is_mf107(monkeypatch, raw):
+    """A typo in a switch is reported (MF107 naming the variable and the value), not read silently as off."""
+    monkeypatch.setenv("MOEFLOW_TRITON_TMA", raw)
+    with pytest.raises(MoeflowError, match="MOEFLOW_TRITON_TMA") as info:
+        moeflow_env.TRITON_TMA.get_bool()
+    assert info.value.code == "MF107" and repr(raw) in str(info.value)
+
+
+def test_another_programs_switch_is_read_as_it_reads_it(monkeypatch):
+    """TRITON_INTERPRET is Triton's: a value moeflow does not know is off, as Triton takes it, never an error."""
+    monkeypatch.setenv("TRITON_INTERPRET", "2")
+    assert moeflow_env.TRITON_INTERPRET.get_bool() is False
+
+
+def test_a_number_that_is_not_one_is_mf107(monkeypatch):
+    monkeypatch.setenv("MOEFLOW_DIST_TIMEOUT_S", "5 minutes")
+    with pytest.raises(MoeflowError, match="expected a number") as info:
+        moeflow_env.DIST_TIMEOUT_S.get_float()
+    assert info.value.code == "MF107"
+    monkeypatch.setenv("MOEFLOW_DIST_TIMEOUT_S", "12.5")
+    assert moeflow_env.DIST_TIMEOUT_S.get_float() == 12.5
