@@ -58,6 +58,26 @@ def test_bench_small_runs_and_checks(tmp_path, capsys, quant):
     assert all(r["status"] in CATALOGUE for r in refused)
 
 
+def test_bench_marks_rows_off_the_reference(tmp_path, capsys, monkeypatch):
+    """A runner whose output is off the reference runner's by more than WRONG_REL_ERR: its rows say "wrong", the
+    table marks them, and the command exits 1 naming the runner; within it, "ok" (NaN is wrong)."""
+    from moeflow.cli import bench
+    assert bench.accuracy_status(3e-2) == "ok" and bench.accuracy_status(bench.WRONG_REL_ERR) == "ok"
+    assert bench.accuracy_status(0.2) == "wrong" and bench.accuracy_status(float("nan")) == "wrong"
+    measure = bench._measure
+
+    def off(layer, x, logits, want):  # the CPU runs only the reference runner: its rows stand for a faulty runner's
+        return dict(measure(layer, x, logits, want), runner="triton", rel_err=1 / 3, status=bench.accuracy_status(1 / 3))
+
+    monkeypatch.setattr(bench, "_measure", off)
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--quant", "none", "--tokens", "3", "--device", "cpu", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "WRONG: error over 0.1" in captured.out and "off the reference runner" in captured.err
+    assert "triton none" in captured.err
+    assert {r["status"] for r in json.loads(out.read_text()) if r["T"] == 3} == {"wrong"}
+
+
 def test_bench_refuses_a_preset_that_does_not_fit(capsys, monkeypatch):
     # deepseek-v3 keeps 2 x 22.5 GB of bf16 experts: refused up front (MF605), not killed mid-run
     monkeypatch.setattr("os.sysconf", lambda name: {"SC_AVPHYS_PAGES": 1 << 20, "SC_PAGE_SIZE": 4096}[name])
