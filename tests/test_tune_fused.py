@@ -177,3 +177,38 @@ def test_swapped_candidates_only_where_precise(scheme):
         for family in autotune.candidates(shape, tokens):
             assert any(c.swap_ab for c in family) == swaps, (tokens, scheme)
             assert all(c.block_m <= 32 for c in family if c.swap_ab)
+
+
+def test_layer_times_checks_each_tile_set_poisoned(monkeypatch):
+    """The tuner's check of a one-launch tile set runs it with its outputs NaN-poisoned (a launch reusing the memory
+    of the candidate before could leave an unwritten element holding a right value), the timed runs without; a
+    NaN left is an error no limit passes."""
+    from moeflow.kernels import autotune as at
+    calls = []
+
+    class Runner:
+        def run_fused(self, x, ids, w, weights, f, poison=False):
+            calls.append(poison)
+            out = x.clone()
+            if poison and f.block_n1 == 64:  # this tile set leaves an element unwritten
+                out[0, 0] = float("nan")
+            return out
+
+        def run_with(self, batch, weights, pair):
+            return batch
+
+    class Dispatcher:
+        def dispatch(self, x, ids, w):
+            return x, None
+
+        def combine(self, out, handle):
+            return out
+
+    monkeypatch.setattr(at, "graph_time_ms", lambda fns, rep_ms: [f() for f in fns] and 1.0)
+    x = torch.randn(3, 8)
+    routing = (x, torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2))
+    tiles = [kc.FusedConfig(block_n1=32), kc.FusedConfig(block_n1=64)]
+    sep, timed = tune_fused.layer_times((Dispatcher(), Runner()), None, [routing], None, tiles, 1.0)
+    assert calls.count(True) == len(tiles) and calls.count(False) == len(tiles)  # one check, one timed run each
+    assert timed[0][2] == 0.0 and timed[1][2] != timed[1][2]  # NaN: never within FUSED_MAX_REL_ERR
+    assert tune_fused.usable(timed) == [(tiles[0], 1.0)]

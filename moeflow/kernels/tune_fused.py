@@ -85,7 +85,9 @@ def layer_times(parts, weights, routings, pair: MoEKernelConfig, fused: list[Fus
     """The layer after routing, each way a single-process layer runs it (layer.routed_experts), timed on the same
     routings [(x [T, H], topk_ids [T, K] int32, topk_weights [T, K] float32)] -> (ms of the separate launches: the
     local dispatcher's sort, the runner's GEMMs with ``pair``, the top-k sum; [(tile set, ms of its one launch, its
-    output's relative error against the separate launches' on the first routing)] for each of ``fused``).
+    output's relative error against the separate launches' on the first routing, its outputs NaN-poisoned first: a
+    launch reusing the memory of the one before could otherwise leave an unwritten element holding a right value)]
+    for each of ``fused``).
     parts: autotune._layer_parts(shape), made once (the runner's fused counters with it)."""
     from .autotune import graph_time_ms
     dispatcher, runner = parts
@@ -98,4 +100,4 @@ def layer_times(parts, weights, routings, pair: MoEKernelConfig, fused: list[Fus
     ref = separate(*routings[0]).double()
     rel = lambda out: ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     return sep, [(f, graph_time_ms([lambda f=f, r=r: runner.run_fused(*r, weights, f) for r in routings], rep_ms),
-                  rel(runner.run_fused(*routings[0], weights, f))) for f in fused]
+                  rel(runner.run_fused(*routings[0], weights, f, poison=True))) for f in fused]
