@@ -169,8 +169,8 @@ def _inter_step(inter_ptr, ws_tile, ws_rows, stride_w2se, ids, wts, a_scales, kk
 
 
 @triton.jit
-def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, sync_ptr, split1_counts, T, H, I,
-                  w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn,
+def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, ready_ptr, amax_ptr, split1_counts,
+                  H, I, w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn,
                   TOP_K: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr, INTER_DTYPE: tl.constexpr,
                   BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr, W13_TMA: tl.constexpr,
                   DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
@@ -230,14 +230,14 @@ def _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, syn
         tl.store(inter_ptr + c.to(tl.int64) * I + cols, h, mask=cols < I)
         if QUANT == 2:  # the copy's inter amax, over its rounded values: non-negative floats order as their bits
             amax = tl.max(tl.where(cols < I, tl.abs(h.to(tl.float32)), 0.0), axis=0)
-            tl.atomic_max(sync_ptr + 2 + T * TOP_K + c, amax.to(tl.int32, bitcast=True), sem="relaxed")
+            tl.atomic_max(amax_ptr + c, amax.to(tl.int32, bitcast=True), sem="relaxed")
         tl.debug_barrier()  # every thread's stores before the release below
-        tl.atomic_add(sync_ptr + 2 + c, 1, sem="release")
+        tl.atomic_add(ready_ptr + c, 1, sem="release")
 
 
 @triton.jit
-def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, split2_counts, T, H, I,
-               w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out,
+def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, ready_ptr, amax_ptr,
+               split2_counts, T, H, I, w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out,
                TOP_K: tl.constexpr, K_POW2: tl.constexpr, QUANT: tl.constexpr, BLOCK_N1: tl.constexpr,
                BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W2_TMA: tl.constexpr,
                DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
@@ -259,12 +259,12 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
     k_lo = tl.minimum(s * per, TOP_K * steps - 1) // steps
     k_hi = tl.minimum((s + 1) * per, TOP_K * steps) - 1
     for k in range(k_lo, tl.maximum(k_hi // steps + 1, k_lo)):  # the copies this split reads: each one's gate_up done
-        ready = tl.atomic_add(sync_ptr + 2 + t * TOP_K + k, 0, sem="acquire")
+        ready = tl.atomic_add(ready_ptr + t * TOP_K + k, 0, sem="acquire")
         while ready < tiles1:
-            ready = tl.atomic_add(sync_ptr + 2 + t * TOP_K + k, 0, sem="acquire")
+            ready = tl.atomic_add(ready_ptr + t * TOP_K + k, 0, sem="acquire")
     a_scales = tl.zeros((K_POW2,), dtype=tl.float32)
     if QUANT == 2:  # each copy's inter scale; the counters of the copies read here are final after the waits
-        bits = tl.load(sync_ptr + 2 + T * TOP_K + t * TOP_K + kk, mask=kk < TOP_K, other=0, cache_modifier=".cg")
+        bits = tl.load(amax_ptr + t * TOP_K + kk, mask=kk < TOP_K, other=0, cache_modifier=".cg")
         a_scales = fp8_scale(bits.to(tl.float32, bitcast=True))
     acc = tl.zeros((BLOCK_N2, 16), dtype=tl.float32)  # transposed, as gate_up's
     ws_tile = w2s_ptr + (j * BLOCK_N2 // 128) * stride_w2sn  # 128 % BLOCK_N2 == 0: one weight-scale block row
@@ -301,9 +301,9 @@ def _down_item(d, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, s
             tl.atomic_xchg(sync_ptr, 0)
             tl.atomic_xchg(sync_ptr + 1, 0)
             n_reset = T * TOP_K * (2 if QUANT == 2 else 1)  # the copies' counts (and fp8-channel's inter amaxes)
-            for c0 in range(0, n_reset, 128):
+            for c0 in range(0, n_reset, 128):  # amax_ptr follows ready_ptr: one range
                 cc = c0 + tl.arange(0, 128)
-                tl.store(sync_ptr + 2 + cc, tl.zeros((128,), dtype=tl.int32), mask=cc < n_reset)
+                tl.store(ready_ptr + cc, tl.zeros((128,), dtype=tl.int32), mask=cc < n_reset)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -317,25 +317,28 @@ def _fused_layer_kernel(
         BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W13_TMA: tl.constexpr,
         W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PDL: tl.constexpr = False):
     """sync_ptr int32, zero at launch (counters_size): [0] tickets taken, [1] down tiles done, [2 + c] copy c's
-    finished gate_up tiles, [2 + T * K + c] copy c's inter amax (fp8-channel: float32 bits), then (SPLIT1 > 1) one
-    count per gate_up tile, then (SPLIT2 > 1) one per down tile.
+    finished gate_up tiles (ready_ptr), [2 + T * K + c] copy c's inter amax (amax_ptr; fp8-channel: float32 bits),
+    then (SPLIT1 > 1) one count per gate_up tile (split1_counts), then (SPLIT2 > 1) one per down tile.
     inter_ptr [T * K, I] scratch in the layer dtype; part1_ptr [gate_up tiles, SPLIT1, 2 * BLOCK_N1] and part2_ptr
     [down tiles, SPLIT2, BLOCK_N2] float32 split-K partials (unused without split). Grid: one program per work
     item, T * K * cdiv(I, BLOCK_N1) * SPLIT1 + T * cdiv(H, BLOCK_N2) * SPLIT2 (module docstring)."""
     pdl_wait(PDL)
     tiles1 = tl.cdiv(I, BLOCK_N1)
     items1 = T * TOP_K * tiles1 * SPLIT1
-    split1_counts = sync_ptr + 2 + 2 * T * TOP_K
+    ready_ptr = sync_ptr + 2  # the regions of sync_ptr, named once (docstring above)
+    amax_ptr = ready_ptr + T * TOP_K
+    split1_counts = amax_ptr + T * TOP_K
     split2_counts = split1_counts + (T * TOP_K * tiles1 if SPLIT1 > 1 else 0)
     item = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     if item < items1:
-        _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, sync_ptr, split1_counts, T, H, I,
-                      w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn, TOP_K, QUANT, ACT,
-                      INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, DOT_IEEE, ROUND_IN_FP32)
+        _gate_up_item(item, x_ptr, ids_ptr, w13, w13s_ptr, inter_ptr, part1_ptr, ready_ptr, amax_ptr, split1_counts,
+                      H, I, w13_rows, stride_x, stride_w13e, stride_w13n, stride_w13se, stride_w13sn, TOP_K, QUANT,
+                      ACT, INTER_DTYPE, BLOCK_N1, BLOCK_K1, SPLIT1, W13_TMA, DOT_IEEE, ROUND_IN_FP32)
     else:
-        _down_item(item - items1, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, split2_counts,
-                   T, H, I, w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_out, TOP_K, K_POW2, QUANT,
-                   BLOCK_N1, BLOCK_N2, BLOCK_K2, SPLIT2, W2_TMA, DOT_IEEE, ROUND_IN_FP32)
+        _down_item(item - items1, ids_ptr, rw_ptr, w2, w2s_ptr, inter_ptr, part2_ptr, out_ptr, sync_ptr, ready_ptr,
+                   amax_ptr, split2_counts, T, H, I, w2_rows, stride_w2e, stride_w2n, stride_w2se, stride_w2sn,
+                   stride_out, TOP_K, K_POW2, QUANT, BLOCK_N1, BLOCK_N2, BLOCK_K2, SPLIT2, W2_TMA, DOT_IEEE,
+                   ROUND_IN_FP32)
     pdl_launch(PDL)
 
 
