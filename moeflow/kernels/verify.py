@@ -13,7 +13,8 @@ The check (``gemm_error``), sorted layout (rows in order, as the tuner's batches
     spread over the rest; at most ``SAMPLE_EXPERTS``) within ``MAX_REL_ERR`` of the reference, computed in
     float64 expert by expert from the same quantized operands (whole-layer references of DeepSeek-V3's 256
     experts would take tens of GB): relative Frobenius error.
-The limit catches faults, not rounding: a correct output is off by its own rounding only (bf16 ~3e-3, fp16 ~3e-4;
+The limit catches faults, not rounding: a correct output is off by its own last rounding only (under 4e-3 in bf16,
+whose step is 2^-8 of a value; 2e-4 measured in fp16 under the CPU interpreter;
 gate_up's fp8 groups are compared with the reference quantized the same way, which leaves ~0: against the
 unquantized reference they would be ~2.5e-2 off), while a row block left unwritten, a wrong expert's weights or a
 K step missing are off by 0.2-1.4 or NaN.
