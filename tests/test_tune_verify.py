@@ -15,23 +15,6 @@ interp = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 SCHEMES = ["none", "fp8-tensor", "fp8-channel", "fp8-block"]
 
 
-@pytest.mark.parametrize("counts", [[5, 0, 3], [0] * 10 + [4], [1] * 40, [0, 9, 0, 0, 1, 30, 2, 0, 0, 0, 7, 1, 1, 0]])
-def test_sample_experts(counts):
-    """At most SAMPLE_EXPERTS experts, all with rows, ascending; the first and last with rows and the fullest among
-    them; every expert with rows when there are no more than the limit."""
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
-    got = verify.sample_experts(offsets)
-    filled = [e for e, c in enumerate(counts) if c]
-    assert got == sorted(set(got)) and set(got) <= set(filled) and len(got) <= verify.SAMPLE_EXPERTS
-    assert filled[0] in got and filled[-1] in got and max(filled, key=counts.__getitem__) in got
-    if len(filled) <= verify.SAMPLE_EXPERTS:
-        assert got == filled
-    else:
-        assert len(got) >= verify.SAMPLE_EXPERTS - 1
-
-
 def _shape(scheme):
     from moeflow.kernels import autotune
     return autotune.Shape(6, 256, 128, 2, scheme, torch.float16)

@@ -10,8 +10,8 @@ Per token count: the gate_up and down GEMM configs; for a single-process layer (
 the one-launch layer runs (none, fp8-channel, fp8-block) at T <= 16 also its tiles (kernels/fused_layer.py),
 recorded only where the whole layer after routing measured faster in one launch than in the separate launches
 (--no-fused: not searched).
-Before a GEMM config is recorded, the fastest is rerun with its outputs poisoned and held to a float64 reference of
-sampled experts (kernels/verify.py); a wrong one is logged, listed under the file's measured_us as "refused", and the
+Before a GEMM config is recorded, the fastest is rerun with its outputs poisoned and held to a float64 reference,
+expert by expert (kernels/verify.py); a wrong one is logged, listed under the file's measured_us as "refused", and the
 next fastest takes its place (MF607 if none is right).
 """
 from __future__ import annotations
