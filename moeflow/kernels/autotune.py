@@ -358,15 +358,13 @@ def gemm_checks(shape: Shape, weights):
                                poison=True, source_rows=batch.source_rows)
         rows = batch.source_rows  # rows by index: the kernel read x[rows[r]] for row r
         x_rows = (xq, xs) if rows is None else (xq[rows], None if xs is None else xs[rows])
-        err = verify.gemm_error("gate_up", shape.scheme, "silu", layout.meta, x_rows,
-                                (weights.w13, weights.w13_scale), (inter, extra), shape.dtype)
-        return err
+        return verify.gemm_error("gate_up", shape.scheme, "silu", layout.meta, x_rows,
+                                 (weights.w13, weights.w13_scale), (inter, extra), shape.dtype)
 
     def check_down(c, a, a_s, route_w, layout):
         out = down(a, a_s, weights.w2, weights.w2_scale, route_w, layout, shape.scheme, shape.dtype, c, poison=True)
-        err = verify.gemm_error("down", shape.scheme, "silu", layout.meta, (a, a_s, route_w),
-                                (weights.w2, weights.w2_scale), (out,), shape.dtype)
-        return err
+        return verify.gemm_error("down", shape.scheme, "silu", layout.meta, (a, a_s, route_w),
+                                 (weights.w2, weights.w2_scale), (out,), shape.dtype)
 
     return check_gate_up, check_down
 
