@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from moeflow.benchmark import (Ceilings, clean_graph_us, format_target_summary, graph_us, layer_bytes, layer_flops,
-                               plot_panels, roofline_seconds, target_summary)
+                               plot_panels, poisoned_allocations, relative_error, roofline_seconds, target_summary)
 from moeflow.capabilities import Environment
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import create_runner
@@ -118,8 +118,8 @@ def measure(case: Case, name: str, t: int, ins, ref_out, ceil) -> dict:
     batches = [case.dispatcher.dispatch(x, *case.router(lg, case.bias))[0] for x, lg in ins[:2]]
     experts_us = bench(lambda: runner.run(batches[next(it) % 2], case.weights))
     g_us = graph_us(lambda: runner.run(batches[0], case.weights)) if name == "triton" and t <= 128 else None
-    rel = lambda out: ((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30)).item()
-    err = rel(case.layer(runner, *ins[0]))
+    with poisoned_allocations():
+        err = relative_error(case.layer(runner, *ins[0]), ref_out)
     try:
         layer_graph_us = graph_us(lambda: case.layer(runner, *ins[0]))
         layer_clean_us = clean_graph_us(lambda: case.layer(runner, *ins[0]))

@@ -9,16 +9,22 @@ Timing: ``time_fn`` (host-timed, synchronized calls: any device), ``graph_us`` (
 CUDA graph and replayed with the L2 flushed, triton's do_bench median: PERF.md's method) and ``clean_graph_us``
 (the same graph, each replay after a 1 GiB read instead of do_bench's zeroing, which leaves dirty lines the timed
 replay must write back: 3-9 µs a layer on H200, benchmarks/results/t1_bounds_2026-12-01_h200.md).
+
+Accuracy: ``relative_error`` (‖got − want‖ / ‖want‖ in float64) and ``poisoned_allocations`` (a call whose fresh
+buffers are poisoned, so an element it never writes shows as NaN instead of stale memory).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .config import MoEConfig
+from .graphs import standing_aside
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,34 @@ def time_fn(fn, device: torch.device, min_seconds: float = 0.2, max_reps: int = 
         sync()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """‖got − want‖ / ‖want‖ (Frobenius, float64; NaN where got holds NaN): how far an output is off its comparand."""
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Within it, every buffer a call allocates is poisoned and the layers' eager graphs stand aside: torch.empty
+    and its kin return floats as NaN and integers as their largest value (torch's deterministic fill), so an
+    element the call never writes shows in its output, instead of the value the caching allocator's block held
+    before (the same shape's output of another runner, say, which would pass a comparison). The eager graphs
+    (moeflow.graphs) stand aside so that the call allocates its buffers anew, launch by launch.
+    Costs a fill per allocation: for correctness calls, not timed ones. Deterministic mode is on meanwhile with
+    warn_only (an op without a deterministic form runs as before; its warning is silenced) and is restored after."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with standing_aside(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(deterministic|CUBLAS_WORKSPACE_CONFIG).*")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def graph_us(fn, rep_ms: float = 50) -> float:

@@ -3,6 +3,8 @@ the reference runner on the same weights and inputs, print latency, TFLOP/s, GB/
 (on CUDA also % of roofline), with a progress bar; --json / --csv write the rows, --png plots time against T per
 runner (on CUDA with the roofline floor).
 
+Error: the first call's output against the reference runner's, relative (moeflow.benchmark.relative_error), the
+call's buffers poisoned (moeflow.benchmark.poisoned_allocations); over WRONG_REL_ERR the row is "wrong".
 Timing: on CUDA the layer is captured as one CUDA graph and replayed with the L2 flushed (PERF.md's method,
 moeflow.benchmark.graph_us); a layer whose call cannot be captured (its runner synchronizes with the host) is
 timed eagerly, and the row says which ("timing"). On the CPU, synchronized host timing.
@@ -17,7 +19,8 @@ import sys
 
 import torch
 
-from ..benchmark import graph_us, layer_bytes, layer_flops, plot_panels, roofline_seconds, time_fn
+from ..benchmark import (graph_us, layer_bytes, layer_flops, plot_panels, poisoned_allocations, relative_error,
+                         roofline_seconds, time_fn)
 from ..errors import MoeflowError, error
 from ..experts import RUNNERS
 from ..layer import MoE
@@ -102,8 +105,8 @@ def _check_memory(cfg) -> None:
 def _measure(layer: MoE, x, logits, want) -> dict:
     cfg, t = layer.config, x.shape[0]
     with torch.no_grad():
-        got = layer(x, logits)
-        err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+        with poisoned_allocations():  # an element the layer never writes is NaN, not another runner's stale output
+            err = relative_error(layer(x, logits), want)
         seconds, timing = _time(layer, x, logits)
     oracle = layer.plan.runner == "reference"  # the comparand itself: no error to report
     row = dict(quant=cfg.quant, runner=layer.plan.runner, dtype=str(cfg.dtype).removeprefix("torch."), T=t,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..benchmark import relative_error
 from .configs import FusedConfig, MoEKernelConfig, fit_fused
 
 if TYPE_CHECKING:
@@ -97,7 +98,6 @@ def layer_times(parts, weights, routings, pair: MoEKernelConfig, fused: list[Fus
         return dispatcher.combine(runner.run_with(batch, weights, pair), handle)
 
     sep = graph_time_ms([lambda r=r: separate(*r) for r in routings], rep_ms)
-    ref = separate(*routings[0]).double()
-    rel = lambda out: ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    ref = separate(*routings[0])
     return sep, [(f, graph_time_ms([lambda f=f, r=r: runner.run_fused(*r, weights, f) for r in routings], rep_ms),
-                  rel(runner.run_fused(*routings[0], weights, f, poison=True))) for f in fused]
+                  relative_error(runner.run_fused(*routings[0], weights, f, poison=True), ref)) for f in fused]
