@@ -1,6 +1,7 @@
 """What tune()'s correctness check of a config costs (kernels/verify.py, autotune.gemm_checks), against the GEMM it
-checks, at the largest shapes the tuner meets: each check run once, its wall time with the one sync it makes, and
-the relative error it returns (the check itself, on real shapes).
+checks, at the largest shapes the tuner meets: each GEMM and each check run once after a warm-up call, wall time
+with a sync after (the check syncs once itself), and the relative error the check returns (the check itself, on
+real shapes). The GEMMs run with the Hopper default tiles (configs.default_config), not the shipped tables.
     python benchmarks/experiments/check_cost.py [preset:scheme:T,...]   (OUT=dir for the JSON)"""
 import json
 import os
@@ -37,9 +38,12 @@ def main():
         run_gu, run_dn = gemm_runners(shape, weights)
         check_gu, check_dn = gemm_checks(shape, weights)
         inp = gemm_inputs(shape, tuner_routings(shape, int(t), torch.device("cuda"))[:1], True)[0]
-        gu_s, (inter, extra) = wall_s(lambda: run_gu(cfg.gate_up, inp))
+        gu = lambda: run_gu(cfg.gate_up, inp)
+        inter, extra = gu()  # warm: compiles
         a, a_s = down_input(inter, extra, scheme)  # as tune() does (fp8-block: already quantized, passed on)
-        dn_s, _ = wall_s(lambda: run_dn(cfg.down, a, a_s, inp[0].weights, inp[1]))
+        dn = lambda: run_dn(cfg.down, a, a_s, inp[0].weights, inp[1])
+        dn()
+        gu_s, dn_s = wall_s(gu)[0], wall_s(dn)[0]
         check_gu(cfg.gate_up, inp), check_dn(cfg.down, a, a_s, inp[0].weights, inp[1])  # warm (compiles, caches)
         cgu_s, gu_err = wall_s(lambda: check_gu(cfg.gate_up, inp))
         cdn_s, dn_err = wall_s(lambda: check_dn(cfg.down, a, a_s, inp[0].weights, inp[1]))
