@@ -11,13 +11,16 @@ The check (``gemm_error``), sorted layout (rows in order, as the tuner's batches
     (fp8-tensor, fp8-channel) that of its output;
   - every expert's rows within ``MAX_REL_ERR`` of the reference, computed in float64 expert by expert from the
     same quantized operands (one expert's weights dequantized at a time: a whole-layer reference of DeepSeek-V3's
-    256 experts would take tens of GB; its T = 16384 gate_up is 7.7 TFLOP, about 0.12 s at the H200's float64
-    tensor-core peak of 67 TFLOP/s, a bound, not timed): relative Frobenius error over all rows.
+    256 experts would take tens of GB): relative Frobenius error over all rows.
+Cost, measured on the H200 at DeepSeek-V3's fp8-block T = 16384 (benchmarks/experiments/check_cost.py,
+benchmarks/results/check_cost_2026-12-04_h200_c5405f5.json): 274 ms for the gate_up's check (the GEMM: 7.7 ms),
+156 ms for the down's (4.3 ms); Qwen3-30B-A3B bf16 T = 16384: 32 and 28 ms. Once per GEMM and token count tuned.
 The limit catches faults, not rounding: a correct output is off by its own last rounding only (under 4e-3 in bf16,
-whose step is 2^-8 of a value; 2e-4 measured in fp16 under the CPU interpreter;
-gate_up's fp8 groups are compared with the reference quantized the same way, which leaves ~0: against the
-unquantized reference they would be ~2.5e-2 off), while a row block left unwritten, a wrong expert's weights or a
-K step missing are off by 0.2-1.4 or NaN.
+whose step is 2^-8 of a value; 2e-4 measured in fp16 under the CPU interpreter; 1.7e-3 measured for bf16 outputs
+at those two shapes). gate_up's fp8 groups are compared with the reference quantized the same way: an element whose
+value before quantization lies near a rounding boundary may still land on the neighbouring fp8 value (a step of
+2^-3), which left 4.1e-3 at DeepSeek-V3's shape; against the unquantized reference they would be ~2.5e-2 off. A
+row block left unwritten, a wrong expert's weights or a K step missing are off by 0.2-1.4 or NaN.
 """
 from __future__ import annotations
 
