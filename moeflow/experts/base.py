@@ -71,10 +71,9 @@ class ExpertRunner(ABC):
         return None
 
     def run_fused(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-                  fused_config, poison: bool = False) -> Tensor:
+                  fused_config) -> Tensor:
         """hidden [T, H], topk_ids [T, K] int32, topk_weights [T, K] float32 -> [T, H] layer dtype: the whole
-        single-process layer after routing, with a config ``fused_config`` returned (poison: NaN-fill the
-        outputs first, for checks)."""
+        single-process layer after routing, with a config ``fused_config`` returned."""
         raise TypeError(f"runner {self.name!r} declares no fused layer")  # unreachable: the plan never asks
 
     def input_activations(self, batch_hidden: Tensor, batch_scale: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -128,16 +128,15 @@ class TritonRunner(ExpertRunner):
         return self._fitted[key]
 
     def run_fused(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
-                  fused_config, poison: bool = False) -> Tensor:
-        """The whole layer after routing in one launch (kernels/fused_layer.py) -> [T, H] layer dtype.
-        poison: NaN-fill its intermediate and output first (the tuner's check of a tile set)."""
+                  fused_config) -> Tensor:
+        """The whole layer after routing in one launch (kernels/fused_layer.py) -> [T, H] layer dtype."""
         from ..kernels.common import unit_stride_rows
         from ..kernels.fused_layer import fused_layer
         cfg = self.config
         return fused_layer(unit_stride_rows(hidden), topk_ids.to(torch.int32).contiguous(),
                            topk_weights.float().contiguous(), weights.w13, weights.w13_scale, weights.w2,
                            weights.w2_scale, self.scheme.name, cfg.activation, cfg.dtype, fused_config,
-                           self._counters(hidden.device), poison=poison)
+                           self._counters(hidden.device))
 
     def _counters(self, device: torch.device) -> Tensor:
         """This layer's fused-launch counters on ``device`` (made, zeroed, when the runner is built on a CUDA device,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..benchmark import relative_error
+from ..benchmark import poisoned_allocations, relative_error
 from .configs import FusedConfig, MoEKernelConfig, fit_fused
 
 if TYPE_CHECKING:
@@ -86,9 +86,9 @@ def layer_times(parts, weights, routings, pair: MoEKernelConfig, fused: list[Fus
     """The layer after routing, each way a single-process layer runs it (layer.routed_experts), timed on the same
     routings [(x [T, H], topk_ids [T, K] int32, topk_weights [T, K] float32)] -> (ms of the separate launches: the
     local dispatcher's sort, the runner's GEMMs with ``pair``, the top-k sum; [(tile set, ms of its one launch, its
-    output's relative error against the separate launches' on the first routing, its outputs NaN-poisoned first: a
-    launch reusing the memory of the one before could otherwise leave an unwritten element holding a right value)]
-    for each of ``fused``).
+    output's relative error against the separate launches' on the first routing, its buffers NaN-poisoned first
+    (moeflow.benchmark.poisoned_allocations: a launch reusing the memory of the one before could otherwise leave
+    an unwritten element holding a right value)] for each of ``fused``).
     parts: autotune._layer_parts(shape), made once (the runner's fused counters with it)."""
     from .autotune import graph_time_ms
     dispatcher, runner = parts
@@ -97,7 +97,11 @@ def layer_times(parts, weights, routings, pair: MoEKernelConfig, fused: list[Fus
         batch, handle = dispatcher.dispatch(x, ids, w)
         return dispatcher.combine(runner.run_with(batch, weights, pair), handle)
 
+    def checked(f) -> float:
+        with poisoned_allocations():
+            return relative_error(runner.run_fused(*routings[0], weights, f), ref)
+
     sep = graph_time_ms([lambda r=r: separate(*r) for r in routings], rep_ms)
     ref = separate(*routings[0])
     return sep, [(f, graph_time_ms([lambda f=f, r=r: runner.run_fused(*r, weights, f) for r in routings], rep_ms),
-                  relative_error(runner.run_fused(*routings[0], weights, f, poison=True), ref)) for f in fused]
+                  checked(f)) for f in fused]
