@@ -8,7 +8,8 @@ vectors, with each of three L2 policies: none, evict_first (the line is the firs
 evict_last. Each read is timed after do_bench's flush (256 MB of zeros: "dirty") and after a 1 GiB read ("clean":
 nothing to write back), median of 100. If evict_first brings the dirty time close to the clean one, the Triton
 kernels' small-batch weight loads are worth giving the hint. They cannot today: triton 3.6 turns a pipelined
-load into cp.async and drops its eviction policy, and its TMA loads take none (checked on sm_90a PTX, 2026-12-04).
+load into cp.async and drops its eviction policy (Gluon's cp.async too), and its TMA loads take none (checked on
+sm_90a PTX, 2026-12-04).
 
     PYTHONPATH=$PWD python benchmarks/experiments/evict_first_probe.py OUT_DIR
 Writes OUT_DIR/evict_first_probe.json; prints a table last.
