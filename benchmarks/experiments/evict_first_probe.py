@@ -5,14 +5,16 @@ benchmarks/results/t1_bounds_2026-12-01_h200.md, section 3)?
 A probe kernel reads a buffer of the size a small batch's weights take (Qwen3-30B-A3B at T=1: 38 MB fp8, 75 MB
 bf16; Mixtral at T=1: about 340 MB fp8; Qwen3 bf16 at T=128: 1.2 GB) once, 64 KB a program in one load of 16-byte
 vectors, with each of three L2 policies: none, evict_first (the line is the first to go when its set needs room),
-evict_last. Each read is timed after do_bench's flush (256 MB of zeros: "dirty") and after a 1 GiB read ("clean":
-nothing to write back), median of 100. If evict_first brings the dirty time close to the clean one, the Triton
+evict_last. Each read is captured as a CUDA graph and timed as bench_layer.py times the layer: replays after
+do_bench's flush (256 MB of zeros: "dirty", moeflow.benchmark.graph_us) and after a 1 GiB read ("clean": nothing to
+write back, clean_graph_us), medians. If evict_first brings the dirty time close to the clean one, the Triton
 kernels' small-batch weight loads are worth giving the hint. They cannot today: triton 3.6 turns a pipelined
 load into cp.async and drops its eviction policy (Gluon's cp.async too), and its TMA loads take none (checked on
 sm_90a PTX, 2026-12-04).
 
     PYTHONPATH=$PWD python benchmarks/experiments/evict_first_probe.py OUT_DIR
-Writes OUT_DIR/evict_first_probe.json; prints a table last.
+Writes OUT_DIR/evict_first_probe.json; prints a table last. ``probe_ptx(policy)`` compiles the probe for sm_90a
+without a GPU, to see the hint on its loads.
 """
 import json
 import os
@@ -37,19 +39,15 @@ def _stream_kernel(w_ptr, out_ptr, BLOCK: tl.constexpr, EV: tl.constexpr):
 
 def probe_ptx(policy: str) -> str:
     """The probe kernel for sm_90a (no GPU) -> its PTX: the hint must be on the loads (ld.global...L2::cache_hint)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     from moeflow.kernels.registers import _compile_ptx, divisible
     return _compile_ptx(_stream_kernel, {"w_ptr": "*bf16", "out_ptr": "*fp32"}, {"BLOCK": BLOCK, "EV": policy},
                         divisible(_stream_kernel, ["w_ptr", "out_ptr"]), 4, 1)
 
 
 def main():
-    from triton.testing import do_bench
-
-    from moeflow.benchmark import timed_after_us
+    from moeflow.benchmark import clean_graph_us, graph_us
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
-    big = torch.ones(1 << 27, dtype=torch.int64, device="cuda")  # 1 GiB, read to leave clean lines
     rows = []
     for mb in SIZES_MB:
         n = (mb << 20) // 2 // BLOCK * BLOCK
@@ -61,8 +59,7 @@ def main():
             torch.cuda.synchronize()
             want = w.view(-1, BLOCK).float().sum(1)
             ok = bool(torch.allclose(out, want, rtol=1e-3, atol=1e-1))
-            dirty = do_bench(run, warmup=10, rep=50, return_mode="median") * 1e3
-            clean = timed_after_us(run, lambda: big.amax())
+            dirty, clean = graph_us(run), clean_graph_us(run)
             r = dict(mb=mb, policy=policy or "none", dirty_us=round(dirty, 2), clean_us=round(clean, 2),
                      dirty_tbs=round(n * 2 / dirty / 1e6, 2), clean_tbs=round(n * 2 / clean / 1e6, 2), sums_ok=ok)
             rows.append(r)
