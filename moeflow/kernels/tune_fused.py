@@ -97,11 +97,12 @@ def layer_times(parts, weights, routings, pair: MoEKernelConfig, fused: list[Fus
         batch, handle = dispatcher.dispatch(x, ids, w)
         return dispatcher.combine(runner.run_with(batch, weights, pair), handle)
 
+    sep = graph_time_ms([lambda r=r: separate(*r) for r in routings], rep_ms)
+    ref = separate(*routings[0])
+
     def checked(f) -> float:
         with poisoned_allocations():
             return relative_error(runner.run_fused(*routings[0], weights, f), ref)
 
-    sep = graph_time_ms([lambda r=r: separate(*r) for r in routings], rep_ms)
-    ref = separate(*routings[0])
     return sep, [(f, graph_time_ms([lambda f=f, r=r: runner.run_fused(*r, weights, f) for r in routings], rep_ms),
                   checked(f)) for f in fused]
