@@ -328,7 +328,7 @@ def main():
         for programs in (sms - sms % 2, sms - sms % 2 - 4):
             checks = check(case, programs)
             for form in FORMS:
-                run, flag, _, delivered, from_l2, _ = _launcher(case, form, False, programs)
+                run, _, _, delivered, from_l2, _ = _launcher(case, form, False, programs)
                 ok = checks[form]
                 us = graph_us(run) if ok["marker_ok"] and not ok["boxes_wrong"] and ok["same_as_own"] else float("nan")
                 r = dict(case=case[0], programs=programs, form=form, us=round(us, 2),
