@@ -47,6 +47,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
+from moeflow.kernels.cluster_ptx import (cluster_sync, fence_mbarrier_init, multicast_asm, multicast_copy,
+                                         remote_arrive, smem_base)
+from moeflow.kernels.down_wgmma import smem_layout
+
 KERNEL = "_mc_loads_kernel"
 MARK = gl.constexpr(0x5A)  # the marker byte
 # (name, element bytes, BM, BN, BK, STAGES): the warp-specialized tiles whose loads ws_bounds.py measured
@@ -64,18 +68,15 @@ def _param(i: int) -> str:
     return f"mov.b64 tm, {KERNEL}_param_{i}; cvta.param.u64 tm, tm;"
 
 
-# Every asm below runs in every thread of its partition and acts in one (the first thread of the loader warpgroup, or
-# of the consumer warpgroup); each returns a dummy 0 (inline_asm_elementwise needs an output).
+# The probe's own PTX besides kernels/cluster_ptx.py's (which the MULTICAST gate_up shares): every asm below runs in
+# every thread of its partition and acts in one (the first thread of the loader warpgroup, or of the consumer
+# warpgroup); each returns a dummy 0 (inline_asm_elementwise needs an output).
 _ONE_LANE = ("{ .reg .pred pl; .reg .b64 tm; .reg .b16 msk; .reg .b32 tid; mov.u32 tid, %tid.x; "
              "and.b32 tid, tid, 127; setp.eq.u32 pl, tid, 0; ")
-_THREAD0 = "{ .reg .pred pl; .reg .b32 far, tid; mov.u32 tid, %tid.x; setp.eq.u32 pl, tid, 0; "
+_THREAD0 = "{ .reg .pred pl; .reg .b32 tid; mov.u32 tid, %tid.x; setp.eq.u32 pl, tid, 0; "
 _END = " mov.u32 $0, 0; }"
-ASM_BASE = gl.constexpr("mov.u32 $0, global_smem;")
 ASM_LOAD32 = gl.constexpr("ld.shared.u32 $0, [$1];")
 ASM_INIT = gl.constexpr(_THREAD0 + "@pl mbarrier.init.shared::cta.b64 [$1], $2;" + _END)
-ASM_FENCE_INIT = gl.constexpr("fence.mbarrier_init.release.cluster; mov.u32 $0, 0;")
-ASM_CLUSTER_SYNC = gl.constexpr("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
-                                "mov.u32 $0, 0;")
 _WAIT = ("{ .reg .pred done; mc_wait:\n mbarrier.try_wait.parity%s.shared::cta.b64 done, [$1], $2;\n"
          " @!done bra.uni mc_wait;\n mov.u32 $0, 0; }")
 ASM_WAIT = gl.constexpr(_WAIT % "")  # $1 barrier, $2 parity
@@ -86,14 +87,11 @@ _TMA = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::by
 ASM_ISSUE_OWN = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::cta.b64 _, [$1], $4; " + _param(0)
                               + f" @pl {_TMA} [$2], [tm, {{$5, $6}}], [$1]; " + _param(5)
                               + f" @pl {_TMA} [$3], [tm, {{$5, $7}}], [$1];" + _END)
-ASM_ISSUE_MC = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::cta.b64 _, [$1], $4; " + _param(0)
-                             + f" @pl {_TMA} [$2], [tm, {{$5, $6}}], [$1]; " + _param(10) + " mov.b16 msk, 3;"
-                             + f" @pl {_TMA}.multicast::cluster [$3], [tm, {{$5, $7}}], [$1], msk;" + _END)
-# $1 the slot's empty barrier, $2 the peer CTA's rank (multicast: its barrier at the same offset counts too)
+ASM_ISSUE_A = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::cta.b64 _, [$1], $4; " + _param(0)
+                            + f" @pl {_TMA} [$2], [tm, {{$5, $6}}], [$1];" + _END)
+B_HALF_MULTICAST = gl.constexpr(multicast_asm(KERNEL, 10))  # bh_desc's boxes into both CTAs
+# $1 the slot's empty barrier
 ASM_RELEASE = gl.constexpr(_THREAD0 + "@pl mbarrier.arrive.shared::cta.b64 _, [$1];" + _END)
-ASM_RELEASE_MC = gl.constexpr(_THREAD0 + "@pl mbarrier.arrive.shared::cta.b64 _, [$1]; "
-                               "mapa.shared::cluster.u32 far, $1, $2; "
-                               "@pl mbarrier.arrive.release.cluster.shared::cluster.b64 _, [far];" + _END)
 
 
 @gluon.jit
@@ -119,7 +117,7 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
     A_BYTES: gl.constexpr = BM * BK
     B_BYTES: gl.constexpr = BN * BK
     if CLUSTER:  # both CTAs' barriers initialized before any copy reaches them
-        _asm(ASM_CLUSTER_SYNC, base)
+        cluster_sync(base)
     pid = gl.program_id(0)
     rank = pid % 2
     full = base + STAGES * (A_BYTES + B_BYTES)
@@ -133,14 +131,15 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
                 _asm(ASM_WAIT_CLUSTER, empty + 8 * s, ((g // STAGES) - 1) & 1)
             a_slot = base + s * A_BYTES
             b_slot = base + STAGES * A_BYTES + s * B_BYTES
-            if MULTICAST:
-                _asm(ASM_ISSUE_MC, full + 8 * s, a_slot, b_slot + rank * (B_BYTES // 2), A_BYTES + B_BYTES,
-                     kk * BK, mt * BM, nt * BN + rank * (BN // 2))
+            if MULTICAST:  # this CTA's activation box, and its half of the weight box into both CTAs
+                _asm(ASM_ISSUE_A, full + 8 * s, a_slot, 0, A_BYTES + B_BYTES, kk * BK, mt * BM)
+                multicast_copy(B_HALF_MULTICAST, full + 8 * s, b_slot + rank * (B_BYTES // 2), kk * BK,
+                               nt * BN + rank * (BN // 2), True)
             else:
                 _asm(ASM_ISSUE_OWN, full + 8 * s, a_slot, b_slot, A_BYTES + B_BYTES, kk * BK, mt * BM, nt * BN)
             g += 1
     if CLUSTER:  # no CTA leaves while its peer may still arrive on its barriers
-        _asm(ASM_CLUSTER_SYNC, base)
+        cluster_sync(base)
 
 
 @gluon.jit
@@ -149,7 +148,7 @@ def _consumer(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: g
     """The consumer warpgroup: waits for each step's slot and releases it (multicast: in both CTAs)."""
     base, m_pairs, n_tiles, k_steps = p
     if CLUSTER:
-        _asm(ASM_CLUSTER_SYNC, base)
+        cluster_sync(base)
     full = base + STAGES * (BM * BK + BN * BK)
     empty = full + 8 * STAGES
     pid = gl.program_id(0)
@@ -158,13 +157,12 @@ def _consumer(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: g
         for kk in range(k_steps):
             s = g % STAGES
             _asm(ASM_WAIT, full + 8 * s, (g // STAGES) & 1)
-            if MULTICAST:
-                _asm(ASM_RELEASE_MC, empty + 8 * s, 1 - pid % 2)
-            else:
-                _asm(ASM_RELEASE, empty + 8 * s)
+            _asm(ASM_RELEASE, empty + 8 * s)
+            if MULTICAST:  # the peer CTA's barrier at the same offset counts this CTA's consumer too
+                remote_arrive(empty + 8 * s, 1 - pid % 2, True)
             g += 1
     if CLUSTER:
-        _asm(ASM_CLUSTER_SYNC, base)
+        cluster_sync(base)
 
 
 @gluon.jit(do_not_specialize=["m_pairs", "n_tiles", "k_steps", "never"])
@@ -182,7 +180,7 @@ def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tile
     buf = gl.allocate_shared_memory(gl.int8, [RING // 2048 + 1, 2048], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     buf.index(0).store(gl.full([2048], MARK, gl.int8, lay))
     zero = gl.program_id(0) * 0
-    base = gl.inline_asm_elementwise(ASM_BASE, "=r,r", [zero], dtype=gl.int32, is_pure=True, pack=1)
+    base = smem_base()
     tid = gl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [zero], dtype=gl.int32, is_pure=True, pack=1)
     word = gl.inline_asm_elementwise(ASM_LOAD32, "=r,r", [base + 16 * tid], dtype=gl.int32, is_pure=False, pack=1)
     gl.store(flag_ptr + gl.program_id(0), 1, mask=word != MARK * 0x01010101)  # the bytes this thread wrote
@@ -190,7 +188,7 @@ def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tile
     for s in gl.static_range(STAGES):
         _asm(ASM_INIT, full + 8 * s, 1)
         _asm(ASM_INIT, full + 8 * (STAGES + s), 2 if MULTICAST else 1)
-    _asm(ASM_FENCE_INIT, zero)
+    fence_mbarrier_init(zero)
     fence_async_shared()
     p = (base, m_pairs, n_tiles, k_steps)
     gl.warp_specialize([(_consumer, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER)),
@@ -204,17 +202,13 @@ def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tile
         gl.store(out + offs, buf.index(0).load(lay), mask=offs < never)
 
 
-def _layout(block):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-
-
 def _descs(a, b, bm, bn, bk):
     """TMA descriptors over the byte views (fp8 typed: the swizzle then matches a GEMM's of the same row bytes)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     av, bv = a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn)
-    return (TensorDescriptor.from_tensor(av, [bm, bk], _layout([bm, bk])),
-            TensorDescriptor.from_tensor(bv, [bn, bk], _layout([bn, bk])),
-            TensorDescriptor.from_tensor(bv, [bn // 2, bk], _layout([bn // 2, bk])))
+    return (TensorDescriptor.from_tensor(av, [bm, bk], smem_layout((bm, bk), "float8e4nv")),
+            TensorDescriptor.from_tensor(bv, [bn, bk], smem_layout((bn, bk), "float8e4nv")),
+            TensorDescriptor.from_tensor(bv, [bn // 2, bk], smem_layout((bn // 2, bk), "float8e4nv")))
 
 
 def _constexprs(bm, bn, bk, stages, form, image):

@@ -1,0 +1,109 @@
+"""Two-CTA cluster operations that triton 3.6's Gluon has no operation for, in inline PTX (sm_90).
+
+Used by benchmarks/experiments/multicast_probe.py (the copies alone) and by the warp-specialized gate_up's MULTICAST
+form (branch `multicast`: kernels/warp_specialized.py there), in which the two CTAs of a cluster take two row blocks
+of one expert and each copies one of a step's two weight boxes (gate, up) into both CTAs' shared memory with one TMA
+multicast, so the L2 serves each weight box once for two SMs.
+
+What the PTX needs that Gluon does not hand out, and where it comes from:
+  - shared-memory addresses: ``smem_base()`` (the start of ``global_smem``, the dynamic shared memory Triton's PTX
+    declares) plus the byte offset the allocator gave each buffer, which the host reads off a first compilation:
+    the kernel initializes an mbarrier at each buffer it needs at a constant address, and ``init_offsets`` lists
+    those addresses from the LLVM IR (the gate_up's mc_compiled; the probe keeps one allocation at offset 0 and
+    checks it with a marker);
+  - the weight tensor map: the kernel's own __grid_constant__ parameter, named ``<kernel>_param_<i>`` in Triton's
+    PTX (a Gluon TensorDescriptor of rank 2 is passed as 5 parameters: the map, 2 sizes, 2 strides;
+    ``check_compiled``);
+  - the cluster launch: Triton's launcher makes one from ``num_ctas`` in a compiled kernel's packed launch metadata
+    (``launch_as_pairs``); the kernel itself is compiled for one CTA and assumes no CTA layout.
+Every asm below runs in every thread of a partition and acts in one (the first of its warpgroup: a partition of 4
+warps, or the default one); each returns a dummy 0, since inline_asm_elementwise must return something.
+Measured: not yet (the probe above is prepared for the next GPU session).
+"""
+from __future__ import annotations
+
+import re
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # pragma: no cover - older triton: the Gluon kernels are not usable
+    gluon = None
+
+_ONE = ("{ .reg .pred pl; .reg .b32 tid, far; .reg .b64 tm; .reg .b16 msk; mov.u32 tid, %tid.x; "
+        "and.b32 tid, tid, 127; setp.eq.u32 pl, tid, 0; ")
+_END = " mov.u32 $0, 0; }"
+_TMA_MC = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+
+
+def multicast_asm(kernel: str, param: int) -> str:
+    """The PTX of multicast_copy for the tensor map that is parameter ``param`` of ``kernel``: $1 the mbarrier,
+    $2 the destination (the same offset in both CTAs), $3 the inner (K) coordinate, $4 the row, $5 a predicate."""
+    return (_ONE + "setp.ne.and.u32 pl, $5, 0, pl; "
+            f"mov.b64 tm, {kernel}_param_{param}; cvta.param.u64 tm, tm; mov.b16 msk, 3; "
+            f"@pl {_TMA_MC} [$2], [tm, {{$3, $4}}], [$1], msk;" + _END)
+
+
+if gluon is not None:
+    _BASE = gl.constexpr("mov.u32 $0, global_smem;")
+    _FENCE_INIT = gl.constexpr("fence.mbarrier_init.release.cluster; mov.u32 $0, 0;")
+    _SYNC = gl.constexpr("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
+                         "mov.u32 $0, 0;")
+    _REMOTE_ARRIVE = gl.constexpr(_ONE + "setp.ne.and.u32 pl, $3, 0, pl; mapa.shared::cluster.u32 far, $1, $2; "
+                                  "@pl mbarrier.arrive.release.cluster.shared::cluster.b64 _, [far];" + _END)
+
+    @gluon.jit
+    def smem_base():
+        """The shared address of global_smem (int32), from which the allocator's byte offsets count."""
+        return gl.inline_asm_elementwise(_BASE, "=r,r", [gl.program_id(0) * 0], dtype=gl.int32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def fence_mbarrier_init(x):
+        """Make this CTA's mbarrier initializations visible to the other CTA of the cluster (before a cluster_sync
+        after which it arrives on them or copies into their shared memory). x: any int32 (unused)."""
+        gl.inline_asm_elementwise(_FENCE_INIT, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def cluster_sync(x):
+        """Every thread of both CTAs waits here for every other (barrier.cluster). Call it in every partition of a
+        warp-specialized kernel, the same number of times: its worker warps never run the code around
+        gl.warp_specialize, and a warp that never arrives would hang the cluster. x: any int32 (unused)."""
+        gl.inline_asm_elementwise(_SYNC, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def remote_arrive(bar, peer, pred):
+        """One arrival on the mbarrier at shared address ``bar`` in CTA ``peer`` of the cluster (the same offset as
+        this CTA's), where pred (int32 or bool) holds."""
+        gl.inline_asm_elementwise(_REMOTE_ARRIVE, "=r,r,r,r", [bar, peer, gl.to_tensor(pred).to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def multicast_copy(ASM: gl.constexpr, bar, dst, k, row, pred):
+        """The [rows, K] box at (row, k) of the tensor map ASM names (multicast_asm) into shared address dst of
+        both CTAs, completing on the mbarrier at ``bar`` in each, where pred holds."""
+        gl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [bar, dst, k, row, gl.to_tensor(pred).to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+def init_offsets(compiled) -> list[int]:
+    """The byte offsets in shared memory of the mbarriers a compiled kernel initializes at constant addresses, in
+    its order (read off its LLVM IR: ``getelementptr (i8, ptr addrspace(3) @global_smem, i32 OFFSET)``)."""
+    found = re.findall(r"mbarrier\.init[^\n]*?@global_smem(?:, i32 (\d+))?\)", compiled.asm["llir"])
+    return [int(x or 0) for x in found]
+
+
+def check_compiled(compiled, kernel: str, param: int) -> str | None:
+    """Whether the compiled kernel's parameter ``param`` is a tensor map (128 bytes, 64-byte aligned) under the name
+    the PTX above uses -> None, or what is wrong."""
+    if not re.search(rf"\.param \.align 64 \.b8 {kernel}_param_{param}\[128\]", compiled.asm["ptx"]):
+        return f"{kernel}_param_{param} is not a tensor map parameter"
+    return None
+
+
+def launch_as_pairs(compiled) -> None:
+    """Make the compiled kernel's launches two-CTA clusters: Triton's launcher then multiplies the grid's x by 2
+    and sets the cluster dimension (its num_ctas path). Do it before the first launch: a kernel that waits on the
+    other CTA of its cluster would wait forever without one."""
+    nw, _, shared = compiled.packed_metadata
+    compiled.packed_metadata = (nw, 2, shared)
