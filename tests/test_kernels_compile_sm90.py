@@ -616,3 +616,41 @@ def test_swapped_tiles_run_wgmma_from_shared_memory():
         else:
             assert not got["wgmma"] and got["mma_sync"] > 0, (name, got)
             assert ("fp8" not in name) or got["fp8_to_f16"] > 0, (name, got)
+
+
+MULTICAST_PROBE_COMPILE = r"""
+import importlib.util, json, os, sys
+from moeflow.kernels.registers import ptxas_path, ptxas_report
+if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
+    print(json.dumps(None)); sys.exit(0)
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "experiments"))
+import multicast_probe as mp
+out = []
+for case in mp.CASES:
+    for form in mp.FORMS:
+        for image in (False, True):
+            c = mp.compile_ptx(case, form, image)
+            ptx = c.asm["ptx"]
+            out.append(dict(case=case[0], form=form, image=image, report=ptxas_report(ptx)[:2],
+                            shared=c.metadata.shared, warps=c.metadata.num_warps,
+                            multicast=ptx.count("multicast::cluster ["), remote=ptx.count("mapa.shared::cluster"),
+                            cluster_barriers=ptx.count("barrier.cluster.arrive")))
+print(json.dumps(out))
+"""
+
+
+def test_multicast_probe_compiles():
+    """benchmarks/experiments/multicast_probe.py (kernels/cluster_ptx.py's inline PTX, which ptxas checks here)
+    compiled for sm_90a, each tile in each form, timed and imaged: 8 warps (two warpgroups, no idle warp to miss a
+    cluster barrier), no spills, within the SM's shared memory; the multicast form alone has the multicast copy and
+    the remote arrival; the cluster forms pass 4 cluster barriers (two in each partition), the own form none."""
+    from moeflow.kernels.registers import SM90_SHARED_BYTES
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = compile_without_interpreter(MULTICAST_PROBE_COMPILE, root)
+    assert len(found) == 5 * 3 * 2
+    for case in found:
+        assert case["report"][1] == 0 and case["warps"] == 8, case
+        assert case["shared"] <= SM90_SHARED_BYTES, case
+        mc = case["form"] == "multicast"
+        assert (case["multicast"], case["remote"]) == ((1, 1) if mc else (0, 0)), case
+        assert case["cluster_barriers"] == (0 if case["form"] == "own" else 4), case

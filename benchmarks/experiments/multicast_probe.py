@@ -47,7 +47,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from moeflow.kernels.cluster_ptx import (cluster_sync, fence_mbarrier_init, multicast_asm, multicast_copy,
+from moeflow.kernels.cluster_ptx import (cluster_sync, fence_mbarrier_init, lanes, multicast_asm, multicast_copy,
                                          remote_arrive, smem_base)
 from moeflow.kernels.down_wgmma import smem_layout
 
@@ -70,34 +70,34 @@ def _param(i: int) -> str:
 
 # The probe's own PTX besides kernels/cluster_ptx.py's (which the MULTICAST gate_up shares): every asm below runs in
 # every thread of its partition and acts in one (the first thread of the loader warpgroup, or of the consumer
-# warpgroup); each returns a dummy 0 (inline_asm_elementwise needs an output).
-_ONE_LANE = ("{ .reg .pred pl; .reg .b64 tm; .reg .b16 msk; .reg .b32 tid; mov.u32 tid, %tid.x; "
-             "and.b32 tid, tid, 127; setp.eq.u32 pl, tid, 0; ")
-_THREAD0 = "{ .reg .pred pl; .reg .b32 tid; mov.u32 tid, %tid.x; setp.eq.u32 pl, tid, 0; "
+# warpgroup: $1 is the thread's lane, cluster_ptx.lanes, as in cluster_ptx's asm); each returns a dummy 0
+# (inline_asm_elementwise needs an output).
+_ONE_LANE = "{ .reg .pred pl; .reg .b64 tm; .reg .b16 msk; setp.eq.u32 pl, $1, 0; "
 _END = " mov.u32 $0, 0; }"
 ASM_LOAD32 = gl.constexpr("ld.shared.u32 $0, [$1];")
-ASM_INIT = gl.constexpr(_THREAD0 + "@pl mbarrier.init.shared::cta.b64 [$1], $2;" + _END)
-_WAIT = ("{ .reg .pred done; mc_wait:\n mbarrier.try_wait.parity%s.shared::cta.b64 done, [$1], $2;\n"
+ASM_INIT = gl.constexpr(_ONE_LANE + "@pl mbarrier.init.shared::cta.b64 [$2], $3;" + _END)
+_WAIT = ("{ .reg .pred done; mc_wait:\n mbarrier.try_wait.parity%s.shared::cta.b64 done, [$2], $3;\n"
          " @!done bra.uni mc_wait;\n mov.u32 $0, 0; }")
-ASM_WAIT = gl.constexpr(_WAIT % "")  # $1 barrier, $2 parity
+ASM_WAIT = gl.constexpr(_WAIT % "")  # $2 barrier, $3 parity
 ASM_WAIT_CLUSTER = gl.constexpr(_WAIT % ".acquire.cluster")  # a barrier the peer CTA arrives on too
-# $1 full barrier, $2 A slot, $3 B slot (multicast: this CTA's half of it), $4 bytes the slot receives,
-# $5 K coordinate, $6 A row, $7 B row
+# $2 full barrier, $3 A slot, $4 B slot (multicast: this CTA's half of it), $5 bytes the slot receives,
+# $6 K coordinate, $7 A row, $8 B row
 _TMA = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-ASM_ISSUE_OWN = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::cta.b64 _, [$1], $4; " + _param(0)
-                              + f" @pl {_TMA} [$2], [tm, {{$5, $6}}], [$1]; " + _param(5)
-                              + f" @pl {_TMA} [$3], [tm, {{$5, $7}}], [$1];" + _END)
-ASM_ISSUE_A = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::cta.b64 _, [$1], $4; " + _param(0)
-                            + f" @pl {_TMA} [$2], [tm, {{$5, $6}}], [$1];" + _END)
+ASM_ISSUE_OWN = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::cta.b64 _, [$2], $5; " + _param(0)
+                              + f" @pl {_TMA} [$3], [tm, {{$6, $7}}], [$2]; " + _param(5)
+                              + f" @pl {_TMA} [$4], [tm, {{$6, $8}}], [$2];" + _END)
+ASM_ISSUE_A = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::cta.b64 _, [$2], $5; " + _param(0)
+                            + f" @pl {_TMA} [$3], [tm, {{$6, $7}}], [$2];" + _END)
 B_HALF_MULTICAST = gl.constexpr(multicast_asm(KERNEL, 10))  # bh_desc's boxes into both CTAs
-# $1 the slot's empty barrier
-ASM_RELEASE = gl.constexpr(_THREAD0 + "@pl mbarrier.arrive.shared::cta.b64 _, [$1];" + _END)
+# $2 the slot's empty barrier
+ASM_RELEASE = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.shared::cta.b64 _, [$2];" + _END)
 
 
 @gluon.jit
 def _asm(text: gl.constexpr, a, b=0, c=0, d=0, e=0, f=0, g=0):
-    """One inline PTX statement with side effects over scalars a..g ($1..$7) -> its dummy int32 result."""
-    return gl.inline_asm_elementwise(text, "=r,r,r,r,r,r,r,r", [a, b, c, d, e, f, g], dtype=gl.int32,
+    """One inline PTX statement with side effects over the thread's lane ($1, cluster_ptx.lanes) and scalars a..g
+    ($2..$8) -> its dummy int32 result, one a thread."""
+    return gl.inline_asm_elementwise(text, "=r,r,r,r,r,r,r,r,r", [lanes(), a, b, c, d, e, f, g], dtype=gl.int32,
                                      is_pure=False, pack=1)
 
 

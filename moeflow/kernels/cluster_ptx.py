@@ -16,8 +16,11 @@ What the PTX needs that Gluon does not hand out, and where it comes from:
     ``check_compiled``);
   - the cluster launch: Triton's launcher makes one from ``num_ctas`` in a compiled kernel's packed launch metadata
     (``launch_as_pairs``); the kernel itself is compiled for one CTA and assumes no CTA layout.
-Every asm below runs in every thread of a partition and acts in one (the first of its warpgroup: a partition of 4
-warps, or the default one); each returns a dummy 0, since inline_asm_elementwise must return something.
+Every asm below runs in every thread of a partition and acts in one, the first of the partition: each takes the
+thread's lane as an operand (``lanes()``, which Triton computes once). An asm that read ``%tid.x`` itself, in a
+loader partition's K loop, made ptxas spill the *consumer* partitions' registers: 280-344 bytes in the fp8-block
+gate_up's consumers, none with the lane as an operand (sm_90a, 2026-12-05; nothing else in the asm changed).
+Each returns a dummy 0, since inline_asm_elementwise must return something.
 Measured: not yet (the probe above is prepared for the next GPU session).
 """
 from __future__ import annotations
@@ -30,18 +33,18 @@ try:
 except ImportError:  # pragma: no cover - older triton: the Gluon kernels are not usable
     gluon = None
 
-_ONE = ("{ .reg .pred pl; .reg .b32 tid, far; .reg .b64 tm; .reg .b16 msk; mov.u32 tid, %tid.x; "
-        "and.b32 tid, tid, 127; setp.eq.u32 pl, tid, 0; ")
+_ONE = "{ .reg .pred pl; .reg .b32 far; .reg .b64 tm; .reg .b16 msk; setp.eq.u32 pl, $1, 0; "
 _END = " mov.u32 $0, 0; }"
 _TMA_MC = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
 
 
 def multicast_asm(kernel: str, param: int) -> str:
-    """The PTX of multicast_copy for the tensor map that is parameter ``param`` of ``kernel``: $1 the mbarrier,
-    $2 the destination (the same offset in both CTAs), $3 the inner (K) coordinate, $4 the row, $5 a predicate."""
-    return (_ONE + "setp.ne.and.u32 pl, $5, 0, pl; "
+    """The PTX of multicast_copy for the tensor map that is parameter ``param`` of ``kernel``: $1 the thread's lane
+    in its partition, $2 the mbarrier, $3 the destination (the same offset in both CTAs), $4 the inner (K)
+    coordinate, $5 the row, $6 a predicate."""
+    return (_ONE + "setp.ne.and.u32 pl, $6, 0, pl; "
             f"mov.b64 tm, {kernel}_param_{param}; cvta.param.u64 tm, tm; mov.b16 msk, 3; "
-            f"@pl {_TMA_MC} [$2], [tm, {{$3, $4}}], [$1], msk;" + _END)
+            f"@pl {_TMA_MC} [$3], [tm, {{$4, $5}}], [$2], msk;" + _END)
 
 
 if gluon is not None:
@@ -49,7 +52,7 @@ if gluon is not None:
     _FENCE_INIT = gl.constexpr("fence.mbarrier_init.release.cluster; mov.u32 $0, 0;")
     _SYNC = gl.constexpr("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
                          "mov.u32 $0, 0;")
-    _REMOTE_ARRIVE = gl.constexpr(_ONE + "setp.ne.and.u32 pl, $3, 0, pl; mapa.shared::cluster.u32 far, $1, $2; "
+    _REMOTE_ARRIVE = gl.constexpr(_ONE + "setp.ne.and.u32 pl, $4, 0, pl; mapa.shared::cluster.u32 far, $2, $3; "
                                   "@pl mbarrier.arrive.release.cluster.shared::cluster.b64 _, [far];" + _END)
 
     @gluon.jit
@@ -72,17 +75,26 @@ if gluon is not None:
         gl.inline_asm_elementwise(_SYNC, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def lanes():
+        """-> [32 * warps] int32: each thread of the partition its own lane (0 .. 32 * warps - 1), the operand by
+        which the asm below acts in the first thread only."""
+        W: gl.constexpr = gl.num_warps()
+        return gl.arange(0, 32 * W, layout=gl.BlockedLayout([1], [32], [W], [0]))
+
+    @gluon.jit
     def remote_arrive(bar, peer, pred):
         """One arrival on the mbarrier at shared address ``bar`` in CTA ``peer`` of the cluster (the same offset as
         this CTA's), where pred (int32 or bool) holds."""
-        gl.inline_asm_elementwise(_REMOTE_ARRIVE, "=r,r,r,r", [bar, peer, gl.to_tensor(pred).to(gl.int32)],
+        gl.inline_asm_elementwise(_REMOTE_ARRIVE, "=r,r,r,r,r", [lanes(), bar, peer,
+                                                                  gl.to_tensor(pred).to(gl.int32)],
                                   dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def multicast_copy(ASM: gl.constexpr, bar, dst, k, row, pred):
         """The [rows, K] box at (row, k) of the tensor map ASM names (multicast_asm) into shared address dst of
         both CTAs, completing on the mbarrier at ``bar`` in each, where pred holds."""
-        gl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [bar, dst, k, row, gl.to_tensor(pred).to(gl.int32)],
+        gl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r,r", [lanes(), bar, dst, k, row,
+                                                          gl.to_tensor(pred).to(gl.int32)],
                                   dtype=gl.int32, is_pure=False, pack=1)
 
 
