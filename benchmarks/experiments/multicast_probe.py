@@ -79,7 +79,9 @@ ASM_INIT = gl.constexpr(_ONE_LANE + "@pl mbarrier.init.shared::cta.b64 [$2], $3;
 _WAIT = ("{ .reg .pred done; mc_wait:\n mbarrier.try_wait.parity%s.shared::cta.b64 done, [$2], $3;\n"
          " @!done bra.uni mc_wait;\n mov.u32 $0, 0; }")
 ASM_WAIT = gl.constexpr(_WAIT % "")  # $2 barrier, $3 parity
-ASM_WAIT_CLUSTER = gl.constexpr(_WAIT % ".acquire.cluster")  # a barrier the peer CTA arrives on too
+# a barrier the peer CTA arrives on too: the default semantics (acquire, CTA scope), as CUTLASS's; with
+# .acquire.cluster ptxas invalidated the L1 (CCTL.IVALL) after each wait
+ASM_WAIT_CLUSTER = gl.constexpr(_WAIT % "")
 # $2 full barrier, $3 A slot, $4 B slot (multicast: this CTA's half of it), $5 bytes the slot receives,
 # $6 K coordinate, $7 A row, $8 B row
 _TMA = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"

@@ -52,8 +52,10 @@ if gluon is not None:
     _FENCE_INIT = gl.constexpr("fence.mbarrier_init.release.cluster; mov.u32 $0, 0;")
     _SYNC = gl.constexpr("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
                          "mov.u32 $0, 0;")
+    # the arrivals take the default semantics (release, CTA scope), as CUTLASS's cluster barriers do: with
+    # .release.cluster ptxas put MEMBAR.ALL.GPU before each one, and the probe's copies ran at half the rate
     _REMOTE_ARRIVE = gl.constexpr(_ONE + "setp.ne.and.u32 pl, $4, 0, pl; mapa.shared::cluster.u32 far, $2, $3; "
-                                  "@pl mbarrier.arrive.release.cluster.shared::cluster.b64 _, [far];" + _END)
+                                  "@pl mbarrier.arrive.shared::cluster.b64 _, [far];" + _END)
 
     @gluon.jit
     def smem_base():
