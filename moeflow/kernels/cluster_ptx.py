@@ -1,15 +1,15 @@
 """Two-CTA cluster operations that triton 3.6's Gluon has no operation for, in inline PTX (sm_90).
 
-Used by benchmarks/experiments/multicast_probe.py (the copies alone) and by the warp-specialized gate_up's MULTICAST
-form (branch `multicast`: kernels/warp_specialized.py there), in which the two CTAs of a cluster take two row blocks
-of one expert and each copies one of a step's two weight boxes (gate, up) into both CTAs' shared memory with one TMA
-multicast, so the L2 serves each weight box once for two SMs.
+Used by benchmarks/experiments/multicast_probe.py (the copies alone), and by the warp-specialized GEMMs' MULTICAST
+form on branch `multicast` (kernels/warp_specialized.py there; measured, not merged), in which the two CTAs of a
+cluster take two row blocks of one expert and each copies one of a step's two weight boxes into both CTAs' shared
+memory with one TMA multicast, so the L2 serves each weight box once for two SMs.
 
 What the PTX needs that Gluon does not hand out, and where it comes from:
   - shared-memory addresses: ``smem_base()`` (the start of ``global_smem``, the dynamic shared memory Triton's PTX
     declares) plus the byte offset the allocator gave each buffer, which the host reads off a first compilation:
     the kernel initializes an mbarrier at each buffer it needs at a constant address, and ``init_offsets`` lists
-    those addresses from the LLVM IR (the gate_up's mc_compiled; the probe keeps one allocation at offset 0 and
+    those addresses from the LLVM IR (the branch's mc_compiled; the probe keeps one allocation at offset 0 and
     checks it with a marker);
   - the weight tensor map: the kernel's own __grid_constant__ parameter, named ``<kernel>_param_<i>`` in Triton's
     PTX (a Gluon TensorDescriptor of rank 2 is passed as 5 parameters: the map, 2 sizes, 2 strides;
@@ -21,7 +21,11 @@ thread's lane as an operand (``lanes()``, which Triton computes once). An asm th
 loader partition's K loop, made ptxas spill the *consumer* partitions' registers: 280-344 bytes in the fp8-block
 gate_up's consumers, none with the lane as an operand (sm_90a, 2026-12-05; nothing else in the asm changed).
 Each returns a dummy 0, since inline_asm_elementwise must return something.
-Measured: not yet (the probe above is prepared for the next GPU session).
+Measured (H200, 2026-12-05, benchmarks/results/multicast_2026-12-05_h200.md): the probe's multicast form checked
+byte for byte, yet its SMs received operands at 0.75-0.99x the rate of each CTA loading its own, with a third fewer
+bytes from the L2; the GEMMs' form (branch `multicast`) ran the layer 1.01x slower, and was not merged. Kept for the
+probe, and for kernels that may yet need a cluster operation. Per-step arrivals and waits take the default (CTA
+scope) semantics: with .release.cluster ptxas put MEMBAR.ALL.GPU before each arrival, which halved the probe's rate.
 """
 from __future__ import annotations
 
