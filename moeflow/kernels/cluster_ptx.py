@@ -22,7 +22,7 @@ loader partition's K loop, made ptxas spill the *consumer* partitions' registers
 gate_up's consumers, none with the lane as an operand (sm_90a, 2026-12-05; nothing else in the asm changed).
 Each returns a dummy 0, since inline_asm_elementwise must return something.
 Measured (H200, 2026-12-05, benchmarks/results/multicast_2026-12-05_h200.md): the probe's multicast form checked
-byte for byte, yet its SMs received operands at 0.75-0.99x the rate of each CTA loading its own, with a third fewer
+byte for byte, yet its SMs received operands at 0.75-0.99x the rate of each CTA loading its own, with 25-40% fewer
 bytes from the L2; the GEMMs' form (branch `multicast`) ran the layer 1.01x slower, and was not merged. Kept for the
 probe, and for kernels that may yet need a cluster operation. Per-step arrivals and waits take the default (CTA
 scope) semantics: with .release.cluster ptxas put MEMBAR.ALL.GPU before each arrival, which halved the probe's rate.
