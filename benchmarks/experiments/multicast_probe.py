@@ -47,8 +47,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from moeflow.kernels.cluster_ptx import (cluster_sync, fence_mbarrier_init, lanes, multicast_asm, multicast_copy,
-                                         remote_arrive, smem_base)
+from moeflow.kernels.cluster_ptx import (cluster_sync, fence_mbarrier_init, lanes, launch_as_pairs, multicast_asm,
+                                         multicast_copy, remote_arrive, smem_base)
 from moeflow.kernels.down_wgmma import smem_layout
 
 KERNEL = "_mc_loads_kernel"
@@ -237,6 +237,18 @@ def compile_ptx(case, form: str, image: bool = False):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def compile_summary(case, form: str, image: bool = False) -> dict:
+    """compile_ptx's kernel -> what ptxas and its PTX show: registers and spill bytes, shared memory, warps, the
+    multicast copies, remote arrivals and cluster barriers in its PTX (--compile prints it; the CPU test checks it)."""
+    from moeflow.kernels.registers import ptxas_report
+    c = compile_ptx(case, form, image)
+    ptx = c.asm["ptx"]
+    regs, spill, _ = ptxas_report(ptx)
+    return dict(case=case[0], form=form, image=image, regs=regs, spill=spill, shared=c.metadata.shared,
+                warps=c.metadata.num_warps, multicast=ptx.count("multicast::cluster ["),
+                remote=ptx.count("mapa.shared::cluster"), cluster_barriers=ptx.count("barrier.cluster.arrive"))
+
+
 def _launcher(case, form: str, image: bool, programs: int):
     """-> (run(): one launch, flag [P] int32, img [P, RING] uint8, tile bytes the SMs receive, bytes read from L2)."""
     _, elem, bm, bn, bk_elems, stages = case
@@ -253,7 +265,7 @@ def _launcher(case, form: str, image: bool, programs: int):
     const = _constexprs(bm, bn, bk, stages, form, image)
     kernel = _mc_loads_kernel.warmup(*args, grid=(1,), **const)
     if form != "own":  # a two-CTA cluster launch: the launcher multiplies the grid by num_ctas
-        kernel.packed_metadata = (kernel.packed_metadata[0], 2, kernel.packed_metadata[2])
+        launch_as_pairs(kernel)
     grid = (programs // 2,) if form != "own" else (programs,)
     tiles = 2 * m_pairs * n_tiles
     delivered = tiles * k_steps * (bm + bn) * bk
@@ -305,15 +317,11 @@ def check(case, programs: int) -> dict:
 
 def main():
     if sys.argv[1:] == ["--compile"]:
-        from moeflow.kernels.registers import ptxas_report
         for case in CASES:
             for form in FORMS:
-                c = compile_ptx(case, form)
-                regs, spill, _ = ptxas_report(c.asm["ptx"])
-                ptx = c.asm["ptx"]
-                print(f"{case[0]:52} {form:9} shared {c.metadata.shared:6} regs {regs:3} spill {spill} "
-                      f"multicast copies {ptx.count('multicast::cluster [')} cluster barriers "
-                      f"{ptx.count('barrier.cluster.arrive')}")
+                c = compile_summary(case, form)
+                print(f"{case[0]:52} {form:9} shared {c['shared']:6} regs {c['regs']:3} spill {c['spill']} "
+                      f"multicast copies {c['multicast']} cluster barriers {c['cluster_barriers']}")
         return
     from moeflow.benchmark import graph_us
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."

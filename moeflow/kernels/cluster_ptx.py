@@ -7,13 +7,10 @@ memory with one TMA multicast, so the L2 serves each weight box once for two SMs
 
 What the PTX needs that Gluon does not hand out, and where it comes from:
   - shared-memory addresses: ``smem_base()`` (the start of ``global_smem``, the dynamic shared memory Triton's PTX
-    declares) plus the byte offset the allocator gave each buffer, which the host reads off a first compilation:
-    the kernel initializes an mbarrier at each buffer it needs at a constant address, and ``init_offsets`` lists
-    those addresses from the LLVM IR (the branch's mc_compiled; the probe keeps one allocation at offset 0 and
-    checks it with a marker);
+    declares) plus the byte offset the allocator gave each buffer (the probe keeps one allocation at offset 0 and
+    checks it with a marker; the branch's GEMMs read their buffers' offsets off a first compilation's LLVM IR);
   - the weight tensor map: the kernel's own __grid_constant__ parameter, named ``<kernel>_param_<i>`` in Triton's
-    PTX (a Gluon TensorDescriptor of rank 2 is passed as 5 parameters: the map, 2 sizes, 2 strides;
-    ``check_compiled``);
+    PTX (a Gluon TensorDescriptor of rank 2 is passed as 5 parameters: the map, 2 sizes, 2 strides);
   - the cluster launch: Triton's launcher makes one from ``num_ctas`` in a compiled kernel's packed launch metadata
     (``launch_as_pairs``); the kernel itself is compiled for one CTA and assumes no CTA layout.
 Every asm below runs in every thread of a partition and acts in one, the first of the partition: each takes the
@@ -28,8 +25,6 @@ probe, and for kernels that may yet need a cluster operation. Per-step arrivals 
 scope) semantics: with .release.cluster ptxas put MEMBAR.ALL.GPU before each arrival, which halved the probe's rate.
 """
 from __future__ import annotations
-
-import re
 
 try:
     from triton.experimental import gluon
@@ -102,21 +97,6 @@ if gluon is not None:
         gl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r,r", [lanes(), bar, dst, k, row,
                                                           gl.to_tensor(pred).to(gl.int32)],
                                   dtype=gl.int32, is_pure=False, pack=1)
-
-
-def init_offsets(compiled) -> list[int]:
-    """The byte offsets in shared memory of the mbarriers a compiled kernel initializes at constant addresses, in
-    its order (read off its LLVM IR: ``getelementptr (i8, ptr addrspace(3) @global_smem, i32 OFFSET)``)."""
-    found = re.findall(r"mbarrier\.init[^\n]*?@global_smem(?:, i32 (\d+))?\)", compiled.asm["llir"])
-    return [int(x or 0) for x in found]
-
-
-def check_compiled(compiled, kernel: str, param: int) -> str | None:
-    """Whether the compiled kernel's parameter ``param`` is a tensor map (128 bytes, 64-byte aligned) under the name
-    the PTX above uses -> None, or what is wrong."""
-    if not re.search(rf"\.param \.align 64 \.b8 {kernel}_param_{param}\[128\]", compiled.asm["ptx"]):
-        return f"{kernel}_param_{param} is not a tensor map parameter"
-    return None
 
 
 def launch_as_pairs(compiled) -> None:
