@@ -645,3 +645,27 @@ def test_multicast_probe_compiles():
         mc = case["form"] == "multicast"
         assert (case["multicast"], case["remote"]) == ((1, 1) if mc else (0, 0)), case
         assert case["cluster_barriers"] == (0 if case["form"] == "own" else 4), case
+
+
+LOADS_PROBE_COMPILE = r"""
+import importlib.util, json, os, sys
+from moeflow.kernels.registers import ptxas_path
+if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
+    print(json.dumps(None)); sys.exit(0)
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "experiments"))
+import loads_probe as lp, multicast_probe as mp
+print(json.dumps([mp.compile_summary(case, "own", image) for case in lp.SHAPES for image in (False, True)]))
+"""
+
+
+def test_loads_probe_compiles():
+    """benchmarks/experiments/loads_probe.py's box shapes and ring depths (multicast_probe's kernel, form own)
+    compile for sm_90a, timed and imaged: no spills, within the SM's shared memory, no cluster PTX."""
+    from moeflow.kernels.registers import SM90_SHARED_BYTES
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = compile_without_interpreter(LOADS_PROBE_COMPILE, root)
+    assert len(found) == 18 * 2
+    for case in found:
+        assert case["spill"] == 0 and case["warps"] == 8, case
+        assert case["shared"] <= SM90_SHARED_BYTES, case
+        assert (case["multicast"], case["remote"], case["cluster_barriers"]) == (0, 0, 0), case

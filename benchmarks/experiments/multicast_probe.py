@@ -249,18 +249,20 @@ def compile_summary(case, form: str, image: bool = False) -> dict:
                 remote=ptx.count("mapa.shared::cluster"), cluster_barriers=ptx.count("barrier.cluster.arrive"))
 
 
-def _launcher(case, form: str, image: bool, programs: int):
-    """-> (run(): one launch, flag [P] int32, img [P, RING] uint8, tile bytes the SMs receive, bytes read from L2)."""
+def _launcher(case, form: str, image: bool, programs: int, sizes=(M, N, K_BYTES)):
+    """-> (run(): one launch, flag [P] int32, img [P, RING] uint8, tile bytes the SMs receive, bytes read from L2).
+    sizes: (M, N, K bytes) of the operands A [M, K] and B [N, K]."""
     _, elem, bm, bn, bk_elems, stages = case
     bk = bk_elems * elem
+    m, n, k_bytes = sizes
     g = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randint(0, 256, (M, K_BYTES), dtype=torch.uint8, device="cuda", generator=g)
-    b = torch.randint(0, 256, (N, K_BYTES), dtype=torch.uint8, device="cuda", generator=g)
+    a = torch.randint(0, 256, (m, k_bytes), dtype=torch.uint8, device="cuda", generator=g)
+    b = torch.randint(0, 256, (n, k_bytes), dtype=torch.uint8, device="cuda", generator=g)
     descs = _descs(a, b, bm, bn, bk)
     ring = stages * (bm + bn) * bk
     flag = torch.zeros(programs, dtype=torch.int32, device="cuda")
     img = torch.zeros((programs, ring), dtype=torch.uint8, device="cuda")
-    m_pairs, n_tiles, k_steps = M // bm // 2, N // bn, K_BYTES // bk
+    m_pairs, n_tiles, k_steps = m // bm // 2, n // bn, k_bytes // bk
     args = (*descs, flag, img, m_pairs, n_tiles, k_steps, 0)
     const = _constexprs(bm, bn, bk, stages, form, image)
     kernel = _mc_loads_kernel.warmup(*args, grid=(1,), **const)
@@ -291,11 +293,12 @@ def _expected_slots(ops, pid: int, programs: int):
     return slots
 
 
-def check(case, programs: int) -> dict:
-    """Every form's final rings: the marker, byte equality with the own form's, the boxes each slot should hold."""
+def check(case, programs: int, forms=FORMS, sizes=(M, N, K_BYTES)) -> dict:
+    """Every form's final rings: the marker, byte equality with the own form's (forms[0] must be "own"), the boxes
+    each slot should hold."""
     images, res = {}, {}
-    for form in FORMS:
-        run, flag, img, _, _, ops = _launcher(case, form, True, programs)
+    for form in forms:
+        run, flag, img, _, _, ops = _launcher(case, form, True, programs, sizes)
         run()
         torch.cuda.synchronize()
         a, b, bm, bn, bk, stages = ops[:6]
