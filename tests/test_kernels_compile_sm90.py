@@ -654,17 +654,19 @@ if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon")
     print(json.dumps(None)); sys.exit(0)
 sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "experiments"))
 import loads_probe as lp, multicast_probe as mp
-print(json.dumps([mp.compile_summary(case, "own", image) for case in lp.SHAPES for image in (False, True)]))
+runs = [(case, "own") for case in lp.SHAPES]
+runs += [(case, form) for form, names in lp.FORMED for case in lp.SHAPES if case[0] in names]
+print(json.dumps([mp.compile_summary(case, form, image) for case, form in runs for image in (False, True)]))
 """
 
 
 def test_loads_probe_compiles():
     """benchmarks/experiments/loads_probe.py's box shapes and ring depths (multicast_probe's kernel, form own)
-    compile for sm_90a, timed and imaged: no spills, within the SM's shared memory, no cluster PTX."""
+    compile for sm_90a in the forms it runs them in (own; own-split and own-cols for some), timed and imaged: no spills, within the SM's shared memory, no cluster PTX."""
     from moeflow.kernels.registers import SM90_SHARED_BYTES
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     found = compile_without_interpreter(LOADS_PROBE_COMPILE, root)
-    assert len(found) == 18 * 2
+    assert len(found) == (18 + 4 + 5) * 2
     for case in found:
         assert case["spill"] == 0 and case["warps"] == 8, case
         assert case["shared"] <= SM90_SHARED_BYTES, case

@@ -15,7 +15,7 @@ Timing: a CUDA graph of one launch and one of REPS launches back to back (moeflo
 the L2 before each replay). "steady" = (t[REPS] - t[1]) / (REPS - 1): a launch whose operands the launch before
 left in the L2, without the flush's write-back; "cold" = t[1].
 
-    PYTHONPATH=$PWD python benchmarks/experiments/loads_probe.py OUT_DIR    # GPU; a table last
+    PYTHONPATH=$PWD [ONLY=own-split] python benchmarks/experiments/loads_probe.py OUT_DIR    # GPU; a table last
 Writes OUT_DIR/loads_probe.json.
 Reading it: the steady rate by (BM, BN, BK, STAGES) is the ceiling the tables' tiles can draw operands at, loads
 alone. If it depends on the box rows rather than on the bytes in flight, the tiles' shapes, not their depth,
@@ -45,12 +45,18 @@ SHAPES = [(f"{bm}x{bn}x{bk}B s{s}", 1, bm, bn, bk, s) for bm, bn, bk, s in (
     (64, 256, 128, 2), (64, 256, 128, 3), (64, 256, 128, 5),
     (128, 128, 128, 2), (128, 128, 128, 3), (128, 128, 128, 4), (128, 128, 128, 6),
     (128, 256, 128, 2), (128, 256, 128, 4))]
+# other forms of multicast_probe's kernel, 32 MB operands: own-split loads each A box as two of BM / 2 rows (does the
+# rate follow the box's rows?); own-cols lets CTA pairs share the row tile and consecutive pairs take the next column
+# tiles (does it follow which boxes the CTAs read at once?)
+FORMED = (("own-split", ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "256x128x128B s3")),
+          ("own-cols", ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "256x128x128B s3",
+                        "64x128x128B s6")))
 SIZED = ((L2_8MB, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "64x128x128B s6")),
          (HBM_B, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")))
 
 
-def _times(case, programs: int, sizes) -> dict:
-    run, _, _, delivered, _, _ = mp._launcher(case, "own", False, programs, sizes)
+def _times(case, programs: int, sizes, form: str) -> dict:
+    run, _, _, delivered, _, _ = mp._launcher(case, form, False, programs, sizes)
     from moeflow.benchmark import graph_us
 
     def many():
@@ -68,27 +74,31 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     programs = sms - sms % 2
     rows = []
-    runs = [(case, L2_32MB) for case in SHAPES]
-    runs += [(case, sizes) for sizes, names in SIZED for case in SHAPES if case[0] in names]
-    for case, sizes in runs:
-        ok = mp.check(case, programs, forms=("own",), sizes=sizes)["own"]
+    only = os.environ.get("ONLY")  # a form, to run that form's rows alone
+    runs = [(case, L2_32MB, "own") for case in SHAPES]
+    runs += [(case, L2_32MB, form) for form, names in FORMED for case in SHAPES if case[0] in names]
+    runs += [(case, sizes, "own") for sizes, names in SIZED for case in SHAPES if case[0] in names]
+    for case, sizes, form in runs:
+        if only and form != only:
+            continue
+        ok = mp.check(case, programs, forms=("own", form) if form != "own" else ("own",), sizes=sizes)[form]
         good = ok["marker_ok"] and not ok["boxes_wrong"]
-        r = dict(case=case[0], sizes=sizes, programs=programs, ring_kb=case[5] * (case[2] + case[3]) * case[4] // 1024,
-                 checks_ok=good)
+        r = dict(case=case[0], sizes=sizes, form=form, programs=programs,
+                 ring_kb=case[5] * (case[2] + case[3]) * case[4] // 1024, checks_ok=good)
         if good:
-            r |= _times(case, programs, sizes)
+            r |= _times(case, programs, sizes, form)
         rows.append(r)
         print(json.dumps(r), flush=True)
     with open(os.path.join(out_dir, "loads_probe.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), triton=triton.__version__, reps=REPS, rows=rows), f,
                   indent=1)
-    print(f"{'tile':18} {'operands':18} {'ring KB':>7} {'cold us':>8} {'steady us':>9} {'cold TB/s':>9} "
+    print(f"{'tile':18} {'form':9} {'operands':18} {'ring KB':>7} {'cold us':>8} {'steady us':>9} {'cold TB/s':>9} "
           f"{'steady TB/s':>11}")
     for r in rows:
         if not r["checks_ok"]:
-            print(f"{r['case']:18} {str(r['sizes']):18} CHECK FAILED")
+            print(f"{r['case']:18} {r['form']:9} {str(r['sizes']):18} CHECK FAILED")
             continue
-        print(f"{r['case']:18} {str(r['sizes']):18} {r['ring_kb']:7} {r['cold_us']:8.1f} {r['steady_us']:9.1f} "
+        print(f"{r['case']:18} {r['form']:9} {str(r['sizes']):18} {r['ring_kb']:7} {r['cold_us']:8.1f} {r['steady_us']:9.1f} "
               f"{r['cold_tbs']:9.2f} {r['steady_tbs']:11.2f}")
 
 

@@ -90,6 +90,8 @@ ASM_ISSUE_OWN = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::
                               + f" @pl {_TMA} [$4], [tm, {{$6, $8}}], [$2];" + _END)
 ASM_ISSUE_A = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::cta.b64 _, [$2], $5; " + _param(0)
                             + f" @pl {_TMA} [$3], [tm, {{$6, $7}}], [$2];" + _END)
+# loads_probe's "own-split": the A box's second half, into the same slot and barrier (the expect above counted it)
+ASM_COPY_A = gl.constexpr(_ONE_LANE + _param(0) + f" @pl {_TMA} [$3], [tm, {{$6, $7}}], [$2];" + _END)
 B_HALF_MULTICAST = gl.constexpr(multicast_asm(KERNEL, 10))  # bh_desc's boxes into both CTAs
 # $2 the slot's empty barrier
 ASM_RELEASE = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.shared::cta.b64 _, [$2];" + _END)
@@ -104,14 +106,18 @@ def _asm(text: gl.constexpr, a, b=0, c=0, d=0, e=0, f=0, g=0):
 
 
 @gluon.jit
-def _tile(q, m_pairs, rank):
-    """Tile pair q's tile for CTA rank -> (row tile, column tile): the pair shares the column tile."""
+def _tile(q, m_pairs, n_tiles, rank, COLPAIRS: gl.constexpr):
+    """Tile pair q's tile for CTA rank -> (row tile, column tile): the pair shares the column tile, and consecutive
+    pairs take the next row tiles; COLPAIRS (loads_probe's "own-cols"): the pair shares the row tile, and
+    consecutive pairs take the next column tiles."""
+    if COLPAIRS:
+        return q // (n_tiles // 2), 2 * (q % (n_tiles // 2)) + rank
     return 2 * (q % m_pairs) + rank, q // m_pairs
 
 
 @gluon.jit
 def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-            MULTICAST: gl.constexpr, CLUSTER: gl.constexpr):
+            MULTICAST: gl.constexpr, CLUSTER: gl.constexpr, SPLIT_A: gl.constexpr, COLPAIRS: gl.constexpr):
     """The loader warpgroup: every K step of the CTA's tiles into slot g % STAGES, once the slot is released. One
     thread issues; a whole warpgroup, so that no warp of the CTA sits out the cluster barriers (with a one-warp
     loader Triton pads the CTA with three idle warps, which would never arrive)."""
@@ -126,7 +132,7 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
     empty = full + 8 * STAGES
     g = 0
     for q in range(pid // 2, m_pairs * n_tiles, gl.num_programs(0) // 2):
-        mt, nt = _tile(q, m_pairs, rank)
+        mt, nt = _tile(q, m_pairs, n_tiles, rank, COLPAIRS)
         for kk in range(k_steps):
             s = g % STAGES
             if g >= STAGES:
@@ -137,8 +143,10 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
                 _asm(ASM_ISSUE_A, full + 8 * s, a_slot, 0, A_BYTES + B_BYTES, kk * BK, mt * BM)
                 multicast_copy(B_HALF_MULTICAST, full + 8 * s, b_slot + rank * (B_BYTES // 2), kk * BK,
                                nt * BN + rank * (BN // 2), True)
-            else:
+            else:  # SPLIT_A: a_desc's boxes are [BM / 2, BK], the second copied below
                 _asm(ASM_ISSUE_OWN, full + 8 * s, a_slot, b_slot, A_BYTES + B_BYTES, kk * BK, mt * BM, nt * BN)
+                if SPLIT_A:
+                    _asm(ASM_COPY_A, full + 8 * s, a_slot + A_BYTES // 2, 0, 0, kk * BK, mt * BM + BM // 2)
             g += 1
     if CLUSTER:  # no CTA leaves while its peer may still arrive on its barriers
         cluster_sync(base)
@@ -170,7 +178,8 @@ def _consumer(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: g
 @gluon.jit(do_not_specialize=["m_pairs", "n_tiles", "k_steps", "never"])
 def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tiles, k_steps, never,
                      BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                     MULTICAST: gl.constexpr, CLUSTER: gl.constexpr, IMAGE: gl.constexpr):
+                     MULTICAST: gl.constexpr, CLUSTER: gl.constexpr, IMAGE: gl.constexpr, SPLIT_A: gl.constexpr,
+                     COLPAIRS: gl.constexpr):
     """Loads alone (module docstring), in bytes: a_desc A [M, K] boxes [BM, BK]; b_desc B [N, K] boxes [BN, BK];
     bh_desc B boxes [BN / 2, BK] (multicast). flag_ptr [P] int32, zeroed: set to 1 where a CTA's marker check
     failed. img_ptr [P, STAGES * (BM + BN) * BK] int8: with IMAGE, each CTA's final ring. never: a runtime 0 (the
@@ -194,7 +203,7 @@ def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tile
     fence_async_shared()
     p = (base, m_pairs, n_tiles, k_steps)
     gl.warp_specialize([(_consumer, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER)),
-                        (_loader, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER))], [4], [40])
+                        (_loader, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER, SPLIT_A, COLPAIRS))], [4], [40])
     offs = gl.arange(0, 2048, lay)
     out = img_ptr + gl.program_id(0).to(gl.int64) * RING
     if IMAGE:
@@ -204,18 +213,22 @@ def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tile
         gl.store(out + offs, buf.index(0).load(lay), mask=offs < never)
 
 
-def _descs(a, b, bm, bn, bk):
-    """TMA descriptors over the byte views (fp8 typed: the swizzle then matches a GEMM's of the same row bytes)."""
+def _descs(a, b, bm, bn, bk, a_rows=None):
+    """TMA descriptors over the byte views (fp8 typed: the swizzle then matches a GEMM's of the same row bytes).
+    a_rows: the A box's rows (BM unless given)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     av, bv = a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn)
-    return (TensorDescriptor.from_tensor(av, [bm, bk], smem_layout((bm, bk), "float8e4nv")),
+    ar = a_rows or bm
+    return (TensorDescriptor.from_tensor(av, [ar, bk], smem_layout((ar, bk), "float8e4nv")),
             TensorDescriptor.from_tensor(bv, [bn, bk], smem_layout((bn, bk), "float8e4nv")),
             TensorDescriptor.from_tensor(bv, [bn // 2, bk], smem_layout((bn // 2, bk), "float8e4nv")))
 
 
 def _constexprs(bm, bn, bk, stages, form, image):
-    return dict(BM=bm, BN=bn, BK=bk, STAGES=stages, MULTICAST=form == "multicast", CLUSTER=form != "own", IMAGE=image,
-                num_warps=4)
+    """form: FORMS, or loads_probe's own-split (A in two boxes of BM / 2 rows) and own-cols (COLPAIRS)."""
+    return dict(BM=bm, BN=bn, BK=bk, STAGES=stages, MULTICAST=form == "multicast",
+                CLUSTER=form in ("own-pair", "multicast"), IMAGE=image, SPLIT_A=form == "own-split",
+                COLPAIRS=form == "own-cols", num_warps=4)
 
 
 def compile_ptx(case, form: str, image: bool = False):
@@ -227,7 +240,7 @@ def compile_ptx(case, form: str, image: bool = False):
     bk = bk_elems * elem
     a = torch.empty(M, K_BYTES, dtype=torch.uint8)
     b = torch.empty(N, K_BYTES, dtype=torch.uint8)
-    descs = _descs(a, b, bm, bn, bk)
+    descs = _descs(a, b, bm, bn, bk, bm // 2 if form == "own-split" else bm)
     sig = {name: mangle_type(d) for name, d in zip(("a_desc", "b_desc", "bh_desc"), descs)}
     sig |= dict(flag_ptr="*i32", img_ptr="*i8", m_pairs="i32", n_tiles="i32", k_steps="i32", never="i32")
     const = _constexprs(bm, bn, bk, stages, form, image)
@@ -258,7 +271,7 @@ def _launcher(case, form: str, image: bool, programs: int, sizes=(M, N, K_BYTES)
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randint(0, 256, (m, k_bytes), dtype=torch.uint8, device="cuda", generator=g)
     b = torch.randint(0, 256, (n, k_bytes), dtype=torch.uint8, device="cuda", generator=g)
-    descs = _descs(a, b, bm, bn, bk)
+    descs = _descs(a, b, bm, bn, bk, bm // 2 if form == "own-split" else bm)
     ring = stages * (bm + bn) * bk
     flag = torch.zeros(programs, dtype=torch.int32, device="cuda")
     img = torch.zeros((programs, ring), dtype=torch.uint8, device="cuda")
@@ -266,24 +279,29 @@ def _launcher(case, form: str, image: bool, programs: int, sizes=(M, N, K_BYTES)
     args = (*descs, flag, img, m_pairs, n_tiles, k_steps, 0)
     const = _constexprs(bm, bn, bk, stages, form, image)
     kernel = _mc_loads_kernel.warmup(*args, grid=(1,), **const)
-    if form != "own":  # a two-CTA cluster launch: the launcher multiplies the grid by num_ctas
+    cluster = const["CLUSTER"]
+    if cluster:  # a two-CTA cluster launch: the launcher multiplies the grid by num_ctas
         launch_as_pairs(kernel)
-    grid = (programs // 2,) if form != "own" else (programs,)
+    grid = (programs // 2,) if cluster else (programs,)
     tiles = 2 * m_pairs * n_tiles
     delivered = tiles * k_steps * (bm + bn) * bk
     from_l2 = delivered - (tiles * k_steps * bn * bk // 2 if form == "multicast" else 0)
 
     def run():
         _mc_loads_kernel[grid](*args, **const)
-    return run, flag, img, delivered, from_l2, (a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps)
+    return run, flag, img, delivered, from_l2, (a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps,
+                                                form == "own-cols")
 
 
 def _expected_slots(ops, pid: int, programs: int):
     """The operand boxes each slot of CTA pid holds at the end: [(A box, B box) as uint8 tensors] per slot."""
-    a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps = ops
+    a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps, colpairs = ops
     steps = []
     for q in range(pid // 2, m_pairs * n_tiles, programs // 2):
-        mt, nt = 2 * (q % m_pairs) + pid % 2, q // m_pairs
+        if colpairs:
+            mt, nt = q // (n_tiles // 2), 2 * (q % (n_tiles // 2)) + pid % 2
+        else:
+            mt, nt = 2 * (q % m_pairs) + pid % 2, q // m_pairs
         steps += [(mt, nt, kk) for kk in range(k_steps)]
     slots = [None] * stages
     for g in range(max(0, len(steps) - stages), len(steps)):
