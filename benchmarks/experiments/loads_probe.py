@@ -51,8 +51,26 @@ SHAPES = [(f"{bm}x{bn}x{bk}B s{s}", 1, bm, bn, bk, s) for bm, bn, bk, s in (
 FORMED = (("own-split", ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "256x128x128B s3")),
           ("own-cols", ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "256x128x128B s3",
                         "64x128x128B s6")))
+# own-g<G>: GROUP row tiles a column tile, then the next column tile (multicast_probe.tile_of): from the own order
+# (every row tile, then the next column tile) towards own-cols, through orders whose CTAs at once share both boxes
+FORMED += tuple((f"own-g{g}", names) for g, names in (
+    (2, ("64x256x128B s4", "128x128x128B s5")), (4, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")),
+    (8, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")),
+    (16, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")), (32, ("64x256x128B s4",))))
 SIZED = ((L2_8MB, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "64x128x128B s6")),
          (HBM_B, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")))
+
+
+def sharing(case, programs: int, sizes, form: str) -> dict:
+    """How many CTAs read each A box and each B box at once, in the first wave of tiles (programs of them):
+    programs / distinct row tiles, programs / distinct column tiles."""
+    bm, bn = case[2], case[3]
+    m_pairs, n_tiles = sizes[0] // bm // 2, sizes[1] // bn
+    const = mp._constexprs(bm, bn, case[4], case[5], form, False)
+    tiles = [mp.tile_of(q, r, m_pairs, n_tiles, const["COLPAIRS"], const["GROUP"]) for q in range(programs // 2)
+             for r in (0, 1)]
+    return dict(a_share=round(programs / len({t[0] for t in tiles}), 1),
+                b_share=round(programs / len({t[1] for t in tiles}), 1))
 
 
 def _times(case, programs: int, sizes, form: str) -> dict:
@@ -84,7 +102,8 @@ def main():
         ok = mp.check(case, programs, forms=("own", form) if form != "own" else ("own",), sizes=sizes)[form]
         good = ok["marker_ok"] and not ok["boxes_wrong"]
         r = dict(case=case[0], sizes=sizes, form=form, programs=programs,
-                 ring_kb=case[5] * (case[2] + case[3]) * case[4] // 1024, checks_ok=good)
+                 ring_kb=case[5] * (case[2] + case[3]) * case[4] // 1024, checks_ok=good,
+                 **sharing(case, programs, sizes, form))
         if good:
             r |= _times(case, programs, sizes, form)
         rows.append(r)
@@ -92,13 +111,13 @@ def main():
     with open(os.path.join(out_dir, "loads_probe.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), triton=triton.__version__, reps=REPS, rows=rows), f,
                   indent=1)
-    print(f"{'tile':18} {'form':9} {'operands':18} {'ring KB':>7} {'cold us':>8} {'steady us':>9} {'cold TB/s':>9} "
+    print(f"{'tile':18} {'form':9} {'operands':18} {'A/B share':>9} {'ring KB':>7} {'cold us':>8} {'steady us':>9} {'cold TB/s':>9} "
           f"{'steady TB/s':>11}")
     for r in rows:
         if not r["checks_ok"]:
             print(f"{r['case']:18} {r['form']:9} {str(r['sizes']):18} CHECK FAILED")
             continue
-        print(f"{r['case']:18} {r['form']:9} {str(r['sizes']):18} {r['ring_kb']:7} {r['cold_us']:8.1f} {r['steady_us']:9.1f} "
+        print(f"{r['case']:18} {r['form']:9} {str(r['sizes']):18} {r['a_share']:4}/{r['b_share']:<4} {r['ring_kb']:7} {r['cold_us']:8.1f} {r['steady_us']:9.1f} "
               f"{r['cold_tbs']:9.2f} {r['steady_tbs']:11.2f}")
 
 

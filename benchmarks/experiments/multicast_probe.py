@@ -106,18 +106,32 @@ def _asm(text: gl.constexpr, a, b=0, c=0, d=0, e=0, f=0, g=0):
 
 
 @gluon.jit
-def _tile(q, m_pairs, n_tiles, rank, COLPAIRS: gl.constexpr):
-    """Tile pair q's tile for CTA rank -> (row tile, column tile): the pair shares the column tile, and consecutive
-    pairs take the next row tiles; COLPAIRS (loads_probe's "own-cols"): the pair shares the row tile, and
-    consecutive pairs take the next column tiles."""
+def _tile(q, m_pairs, n_tiles, rank, COLPAIRS: gl.constexpr, GROUP: gl.constexpr):
+    """Tile pair q's tile for CTA rank -> (row tile, column tile) (tile_of's order, which the checks use)."""
     if COLPAIRS:
         return q // (n_tiles // 2), 2 * (q % (n_tiles // 2)) + rank
+    if GROUP:
+        w = q % (GROUP // 2 * n_tiles)
+        return (q // (GROUP // 2 * n_tiles)) * GROUP + 2 * (w % (GROUP // 2)) + rank, w // (GROUP // 2)
+    return 2 * (q % m_pairs) + rank, q // m_pairs
+
+
+def tile_of(q: int, rank: int, m_pairs: int, n_tiles: int, colpairs: bool = False, group: int = 0):
+    """_tile in Python. The pair shares the column tile and consecutive pairs take the next row tiles (all of them;
+    GROUP: GROUP row tiles, then the next column tile); COLPAIRS (loads_probe's "own-cols"): the pair shares the row
+    tile, and consecutive pairs take the next column tiles."""
+    if colpairs:
+        return q // (n_tiles // 2), 2 * (q % (n_tiles // 2)) + rank
+    if group:
+        w = q % (group // 2 * n_tiles)
+        return (q // (group // 2 * n_tiles)) * group + 2 * (w % (group // 2)) + rank, w // (group // 2)
     return 2 * (q % m_pairs) + rank, q // m_pairs
 
 
 @gluon.jit
 def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-            MULTICAST: gl.constexpr, CLUSTER: gl.constexpr, SPLIT_A: gl.constexpr, COLPAIRS: gl.constexpr):
+            MULTICAST: gl.constexpr, CLUSTER: gl.constexpr, SPLIT_A: gl.constexpr, COLPAIRS: gl.constexpr,
+            GROUP: gl.constexpr):
     """The loader warpgroup: every K step of the CTA's tiles into slot g % STAGES, once the slot is released. One
     thread issues; a whole warpgroup, so that no warp of the CTA sits out the cluster barriers (with a one-warp
     loader Triton pads the CTA with three idle warps, which would never arrive)."""
@@ -132,7 +146,7 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
     empty = full + 8 * STAGES
     g = 0
     for q in range(pid // 2, m_pairs * n_tiles, gl.num_programs(0) // 2):
-        mt, nt = _tile(q, m_pairs, n_tiles, rank, COLPAIRS)
+        mt, nt = _tile(q, m_pairs, n_tiles, rank, COLPAIRS, GROUP)
         for kk in range(k_steps):
             s = g % STAGES
             if g >= STAGES:
@@ -179,7 +193,7 @@ def _consumer(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: g
 def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tiles, k_steps, never,
                      BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                      MULTICAST: gl.constexpr, CLUSTER: gl.constexpr, IMAGE: gl.constexpr, SPLIT_A: gl.constexpr,
-                     COLPAIRS: gl.constexpr):
+                     COLPAIRS: gl.constexpr, GROUP: gl.constexpr):
     """Loads alone (module docstring), in bytes: a_desc A [M, K] boxes [BM, BK]; b_desc B [N, K] boxes [BN, BK];
     bh_desc B boxes [BN / 2, BK] (multicast). flag_ptr [P] int32, zeroed: set to 1 where a CTA's marker check
     failed. img_ptr [P, STAGES * (BM + BN) * BK] int8: with IMAGE, each CTA's final ring. never: a runtime 0 (the
@@ -203,7 +217,7 @@ def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tile
     fence_async_shared()
     p = (base, m_pairs, n_tiles, k_steps)
     gl.warp_specialize([(_consumer, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER)),
-                        (_loader, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER, SPLIT_A, COLPAIRS))], [4], [40])
+                        (_loader, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER, SPLIT_A, COLPAIRS, GROUP))], [4], [40])
     offs = gl.arange(0, 2048, lay)
     out = img_ptr + gl.program_id(0).to(gl.int64) * RING
     if IMAGE:
@@ -225,10 +239,11 @@ def _descs(a, b, bm, bn, bk, a_rows=None):
 
 
 def _constexprs(bm, bn, bk, stages, form, image):
-    """form: FORMS, or loads_probe's own-split (A in two boxes of BM / 2 rows) and own-cols (COLPAIRS)."""
+    """form: FORMS, or loads_probe's own-split (A in two boxes of BM / 2 rows), own-cols (COLPAIRS) and own-g<G>
+    (GROUP G: tile_of)."""
     return dict(BM=bm, BN=bn, BK=bk, STAGES=stages, MULTICAST=form == "multicast",
                 CLUSTER=form in ("own-pair", "multicast"), IMAGE=image, SPLIT_A=form == "own-split",
-                COLPAIRS=form == "own-cols", num_warps=4)
+                COLPAIRS=form == "own-cols", GROUP=int(form[5:]) if form.startswith("own-g") else 0, num_warps=4)
 
 
 def compile_ptx(case, form: str, image: bool = False):
@@ -290,18 +305,15 @@ def _launcher(case, form: str, image: bool, programs: int, sizes=(M, N, K_BYTES)
     def run():
         _mc_loads_kernel[grid](*args, **const)
     return run, flag, img, delivered, from_l2, (a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps,
-                                                form == "own-cols")
+                                                form == "own-cols", const["GROUP"])
 
 
 def _expected_slots(ops, pid: int, programs: int):
     """The operand boxes each slot of CTA pid holds at the end: [(A box, B box) as uint8 tensors] per slot."""
-    a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps, colpairs = ops
+    a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps, colpairs, group = ops
     steps = []
     for q in range(pid // 2, m_pairs * n_tiles, programs // 2):
-        if colpairs:
-            mt, nt = q // (n_tiles // 2), 2 * (q % (n_tiles // 2)) + pid % 2
-        else:
-            mt, nt = 2 * (q % m_pairs) + pid % 2, q // m_pairs
+        mt, nt = tile_of(q, pid % 2, m_pairs, n_tiles, colpairs, group)
         steps += [(mt, nt, kk) for kk in range(k_steps)]
     slots = [None] * stages
     for g in range(max(0, len(steps) - stages), len(steps)):
