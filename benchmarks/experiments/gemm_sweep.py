@@ -12,7 +12,7 @@ does not offer; reference:
 the Triton kernel at 64 x 128 (the Gluon kernels give the same bits). With SCHEME=none its bf16 tiles (by turns at
 128 or 64 rows, COOP at 128); reference: the shipped entry, a variant taken where it is bit-equal or within 1e-2
 of it (rel_err: the largest difference over the largest output). SWEEP=order (SCHEME=none or fp8-block): the
-shipped entry with another tile order (GROUP_M 4, 8, 16, 32, or GROUPS=...) or one stage more or fewer
+shipped entry with another tile order (GROUP_M 4, 8, 16, 32, or GROUP_MS=...; not GROUPS, which bash keeps for itself) or one stage more or fewer
 (STAGE_STEPS=-1,1; empty for none), where fit() keeps it;
 reference: the shipped entry's output. Either sweep: ONLY=name,... times only the variants so named (as printed,
 e.g. ws_128x128g8s3).
@@ -58,7 +58,7 @@ WS_BF16_VARIANTS = {"gate_up": WS_BF16_GATE_UP + [GemmConfig(64, 128, 64, 8, 4, 
 GAIN = float(os.environ.get("GAIN", "1.02"))
 ONLY = [n for n in os.environ.get("ONLY", "").split(",") if n]  # e.g. ONLY=ws_128x128g8s3: those variants alone
 # SWEEP=order's GROUP_M values, and its stage steps (STAGE_STEPS= for none)
-GROUPS = [int(g) for g in os.environ.get("GROUPS", "4,8,16,32").split(",") if g]
+GROUP_MS = [int(g) for g in os.environ.get("GROUP_MS", "4,8,16,32").split(",") if g]
 STAGE_STEPS = [int(d) for d in os.environ.get("STAGE_STEPS", "-1,1").split(",") if d]
 
 
@@ -66,7 +66,7 @@ def variants(shipped: GemmConfig, shape) -> list[GemmConfig]:
     """The configs SWEEP times against the shipped entry (module docstring)."""
     if SWEEP == "ws":
         return WS_BF16_VARIANTS if SCHEME == "none" else WS_VARIANTS
-    out = [replace(shipped, group_m=g) for g in GROUPS]
+    out = [replace(shipped, group_m=g) for g in GROUP_MS]
     out += [replace(shipped, num_stages=shipped.num_stages + d) for d in STAGE_STEPS]
     nbytes = 1 if SCHEME != "none" else 2
     fitted = [fit(c, fused_pair=GEMM == "gate_up", scheme=SCHEME, elem_bytes=nbytes,
