@@ -618,12 +618,15 @@ def test_swapped_tiles_run_wgmma_from_shared_memory():
             assert ("fp8" not in name) or got["fp8_to_f16"] > 0, (name, got)
 
 
-MULTICAST_PROBE_COMPILE = r"""
+# the probes' compile scripts: None without ptxas or Gluon, else benchmarks/experiments on the path
+_PROBE_SCRIPT = r"""
 import importlib.util, json, os, sys
 from moeflow.kernels.registers import ptxas_path
 if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
     print(json.dumps(None)); sys.exit(0)
 sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "experiments"))
+"""
+MULTICAST_PROBE_COMPILE = _PROBE_SCRIPT + r"""
 import multicast_probe as mp
 print(json.dumps([mp.compile_summary(case, form, image) for case in mp.CASES for form in mp.FORMS
                   for image in (False, True)]))
@@ -647,22 +650,17 @@ def test_multicast_probe_compiles():
         assert case["cluster_barriers"] == (0 if case["form"] == "own" else 4), case
 
 
-LOADS_PROBE_COMPILE = r"""
-import importlib.util, json, os, sys
-from moeflow.kernels.registers import ptxas_path
-if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
-    print(json.dumps(None)); sys.exit(0)
-sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "experiments"))
+LOADS_PROBE_COMPILE = _PROBE_SCRIPT + r"""
 import loads_probe as lp, multicast_probe as mp
-runs = [(case, "own") for case in lp.SHAPES]
-runs += [(case, form) for form, names in lp.FORMED for case in lp.SHAPES if case[0] in names]
+runs = list(dict.fromkeys((case, form) for case, _, form in lp.runs()))  # the sizes do not change the kernel
 print(json.dumps([mp.compile_summary(case, form, image) for case, form in runs for image in (False, True)]))
 """
 
 
 def test_loads_probe_compiles():
-    """benchmarks/experiments/loads_probe.py's box shapes and ring depths (multicast_probe's kernel, form own)
-    compile for sm_90a in the forms it runs them in (own; own-split, own-cols and the own-g<G> orders for some), timed and imaged: no spills, within the SM's shared memory, no cluster PTX."""
+    """benchmarks/experiments/loads_probe.py's box shapes and ring depths (multicast_probe's kernel) compile for
+    sm_90a in the forms it runs them in (own; own-split, own-cols and the own-g<G> orders for some), timed and
+    imaged: no spills, within the SM's shared memory, no cluster PTX."""
     from moeflow.kernels.registers import SM90_SHARED_BYTES
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     found = compile_without_interpreter(LOADS_PROBE_COMPILE, root)

@@ -12,8 +12,8 @@ does not offer; reference:
 the Triton kernel at 64 x 128 (the Gluon kernels give the same bits). With SCHEME=none its bf16 tiles (by turns at
 128 or 64 rows, COOP at 128); reference: the shipped entry, a variant taken where it is bit-equal or within 1e-2
 of it (rel_err: the largest difference over the largest output). SWEEP=order (SCHEME=none or fp8-block): the
-shipped entry with another tile order (GROUP_M 4, 8, 16, 32, or GROUP_MS=...; not GROUPS, which bash keeps for itself) or one stage more or fewer
-(STAGE_STEPS=-1,1; empty for none), where fit() keeps it;
+shipped entry with another tile order (GROUP_M 4, 8, 16, 32, or GROUP_MS=...; not GROUPS, which bash keeps for
+itself) or one stage more or fewer (STAGE_STEPS=-1,1; empty for none), where fit() keeps it;
 reference: the shipped entry's output. Either sweep: ONLY=name,... times only the variants so named (as printed,
 e.g. ws_128x128g8s3).
 

@@ -6,10 +6,12 @@ flight: 17.5 TB/s for fp8 64 x 256 x 128 B at 4 stages, 12.3 for bf16 128 x 128 
 each launch after an L2 flush, so its rates mix the operands' first read from HBM (32 MB, 7+ µs of 55-90) and the
 flush's write-back with the steady rate. This one asks the next question with those removed.
 
-The kernel is multicast_probe's, form "own" only: a persistent warp-specialized loop whose loader streams each
+The kernel is multicast_probe's, without clusters: a persistent warp-specialized loop whose loader streams each
 tile's K steps (an A box [BM, BK] and a B box [BN, BK], BK in bytes) into a ring of STAGES slots and whose consumer
-warpgroup waits for each slot and releases it, with no math. CTA pairs take row tiles 2i and 2i + 1 of one column
-tile. Before timing, eight CTAs' final rings are compared with the operand boxes (multicast_probe.check).
+warpgroup waits for each slot and releases it, with no math. Form "own": CTA pairs take row tiles 2i and 2i + 1 of
+one column tile, and consecutive pairs the next row tiles; own-split, own-cols and own-g<G> (FORMED below) change
+how the A box is copied or the tile order. Before timing, eight CTAs' final rings are compared with the operand
+boxes (multicast_probe.check).
 
 Timing: a CUDA graph of one launch and one of REPS launches back to back (moeflow.benchmark.graph_us, which flushes
 the L2 before each replay). "steady" = (t[REPS] - t[1]) / (REPS - 1): a launch whose operands the launch before
@@ -61,6 +63,13 @@ SIZED = ((L2_8MB, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "64x1
          (HBM_B, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")))
 
 
+def runs() -> list[tuple]:
+    """(case, sizes, form) of every row main() times, in order: SHAPES at 32 MB, FORMED, then SIZED."""
+    out = [(case, L2_32MB, "own") for case in SHAPES]
+    out += [(case, L2_32MB, form) for form, names in FORMED for case in SHAPES if case[0] in names]
+    return out + [(case, sizes, "own") for sizes, names in SIZED for case in SHAPES if case[0] in names]
+
+
 def sharing(case, programs: int, sizes, form: str) -> dict:
     """How many CTAs read each A box and each B box at once, in the first wave of tiles (programs of them):
     programs / distinct row tiles, programs / distinct column tiles."""
@@ -93,10 +102,7 @@ def main():
     programs = sms - sms % 2
     rows = []
     only = os.environ.get("ONLY")  # a form, to run that form's rows alone
-    runs = [(case, L2_32MB, "own") for case in SHAPES]
-    runs += [(case, L2_32MB, form) for form, names in FORMED for case in SHAPES if case[0] in names]
-    runs += [(case, sizes, "own") for sizes, names in SIZED for case in SHAPES if case[0] in names]
-    for case, sizes, form in runs:
+    for case, sizes, form in runs():
         if only and form != only:
             continue
         ok = mp.check(case, programs, forms=("own", form) if form != "own" else ("own",), sizes=sizes)[form]
@@ -111,14 +117,15 @@ def main():
     with open(os.path.join(out_dir, "loads_probe.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), triton=triton.__version__, reps=REPS, rows=rows), f,
                   indent=1)
-    print(f"{'tile':18} {'form':9} {'operands':18} {'A/B share':>9} {'ring KB':>7} {'cold us':>8} {'steady us':>9} {'cold TB/s':>9} "
-          f"{'steady TB/s':>11}")
+    print(f"{'tile':18} {'form':9} {'operands':18} {'A/B share':>9} {'ring KB':>7} {'cold us':>8} {'steady us':>9} "
+          f"{'cold TB/s':>9} {'steady TB/s':>11}")
     for r in rows:
         if not r["checks_ok"]:
             print(f"{r['case']:18} {r['form']:9} {str(r['sizes']):18} CHECK FAILED")
             continue
-        print(f"{r['case']:18} {r['form']:9} {str(r['sizes']):18} {r['a_share']:4}/{r['b_share']:<4} {r['ring_kb']:7} {r['cold_us']:8.1f} {r['steady_us']:9.1f} "
-              f"{r['cold_tbs']:9.2f} {r['steady_tbs']:11.2f}")
+        print(f"{r['case']:18} {r['form']:9} {str(r['sizes']):18} {r['a_share']:4}/{r['b_share']:<4} "
+              f"{r['ring_kb']:7} {r['cold_us']:8.1f} {r['steady_us']:9.1f} {r['cold_tbs']:9.2f} "
+              f"{r['steady_tbs']:11.2f}")
 
 
 if __name__ == "__main__":
