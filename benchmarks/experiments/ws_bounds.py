@@ -10,9 +10,11 @@ functions are swapped in the module before the first compile). Per row it prints
 bytes the tiles read (every tile's K steps of activation and weight boxes, padding rows included) over the loads and
 full times: the rate the SMs draw operands from L2 at.
 
-    PYTHONPATH=$PWD [GEMM=gate_up|down] [SCHEME=fp8-block|none] [CFG=bm,bn,bk,group,stages] \
-        python benchmarks/experiments/ws_bounds.py OUT.json preset:T,...
+    PYTHONPATH=$PWD [GEMM=gate_up|down] [SCHEME=fp8-block|none] [CFG=bm,bn,bk,group,stages] [GROUP_MS=1,2,8] \
+        [FORMS=full,loads] python benchmarks/experiments/ws_bounds.py OUT.json preset:T,...
 CFG: a warp-specialized tile for every row (else each row's table entry, which must be warp-specialized).
+GROUP_MS: run each row's tile at each of these tile orders (GROUP_M) in turn (not GROUPS, which bash keeps).
+FORMS: the forms to run (default all three).
 """
 import json
 import os
@@ -100,11 +102,12 @@ def child(form: str, rows: list[str]) -> list[dict]:
     import torch
     _patch(form)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dataclasses import replace
     from types import SimpleNamespace
 
-    from _gemm_case import gemm_rows, gemm_runner, preset_weights
+    from _gemm_case import gemm_rows, preset_weights
 
-    from moeflow.kernels.autotune import _layer_parts, graph_time_ms, random_batch
+    from moeflow.kernels.autotune import _layer_parts, random_batch
     from moeflow.kernels.configs import GemmConfig
     dev = torch.device("cuda")
     out, weights = [], {}
@@ -119,26 +122,42 @@ def child(form: str, rows: list[str]) -> list[dict]:
         if os.environ.get("CFG"):
             bm, bn, bk, g, s = (int(v) for v in os.environ["CFG"].split(","))
             cfg = GemmConfig(bm, bn, bk, g, 4, s, warp_specialize=1)
-        rec = dict(form=form, preset=preset, T=t, gemm=GEMM, scheme=SCHEME, cfg=str(cfg))
-        if not cfg.warp_specialize:
-            out.append(dict(rec, error="not warp-specialized"))
-            continue
-        run = gemm_runner(GEMM, w, SCHEME)
-        n_out, k = (shape.hidden, shape.inter) if GEMM == "down" else (shape.inter, shape.hidden)
-        nbytes = operand_bytes(ins[0][2], cfg, n_out, k, 1 if SCHEME == "fp8-block" else 2, GEMM == "gate_up")
-        flops = 2 * t * shape.top_k * shape.hidden * shape.inter * (2 if GEMM == "gate_up" else 1)
-        try:
-            run(ins[0], cfg)
-            torch.cuda.synchronize()
-            us = graph_time_ms([lambda d=d: run(d, cfg) for d in ins], 20) * 1e3
-            out.append(dict(rec, us=round(us, 1), tflops=round(flops / us / 1e6), operand_gb=round(nbytes / 1e9, 3),
-                            operand_tbs=round(nbytes / us / 1e6, 2)))
-        except Exception as exc:  # recorded, not fatal
-            out.append(dict(rec, error=repr(exc)[:300]))
-        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+        groups = [int(g) for g in os.environ.get("GROUP_MS", "").split(",") if g] or [cfg.group_m]
+        for cfg in [replace(cfg, group_m=g) for g in groups]:
+            out.append(_time_form(form, preset, t, shape, w, ins, cfg))
         ins = None
         torch.cuda.empty_cache()
     return out
+
+
+def label(cfg) -> str:
+    """A tile's short name: BMxBNxBK, tile order, stages."""
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} s{cfg.num_stages}"
+
+
+def _time_form(form, preset, t, shape, w, ins, cfg) -> dict:
+    """One row at one tile in this process's form -> its record (us, TFLOP/s, operand GB and TB/s, or error)."""
+    import torch
+    from _gemm_case import gemm_runner
+
+    from moeflow.kernels.autotune import graph_time_ms
+    rec = dict(form=form, preset=preset, T=t, gemm=GEMM, scheme=SCHEME, cfg=str(cfg), tile=label(cfg))
+    if not cfg.warp_specialize:
+        return dict(rec, error="not warp-specialized")
+    run = gemm_runner(GEMM, w, SCHEME)
+    n_out, k = (shape.hidden, shape.inter) if GEMM == "down" else (shape.inter, shape.hidden)
+    nbytes = operand_bytes(ins[0][2], cfg, n_out, k, 1 if SCHEME == "fp8-block" else 2, GEMM == "gate_up")
+    flops = 2 * t * shape.top_k * shape.hidden * shape.inter * (2 if GEMM == "gate_up" else 1)
+    try:
+        run(ins[0], cfg)
+        torch.cuda.synchronize()
+        us = graph_time_ms([lambda d=d: run(d, cfg) for d in ins], 20) * 1e3
+        rec = dict(rec, us=round(us, 1), tflops=round(flops / us / 1e6), operand_gb=round(nbytes / 1e9, 3),
+                   operand_tbs=round(nbytes / us / 1e6, 2))
+    except Exception as exc:  # recorded, not fatal
+        rec = dict(rec, error=repr(exc)[:300])
+    print(json.dumps(rec), file=sys.stderr, flush=True)
+    return rec
 
 
 def main():
@@ -147,7 +166,7 @@ def main():
         return
     out_path, rows = sys.argv[1], sys.argv[2]
     res = []
-    for form in ("full", "loads", "math"):
+    for form in os.environ.get("FORMS", "full,loads,math").split(","):
         p = subprocess.run([sys.executable, __file__, rows], env={**os.environ, "WS_BOUND_FORM": form},
                            capture_output=True, text=True)
         if p.returncode:
@@ -159,11 +178,12 @@ def main():
     by = {}
     for r in res:
         by.setdefault((r["preset"], r["T"], r["cfg"]), {})[r["form"]] = r
-    print(f"{'row':28} {'tile':34} {'full µs':>9} {'loads µs':>9} {'math µs':>9} {'GB':>7} {'TB/s full':>9} "
+    print(f"{'row':28} {'tile':18} {'full µs':>9} {'loads µs':>9} {'math µs':>9} {'GB':>7} {'TB/s full':>9} "
           f"{'TB/s loads':>10}")
     for (preset, t, cfg), d in by.items():
         g = lambda f, k: d.get(f, {}).get(k, "-")
-        print(f"{preset + ' ' + GEMM + ' T=' + str(t):28} {cfg[:34]:34} {g('full', 'us'):>9} {g('loads', 'us'):>9} "
+        tile = next(iter(d.values()))["tile"]
+        print(f"{preset + ' ' + GEMM + ' T=' + str(t):28} {tile:18} {g('full', 'us'):>9} {g('loads', 'us'):>9} "
               f"{g('math', 'us'):>9} {g('full', 'operand_gb'):>7} {g('full', 'operand_tbs'):>9} "
               f"{g('loads', 'operand_tbs'):>10}")
 
