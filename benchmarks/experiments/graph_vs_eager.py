@@ -28,6 +28,9 @@ Writes OUT/graph_vs_eager.json and OUT/smi.csv; prints a table last (median µs 
 eager-rot; the SM clock's median over the mode's windows).
 
     python benchmarks/experiments/graph_vs_eager.py --ratios     # no GPU: the ratios above, from the committed runs
+    python benchmarks/experiments/graph_vs_eager.py --padding    # no GPU: how far one routing's work can stray
+--padding bounds (b): per row, the rows the H200 tables' tiles compute (each expert's count rounded up to the tile's
+rows; gate_up weighted 2, down 1) over 64 random routings (top-k of N(0, 1) logits), as their spread around the mean.
 """
 import csv
 import datetime
@@ -111,7 +114,39 @@ def ratios(pattern: str = "triton_2026-12-0*_bench.csv") -> list[dict]:
                  above_1=sum(x > 1 for x in v)) for (p, s, t), v in sorted(by.items())]
 
 
+def padding_spread(routings: int = 64) -> list[dict]:
+    """Per 36-row row at T >= 1024: the padded rows the shipped H200 tables' tiles compute, over ``routings`` random
+    routings -> mean padded / real rows, and the standard deviation, least and largest as fractions of the mean."""
+    from moeflow.kernels.configs import find_table
+    from moeflow.presets import PRESETS
+    gen, out = torch.Generator().manual_seed(0), []
+    for preset in ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"):
+        p = PRESETS[preset]
+        e, k = p["num_experts"], p["top_k"]
+        for scheme in ("none", "fp8-block"):
+            table = find_table("NVIDIA H200", e, p["intermediate_size"], p["hidden_size"], scheme)
+            for t in (1024, 4096, 16384):
+                cfg = table[t]
+                work = []
+                for _ in range(routings):
+                    ids = torch.randn(t, e, generator=gen).topk(k, dim=1).indices
+                    counts = torch.bincount(ids.flatten(), minlength=e).tolist()
+                    pad = lambda bm: sum(-(-n // bm) * bm for n in counts)
+                    work.append((2 * pad(cfg.gate_up.block_m) + pad(cfg.down.block_m)) / (3 * t * k))
+                mean = sum(work) / routings
+                sd = (sum((w - mean) ** 2 for w in work) / routings) ** 0.5
+                out.append(dict(preset=preset, scheme=scheme, T=t, padded_over_real=mean, sd=sd / mean,
+                                least=min(work) / mean, most=max(work) / mean))
+    return out
+
+
 def main():
+    if sys.argv[1:] == ["--padding"]:
+        print(f"{'row':36s} {'padded/real':>11s} {'sd':>6s} {'least':>6s} {'most':>6s}")
+        for r in padding_spread():
+            print(f"{r['preset'] + ' ' + r['scheme'] + ' T=' + str(r['T']):36s} {r['padded_over_real']:11.3f} "
+                  f"{r['sd']:6.2%} {r['least']:6.3f} {r['most']:6.3f}")
+        return
     if sys.argv[1:] == ["--ratios"]:
         print(f"{'row':36s} {'runs':>4s} {'graph/eager median':>18s} {'least':>6s} {'most':>6s} {'above 1':>7s}")
         for r in ratios():
