@@ -140,19 +140,21 @@ def padding_spread(routings: int = 64) -> list[dict]:
     return out
 
 
+def print_rows(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
+    """A table of --ratios' or --padding's rows: the row's name, then each (header, key, format spec) column."""
+    print(f"{'row':36s} " + " ".join(f"{h:>11s}" for h, _, _ in cols))
+    for r in rows:
+        name = f"{r['preset']} {r['scheme']} T={r['T']}"
+        print(f"{name:36s} " + " ".join(f"{format(r[k], spec):>11s}" for _, k, spec in cols))
+
+
 def main():
     if sys.argv[1:] == ["--padding"]:
-        print(f"{'row':36s} {'padded/real':>11s} {'sd':>6s} {'least':>6s} {'most':>6s}")
-        for r in padding_spread():
-            print(f"{r['preset'] + ' ' + r['scheme'] + ' T=' + str(r['T']):36s} {r['padded_over_real']:11.3f} "
-                  f"{r['sd']:6.2%} {r['least']:6.3f} {r['most']:6.3f}")
-        return
+        return print_rows(padding_spread(), [("padded/real", "padded_over_real", ".3f"), ("sd", "sd", ".2%"),
+                                             ("least", "least", ".3f"), ("most", "most", ".3f")])
     if sys.argv[1:] == ["--ratios"]:
-        print(f"{'row':36s} {'runs':>4s} {'graph/eager median':>18s} {'least':>6s} {'most':>6s} {'above 1':>7s}")
-        for r in ratios():
-            print(f"{r['preset'] + ' ' + r['scheme'] + ' T=' + str(r['T']):36s} {r['runs']:4d} {r['median']:18.3f} "
-                  f"{r['least']:6.3f} {r['most']:6.3f} {r['above_1']:7d}")
-        return
+        return print_rows(ratios(), [("runs", "runs", "d"), ("graph/eager", "median", ".3f"), ("least", "least", ".3f"),
+                                     ("most", "most", ".3f"), ("above 1", "above_1", "d")])
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     smi_path = os.path.join(out_dir, "smi.csv")
