@@ -27,8 +27,9 @@
 #      over copies of them: the candidates include split-K forms of both GEMMs), GPU 0; copy the files
 #      back into moeflow/kernels/configs/ only after comparing the layer rows
 #  10. prepared without a GPU on 2026-12-05, not yet run: ws_bounds.py at five tile orders (Qwen3 bf16 T=4096, the
-#      loads alone against the full GEMMs) and graph_vs_eager.py (why the graph replay times GPU-bound rows slower
-#      than eager calls), GPU 0; meant for a call of their own: ONLY='ws_bounds_order|graph_vs_eager'
+#      loads alone against the full GEMMs), graph_vs_eager.py (why the graph replay times GPU-bound rows slower
+#      than eager calls) and zero_padding.py (zero rows instead of the next expert's as the tiles' padding), GPU 0;
+#      about a call each: ONLY=zero_padding (likewise graph_vs_eager, ws_bounds_order)
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
 # can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
 # tests in 420 s (compiling as it went), so they are three steps now: gpu_tests_triton (test_gpu_triton.py),
@@ -113,8 +114,8 @@ for preset in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
             --quant "$quant" --tokens 256,512,2048,8192 --merge --out "$R/tuned"
     done
 done
-# prepared 2026-12-05 without a GPU (docs/performance.md, Method and "What an SM's TMA loads run at"); last, so a
-# default session reaches them only with time to spare: ONLY='ws_bounds_order|graph_vs_eager' runs them alone
+# prepared 2026-12-05 without a GPU (docs/performance.md, "Prepared on 2026-12-05"); last, so a default session
+# reaches them only with time to spare: ONLY=zero_padding (or graph_vs_eager, ws_bounds_order) runs one alone
 for gemm in gate_up down; do
     step "ws_bounds_order_${gemm}" 120 env CUDA_VISIBLE_DEVICES=0 GEMM=$gemm SCHEME=none FORMS=full,loads \
         GROUP_MS=1,2,4,8,16 python benchmarks/experiments/ws_bounds.py "$R/ws_bounds_order_${gemm}.json" \
@@ -124,6 +125,8 @@ done
 step graph_vs_eager 400 env CUDA_VISIBLE_DEVICES=0 OUT="$R/graph_vs_eager" python \
     benchmarks/experiments/graph_vs_eager.py
 tail -n 10 "$R/graph_vs_eager.log" >> "$S" 2>/dev/null
+step zero_padding 400 env CUDA_VISIBLE_DEVICES=0 OUT="$R/zero_padding" python benchmarks/experiments/zero_padding.py
+tail -n 10 "$R/zero_padding.log" >> "$S" 2>/dev/null
 grep -hE "FAILED|Error" "$R"/*tests*.log 2>/dev/null | head -20 >> "$S"
 tar czf "$OUT/results.tgz" -C "$R" .
 bash benchmarks/triton_cache.sh save "$OUT" 2>> "$S"

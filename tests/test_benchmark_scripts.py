@@ -1,7 +1,7 @@
 """The benchmark and experiment scripts (benchmarks/, run on a GPU through the device tool) still name what
 moeflow has: every `from moeflow... import name` in them resolves. They run only on a GPU, so a renamed
 helper would otherwise break them unseen until a device call (9d6da12 renamed autotune._runner; eight scripts
-still imported it)."""
+still imported it). Also the CPU-checkable helper an experiment's reading rests on (zero_padding's aligned rows)."""
 import ast
 import importlib
 import importlib.util
@@ -23,3 +23,47 @@ def test_script_imports_resolve(path):
             missing += [f"{node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)
                         and not (hasattr(module, "__path__") and importlib.util.find_spec(f"{node.module}.{a.name}"))]
     assert not missing, f"{path.name} imports names moeflow no longer has: {missing}"
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_zero_padding_aligned_rows_keep_each_experts_row_blocks(scheme, block_m):
+    """benchmarks/experiments/zero_padding.py times the GEMMs on a layout whose experts start on row-block boundaries,
+    the gaps zero rows: it must keep every expert's row blocks (their count, each real row's place in its block) and
+    give the same outputs on the real rows (the torch references here; the GPU script checks the kernels' bits)."""
+    pytest.importorskip("triton")
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
+    from zero_padding import aligned_rows
+
+    from moeflow.kernels.autotune import Shape, random_batch, random_weights
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.down import down_torch
+    from moeflow.kernels.gate_up import gate_up_torch
+    from moeflow.kernels.warp_specialized import block_table_torch
+    from moeflow.quant import create_scheme
+    shape = Shape(5, 256, 128, 2, scheme)  # E, H, I, K: 5 experts, 37 tokens -> 74 rows, counts 0 to ~30
+    batch = random_batch(shape, 37, "cpu", seed=3)
+    lay, w = RowLayout.of(batch), random_weights(shape, "cpu")
+    x, xs = batch.hidden, None
+    if scheme == "fp8-block":
+        x, xs = create_scheme(scheme).quantize_activation(x)
+    x2, xs2, lay2, rw2, dest = aligned_rows(x, xs, lay, batch.weights, block_m)
+    off, off2 = lay.meta, lay2.meta
+    assert bool((off2 % block_m == 0).all()) and lay2.rows == int(off2[-1])
+    assert torch.equal(block_table_torch(lay2, block_m)[1], block_table_torch(lay, block_m)[1])
+    e = torch.searchsorted(off[1:], torch.arange(int(off[-1])), right=True)
+    assert torch.equal((dest - off2[e]) % block_m, (torch.arange(int(off[-1])) - off[e]) % block_m)
+    gaps = torch.ones(lay2.rows, dtype=torch.bool)
+    gaps[dest] = False
+    assert not bool(rw2[gaps].any()) and torch.equal(rw2[dest], batch.weights)
+    assert not bool(x2[gaps].float().any())
+    want = gate_up_torch(x, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.float32)
+    got = gate_up_torch(x2, xs2, w.w13, w.w13_scale, lay2, scheme, "silu", torch.float32)
+    assert torch.equal(got[dest], want) and not bool(got[gaps].any())
+    want = down_torch(want, None, w.w2, w.w2_scale, batch.weights, lay, scheme, torch.float32)
+    got = down_torch(got, None, w.w2, w.w2_scale, rw2, lay2, scheme, torch.float32)
+    assert torch.equal(got[dest], want) and not bool(got[gaps].any())

@@ -38,7 +38,6 @@ import glob
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -48,7 +47,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_layer import Case  # noqa: E402
-from power_clocks import smi_window  # noqa: E402
+from power_clocks import smi_window, start_smi  # noqa: E402
 
 from moeflow.experts import create_runner  # noqa: E402
 from moeflow.kernels.autotune import capture_graph  # noqa: E402
@@ -158,8 +157,7 @@ def main():
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     smi_path = os.path.join(out_dir, "smi.csv")
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
-                            "--format=csv,noheader", "-lms", "100"], stdout=open(smi_path, "w"))
+    smi = start_smi(smi_path)
     res, case = {}, None
     try:
         for spec in sys.argv[1:] or ROWS:

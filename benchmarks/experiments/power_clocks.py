@@ -75,14 +75,14 @@ def graph_of(fn, target_us=2000.0):
     return g, n
 
 
-def run_case(spec: str) -> dict:
-    preset, scheme, t = spec.split(":")
-    fn = ceiling_fn(scheme) if preset == "ceiling" else layer_fn(preset, scheme, int(t))
+def sustained(fn, settle_s: float = SETTLE_S, run_s: float = RUN_S) -> dict:
+    """fn as graph_of's graph, after settle_s s idle, replayed back to back for run_s s, each replay timed by events
+    -> µs a call over the first 0.25 s and the last second, and the run's and its last second's times (ISO)."""
     g, n = graph_of(fn)
-    time.sleep(SETTLE_S)
+    time.sleep(settle_s)
     start = datetime.datetime.now()
     t0, samples = time.perf_counter(), []  # (seconds since start, µs a call)
-    while time.perf_counter() - t0 < RUN_S:
+    while time.perf_counter() - t0 < run_s:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
@@ -92,10 +92,22 @@ def run_case(spec: str) -> dict:
     end = datetime.datetime.now()
     med = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
     first = med([us for s, us in samples if s < 0.25])
-    last = med([us for s, us in samples if s > RUN_S - 1])
+    last = med([us for s, us in samples if s > run_s - 1])
     del g
     return dict(calls_per_replay=n, replays=len(samples), first_us=first, last_us=last, start=start.isoformat(),
                 end=end.isoformat(), last_second_from=(end - datetime.timedelta(seconds=1)).isoformat())
+
+
+def run_case(spec: str) -> dict:
+    preset, scheme, t = spec.split(":")
+    return sustained(ceiling_fn(scheme) if preset == "ceiling" else layer_fn(preset, scheme, int(t)))
+
+
+def start_smi(path: str) -> subprocess.Popen:
+    """nvidia-smi sampling the timestamp, SM clock, power and clock-event reasons every 100 ms into path (CSV, what
+    smi_window reads); terminate() the process to stop it."""
+    return subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
+                             "--format=csv,noheader", "-lms", "100"], stdout=open(path, "w"))
 
 
 def smi_window(path: str, lo: str, hi: str) -> dict:
@@ -116,8 +128,7 @@ def smi_window(path: str, lo: str, hi: str) -> dict:
 def main():
     out_dir = os.environ.get("OUT", ".")
     smi_path = os.path.join(out_dir, "smi.csv")
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active",
-                            "--format=csv,noheader", "-lms", "100"], stdout=open(smi_path, "w"))
+    smi = start_smi(smi_path)
     res = {}
     try:
         for spec in sys.argv[1:] or CASES:
