@@ -3,10 +3,10 @@ expert's last token are zeros, instead of the next expert's rows?
 
 Why: the H200 runs every compute-bound row at its 700 W cap, the SM clock at 67-83% of the 1980 MHz it holds
 otherwise (power_clocks_2026-12-02_h200_b11282f.md), and a tensor core multiplying zeros switches fewer bits, so
-spends less energy a multiply-add (a public note measured an 8192^3 matmul 1.15x faster on zeros than on normal
-random values at a power limit: H. He, "Strangely, Matrix Multiplications on GPUs Run Faster When Given
-'Predictable' Data!", thonking.ai, 2024). The sorted layout packs each expert's rows back to back: an expert's last row block
-reads the next expert's rows as its padding and drops their outputs. At T >= 1024 the tables' tiles compute 1.05-1.48x
+spends less energy a multiply-add (a public note timed a large matmul 1.15x faster on zeros than on normal random
+values, on an A100, and traced it to the power limit: H. He, "Strangely, Matrix Multiplications on GPUs Run Faster
+When Given 'Predictable' Data!", thonking.ai, 2024). The sorted layout packs each expert's rows back to back: an
+expert's last row block reads the next expert's rows as its padding and drops their outputs. At T >= 1024 the tables' tiles compute 1.05-1.48x
 the real rows (graph_vs_eager.py --padding: DeepSeek-V3 T=4096 1.40-1.48x, Mixtral T=1024 1.16-1.20x, Qwen3 T=4096
 1.12-1.16x), all of it on data. A layout whose experts start on tile boundaries, with zero rows in the gaps, would
 feed the tensor cores zeros there at the same tile count and the same bytes.
