@@ -6,10 +6,10 @@ otherwise (power_clocks_2026-12-02_h200_b11282f.md), and a tensor core multiplyi
 spends less energy a multiply-add (a public note timed a large matmul 1.15x faster on zeros than on normal random
 values, on an A100, and traced it to the power limit: H. He, "Strangely, Matrix Multiplications on GPUs Run Faster
 When Given 'Predictable' Data!", thonking.ai, 2024). The sorted layout packs each expert's rows back to back: an
-expert's last row block reads the next expert's rows as its padding and drops their outputs. At T >= 1024 the tables' tiles compute 1.05-1.48x
-the real rows (graph_vs_eager.py --padding: DeepSeek-V3 T=4096 1.40-1.48x, Mixtral T=1024 1.16-1.20x, Qwen3 T=4096
-1.12-1.16x), all of it on data. A layout whose experts start on tile boundaries, with zero rows in the gaps, would
-feed the tensor cores zeros there at the same tile count and the same bytes.
+expert's last row block reads the next expert's rows as its padding and drops their outputs. At T >= 1024 the
+tables' tiles compute 1.05-1.48x the real rows (graph_vs_eager.py --padding: DeepSeek-V3 T=4096 1.40-1.48x, Mixtral
+T=1024 1.16-1.20x, Qwen3 T=4096 1.12-1.16x), all of it on data. A layout whose experts start on tile boundaries, with
+zero rows in the gaps, would feed the tensor cores zeros there at the same tile count and the same bytes.
 
 Per row (preset:scheme:T:gemm), the shipped tile, one routing, three inputs of the same row blocks:
   packed   the rows as the layer hands them (_gemm_case.gemm_rows): padding rows are the next expert's
