@@ -27,16 +27,16 @@ def test_script_imports_resolve(path):
 
 @pytest.mark.parametrize("scheme", ["none", "fp8-block"])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_zero_padding_aligned_rows_keep_each_experts_row_blocks(scheme, block_m):
+def test_zero_padding_aligned_rows_keep_each_experts_row_blocks(scheme, block_m, monkeypatch):
     """benchmarks/experiments/zero_padding.py times the GEMMs on a layout whose experts start on row-block boundaries,
     the gaps zero rows: it must keep every expert's row blocks (their count, each real row's place in its block) and
     give the same outputs on the real rows (the torch references here; the GPU script checks the kernels' bits)."""
     pytest.importorskip("triton")
-    import sys
-
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "experiments"))  # restored after, with what it adds
+    for name in ("RUN_S", "SETTLE_S"):  # the script's import sets these defaults: keep them out of other tests
+        monkeypatch.setenv(name, "1")
     from zero_padding import aligned_rows
 
     from moeflow.kernels.autotune import Shape, random_batch, random_weights
