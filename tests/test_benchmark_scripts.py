@@ -35,8 +35,6 @@ def test_zero_padding_aligned_rows_keep_each_experts_row_blocks(scheme, block_m,
     import torch
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "experiments"))  # restored after, with what it adds
-    for name in ("RUN_S", "SETTLE_S"):  # the script's import sets these defaults: keep them out of other tests
-        monkeypatch.setenv(name, "1")
     from zero_padding import aligned_rows
 
     from moeflow.kernels.autotune import Shape, random_batch, random_weights

@@ -35,8 +35,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("RUN_S", "2")  # power_clocks' defaults: 3 s idle and 3 s running a case
-os.environ.setdefault("SETTLE_S", "1")
 from _gemm_case import gemm_rows, gemm_runner, preset_weights, same_bits  # noqa: E402
 from power_clocks import smi_window, start_smi, sustained  # noqa: E402
 
@@ -47,6 +45,7 @@ ROWS = ["deepseek-v3:none:4096:gate_up", "deepseek-v3:none:4096:down", "deepseek
         "qwen3-30b-a3b:none:4096:gate_up", "qwen3-30b-a3b:fp8-block:4096:gate_up"]
 FORMS = ("packed", "aligned", "zeros")
 ROUNDS, REP_MS = int(os.environ.get("ROUNDS", 2)), float(os.environ.get("REP_MS", 100))
+SETTLE_S, RUN_S = float(os.environ.get("SETTLE_S", 1)), float(os.environ.get("RUN_S", 2))  # power_clocks': 3 and 3
 
 
 def aligned_rows(a, a_scale, layout: RowLayout, route_w, block_m: int):
@@ -108,7 +107,7 @@ def run_row(spec: str, weights: dict, dev) -> dict:
         for f in (FORMS if r % 2 == 0 else FORMS[::-1]):
             call = lambda d=inputs[f]: run(d, cfg)
             short = graph_time_ms([call], REP_MS) * 1e3
-            rec.setdefault(f, []).append(dict(short_us=round(short, 1), **sustained(call)))
+            rec.setdefault(f, []).append(dict(short_us=round(short, 1), **sustained(call, SETTLE_S, RUN_S)))
     return rec
 
 

@@ -1,9 +1,9 @@
 """Two-CTA cluster operations that triton 3.6's Gluon has no operation for, in inline PTX (sm_90).
 
-Used by benchmarks/experiments/multicast_probe.py (the copies alone), and by the warp-specialized GEMMs' MULTICAST
-form on branch `multicast` (kernels/warp_specialized.py there; measured, not merged), in which the two CTAs of a
-cluster take two row blocks of one expert and each copies one of a step's two weight boxes into both CTAs' shared
-memory with one TMA multicast, so the L2 serves each weight box once for two SMs.
+Used by benchmarks/experiments/multicast_probe.py (the copies alone). The warp-specialized GEMMs' MULTICAST form
+(branch `multicast`, measured, not merged, and not in this repository: only main lands here) used them too: the two
+CTAs of a cluster took two row blocks of one expert and each copied one of a step's two weight boxes into both CTAs'
+shared memory with one TMA multicast, so the L2 served each weight box once for two SMs.
 
 What the PTX needs that Gluon does not hand out, and where it comes from:
   - shared-memory addresses: ``smem_base()`` (the start of ``global_smem``, the dynamic shared memory Triton's PTX
