@@ -48,6 +48,11 @@ ROUNDS, REP_MS = int(os.environ.get("ROUNDS", 2)), float(os.environ.get("REP_MS"
 SETTLE_S, RUN_S = float(os.environ.get("SETTLE_S", 1)), float(os.environ.get("RUN_S", 2))  # power_clocks': 3 and 3
 
 
+def _bytes(t):
+    """fp8 tensors as their uint8 bytes (the same storage), others as they are."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def aligned_rows(a, a_scale, layout: RowLayout, route_w, block_m: int):
     """A sorted layout's rows moved so each expert starts on a block_m boundary, the gaps zero rows.
 
@@ -65,7 +70,7 @@ def aligned_rows(a, a_scale, layout: RowLayout, route_w, block_m: int):
     expert = torch.searchsorted(off[1:], rows, right=True)
     dest = off2[expert] + rows - off[expert]
     a2 = torch.zeros((r2, a.shape[1]), dtype=a.dtype, device=a.device)
-    a2[dest] = a[:n]
+    _bytes(a2)[dest] = _bytes(a[:n])  # fp8 moved as bytes: indexing float8 is not implemented in every torch
     s2 = None
     if a_scale is not None:
         s2 = torch.ones((r2, a_scale.shape[1]), dtype=a_scale.dtype, device=a.device)
@@ -99,7 +104,7 @@ def run_row(spec: str, weights: dict, dev) -> dict:
     n = int(ins[2].meta[-1])
     packed, aligned = run(inputs["packed"], cfg), run(inputs["aligned"], cfg)
     torch.cuda.synchronize()
-    at = lambda outs, idx: tuple(None if o is None else o[idx] for o in outs)
+    at = lambda outs, idx: tuple(None if o is None else _bytes(o)[idx] for o in outs)
     blocks = [int(block_table_torch(inputs[f][2], cfg.block_m)[1]) for f in ("packed", "aligned")]
     rec = dict(cfg=str(cfg), bit_equal=same_bits(at(aligned, dest), at(packed, slice(0, n)), slice(None)),
                rows=n, aligned_rows=int(inputs["aligned"][2].rows), row_blocks=blocks)
