@@ -65,3 +65,29 @@ def test_zero_padding_aligned_rows_keep_each_experts_row_blocks(scheme, block_m,
     want = down_torch(want, None, w.w2, w.w2_scale, batch.weights, lay, scheme, torch.float32)
     got = down_torch(got, None, w.w2, w.w2_scale, rw2, lay2, scheme, torch.float32)
     assert torch.equal(got[dest], want) and not bool(got[gaps].any())
+
+
+def test_target_gaps_bounds_hold_for_every_measured_row(monkeypatch):
+    """benchmarks/experiments/target_gaps.py bounds each T <= 128 row's % of roofline by its fixed costs (the empty
+    graph replay, the flush's write-back) at the fastest streaming of the run's T = 16 and 128 rows. Those rows keep
+    under their bounds by construction; the T = 1 rows do not set the rate, and none of any committed run may beat its
+    bound, or the model behind docs/performance.md's "What each missed target would take" is wrong. Its list of
+    missed rows is the run's rows under 60% or over their anchor, and no other."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "experiments"))
+    import glob
+    import os
+
+    import target_gaps as tg
+    runs = sorted(glob.glob(os.path.join(tg.RESULTS, "triton_2026-12-0*_bench.csv")))
+    assert runs
+    for path in runs:
+        run = tg.read_run(path)
+        if not all(k in run for k in [("qwen3-30b-a3b", "fp8-block", 1), ("deepseek-v3", "none", 128)]):
+            continue
+        stream, bounds = tg.fixed_bounds(run)
+        assert 1.0 <= stream < 1.2, path  # reads beat the read+write copy ceiling a little, not by 20%
+        assert bounds and all(b["pct"] <= b["bound"] + 1e-6 for b in bounds), path
+    run = tg.read_run(os.path.join(tg.RESULTS, tg.RUN))
+    want = {k for k, r in run.items() if r["floor_us"] / r["layer_graph_us"] < 0.6
+            or (r["anchor_us"] is not None and r["layer_graph_us"] > r["anchor_us"])}
+    assert {(m["preset"], m["scheme"], m["T"]) for m in tg.missed(run, tg.spread())} == want

@@ -1,0 +1,141 @@
+"""No GPU: what each missed target of issue 3 would take, from the committed measurements alone.
+
+Reads benchmarks/results/ (nothing is timed here):
+  RUN            one 36-row run (bench_layer.py's CSV; default the latest committed, b67a6e3's)
+  triton_2026-12-0*_bench.csv   every committed 36-row run: each row's spread of % of roofline between runs
+  flush_mode_2026-12-01_h200_a186f5f.json   per T = 1, 16, 128 row: the layer after do_bench's flush (dirty L2)
+                 and after a clean one; the difference is write-back the layer pays for the flush
+  fused_parts_2026-12-01_h200_35ee490.json  a graph replay of one empty kernel under do_bench (4.2-4.3 µs)
+  layer_kernels_2026-12-03_h200_dc144bb.json  per-kernel device time of the sub-60% rows at T >= 1024
+
+Per row that misses a target in RUN: its time (graph replay, do_bench: the targets' figure), the time 60% of
+roofline allows (floor / 0.6) and the anchor, each gap in µs, and the row's % of roofline over the committed runs
+(least / median / most, and in how many runs it reached 60%; the floor is measured in each run, so it moves with the
+machine). Then the fixed-cost bound at T <= 128: a layer that streamed its bytes at the roofline's copy ceiling and
+did nothing else still pays the empty graph replay and, under do_bench, the flush's write-back, so it can reach at
+most floor / (floor + empty + write-back) of roofline (and floor / (floor + empty) with a clean flush). Then, for
+the profiled rows: the GEMMs' and the other kernels' device time, and the GEMM time that 60% leaves if the rest
+stays (profile and RUN are different runs and machines: read it as a size, not a prediction).
+
+    python benchmarks/experiments/target_gaps.py [RUN.csv]
+"""
+import csv
+import glob
+import json
+import os
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
+RUN = "triton_2026-12-04_h200_b67a6e3_bench.csv"
+FLUSH, PARTS = "flush_mode_2026-12-01_h200_a186f5f.json", "fused_parts_2026-12-01_h200_35ee490.json"
+KERNELS = "layer_kernels_2026-12-03_h200_dc144bb.json"
+GEMMS = ("gemm", "gate_up", "down")  # kernel names holding these are GEMMs; the rest is routing, sort, copy, sum
+
+
+def read_run(path: str) -> dict:
+    """bench_layer CSV -> {(preset, scheme, T): row dict with floats} for the triton runner."""
+    out = {}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["runner"] == "triton":
+                num = {k: float(v) if v else None for k, v in r.items() if k.endswith("_us")}
+                out[(r["preset"], r["scheme"], int(r["T"]))] = dict(r, **num)
+    return out
+
+
+def spread(pattern: str = "triton_2026-12-0*_bench.csv") -> dict:
+    """(preset, scheme, T) -> the % of roofline of every committed run's graph time, sorted."""
+    by = {}
+    for path in sorted(glob.glob(os.path.join(RESULTS, pattern))):
+        for key, r in read_run(path).items():
+            if r.get("layer_graph_us") and r.get("floor_us"):
+                by.setdefault(key, []).append(100 * r["floor_us"] / r["layer_graph_us"])
+    return {k: sorted(v) for k, v in by.items()}
+
+
+def missed(run: dict, runs: dict) -> list[dict]:
+    """The rows of ``run`` below 60% of roofline or slower than their anchor, with their gaps (module docstring)."""
+    out = []
+    for (p, s, t), r in sorted(run.items()):
+        g, floor, anchor = r["layer_graph_us"], r["floor_us"], r.get("anchor_us")
+        pct, allow60 = 100 * floor / g, floor / 0.6
+        if pct >= 60 and (anchor is None or g <= anchor):
+            continue
+        v = runs.get((p, s, t), [pct])
+        out.append(dict(preset=p, scheme=s, T=t, us=g, pct=pct, allow60=allow60, cut60=max(0.0, g - allow60),
+                        anchor=anchor, cut_anchor=None if anchor is None else max(0.0, g - anchor),
+                        least=v[0], median=v[len(v) // 2], most=v[-1], runs=len(v), runs60=sum(x >= 60 for x in v)))
+    return out
+
+
+def fixed_bounds(run: dict) -> tuple[float, list[dict]]:
+    """Per T <= 128 row with a flush_mode measurement: the most % of roofline its fixed costs leave (docstring)
+    -> (the fastest streaming seen, as a multiple of the floor's rate, and the rows). The roofline's copy ceiling
+    counts bytes read and written; the weight-streaming rows read, and some ran above 100% of roofline, so the bound
+    lets the layer stream as fast as the fastest such row of the run did net of its own fixed costs."""
+    with open(os.path.join(RESULTS, PARTS)) as f:
+        empties = sorted(r["empty"] for r in json.load(f))
+    empty = empties[len(empties) // 2]
+    with open(os.path.join(RESULTS, FLUSH)) as f:
+        flush = [(m, run[(m["preset"], m["scheme"], m["T"])]) for m in json.load(f)
+                 if (m["preset"], m["scheme"], m["T"]) in run]
+    back = lambda m: max(0.0, m["dirty"] - m["clean"])
+    stream = max(r["floor_us"] / (r["layer_graph_us"] - empty - back(m)) for m, r in flush if m["T"] >= 16)
+    out = []
+    for m, r in flush:
+        floor = r["floor_us"]
+        out.append(dict(preset=m["preset"], scheme=m["scheme"], T=m["T"], floor=floor, empty=empty,
+                        write_back=back(m), bound=100 * floor / (floor / stream + empty + back(m)),
+                        bound_clean=100 * floor / (floor / stream + empty), pct=100 * floor / r["layer_graph_us"]))
+    return stream, out
+
+
+def profiled(run: dict) -> list[dict]:
+    """Per profiled row (layer_kernels JSON): GEMM and other kernels' µs, and the GEMM µs 60% would leave."""
+    with open(os.path.join(RESULTS, KERNELS)) as f:
+        prof = json.load(f)
+    out = []
+    for name, rec in prof.items():
+        p, s, t = name.split()
+        r = run.get((p, s, int(t.split("=")[1])))
+        if r is None or r["T"] in ("1", "16", "128") or 100 * r["floor_us"] / r["layer_graph_us"] >= 60:
+            continue  # the rows above 1024 that miss 60% (the one-launch layer at T = 1 is one kernel)
+        gemm = sum(us for k, us, _ in rec["kernels"] if any(g in k for g in GEMMS))
+        other = rec["total_kernel_us"] - gemm
+        launch = max(0.0, rec["graph_us"] - rec["total_kernel_us"])
+        out.append(dict(preset=p, scheme=s, T=int(t.split("=")[1]), graph=rec["graph_us"], gemm=gemm, other=other,
+                        gemm60=r["floor_us"] / 0.6 - other - launch, floor=r["floor_us"]))
+    return out
+
+
+def main():
+    run_path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(RESULTS, RUN)
+    run, runs = read_run(run_path), spread()
+    print(f"Rows missing a target in {os.path.basename(run_path)} (graph replay, do_bench µs):\n")
+    print("| row | µs | % roofline | µs at 60% | cut for 60% | anchor | cut for anchor | % over the runs "
+          "(least / median / most) | runs at ≥ 60% |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in missed(run, runs):
+        anchor = "- | -" if m["anchor"] is None else f"{m['anchor']:.0f} | {m['cut_anchor']:.1f}"
+        print(f"| {m['preset']} {m['scheme']} T={m['T']} | {m['us']:.1f} | {m['pct']:.1f} | {m['allow60']:.1f} | "
+              f"{m['cut60']:.1f} | {anchor} | {m['least']:.1f} / {m['median']:.1f} / {m['most']:.1f} | "
+              f"{m['runs60']} of {m['runs']} |")
+    stream, bounds = fixed_bounds(run)
+    print(f"\nFixed costs at T <= 128: the most % of roofline a layer can reach that streams its bytes at "
+          f"{stream:.3f}x the roofline's rate (the fastest of this run's rows, net of their fixed costs) and does "
+          "nothing else:\n")
+    print("| row | floor µs | empty graph µs | flush write-back µs | bound, do_bench | bound, clean flush | measured |")
+    print("|---|---|---|---|---|---|---|")
+    for b in bounds:
+        print(f"| {b['preset']} {b['scheme']} T={b['T']} | {b['floor']:.1f} | {b['empty']:.1f} | {b['write_back']:.1f} "
+              f"| {b['bound']:.1f} | {b['bound_clean']:.1f} | {b['pct']:.1f} |")
+    print(f"\nProfiled rows ({KERNELS}; device µs, eager, one call):\n")
+    print("| row | graph µs | GEMMs | other kernels | GEMMs that 60% leaves (this run's floor) |")
+    print("|---|---|---|---|---|")
+    for p in profiled(run):
+        print(f"| {p['preset']} {p['scheme']} T={p['T']} | {p['graph']:.1f} | {p['gemm']:.1f} | {p['other']:.1f} | "
+              f"{p['gemm60']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
