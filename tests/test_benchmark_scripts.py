@@ -87,6 +87,7 @@ def test_target_gaps_bounds_hold_for_every_measured_row(monkeypatch):
         stream, bounds = tg.fixed_bounds(run)
         assert 1.0 <= stream < 1.2, path  # reads beat the read+write copy ceiling a little, not by 20%
         assert bounds and all(b["pct"] <= b["bound"] + 1e-6 for b in bounds), path
+        assert all(b["bound"] <= b["bound_hint"] + 1e-9 <= b["bound_clean"] + 2e-9 for b in bounds), path
     run = tg.read_run(os.path.join(tg.RESULTS, tg.RUN))
     want = {k for k, r in run.items() if r["floor_us"] / r["layer_graph_us"] < 0.6
             or (r["anchor_us"] is not None and r["layer_graph_us"] > r["anchor_us"])}

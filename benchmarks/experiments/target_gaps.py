@@ -6,16 +6,20 @@ Reads benchmarks/results/ (nothing is timed here):
   flush_mode_2026-12-01_h200_a186f5f.json   per T = 1, 16, 128 row: the layer after do_bench's flush (dirty L2)
                  and after a clean one; the difference is write-back the layer pays for the flush
   fused_parts_2026-12-01_h200_35ee490.json  a graph replay of one empty kernel under do_bench (4.2-4.3 µs)
+  evict_first_probe_2026-12-05_h200_5571c33.json  a launch that only reads 38-1200 MB, after the flush and after a
+                 clean one, with and without cache hints
   layer_kernels_2026-12-03_h200_dc144bb.json  per-kernel device time of the sub-60% rows at T >= 1024
 
 Per row that misses a target in RUN: its time (graph replay, do_bench: the targets' figure), the time 60% of
 roofline allows (floor / 0.6) and the anchor, each gap in µs, and the row's % of roofline over the committed runs
 (least / median / most, and in how many runs it reached 60%; the floor is measured in each run, so it moves with the
-machine). Then the fixed-cost bound at T <= 128: a layer that streamed its bytes at the roofline's copy ceiling and
-did nothing else still pays the empty graph replay and, under do_bench, the flush's write-back, so it can reach at
-most floor / (floor + empty + write-back) of roofline (and floor / (floor + empty) with a clean flush). Then, for
-the profiled rows: the GEMMs' and the other kernels' device time, and the GEMM time that 60% leaves if the rest
-stays (profile and RUN are different runs and machines: read it as a size, not a prediction).
+machine). Then the fixed-cost bound at T <= 128: a layer that streamed its bytes as fast as the run's fastest
+T = 16 or 128 row did (net of that row's fixed costs) and did nothing else would still pay the empty graph replay
+and, under do_bench, the flush's write-back: at most floor / (floor / rate + empty + write-back) of roofline (without
+the write-back for a clean flush). Beside it, the same bound with the least write-back the probe saw at about the
+row's bytes (its evict-first hint spared part of it), and the probe's own read-only time as a % of the row's
+roofline. Then, for the profiled rows: the GEMMs' and the other kernels' device time, and the GEMM time that 60%
+leaves if the rest stays (profile and RUN are different runs and machines: read it as a size, not a prediction).
 
     python benchmarks/experiments/target_gaps.py [RUN.csv]
 """
@@ -28,6 +32,7 @@ import sys
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
 RUN = "triton_2026-12-04_h200_b67a6e3_bench.csv"
 FLUSH, PARTS = "flush_mode_2026-12-01_h200_a186f5f.json", "fused_parts_2026-12-01_h200_35ee490.json"
+PROBE = "evict_first_probe_2026-12-05_h200_5571c33.json"
 KERNELS = "layer_kernels_2026-12-03_h200_dc144bb.json"
 GEMMS = ("gemm", "gate_up", "down")  # kernel names holding these are GEMMs; the rest is routing, sort, copy, sum
 
@@ -68,25 +73,47 @@ def missed(run: dict, runs: dict) -> list[dict]:
     return out
 
 
+def probe_rows() -> dict:
+    """evict_first_probe's read-only graphs -> {MB read: (the least dirty - clean over its cache policies, the least
+    dirty µs)}: what a launch that only reads that many bytes paid after do_bench's flush."""
+    with open(os.path.join(RESULTS, PROBE)) as f:
+        rows = json.load(f)["rows"]
+    out = {}
+    for r in rows:
+        back, us = out.get(r["mb"], (float("inf"), float("inf")))
+        out[r["mb"]] = (min(back, r["dirty_us"] - r["clean_us"]), min(us, r["dirty_us"]))
+    return out
+
+
 def fixed_bounds(run: dict) -> tuple[float, list[dict]]:
     """Per T <= 128 row with a flush_mode measurement: the most % of roofline its fixed costs leave (docstring)
     -> (the fastest streaming seen, as a multiple of the floor's rate, and the rows). The roofline's copy ceiling
     counts bytes read and written; the weight-streaming rows read, and some ran above 100% of roofline, so the bound
-    lets the layer stream as fast as the fastest such row of the run did net of its own fixed costs."""
+    lets the layer stream as fast as the fastest such row of the run did net of its own fixed costs. Where the
+    evict-first probe read about the row's bytes (within 15%), its least write-back gives a second bound
+    (bound_hint: the hint spares part of it), and its least dirty time a measured one (probe_pct: a launch that only
+    read those bytes)."""
     with open(os.path.join(RESULTS, PARTS)) as f:
         empties = sorted(r["empty"] for r in json.load(f))
     empty = empties[len(empties) // 2]
     with open(os.path.join(RESULTS, FLUSH)) as f:
         flush = [(m, run[(m["preset"], m["scheme"], m["T"])]) for m in json.load(f)
                  if (m["preset"], m["scheme"], m["T"]) in run]
+    probes = probe_rows()
     back = lambda m: max(0.0, m["dirty"] - m["clean"])
     stream = max(r["floor_us"] / (r["layer_graph_us"] - empty - back(m)) for m, r in flush if m["T"] >= 16)
     out = []
     for m, r in flush:
         floor = r["floor_us"]
-        out.append(dict(preset=m["preset"], scheme=m["scheme"], T=m["T"], floor=floor, empty=empty,
-                        write_back=back(m), bound=100 * floor / (floor / stream + empty + back(m)),
-                        bound_clean=100 * floor / (floor / stream + empty), pct=100 * floor / r["layer_graph_us"]))
+        mb = float(r["gbs"]) * r["layer_graph_us"] * 1e-3 if r.get("gbs") else None  # GB/s x µs = kB
+        probe = next((v for k, v in probes.items() if mb and abs(k - mb) <= 0.15 * k), None)
+        least = back(m) if probe is None else min(back(m), max(0.0, probe[0]))
+        out.append(dict(preset=m["preset"], scheme=m["scheme"], T=m["T"], floor=floor, mb=mb, empty=empty,
+                        write_back=back(m), least_back=least, bound=100 * floor / (floor / stream + empty + back(m)),
+                        bound_hint=100 * floor / (floor / stream + empty + least),
+                        bound_clean=100 * floor / (floor / stream + empty),
+                        probe_pct=None if probe is None else 100 * floor / probe[1],
+                        pct=100 * floor / r["layer_graph_us"]))
     return stream, out
 
 
@@ -124,11 +151,14 @@ def main():
     print(f"\nFixed costs at T <= 128: the most % of roofline a layer can reach that streams its bytes at "
           f"{stream:.3f}x the roofline's rate (the fastest of this run's rows, net of their fixed costs) and does "
           "nothing else:\n")
-    print("| row | floor µs | empty graph µs | flush write-back µs | bound, do_bench | bound, clean flush | measured |")
-    print("|---|---|---|---|---|---|---|")
+    print("| row | MB | floor µs | empty graph µs | write-back µs (least with evict-first) | bound, do_bench "
+          "(with evict-first) | bound, clean flush | read-only probe | measured |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b in bounds:
-        print(f"| {b['preset']} {b['scheme']} T={b['T']} | {b['floor']:.1f} | {b['empty']:.1f} | {b['write_back']:.1f} "
-              f"| {b['bound']:.1f} | {b['bound_clean']:.1f} | {b['pct']:.1f} |")
+        probe = "-" if b["probe_pct"] is None else f"{b['probe_pct']:.1f}"
+        print(f"| {b['preset']} {b['scheme']} T={b['T']} | {b['mb']:.0f} | {b['floor']:.1f} | {b['empty']:.1f} | "
+              f"{b['write_back']:.1f} ({b['least_back']:.1f}) | {b['bound']:.1f} ({b['bound_hint']:.1f}) | "
+              f"{b['bound_clean']:.1f} | {probe} | {b['pct']:.1f} |")
     print(f"\nProfiled rows ({KERNELS}; device µs, eager, one call):\n")
     print("| row | graph µs | GEMMs | other kernels | GEMMs that 60% leaves (this run's floor) |")
     print("|---|---|---|---|---|")
