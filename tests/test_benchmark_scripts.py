@@ -75,6 +75,7 @@ def test_target_gaps_bounds_hold_for_every_measured_row(monkeypatch):
     missed rows is the run's rows under 60% or over their anchor, and no other."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "experiments"))
     import glob
+    import math
     import os
 
     import target_gaps as tg
@@ -89,6 +90,9 @@ def test_target_gaps_bounds_hold_for_every_measured_row(monkeypatch):
         assert bounds and all(b["pct"] <= b["bound"] + 1e-6 for b in bounds), path
         assert all(b["bound"] <= b["bound_hint"] + 1e-9 <= b["bound_clean"] + 2e-9 for b in bounds), path
     run = tg.read_run(os.path.join(tg.RESULTS, tg.RUN))
+    g = tg.geomean_need(run, tg.fixed_bounds(run)[1])  # the capped rows at their bounds and the rest at the need: 85%
+    total = sum(math.log(v) for v in g["capped"].values()) + g["rest"] * math.log(g["rest_need"])
+    assert g["capped"] and abs(total / (len(g["capped"]) + g["rest"]) - math.log(85.0)) < 1e-9
     want = {k for k, r in run.items() if r["floor_us"] / r["layer_graph_us"] < 0.6
             or (r["anchor_us"] is not None and r["layer_graph_us"] > r["anchor_us"])}
     assert {(m["preset"], m["scheme"], m["T"]) for m in tg.missed(run, tg.spread())} == want
