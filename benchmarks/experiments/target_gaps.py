@@ -127,7 +127,7 @@ def profiled(run: dict) -> list[dict]:
         p, s, t = name.split()
         r = run.get((p, s, int(t.split("=")[1])))
         if r is None or r["T"] in ("1", "16", "128") or 100 * r["floor_us"] / r["layer_graph_us"] >= 60:
-            continue  # the rows above 1024 that miss 60% (the one-launch layer at T = 1 is one kernel)
+            continue  # the T >= 1024 rows under 60% (at T = 1 the layer after routing is one kernel)
         gemm = sum(us for k, us, _ in rec["kernels"] if any(g in k for g in GEMMS))
         other = rec["total_kernel_us"] - gemm
         launch = max(0.0, rec["graph_us"] - rec["total_kernel_us"])
