@@ -121,9 +121,14 @@ def gemm_runner(gemm: str, w, scheme: str):
                                                 torch.bfloat16, cfg, poison=poison)
 
 
+def as_bytes(t):
+    """fp8 tensors as their uint8 bytes (the same storage), others as they are: float8 indexing and comparison
+    kernels are missing in some torch builds."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def same_bits(got, want, valid) -> bool:
     """Whether two equally long tuples of output tensors (such as (out, out scale or None)) agree bit for bit on the
     valid rows; fp8 compared as bytes, None entries of got skipped."""
-    as_bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t
-    return all(torch.equal(as_bits(g)[valid], as_bits(x)[valid]) for g, x in zip(got, want, strict=True)
+    return all(torch.equal(as_bytes(g)[valid], as_bytes(x)[valid]) for g, x in zip(got, want, strict=True)
                if g is not None)

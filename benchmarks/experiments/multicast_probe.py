@@ -227,12 +227,12 @@ def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tile
         gl.store(out + offs, buf.index(0).load(lay), mask=offs < never)
 
 
-def _descs(a, b, bm, bn, bk, a_rows=None):
+def _descs(a, b, bm, bn, bk, split_a=False):
     """TMA descriptors over the byte views (fp8 typed: the swizzle then matches a GEMM's of the same row bytes).
-    a_rows: the A box's rows (BM unless given)."""
+    split_a (_constexprs' SPLIT_A): the A box is BM / 2 rows, copied twice a step."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     av, bv = a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn)
-    ar = a_rows or bm
+    ar = bm // 2 if split_a else bm
     return (TensorDescriptor.from_tensor(av, [ar, bk], smem_layout((ar, bk), "float8e4nv")),
             TensorDescriptor.from_tensor(bv, [bn, bk], smem_layout((bn, bk), "float8e4nv")),
             TensorDescriptor.from_tensor(bv, [bn // 2, bk], smem_layout((bn // 2, bk), "float8e4nv")))
@@ -255,10 +255,10 @@ def compile_ptx(case, form: str, image: bool = False):
     bk = bk_elems * elem
     a = torch.empty(M, K_BYTES, dtype=torch.uint8)
     b = torch.empty(N, K_BYTES, dtype=torch.uint8)
-    descs = _descs(a, b, bm, bn, bk, bm // 2 if form == "own-split" else bm)
+    const = _constexprs(bm, bn, bk, stages, form, image)
+    descs = _descs(a, b, bm, bn, bk, const["SPLIT_A"])
     sig = {name: mangle_type(d) for name, d in zip(("a_desc", "b_desc", "bh_desc"), descs)}
     sig |= dict(flag_ptr="*i32", img_ptr="*i8", m_pairs="i32", n_tiles="i32", k_steps="i32", never="i32")
-    const = _constexprs(bm, bn, bk, stages, form, image)
     const.pop("num_warps")
     sig |= {k: "constexpr" for k in const}
     return triton.compile(GluonASTSource(fn=_mc_loads_kernel, signature=sig, constexprs=const),
@@ -286,13 +286,13 @@ def _launcher(case, form: str, image: bool, programs: int, sizes=(M, N, K_BYTES)
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randint(0, 256, (m, k_bytes), dtype=torch.uint8, device="cuda", generator=g)
     b = torch.randint(0, 256, (n, k_bytes), dtype=torch.uint8, device="cuda", generator=g)
-    descs = _descs(a, b, bm, bn, bk, bm // 2 if form == "own-split" else bm)
+    const = _constexprs(bm, bn, bk, stages, form, image)
+    descs = _descs(a, b, bm, bn, bk, const["SPLIT_A"])
     ring = stages * (bm + bn) * bk
     flag = torch.zeros(programs, dtype=torch.int32, device="cuda")
     img = torch.zeros((programs, ring), dtype=torch.uint8, device="cuda")
     m_pairs, n_tiles, k_steps = m // bm // 2, n // bn, k_bytes // bk
     args = (*descs, flag, img, m_pairs, n_tiles, k_steps, 0)
-    const = _constexprs(bm, bn, bk, stages, form, image)
     kernel = _mc_loads_kernel.warmup(*args, grid=(1,), **const)
     cluster = const["CLUSTER"]
     if cluster:  # a two-CTA cluster launch: the launcher multiplies the grid by num_ctas

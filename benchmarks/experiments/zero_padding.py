@@ -35,7 +35,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_case import gemm_rows, gemm_runner, preset_weights, same_bits  # noqa: E402
+from _gemm_case import as_bytes, gemm_rows, gemm_runner, preset_weights, same_bits  # noqa: E402
 from power_clocks import smi_window, start_smi, sustained  # noqa: E402
 
 from moeflow.kernels.common import RowLayout  # noqa: E402
@@ -46,11 +46,6 @@ ROWS = ["deepseek-v3:none:4096:gate_up", "deepseek-v3:none:4096:down", "deepseek
 FORMS = ("packed", "aligned", "zeros")
 ROUNDS, REP_MS = int(os.environ.get("ROUNDS", 2)), float(os.environ.get("REP_MS", 100))
 SETTLE_S, RUN_S = float(os.environ.get("SETTLE_S", 1)), float(os.environ.get("RUN_S", 2))  # power_clocks': 3 and 3
-
-
-def _bytes(t):
-    """fp8 tensors as their uint8 bytes (the same storage), others as they are."""
-    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def aligned_rows(a, a_scale, layout: RowLayout, route_w, block_m: int):
@@ -70,7 +65,7 @@ def aligned_rows(a, a_scale, layout: RowLayout, route_w, block_m: int):
     expert = torch.searchsorted(off[1:], rows, right=True)
     dest = off2[expert] + rows - off[expert]
     a2 = torch.zeros((r2, a.shape[1]), dtype=a.dtype, device=a.device)
-    _bytes(a2)[dest] = _bytes(a[:n])  # fp8 moved as bytes: indexing float8 is not implemented in every torch
+    as_bytes(a2)[dest] = as_bytes(a[:n])
     s2 = None
     if a_scale is not None:
         s2 = torch.ones((r2, a_scale.shape[1]), dtype=a_scale.dtype, device=a.device)
@@ -104,7 +99,7 @@ def run_row(spec: str, weights: dict, dev) -> dict:
     n = int(ins[2].meta[-1])
     packed, aligned = run(inputs["packed"], cfg), run(inputs["aligned"], cfg)
     torch.cuda.synchronize()
-    at = lambda outs, idx: tuple(None if o is None else _bytes(o)[idx] for o in outs)
+    at = lambda outs, idx: tuple(None if o is None else as_bytes(o)[idx] for o in outs)
     blocks = [int(block_table_torch(inputs[f][2], cfg.block_m)[1]) for f in ("packed", "aligned")]
     rec = dict(cfg=str(cfg), bit_equal=same_bits(at(aligned, dest), at(packed, slice(0, n)), slice(None)),
                rows=n, aligned_rows=int(inputs["aligned"][2].rows), row_blocks=blocks)
