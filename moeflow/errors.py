@@ -116,7 +116,7 @@ _spec("MF104", ConfigError, "unsupported layer dtype",
 What: the layer's activation dtype (the dtype of hidden_states and of the output) must be a
 floating type moeflow computes in: bfloat16, float16 or float32. FP8 is a quantization scheme,
 not a layer dtype.
-When: building the configuration.
+When: building the configuration, or converting a built layer (moe.to(device or dtype), .cuda(), .half(), ...).
 Fix: pass dtype=torch.bfloat16 (the usual choice on GPUs) and quant="fp8-..." for FP8 weights.
 Example: MoE(..., dtype=torch.bfloat16, quant="fp8-block")
 """)
@@ -134,7 +134,7 @@ _spec("MF106", ConfigError, "invalid device",
       """
 What: the layer's device cannot be used: the string does not parse, or names an accelerator
 this machine does not have (torch.cuda.is_available() is False).
-When: building the configuration.
+When: building the configuration, or converting a built layer (moe.to(device or dtype), .cuda(), .half(), ...).
 Fix: pass device="cpu", or "cuda" / "cuda:N" on a machine with a GPU.
 Example: MoE(..., device="cuda:0")
 """)
@@ -164,7 +164,7 @@ _spec("MF202", UnsupportedError, "runner does not support the quantization schem
       """
 What: the chosen expert runner has no kernels for this quantization scheme on this device kind
 (for example torch._scaled_grouped_mm has no fp8 block-scale mode and no CPU kernel).
-When: building the layer.
+When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...).
 Fix: choose one of the listed runners, or runner="auto", or another scheme.
 Example: MoE(..., quant="fp8-block", runner="reference")
 """)
@@ -173,7 +173,7 @@ _spec("MF203", UnsupportedError, "backend does not run on this device kind",
       """
 What: the backend declares the device types it runs on and the layer's device is not one of them
 (for example the Triton runner needs CUDA; the reference runner runs anywhere).
-When: building the layer.
+When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...).
 Fix: move the layer to a supported device or choose another backend ("auto" picks a valid one).
 Example: MoE(..., device="cpu", runner="grouped_mm")
 """)
@@ -182,7 +182,7 @@ _spec("MF204", UnsupportedError, "compute capability too low",
       """
 What: the kernels need newer GPU hardware: FP8 tensor-core instructions need compute capability
 8.9 (Ada) or 9.0 (Hopper); torch._scaled_grouped_mm needs 9.0.
-When: building the layer on an older GPU.
+When: building the layer on an older GPU, or moving a built layer to one (moe.to(...)).
 Fix: use quant="none" (bf16/fp16), the reference runner, or a newer GPU.
 Example: MoE(..., quant="none", dtype=torch.bfloat16)
 """)
@@ -190,7 +190,7 @@ _spec("MF205", UnsupportedError, "optional package missing",
       "{kind} {name!r} needs the package {package!r}, which is not importable: {why}",
       """
 What: the backend depends on an optional Python package that is not installed (or fails to import).
-When: building the layer.
+When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...).
 Fix: install the package (for the Triton runner: pip install triton) or choose another backend.
 Example: pip install "triton>=3.4"
 """)
@@ -202,7 +202,7 @@ intermediate_size divisible by 128 (its 128x128 weight blocks and 1x128 activati
 torch grouped GEMMs need row strides that are multiples of 16 bytes. The triton router holds all
 experts of a token in registers (at most 1024; grouped selection needs a power-of-two count): the
 plan then routes with the torch router and lists this code among the skipped candidates.
-When: building the layer.
+When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...).
 Fix: choose a scheme or runner without the constraint (the reference runner has none), or pad
 the model's sizes. A router refusal needs no fix: the torch router routes any expert count.
 Example: MoE(hidden_size=7168, intermediate_size=2048, quant="fp8-block", ...)
@@ -211,7 +211,7 @@ _spec("MF207", UnsupportedError, "runner does not support the layer dtype",
       "runner {runner!r} does not support dtype {dtype} on {device}; supported: {valid}",
       """
 What: the runner's kernels exist only for some activation dtypes on this device kind.
-When: building the layer.
+When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...).
 Fix: use one of the listed dtypes or another runner.
 Example: MoE(..., dtype=torch.bfloat16)
 """)
@@ -221,7 +221,7 @@ _spec("MF208", UnsupportedError, "dispatcher does not fit the process group",
 What: the dispatcher needs a different world: "local" serves a single process (expert-parallel
 world size 1); the expert-parallel dispatchers need torch.distributed to be initialized and a
 process group of size > 1.
-When: building the layer.
+When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...).
 Fix: use dispatcher="auto", or start the program with torchrun and pass process_group=.
 Example: torchrun --nproc-per-node 2 app.py   # then MoE(..., dispatcher="alltoall")
 """)
@@ -230,7 +230,7 @@ _spec("MF209", UnsupportedError, "no valid plan",
       """
 What: "auto" found no backend whose declared capabilities cover the configuration on this machine;
 the message lists each candidate with the code that refused it.
-When: building the layer with runner="auto" or dispatcher="auto".
+When: building the layer with runner="auto" or dispatcher="auto", or converting it (moe.to(...)).
 Fix: read the codes listed for each candidate (moeflow explain CODE) and change the configuration.
 Example: moeflow check --preset small --quant fp8-block --device cpu
 """)
@@ -326,7 +326,7 @@ _spec("MF401", WeightError, "missing weight",
       "load_weights is missing {names}; expected names: {valid}",
       """
 What: a weight the layer needs was not given (with strict=True).
-When: calling load_weights().
+When: calling load_weights(), or load_state_dict() with the layer's expert weights.
 Fix: pass Hugging Face names and layouts: gate_up_proj [E, 2I, H] (gate rows first),
 down_proj [E, H, I], and the layer's optional tensors; or pass strict=False to keep the current values.
 Example: moe.load_weights({"gate_up_proj": w13, "down_proj": w2})
@@ -335,7 +335,7 @@ _spec("MF402", WeightError, "weight has the wrong shape",
       "{name} has shape {shape}; expected {expected}",
       """
 What: a weight does not have the layout moeflow expects (Hugging Face's fused layout).
-When: calling load_weights().
+When: calling load_weights(), or load_state_dict() with the layer's expert weights.
 Fix: gate_up_proj is [E, 2I, H] with the gate rows first; down_proj is [E, H, I]; FP8 block
 scales are [E, ceil(N/128), ceil(K/128)] for a weight [E, N, K]. Stack per-expert weights first:
 torch.stack([torch.cat([w1, w3]) for w1, w3 in ...]).
@@ -355,7 +355,7 @@ _spec("MF404", WeightError, "bad weight dtype or scale",
       """
 What: a weight's dtype cannot be loaded: an FP8 weight needs its *_scale_inv beside it, a scale
 must be floating, a high-precision weight must be a floating tensor.
-When: calling load_weights().
+When: calling load_weights(), or load_state_dict() with the layer's expert weights.
 Fix: pass float8_e4m3fn weights together with their *_scale_inv tensors, or high-precision weights.
 Example: moe.load_weights({"gate_up_proj": q, "gate_up_proj_scale_inv": s, ...})
 """)

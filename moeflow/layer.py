@@ -31,7 +31,7 @@ from .layouts import run_in_layout
 from .planner import plan as make_plan
 from .quant import create_scheme
 from .routing import create_router
-from .weights import load_layer_weights
+from .weights import EXPERT_NAMES, load_expert_weight, load_layer_weights
 
 
 class MoE(nn.Module):
@@ -57,17 +57,7 @@ class MoE(nn.Module):
             config = MoEConfig(**fields)
         elif fields:
             config = config.replace(**fields)
-        self.config = config
-        world = _world_size(process_group)
-        self.environment = Environment.detect(config.device, world)
-        self.plan = make_plan(config, self.environment)
-        self.scheme = create_scheme(self.plan.scheme)
-        self.router = create_router(config, self.plan.router)
-        self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme, process_group,
-                                            indexed_rows=self.plan.indexed_rows)
-        self.runner = create_runner(self.plan.runner, config, self.scheme)
-        self.local_experts = self.dispatcher.local_experts
-        self._graphs = GraphCache(self.plan.graph_safe)  # eager calls of small batches replayed (moeflow.graphs)
+        self.__dict__.update(_built(config, process_group))
         self._make_parameters()
         if init_weights:
             self.reset_parameters()
@@ -76,6 +66,59 @@ class MoE(nn.Module):
     def __setstate__(self, state):  # copies (copy.deepcopy) and unpickled layers: their own keys in moeflow.ops
         super().__setstate__(state)
         self._register_ops()
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module's .to(device / dtype), .cuda(), .cpu(), .half(), .bfloat16(), .float(), .to_empty(): the layer is
+        planned again for the device and dtype ``fn`` gives a floating tensor, with construction's checks and coded
+        errors (MF104, MF106, MF2xx), raised before any tensor moves. The FP8 weights and the float32 scales and
+        correction bias move but keep their dtypes (a plain nn.Module would round them to the new dtype)."""
+        cfg = self.config
+        probe = fn(torch.empty(0, dtype=cfg.dtype, device=cfg.device))
+        rebuilt = None
+        if (probe.dtype, probe.device) != (cfg.dtype, cfg.device):
+            rebuilt = _built(cfg.replace(dtype=probe.dtype, device=probe.device), self.dispatcher.process_group)
+        keep = {id(t) for t in self._stored_dtypes()}
+
+        def convert(t: Tensor) -> Tensor:
+            if id(t) in keep:
+                target = fn(t.new_empty(0))
+                if target.dtype != t.dtype:
+                    return t.to(device=target.device)
+            return fn(t)
+
+        super()._apply(convert, recurse)
+        if rebuilt is not None:
+            self.__dict__.update(rebuilt)
+            self._register_ops()
+        return self
+
+    def _stored_dtypes(self) -> list[Tensor]:
+        """The parameters whose dtype is the scheme's, not the layer dtype's: FP8 weights, their float32 scales,
+        the float32 correction bias."""
+        names = ["e_score_correction_bias"]
+        if self.scheme.quantized:
+            names += ["gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"]
+        return [t for t in (getattr(self, n) for n in names) if t is not None]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """load_state_dict: the expert weights go through load_weights' conversions (moeflow.weights), so a
+        high-precision checkpoint quantizes into an FP8 layer, an FP8 one of another scheme is requantized, an FP8
+        one dequantizes into a layer without FP8, and all E experts give an expert-parallel rank its own; torch's
+        plain copy would round the values into the parameter's dtype and keep stale scales. Misshaped or
+        scale-less FP8 weights raise MF402 / MF404."""
+        own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
+        for name in EXPERT_NAMES:
+            if prefix + name in own:
+                load_expert_weight(self, name, own[prefix + name], own.get(prefix + name + "_scale_inv"))
+                own[prefix + name] = getattr(self, name).detach()  # stored: torch's copy below is of itself
+                scale = getattr(self, name + "_scale_inv")
+                if scale is not None:
+                    own[prefix + name + "_scale_inv"] = scale.detach()
+                else:
+                    own.pop(prefix + name + "_scale_inv", None)
+        super()._load_from_state_dict(own, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _register_ops(self) -> None:
         """Make this layer's eager forwards callable by torch.compile's op (moeflow.ops)."""
@@ -248,6 +291,19 @@ class _SharedMLP(nn.Module):
         """x [T, H] -> [T, H] float32 (the intermediate rounded to the layer dtype, as routed experts)."""
         h = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
         return F.linear(gated_activation(h, activation).to(x.dtype), self.down_proj.weight).float()
+
+
+def _built(config: MoEConfig, process_group) -> dict:
+    """Plan ``config`` and create its backends -> the layer attributes they set. Nothing is set here, so a
+    refusal (a coded error) leaves a layer being converted (MoE._apply) as it was."""
+    environment = Environment.detect(config.device, _world_size(process_group))
+    plan = make_plan(config, environment)
+    scheme = create_scheme(plan.scheme)
+    dispatcher = create_dispatcher(plan.dispatcher, config, scheme, process_group, indexed_rows=plan.indexed_rows)
+    return dict(config=config, environment=environment, plan=plan, scheme=scheme,
+                router=create_router(config, plan.router), dispatcher=dispatcher,
+                runner=create_runner(plan.runner, config, scheme), local_experts=dispatcher.local_experts,
+                _graphs=GraphCache(plan.graph_safe))  # eager calls of small batches replayed (moeflow.graphs)
 
 
 # ---------------------------------------------------------------- input validation

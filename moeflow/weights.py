@@ -59,10 +59,10 @@ def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
         if unknown:
             raise error("MF403", names=unknown, valid=valid)
     cfg = layer.config
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    for name, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+    e, h = cfg.num_experts, cfg.hidden_size
+    for name in EXPERT_NAMES:
         if name in state:
-            _load_expert(layer, name, state[name], state.get(name + "_scale_inv"), n, k)
+            load_expert_weight(layer, name, state[name], state.get(name + "_scale_inv"))
     if "e_score_correction_bias" in state and layer.e_score_correction_bias is not None:
         bias = state["e_score_correction_bias"]
         _expect_shape("e_score_correction_bias", bias, (e,))
@@ -85,8 +85,13 @@ def _expect_shape(name: str, t: Tensor, shape: tuple) -> None:
         raise error("MF402", name=name, shape=tuple(t.shape), expected=list(shape))
 
 
-def _load_expert(layer, name: str, w: Tensor, scale: Tensor | None, n: int, k: int) -> None:
+def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> None:
+    """Store one expert weight of ``name`` (gate_up_proj [E or E_local, 2I, H], down_proj [E or E_local, H, I]) and
+    its optional ``scale`` (``name``_scale_inv) in ``layer``, converted to the layer's scheme (see the module
+    docstring); MF402 / MF404 where that cannot be done."""
     cfg = layer.config
+    n, k = {"gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
+            "down_proj": (cfg.hidden_size, cfg.intermediate_size)}[name]
     e_all, local = cfg.num_experts, layer.local_experts
     if w.dim() != 3 or tuple(w.shape[1:]) != (n, k) or w.shape[0] not in (e_all, len(local)):
         raise error("MF402", name=name, shape=tuple(w.shape), expected=f"[{e_all} (or local {len(local)}), {n}, {k}]")

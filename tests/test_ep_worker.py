@@ -171,6 +171,8 @@ def suite(world):
         tokens_for(c, "ds"), num_experts=16, top_k=4, scoring="sigmoid", num_expert_groups=4, topk_groups=2,
         use_correction_bias=True, routed_scaling_factor=2.5, num_shared_experts=1, shared_intermediate_size=64,
         dispatcher="alltoall", runner="reference", dtype=torch.float32)))
+    for d, r, s in (("alltoall", "grouped_mm", "none"), ("alltoall-p2p", "reference", "fp8-block")):
+        checks.append((f"converted-{d}-{s}", lambda c, d=d, r=r, s=s: check_converted(c, d, r, s)))
     checks.append(("compiled-alltoall", check_compiled))
     checks.append(("auto-picks-alltoall", check_auto))
     checks.append(("mismatch-MF501", check_mismatch))
@@ -214,6 +216,22 @@ def check_pieces(c, most):
         assert ep.dispatcher.combine_chunks == most
     finally:
         alltoall_fixed.COMBINE_CHUNKS = saved
+
+
+def check_converted(c, d, r, s):
+    """ep.float() then ep.bfloat16() on every rank: the layer is planned again in its group each time (a new
+    dispatcher, the same experts; FP8 weights stay FP8, bf16 ones round-trip exactly), and computes in float32, then
+    the bits it computed before. (bf16 against float32 is no check of an FP8 layer: rounding x to bf16 before its
+    FP8 quantization moves some values a whole FP8 step, ~3e-2 in one process.)"""
+    ep, x, logits, want = c.compare(tokens_for(c, "conv" + d), dispatcher=d, runner=r, quant=s, dtype=torch.bfloat16)
+    experts, dispatcher, w13 = ep.local_experts, ep.dispatcher, ep.gate_up_proj.dtype
+    ep.float()
+    assert ep.dispatcher is not dispatcher and ep.plan.dispatcher == d and ep.local_experts == experts, ep.plan
+    assert ep.gate_up_proj.dtype == (w13 if s != "none" else torch.float32)
+    assert ep(x.float(), logits).dtype == torch.float32
+    ep.bfloat16()
+    assert ep.gate_up_proj.dtype == w13 and ep.config.dtype == torch.bfloat16
+    assert torch.equal(ep(x, logits), want)
 
 
 def check_compiled(c):

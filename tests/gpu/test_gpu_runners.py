@@ -5,7 +5,7 @@
 import pytest
 import torch
 
-from oracle import assert_close, layer_oracle
+from oracle import assert_close, layer_oracle, route_for
 from tolerances import rel_tol
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -40,3 +40,27 @@ def test_auto_prefers_triton(make_layer):
     for scheme in ("none", "fp8-tensor", "fp8-channel", "fp8-block"):
         layer = make_layer(**SHAPE, quant=scheme, dtype=torch.bfloat16, device="cuda")
         assert layer.plan.runner == "triton", layer.plan
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-tensor", "fp8-channel", "fp8-block"])
+def test_layer_built_on_cpu_moves_to_cuda(make_layer, poison, scheme):
+    """A layer built and loaded on the CPU, then .to("cuda", bfloat16) as a transformers model is: planned again
+    there ("auto" now takes triton), FP8 weights and scales still FP8 / float32, outputs right; and back to the CPU."""
+    layer = make_layer(**SHAPE, quant=scheme, dtype=torch.float32)
+    assert layer.plan.runner != "triton"
+    fp8 = layer.gate_up_proj.dtype
+    layer.to("cuda", torch.bfloat16)
+    assert layer.plan.runner == "triton" and layer.config.device.type == "cuda", layer.plan
+    assert layer.gate_up_proj.dtype == fp8 and layer.gate_up_proj.is_cuda
+    for t in (1, 40):
+        x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(t, 8, device="cuda")
+        ids, w = route_for(layer.config, logits)
+        out = layer(x, logits)
+        assert_close(out, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} T={t} on cuda")
+    layer.cpu()
+    assert layer.config.device.type == "cpu" and layer.plan.runner != "triton"
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    logits = torch.randn(5, 8)
+    ids, w = route_for(layer.config, logits)
+    assert_close(layer(x, logits), layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} on cpu")
