@@ -102,3 +102,17 @@ def test_fp8_block_refuses_unaligned_sizes(h, i, bad, runner):
         MoE(num_experts=7, hidden_size=h, intermediate_size=i, top_k=2, quant="fp8-block", runner=runner)
     assert info.value.code == "MF206" and isinstance(info.value, ValueError)
     assert bad in str(info.value) and "128" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype,h,i,bad", ((torch.bfloat16, 100, 64, "hidden_size=100"),
+                                           (torch.float16, 64, 20, "intermediate_size=20"),
+                                           (torch.float32, 64, 6, "intermediate_size=6")))
+def test_cpu_grouped_mm_refuses_rows_of_no_16_bytes(dtype, h, i, bad, make_layer, poison):
+    """torch._grouped_mm on the CPU needs 16-byte rows (each GEMM's K): named, refused at build (MF206); "auto" then
+    takes the reference runner, which runs the layer right."""
+    with pytest.raises(MoeflowError) as info:
+        MoE(num_experts=4, hidden_size=h, intermediate_size=i, top_k=2, dtype=dtype, runner="grouped_mm")
+    assert info.value.code == "MF206" and bad in str(info.value)
+    layer = make_layer(num_experts=4, hidden_size=h, intermediate_size=i, top_k=2, dtype=dtype)
+    assert layer.plan.runner == "reference", layer.plan
+    run_edge(layer, 9, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..capabilities import ALL_FLOAT, RunnerCaps, Support
+from ..capabilities import RunnerCaps, Support
 from ..layouts import SORTED, ExpertBatch
 from ..quant import row_local
 from .base import ExpertRunner, ExpertWeights, empty_output, gated_activation
@@ -23,7 +23,10 @@ class GroupedMMRunner(ExpertRunner):
     caps = RunnerCaps(
         layouts=(SORTED,),
         support=(
-            Support("cpu", frozenset({"none"}), ALL_FLOAT),
+            # torch._grouped_mm on CPU too needs 16-byte row strides: hidden_size and intermediate_size
+            # (the two GEMMs' K) multiples of 4 fp32 / 8 bf16 or fp16 elements, else it raises at run time
+            Support("cpu", frozenset({"none"}), frozenset({torch.float32}), align=4),
+            Support("cpu", frozenset({"none"}), frozenset({torch.bfloat16, torch.float16}), align=8),
             # CUDA: 16-byte aligned rows (8 bf16 / 16 fp8 elements); CUTLASS grouped GEMM on sm90.
             Support("cuda", frozenset({"none"}), frozenset({torch.bfloat16}), min_cc=(9, 0), max_cc=(9, 0), align=8),
             Support("cuda", _FP8_ROWWISE, frozenset({torch.bfloat16}), min_cc=(9, 0), max_cc=(9, 0), align=16),
