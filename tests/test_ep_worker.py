@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import json
 import os
+import random
 import sys
 import time
 import traceback
@@ -173,6 +174,10 @@ def suite(world):
         dispatcher="alltoall", runner="reference", dtype=torch.float32)))
     for d, r, s in (("alltoall", "grouped_mm", "none"), ("alltoall-p2p", "reference", "fp8-block")):
         checks.append((f"converted-{d}-{s}", lambda c, d=d, r=r, s=s: check_converted(c, d, r, s)))
+    rng = random.Random(world)  # the same draws on every rank
+    for n in range(RANDOM_CONFIGS):
+        checks.append((f"random-{n}", lambda c, f=random_config(rng, world), t=random_tokens(rng, world):
+                       check_random(c, t, f)))
     checks.append(("compiled-alltoall", check_compiled))
     checks.append(("auto-picks-alltoall", check_auto))
     checks.append(("mismatch-MF501", check_mismatch))
@@ -191,6 +196,39 @@ def suite(world):
     checks.append(("fp8-payload-config-fp8-tensor-MF506", lambda c: c.expect(
         "MF506", lambda: MoE(**BASE, quant="fp8-tensor", runner="reference", dispatch_payload="fp8"))))
     return checks
+
+
+RANDOM_CONFIGS = 16
+# what the planner may answer a random draw with (a refusal at build is the promise kept; any other error is not)
+PLANNER_CODES = {"MF202", "MF203", "MF205", "MF206", "MF207", "MF208", "MF209", "MF504"}
+
+
+def random_config(rng, world):
+    """Layer fields of one random expert-parallel draw: dispatcher, runner, scheme, dtype, sizes (odd ones where
+    the scheme allows), expert count, placement (a rank may own no expert), shared experts."""
+    e = rng.choice([world, 2 * world, 5, 12])
+    scheme = rng.choice(SCHEMES)
+    block = scheme == "fp8-block"
+    f = dict(num_experts=e, top_k=rng.randint(1, min(e, 4)), quant=scheme, dispatcher=rng.choice(DISPATCHERS),
+             runner=rng.choice(["auto", "reference", "grouped_mm"]), dtype=rng.choice([torch.float32, torch.bfloat16]),
+             hidden_size=rng.choice([128, 256] if block else [64, 72, 128]),
+             intermediate_size=rng.choice([128, 256] if block else [16, 24, 40]),
+             max_tokens_per_rank=rng.choice([8, 32]),
+             placement=tuple(rng.randrange(world) for _ in range(e)) if rng.random() < 0.5 else None)
+    if rng.random() < 0.3:
+        f.update(num_shared_experts=1, shared_intermediate_size=16)
+    return f
+
+
+def random_tokens(rng, world):
+    return [rng.choice([0, 1, 3, 8]) for _ in range(world)]
+
+
+def check_random(c, tokens, fields):
+    try:
+        c.compare(tokens, **fields)
+    except MoeflowError as exc:
+        assert exc.code in PLANNER_CODES, f"{fields}: {exc}"
 
 
 def check_halves(c, d, **fields):
