@@ -73,9 +73,10 @@ class MoE(nn.Module):
         errors (MF104, MF106, MF2xx), raised before any tensor moves. The FP8 weights and the float32 scales and
         correction bias move but keep their dtypes (a plain nn.Module would round them to the new dtype)."""
         cfg = self.config
-        probe = fn(torch.empty(0, dtype=cfg.dtype, device=cfg.device))
+        here = torch.empty(0, dtype=cfg.dtype, device=cfg.device)  # device "cuda" reads as cuda:N here
+        probe = fn(here)
         rebuilt = None
-        if (probe.dtype, probe.device) != (cfg.dtype, cfg.device):
+        if (probe.dtype, probe.device) != (here.dtype, here.device):
             rebuilt = _built(cfg.replace(dtype=probe.dtype, device=probe.device), self.dispatcher.process_group)
         keep = {id(t) for t in self._stored_dtypes()}
 
