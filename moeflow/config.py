@@ -6,6 +6,7 @@ routed expert, E num_experts, K top_k, E_local experts on this rank, W expert-pa
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -34,6 +35,27 @@ def parse_dtype(value) -> torch.dtype:
     if name not in DTYPES:
         raise error("MF104", value=value, valid=list(DTYPES))
     return DTYPES[name]
+
+
+SWITCHES = ("renormalize", "use_correction_bias", "shared_expert_gate")
+
+
+def _placement(value, num_experts) -> tuple[int, ...]:
+    """An expert -> rank placement as a tuple of num_experts non-negative ints (which ranks exist is the
+    dispatcher's check: dispatch/_ep_base.expert_placement); else MF504."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise error("MF504", why=f"is {value!r}: it must be a sequence of ranks, one per expert")
+    ranks = []
+    for r in value:
+        try:
+            ranks.append(operator.index(r))  # ints (numpy's too); 0.5 or "1" are not ranks
+        except TypeError:
+            raise error("MF504", why=f"has the entry {r!r}: ranks are integers") from None
+    if len(ranks) != num_experts:
+        raise error("MF504", why=f"has {len(ranks)} entries; it needs one per expert (num_experts={num_experts})")
+    if min(ranks, default=0) < 0:
+        raise error("MF504", why=f"names rank {min(ranks)}; ranks are >= 0")
+    return tuple(ranks)
 
 
 def parse_device(value) -> torch.device:
@@ -87,8 +109,13 @@ class MoEConfig:
         set_ = object.__setattr__
         set_(self, "dtype", parse_dtype(self.dtype))
         set_(self, "device", parse_device(self.device))
+        for name in SWITCHES:
+            v = getattr(self, name)
+            if isinstance(v, (str, bytes)) or v not in (True, False):  # a bool (or numpy's, or 0 / 1), not "no"
+                raise error("MF102", field=name, value=v, valid=[True, False])
+            set_(self, name, bool(v))
         if self.placement is not None:
-            set_(self, "placement", tuple(int(r) for r in self.placement))
+            set_(self, "placement", _placement(self.placement, self.num_experts))
         for name in ("num_experts", "hidden_size", "intermediate_size", "top_k", "max_tokens_per_rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

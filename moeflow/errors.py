@@ -94,7 +94,9 @@ Example: MoE(num_experts=8, hidden_size=4096, intermediate_size=14336, top_k=2)
 _spec("MF102", ConfigError, "unknown option value",
       "{field}={value!r} is not one of {valid}",
       """
-What: a string option (scoring, activation, quant, dtype name) has a value moeflow does not know.
+What: a string option (scoring, activation, quant, dtype name) has a value moeflow does not know, or
+a switch (renormalize, use_correction_bias, shared_expert_gate) is not True or False (a string such as
+"no" would otherwise read as True).
 When: building the configuration.
 Fix: use one of the listed values; `moeflow matrix` lists the schemes, runners and dispatchers.
 Example: MoE(..., scoring="softmax", activation="silu", quant="fp8-block")
@@ -394,9 +396,11 @@ Example: MoE(..., dispatcher="lowlatency", max_tokens_per_rank=256)
 _spec("MF504", DistributedError, "invalid expert placement",
       "expert placement {why}",
       """
-What: an explicit expert->rank placement must list each expert exactly once, with ranks in
-[0, world_size).
-When: building the layer.
+What: an explicit expert->rank placement must give each expert one integer rank (a sequence of
+num_experts of them), with ranks in [0, world_size) and every rank holding at least one expert. A
+layer that runs in one process (torch.distributed not initialized, or a group of one rank) takes no
+placement naming another rank: start the program with torchrun, or drop the placement.
+When: building the configuration (its form) or the layer (its ranks).
 Fix: pass placement as a list of length num_experts whose entry e is the rank owning expert e.
 Example: MoE(..., placement=[0, 0, 1, 1, 1, 0, 1, 0])
 """)

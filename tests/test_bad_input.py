@@ -155,6 +155,8 @@ CONFIG_BAD = {
     "unknown-activation": ("MF102", dict(activation="swiglu"), "'swiglu'"),
     "unknown-quant": ("MF102", dict(quant="int4"), "'int4'"),
     "unknown-dispatch-payload": ("MF102", dict(dispatch_payload="int8"), "'int8'"),
+    "string-switch": ("MF102", dict(renormalize="no"), "renormalize='no'"),  # would read as True
+    "none-switch": ("MF102", dict(shared_expert_gate=None), "shared_expert_gate=None"),
     "groups-not-dividing-E": ("MF103", dict(num_expert_groups=3), "num_expert_groups=3"),
     "zero-topk-groups": ("MF103", dict(num_expert_groups=4, topk_groups=0), "topk_groups=0"),
     "topk-groups-above-groups": ("MF103", dict(num_expert_groups=2, topk_groups=3), "topk_groups=3"),
@@ -183,6 +185,35 @@ def test_config_rejects(case, build):
     err = info.value
     assert err.code == code and isinstance(err, ValueError), str(err)
     assert text in str(err), f"message does not name the offending value ({text}): {err}"
+
+
+PLACEMENT_BAD = {
+    # name: (placement for E=8, text the message must contain)
+    "short": ((0,) * 7, "7 entries"),
+    "negative": ((0,) * 7 + (-1,), "rank -1"),
+    "fraction": ((0,) * 7 + (0.5,), "0.5"),
+    "string": ("00000000", "'00000000'"),
+    "scalar": (0, "is 0"),
+    "other-rank-in-one-process": ((0,) * 7 + (1,), "one process"),  # forgot torchrun: refused, not ignored
+}
+
+
+@pytest.mark.parametrize("case", PLACEMENT_BAD)
+def test_bad_placement_is_mf504(case):
+    placement, text = PLACEMENT_BAD[case]
+    with pytest.raises(MoeflowError) as info:
+        MoE(**BASE, placement=placement)
+    assert info.value.code == "MF504" and text in str(info.value), str(info.value)
+
+
+def test_switches_and_placements_of_other_types_are_read():
+    """numpy / 0-1 switches and integer placements of numpy or torch are taken as the bools and ints they are."""
+    import numpy as np
+    cfg = MoEConfig(**BASE, renormalize=np.bool_(False), placement=np.zeros(8, dtype=np.int64))
+    assert cfg.renormalize is False and cfg.placement == (0,) * 8
+    cfg = MoEConfig(**BASE, renormalize=0, placement=torch.zeros(8, dtype=torch.int32))
+    assert cfg.renormalize is False and cfg.placement == (0,) * 8 and type(cfg.placement[0]) is int
+    assert MoE(**BASE, placement=[0] * 8).config.placement == (0,) * 8  # one process: every expert on rank 0
 
 
 def test_cuda_device_without_cuda_is_mf106():

@@ -67,7 +67,7 @@ class Ctx:
         ep = MoE(cfg)
         if indexed is not None:
             ep.dispatcher.indexed_rows = indexed and ep.dispatcher.caps.indexed_rows
-        one = MoE(cfg.replace(dispatcher="auto"), process_group=self.solo[self.rank])
+        one = MoE(cfg.replace(dispatcher="auto", placement=None), process_group=self.solo[self.rank])
         for layer in (ep, one):
             layer.load_weights(state)
         lo = sum(tokens[:self.rank])
@@ -327,7 +327,7 @@ def check_p2p_repeated(c):
     cfg = MoEConfig(**BASE, dispatcher="alltoall-p2p", runner="reference", dtype=torch.float32)
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     state = {"gate_up_proj": torch.randn(e, 2 * i, h) / h ** 0.5, "down_proj": torch.randn(e, h, i) / i ** 0.5}
-    ep, one = MoE(cfg), MoE(cfg.replace(dispatcher="auto"), process_group=c.solo[c.rank])
+    ep, one = MoE(cfg), MoE(cfg.replace(dispatcher="auto", placement=None), process_group=c.solo[c.rank])
     for layer in (ep, one):
         layer.load_weights(state)
     for n in (20, 3, 28):

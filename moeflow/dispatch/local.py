@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..capabilities import DispatcherCaps
+from ..errors import error
 from ..layouts import SORTED, ExpertBatch
 from .base import Dispatcher
 from .expert_sort import SORT_QUANTIZES, sort_and_quantize, sort_by_expert
@@ -34,6 +35,9 @@ class LocalDispatcher(Dispatcher):
 
     def __init__(self, config, scheme, process_group=None):
         super().__init__(config, scheme, process_group)
+        if config.placement is not None and any(config.placement):  # one process: rank 0 holds every expert
+            raise error("MF504", why=f"names rank {max(config.placement)}, but this layer runs in one process (world "
+                                     "size 1: torch.distributed is not initialized, or its group has one rank)")
         self._bounds: dict = {}
         # CUDA batches the Triton sorts take: their first launch also quantizes the tokens (fp8-tensor:
         # small batches only, expert_sort.sort_and_quantize), the bits the runner would compute one launch
