@@ -257,8 +257,9 @@ _spec("MF301", InputError, "input has the wrong shape",
       "{name} has shape {shape}; expected {expected}",
       """
 What: forward() takes hidden_states [T, H] and router_logits [T, E]; forward_topk() takes
-hidden_states [T, H], topk_ids [T, K] and topk_weights [T, K], with this layer's H, E and K.
-When: calling the layer.
+hidden_states [T, H], topk_ids [T, K] and topk_weights [T, K], with this layer's H, E and K. An
+ExpertsPath call (moeflow.integrations.path) also takes the weights: w13 [E, 2I, H], w2 [E, H, I].
+When: calling the layer or an ExpertsPath.
 Fix: flatten batch and sequence dimensions first: x.view(-1, hidden_size).
 Example: y = moe(x.view(-1, H), logits.view(-1, E)).view(B, S, H)
 """)
@@ -266,8 +267,9 @@ _spec("MF302", InputTypeError, "input has the wrong dtype",
       "{name} has dtype {dtype}; expected {expected}",
       """
 What: hidden_states must have the layer's dtype; router_logits may be any floating dtype
-(routing runs in float32); topk_ids must be an integer tensor; topk_weights floating.
-When: calling the layer.
+(routing runs in float32); topk_ids must be an integer tensor; topk_weights floating. An ExpertsPath's
+weights are in the layer dtype, or float8_e4m3fn with float32 scales for an FP8 scheme (none without one).
+When: calling the layer or an ExpertsPath.
 Fix: cast the input (x.to(moe.config.dtype)) or build the layer with the dtype you feed it.
 Example: y = moe(x.to(torch.bfloat16), logits)
 """)

@@ -201,8 +201,8 @@ class MoE(nn.Module):
         cfg = self.config
         with moeflow_env.one_reading():
             if _validating():
-                _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
-                _check(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
+                check_input(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
+                check_input(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
                        dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
             return self._graphs("forward", self._route_and_run, (hidden_states, router_logits), self._weight_tensors)
 
@@ -212,11 +212,11 @@ class MoE(nn.Module):
         with moeflow_env.one_reading():
             if _validating():
                 t = hidden_states.shape[0] if hidden_states.dim() == 2 else None
-                _check(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
-                _check(topk_ids, "topk_ids", (t, cfg.top_k), cfg,
+                check_input(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
+                check_input(topk_ids, "topk_ids", (t, cfg.top_k), cfg,
                        dtype_ok=lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool,
                        dtype_desc="an integer dtype")
-                _check(topk_weights, "topk_weights", (t, cfg.top_k), cfg,
+                check_input(topk_weights, "topk_weights", (t, cfg.top_k), cfg,
                        dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
                 if not _capturing(hidden_states):
                     _check_ids(topk_ids, cfg.num_experts)
@@ -325,13 +325,14 @@ def _capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _check(t, name, shape, cfg, dtype_ok=None, dtype_desc=None):
-    """t must be a tensor of ``shape`` = (T or None, size), the layer's device, and the layer dtype
-    (or a dtype ``dtype_ok`` accepts, described by ``dtype_desc``); else MF301 / MF302 / MF303."""
+def check_input(t, name, shape, cfg, dtype_ok=None, dtype_desc=None):
+    """t must be a tensor of ``shape`` (sizes, None for any: T), the layer's device, and the layer dtype (or a
+    dtype ``dtype_ok`` accepts, described by ``dtype_desc``); else MF301 / MF302 / MF303. shape None: any shape."""
     if not isinstance(t, Tensor):
         raise error("MF302", name=name, dtype=type(t).__name__, expected="a torch.Tensor")
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-        raise error("MF301", name=name, shape=tuple(t.shape), expected=f"[T, {shape[1]}]")
+    if shape is not None and (t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape))):
+        expected = "[" + ", ".join("T" if s is None else str(s) for s in shape) + "]"
+        raise error("MF301", name=name, shape=tuple(t.shape), expected=expected)
     ok = dtype_ok(t.dtype) if dtype_ok else t.dtype == cfg.dtype
     if not ok:
         raise error("MF302", name=name, dtype=t.dtype, expected=dtype_desc or cfg.dtype)

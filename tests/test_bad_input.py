@@ -228,3 +228,32 @@ def test_valid_dtype_names_are_accepted():
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("float32", torch.float32),
                         ("torch.bfloat16", torch.bfloat16), (torch.float16, torch.float16)):
         assert MoEConfig(**BASE, dtype=name).dtype == dtype
+
+
+# ---------------------------------------------------------------- ExpertsPath (weights the caller owns)
+def test_experts_path_inputs_are_checked():
+    """moeflow.integrations.path.ExpertsPath checks a call's inputs and weights as a layer checks its own."""
+    from moeflow.experts import ExpertWeights
+    from moeflow.integrations.path import ExpertsPath
+    path = ExpertsPath(MoEConfig(**BASE, dtype=torch.float32))
+    x, ids, w = torch.randn(3, 64), torch.tensor([[0, 1], [2, 3], [1, 7]]), torch.rand(3, 2)
+    good = ExpertWeights(torch.randn(8, 64, 64), torch.randn(8, 64, 32))
+    assert path(x, ids, w, good).shape == (3, 64)
+    bad = {
+        "hidden dtype": ("MF302", (x.bfloat16(), ids, w, good), "hidden"),
+        "hidden size": ("MF301", (torch.randn(3, 60), ids, w, good), "[T, 64]"),
+        "ids columns": ("MF301", (x, torch.zeros(3, 3, dtype=torch.int64), torch.rand(3, 3), good), "topk_ids"),
+        "ids dtype": ("MF302", (x, ids.float(), w, good), "integer"),
+        "w13 shape": ("MF301", (x, ids, w, ExpertWeights(torch.randn(8, 60, 64), good.w2)), "[8, 64, 64]"),
+        "w2 experts": ("MF301", (x, ids, w, ExpertWeights(good.w13, torch.randn(7, 64, 32))), "[8, 64, 32]"),
+        "weight dtype": ("MF302", (x, ids, w, ExpertWeights(good.w13.half(), good.w2.half())), "weights.w13"),
+        "scale without FP8": ("MF302", (x, ids, w, ExpertWeights(good.w13, good.w2, torch.ones(8), torch.ones(8))),
+                              "w13_scale"),
+    }
+    for case, (code, args, text) in bad.items():
+        with pytest.raises(MoeflowError) as info:
+            path(*args)
+        assert info.value.code == code and text in str(info.value), f"{case}: {info.value}"
+    # an expert-parallel rank (valid_below): more id columns than its plan's top_k, ids >= valid_below dropped
+    more = torch.tensor([[0, 9, 1], [8, 2, 3], [9, 9, 4]])
+    assert path(x, more, torch.rand(3, 3), good, valid_below=8).shape == (3, 64)

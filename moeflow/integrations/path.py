@@ -22,11 +22,14 @@ from ..config import MoEConfig
 from ..dispatch import create_dispatcher
 from ..dispatch.gather_sum import gather_sum
 from ..experts import ExpertWeights, create_runner
+from ..errors import error
 from ..graphs import GraphCache
-from ..layer import routed_experts
+from ..layer import check_input, routed_experts
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan
-from ..quant import create_scheme
+from ..quant import FP8_DTYPE, create_scheme
+
+_ID_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8)
 
 
 class ExpertsPath:
@@ -76,7 +79,33 @@ class ExpertsPath:
               valid_below: int | None = None) -> Tensor:
         """__call__ outside torch.compile's tracing (the environment read once: moeflow.env.one_reading)."""
         with moeflow_env.one_reading():
+            if moeflow_env.VALIDATE_INPUTS.get_bool():
+                self._check(hidden, topk_ids, topk_weights, weights, valid_below)
             return self._call_once(hidden, topk_ids, topk_weights, weights, valid_below)
+
+    def _check(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
+               valid_below: int | None) -> None:
+        """Shapes, dtypes and devices of a call's inputs and weights (MF301 / MF302 / MF303), as MoE.forward_topk
+        checks its own; no host synchronization (the ids are the caller's routing: their range is not read).
+        With valid_below the ids may have more columns than top_k (an expert-parallel rank with fewer experts
+        than the model's top_k: transformers' experts call plans top_k = min(K, E_local))."""
+        cfg = self.config
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        t = hidden.shape[0] if isinstance(hidden, Tensor) and hidden.dim() == 2 else None
+        k = cfg.top_k if valid_below is None else None
+        check_input(hidden, "hidden", (None, h), cfg)
+        check_input(topk_ids, "topk_ids", (t, k), cfg, dtype_ok=lambda d: d in _ID_DTYPES,
+                    dtype_desc="an integer dtype")
+        check_input(topk_weights, "topk_weights", (t, k) if k else tuple(topk_ids.shape), cfg,
+                    dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
+        stored = FP8_DTYPE if self.scheme.quantized else cfg.dtype
+        for name, w, shape in (("weights.w13", weights.w13, (e, 2 * i, h)), ("weights.w2", weights.w2, (e, h, i))):
+            check_input(w, name, shape, cfg, dtype_ok=lambda d: d == stored, dtype_desc=stored)
+        for name, scale in (("weights.w13_scale", weights.w13_scale), ("weights.w2_scale", weights.w2_scale)):
+            if self.scheme.quantized:
+                check_input(scale, name, None, cfg, dtype_ok=lambda d: d == torch.float32, dtype_desc=torch.float32)
+            elif scale is not None:
+                raise error("MF302", name=name, dtype=scale.dtype, expected="None (this path's scheme is 'none')")
 
     def _call_once(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                    valid_below: int | None) -> Tensor:
