@@ -138,3 +138,29 @@ def test_bench_png_without_matplotlib_is_refused_up_front(tmp_path, capsys, monk
     captured = capsys.readouterr()
     assert "MF606" in captured.err and "moeflow bench:" not in captured.out  # nothing was benchmarked
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["bench", "--tokens", "-3"], "below 0"),
+    (["bench", "--tokens", "1,abc"], "'abc' is not an integer"),
+    (["bench", "--tokens", ","], "no value"),
+    (["bench", "--hidden", "0"], "below 1"),
+    (["tune", "--tokens", "0"], "below 1"),
+    (["matrix", "--device", "cuda", "--cc", "nine"], "compute capability"),
+    (["matrix", "--world-size", "0"], "below 1"),
+    (["generate", "--max-new-tokens", "0"], "below 1"),
+    (["bench", "--json", "/proc/no-such-dir/rows.json"], "cannot write"),
+])
+def test_bad_arguments_are_usage_errors_before_anything_runs(argv, text, capsys):
+    """argparse's usage error (exit 2) naming the value, not a traceback after a benchmark ran."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert text in err and "Traceback" not in err, err
+
+
+def test_bench_makes_the_output_directory(tmp_path):
+    out = tmp_path / "new" / "dir" / "rows.json"
+    assert main(["bench", "--quant", "none", "--tokens", "2", "--device", "cpu", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())

@@ -25,20 +25,20 @@ from ..errors import MoeflowError, error
 from ..experts import RUNNERS
 from ..layer import MoE
 from ..quant import SCHEMES
-from .common import add_layer_args, config_from_args
+from .common import add_layer_args, config_from_args, int_list, writable_path
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark every valid runner against the reference (the main job)")
     add_layer_args(p)
     p.set_defaults(quant="all")
-    p.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,16,128 on CPU; "
-                   "1,16,128,1024,4096,16384 on CUDA)")
+    p.add_argument("--tokens", type=int_list(0), default=None,
+                   help="comma-separated token counts (default 1,16,128 on CPU; 1,16,128,1024,4096,16384 on CUDA)")
     p.add_argument("--runners", default="all", help="comma-separated runner names (default: every registered runner)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_path", help="write the rows as JSON here")
-    p.add_argument("--csv", dest="csv_path", help="write the rows as CSV here")
-    p.add_argument("--png", dest="png_path", help="plot µs against T per runner here (needs matplotlib: moeflow[plot])")
+    p.add_argument("--json", dest="json_path", type=writable_path, help="write the rows as JSON here")
+    p.add_argument("--csv", dest="csv_path", type=writable_path, help="write the rows as CSV here")
+    p.add_argument("--png", dest="png_path", type=writable_path, help="plot µs against T per runner here (needs matplotlib: moeflow[plot])")
     p.set_defaults(func=run)
 
 
@@ -48,7 +48,7 @@ def run(args) -> int:
     base = config_from_args(args, quant="none", runner="reference")
     if args.png_path:
         _plotting()  # MF606 before the benchmark runs, not after
-    tokens = [int(t) for t in (args.tokens or ("1,16,128,1024,4096,16384" if base.device.type == "cuda" else "1,16,128")).split(",")]
+    tokens = args.tokens or ([1, 16, 128, 1024, 4096, 16384] if base.device.type == "cuda" else [1, 16, 128])
     _check_memory(base)
     jobs = [(s, r) for s in schemes for r in ["reference", *runners]]
     rows, done = [], 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import error
-from .common import default_device
+from .common import default_device, int_at_least
 
 HF_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 MOEFLOW_IMPLEMENTATIONS = ("moeflow", "moeflow-block")
@@ -30,10 +30,11 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", default="The quick brown fox")
     p.add_argument("--experts", default="both", help="comma-separated: eager, grouped_mm, batched_mm, moeflow, "
                    "moeflow-block; 'both' = eager,moeflow (default)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per implementation; the fastest counts")
+    p.add_argument("--repeats", type=int_at_least(1), default=2,
+                   help="timed runs per implementation; the fastest counts")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 

@@ -5,10 +5,13 @@ is this command's ``--standard --markdown`` output (a test keeps them equal).
 """
 from __future__ import annotations
 
+import argparse
+
 from ..capabilities import Environment
 from ..dispatch import DISPATCHERS
 from ..planner import matrix
 from ..presets import preset_config
+from .common import int_at_least
 
 # the environments the README documents: (title, Environment)
 STANDARD = (
@@ -24,13 +27,21 @@ STANDARD = (
 def add_parser(sub) -> None:
     p = sub.add_parser("matrix", help="print the capability matrix (each cell ✓ or its error code)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (hypothetical environments allowed)")
-    p.add_argument("--cc", default="9.0", help="compute capability for --device cuda (default 9.0)")
-    p.add_argument("--world-size", type=int, default=1, help="expert-parallel ranks (default 1)")
+    p.add_argument("--cc", type=_capability, default=(9, 0), help="compute capability for --device cuda (default 9.0)")
+    p.add_argument("--world-size", type=int_at_least(1), default=1, help="expert-parallel ranks (default 1)")
     p.add_argument("--preset", default="small", help="shape the cells are checked at (default small)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--standard", action="store_true", help="all environments the README documents")
     p.add_argument("--markdown", action="store_true", help="markdown tables")
     p.set_defaults(func=run)
+
+
+def _capability(text: str) -> tuple[int, int]:
+    """argparse type: "9.0" -> (9, 0)."""
+    major, dot, minor = text.partition(".")
+    if not (major.isdigit() and minor.isdigit() and dot):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability such as 9.0")
+    return int(major), int(minor)
 
 
 def render(env: Environment, preset: str, dtype: str, markdown: bool) -> str:
@@ -54,7 +65,7 @@ def run(args) -> int:
     if args.standard:
         envs = STANDARD
     else:
-        cc = tuple(int(x) for x in args.cc.split(".")) if args.device == "cuda" else None
+        cc = args.cc if args.device == "cuda" else None
         env = Environment(args.device, cc, args.world_size)
         envs = ((env.describe(), env),)
     blocks = []

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import error
-from .common import add_layer_args, config_from_args
+from .common import add_layer_args, config_from_args, int_list
 
 DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384"
 
@@ -31,7 +31,8 @@ DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384"
 def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="search Triton kernel configs for a shape on this GPU; write JSON")
     add_layer_args(p, default_preset="qwen3-30b-a3b")
-    p.add_argument("--tokens", default=DEFAULT_TOKENS, help=f"comma-separated token counts (default {DEFAULT_TOKENS})")
+    p.add_argument("--tokens", type=int_list(1), default=DEFAULT_TOKENS,
+                   help=f"comma-separated token counts (default {DEFAULT_TOKENS})")
     p.add_argument("--local-experts", type=int, default=None,
                    help="experts per rank under expert parallelism (default: all num_experts)")
     p.add_argument("--out", default=None, help="directory to write into (default: $MOEFLOW_KERNEL_CONFIG_DIR, else .)")
@@ -62,7 +63,7 @@ def run(args) -> int:
     cfg = config_from_args(args, device="cuda")
     e = args.local_experts or cfg.num_experts
     shape = Shape(e, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.quant, cfg.dtype)
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = args.tokens
     device = torch.cuda.get_device_name()
     out_dir = Path(args.out or moeflow_env.KERNEL_CONFIG_DIR.get() or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
