@@ -191,6 +191,15 @@ def test_unknown_block_refused_and_model_untouched(checkpoints):
     assert info.value.code == "MF703"
 
 
+def test_bad_activation_dtype_is_refused_and_model_untouched(checkpoints):
+    """An explicit dtype that is no layer dtype is MF104 before any block is replaced (it read as bfloat16)."""
+    model = load(checkpoints("qwen3_moe"), "eager")
+    before = model.model.layers[0].mlp
+    with pytest.raises(MoeflowError) as info:
+        replace_moe_blocks(model, dtype=torch.float64)
+    assert info.value.code == "MF104" and model.model.layers[0].mlp is before
+
+
 def test_registration_is_lazy_and_transformers_optional():
     """In fresh interpreters: `import moeflow` imports no transformers, registers "moeflow" with both
     interfaces once transformers loads them; without transformers, import works and register() is MF701."""

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...capabilities import Environment
-from ...config import DTYPES, MoEConfig
+from ...config import DTYPES, MoEConfig, parse_dtype
 from ...errors import error
 from ...experts import ExpertWeights
 from ...layer import MoE
@@ -177,6 +177,8 @@ def build_block(block: nn.Module, quant: str | None = None, runner: str = "auto"
     """One sparse MoE block -> MoeflowBlock. quant: None keeps the experts' format ("none", or
     "fp8-block" for FP8 experts); dtype: activation dtype for FP8 experts (default bfloat16);
     experts: routed-expert tensors to use instead of the block's (see _state)."""
+    if dtype is not None:  # MF104, as replace_moe_blocks
+        dtype = parse_dtype(dtype)
     cfg, state, family = _plan_block(block, quant, runner, dtype, path, experts)
     # skip the random init when the block's tensors cover every weight the layer needs
     moe = MoE(cfg, init_weights=not set(expected_names(cfg)) <= set(state))
@@ -195,6 +197,8 @@ def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str =
     progress: optional callable(done, total, path). experts: {block path: routed-expert tensors}
     overriding the blocks' own (fp8.py).
     """
+    if dtype is not None:  # an explicit activation dtype must be a layer dtype (MF104), not silently bfloat16
+        dtype = parse_dtype(dtype)
     experts = experts or {}
     blocks = [(name, m) for name, m in model.named_modules() if _is_moe_block(m)]
     unknown = [(name, m) for name, m in blocks if type(m).__name__ not in FAMILIES]
