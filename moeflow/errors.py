@@ -312,16 +312,19 @@ compiled function is used.
 Example: model = torch.compile(model); y = model(x)
 """)
 
-_spec("MF307", InputError, "gradient asked of a compiled moeflow layer",
+_spec("MF307", InputError, "gradient asked of a moeflow layer",
       "a gradient was asked through the op moeflow.{op}: moeflow layers compute inference only",
       """
-What: under torch.compile a moeflow layer is one op of the compiled graph (moeflow.ops), and that op has no
-backward: moeflow runs MoE layers for inference. torch.compile traces the backward of a model whose inputs or
-parameters require grad while grad mode is on, and so reaches this error when it compiles the model.
+What: moeflow runs MoE layers for inference: its kernels have no backward. Under torch.compile a layer is one op
+of the compiled graph (moeflow.ops) whose backward raises this error; torch.compile traces the backward of a model
+whose inputs or parameters require grad while grad mode is on, and so reaches it when it compiles the model.
 When: compiling (or running backward through) a model with grad mode on, e.g. torch.compile(model)(x) outside
-torch.no_grad().
-Fix: run the compiled model under torch.no_grad() or torch.inference_mode() (transformers' generate already does),
-or set requires_grad_(False) on the model's parameters.
+torch.no_grad(); or, eagerly, calling backward through a layer's output (a call with grad mode on and an input or
+weight that requires grad runs as usual, and its output carries a backward that raises this error, so that no
+gradient stops silently at the layer).
+Fix: run the model under torch.no_grad() or torch.inference_mode() (transformers' generate already does), or set
+requires_grad_(False) on the model's parameters; to train other layers around moeflow's, use another experts
+implementation for training.
 Example: with torch.inference_mode(): y = torch.compile(model)(x)
 """)
 

@@ -119,3 +119,30 @@ def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...]) -> Te
         return torch.compiler.disable(_unregistered, reason=_UNREGISTERED_REASON)(owner, fn, hidden, routing)
     op = layer if _GRAPH_SAFE[key] else layer_host_sync
     return op(hidden, list(routing), key)
+
+
+# ---------------------------------------------------------------- eager calls with grad mode on
+def wants_grad(*tensors) -> bool:
+    """Whether an eager call's output would join an autograd graph: grad mode on and an input (or weight) that
+    requires grad. Cheap when grad mode is off (inference_mode, no_grad, transformers' generate)."""
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """fn()'s output, computed with no autograd graph, whose backward raises MF307 (as the compiled op's does)."""
+
+    @staticmethod
+    def forward(ctx, fn, op, *inputs):
+        ctx.op = op
+        return fn()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise error("MF307", op=ctx.op)
+
+
+def inference_only(fn: Callable, op: str, *inputs: Tensor) -> Tensor:
+    """An eager call with grad mode on (wants_grad): fn() as without grad, and a backward through it raises MF307
+    instead of gradients that stop silently at the layer (the Triton kernels have no backward; the CPU runners'
+    torch ops would have given untested ones)."""
+    return _InferenceOnly.apply(fn, op, *inputs)

@@ -257,3 +257,39 @@ def test_experts_path_inputs_are_checked():
     # an expert-parallel rank (valid_below): more id columns than its plan's top_k, ids >= valid_below dropped
     more = torch.tensor([[0, 9, 1], [8, 2, 3], [9, 9, 4]])
     assert path(x, more, torch.rand(3, 3), good, valid_below=8).shape == (3, 64)
+
+
+# ---------------------------------------------------------------- gradients (inference only)
+def test_backward_through_an_eager_layer_is_mf307():
+    """With grad mode on and an input or weight that requires grad, a call runs as without grad (the same bits) and
+    its output's backward raises MF307, instead of gradients stopping silently at the layer."""
+    from moeflow.experts import ExpertWeights
+    from moeflow.integrations.path import ExpertsPath
+    layer = MoE(**BASE, dtype=torch.float32)
+    x, logits = torch.randn(5, 64), torch.randn(5, 8)
+    with torch.no_grad():
+        want = layer(x, logits)
+    ids, w = torch.stack([torch.randperm(8)[:2] for _ in range(5)]), torch.rand(5, 2)
+    calls = {
+        "hidden requires grad": lambda: layer(x.clone().requires_grad_(), logits),
+        "logits require grad": lambda: layer(x, logits.clone().requires_grad_()),
+        "routing weights require grad": lambda: layer.forward_topk(x, ids, w.clone().requires_grad_()),
+    }
+    for what, call in calls.items():
+        out = call()
+        assert out.requires_grad, what
+        if "topk" not in what and "routing" not in what:
+            assert torch.equal(out, want), what
+        with pytest.raises(MoeflowError) as info:
+            out.sum().backward()
+        assert info.value.code == "MF307", what
+    layer.requires_grad_(True)  # weights that require grad (fine-tuning the experts is not supported)
+    with pytest.raises(MoeflowError):
+        layer(x, logits).sum().backward()
+    with torch.no_grad():
+        assert layer(x, logits).grad_fn is None
+    path = ExpertsPath(layer.config)
+    weights = ExpertWeights(layer.gate_up_proj, layer.down_proj)  # require grad, as a transformers module's do
+    with pytest.raises(MoeflowError) as info:
+        path(x, ids, w, weights).sum().backward()
+    assert info.value.code == "MF307" and "moeflow.experts" in str(info.value)
