@@ -21,8 +21,8 @@ from ..capabilities import Environment
 from ..config import MoEConfig
 from ..dispatch import create_dispatcher
 from ..dispatch.gather_sum import gather_sum
-from ..experts import ExpertWeights, create_runner
 from ..errors import error
+from ..experts import ExpertWeights, create_runner
 from ..graphs import GraphCache
 from ..layer import check_input, routed_experts
 from ..layouts import run_in_layout
