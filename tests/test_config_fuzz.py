@@ -4,7 +4,7 @@ accepts runs right, and every one it refuses is refused when the layer is built,
 Each seed draws a few hundred configurations (odd sizes down to 1, every scheme, runner, dispatcher, routing form,
 activation and dtype, shared experts) and builds each. A refusal must be a MoeflowError with a catalogued code; an
 accepted layer must run forward (T = 0, 1, 7, 33) and forward_topk within the scheme's tolerance of the float64 oracle,
-its outputs poisoned first. Found this way: torch._grouped_mm on the CPU needs 16-byte rows, which the runner did not
+its outputs poisoned first, one token all zeros (padding). Found this way: torch._grouped_mm on the CPU needs 16-byte rows, which the runner did not
 declare, so a layer with hidden_size=100 in bf16 was accepted and raised inside torch at its first call."""
 import random
 
@@ -52,6 +52,8 @@ def check_layer(layer: MoE, what: str) -> None:
             layer.e_score_correction_bias.copy_(torch.rand(cfg.num_experts) - 0.5)
     for t in (0, 1, 7, 33):
         x = torch.randn(t, cfg.hidden_size).to(cfg.dtype)
+        if t > 1:
+            x[t // 2] = 0  # a padding token: an FP8 scale of zero must not divide by zero
         logits = torch.randn(t, cfg.num_experts) * 2
         out = layer(x, logits)
         assert out.shape == (t, cfg.hidden_size) and out.dtype == cfg.dtype, what
