@@ -4,8 +4,9 @@ accepts runs right, and every one it refuses is refused when the layer is built,
 Each seed draws a few hundred configurations (odd sizes down to 1, every scheme, runner, dispatcher, routing form,
 activation and dtype, shared experts) and builds each. A refusal must be a MoeflowError with a catalogued code; an
 accepted layer must run forward (T = 0, 1, 7, 33) and forward_topk within the scheme's tolerance of the float64 oracle,
-its outputs poisoned first, one token all zeros (padding). Found this way: torch._grouped_mm on the CPU needs 16-byte rows, which the runner did not
-declare, so a layer with hidden_size=100 in bf16 was accepted and raised inside torch at its first call."""
+its outputs poisoned first, one token all zeros (padding). Found this way: torch._grouped_mm on the CPU needs 16-byte
+rows, which the runner did not declare, so a layer with hidden_size=100 in bf16 was accepted and raised inside torch
+at its first call."""
 import random
 
 import pytest
