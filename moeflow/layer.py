@@ -71,7 +71,9 @@ class MoE(nn.Module):
         """nn.Module's .to(device / dtype), .cuda(), .cpu(), .half(), .bfloat16(), .float(), .to_empty(): the layer is
         planned again for the device and dtype ``fn`` gives a floating tensor, with construction's checks and coded
         errors (MF104, MF106, MF2xx), raised before any tensor moves. The FP8 weights and the float32 scales and
-        correction bias move but keep their dtypes (a plain nn.Module would round them to the new dtype)."""
+        correction bias move but keep their dtypes (a plain nn.Module would round them to the new dtype). An
+        expert-parallel layer's conversion builds its dispatcher again, which is collective as at construction: every
+        rank of the group converts its layer (a rank left out ends the others' wait in MF502)."""
         cfg = self.config
         here = torch.empty(0, dtype=cfg.dtype, device=cfg.device)  # device "cuda" reads as cuda:N here
         probe = fn(here)
