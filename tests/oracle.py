@@ -42,8 +42,10 @@ def oracle_moe_grouped(x, ids, w, w13, w2, activation, scheme, dtype):
 
 
 def bits(t):
-    """Floats as their bit patterns (torch.equal would call NaN != NaN and -0.0 == 0.0)."""
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
+    """A tensor's raw bytes (a uint8 view: the last dimension times the element size), for exact comparison:
+    torch.equal would call NaN != NaN and -0.0 == 0.0, and some torch builds have no float8 comparison."""
+    flat = t.detach().clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)  # whatever t's strides
+    return flat.view(*t.shape[:-1], t.shape[-1] * t.element_size()) if t.dim() else flat
 
 
 def same(a, b):

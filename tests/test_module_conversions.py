@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moeflow import MoE, MoeflowError
-from oracle import assert_close, layer_oracle, route_for
+from oracle import assert_close, bits, layer_oracle, route_for
 from tolerances import rel_tol
 
 SCHEMES = ("none", "fp8-tensor", "fp8-channel", "fp8-block")
@@ -18,10 +18,6 @@ E, H, I, K, S = 6, 256, 128, 2, 24  # fp8-block needs multiples of 128
 FULL = dict(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, scoring="sigmoid", use_correction_bias=True,
             num_shared_experts=1, shared_intermediate_size=S, shared_expert_gate=True)
 KEPT = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8)
 
 
 def kept_tensors(layer) -> dict:

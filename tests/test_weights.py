@@ -8,7 +8,7 @@ import torch
 from moeflow import MoE, MoeflowError
 from moeflow.dispatch.local import LocalDispatcher
 from moeflow.quant import FP8_DTYPE, create_scheme
-from oracle import assert_close, layer_oracle, route_for
+from oracle import assert_close, bits, layer_oracle, route_for
 from tolerances import rel_tol
 
 E, H, I, K, S = 4, 64, 32, 2, 24
@@ -21,11 +21,6 @@ def raises_code(code, fn, *args, **kwargs):
         fn(*args, **kwargs)
     assert info.value.code == code and isinstance(info.value, ValueError), str(info.value)
     return str(info.value)
-
-
-def bits(t):
-    """Bit pattern of a tensor, for exact comparison of FP8 (and NaN-safe) values."""
-    return t.contiguous().view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
 # ---------------------------------------------------------------- names and layouts

@@ -46,5 +46,16 @@ REL_TOL = {
 }
 
 
-def rel_tol(scheme: str, dtype: torch.dtype) -> float:
-    return REL_TOL[(scheme, dtype)]
+# The table's tolerances are norms over many elements. An FP8 output of fewer than FEW_ELEMENTS (hidden_size 1 at
+# T = 1, as the random-configuration tests draw) can show one e4m3 rounding that the float64 oracle took the other way:
+# up to one step, 2^-3 of a value.
+FEW_ELEMENTS, FP8_STEP = 256, 0.125
+
+
+def rel_tol(scheme: str, dtype: torch.dtype, elements: int | None = None) -> float:
+    """The table's tolerance; given the output's ``elements``, at least one FP8 step where an FP8 scheme's output
+    has fewer than FEW_ELEMENTS."""
+    tol = REL_TOL[(scheme, dtype)]
+    if elements is not None and elements < FEW_ELEMENTS and scheme.startswith("fp8-"):
+        tol = max(tol, FP8_STEP)
+    return tol
