@@ -186,10 +186,9 @@ class MoE(nn.Module):
         """hidden_states [T, H] layer dtype, router_logits [T, E] any float -> [T, H] layer dtype."""
         if torch.compiler.is_compiling():  # one op of the compiled graph: _forward_eager at run time (moeflow.ops)
             return ops.call(self, MoE._forward_eager, hidden_states, (router_logits,))
-        if torch.is_grad_enabled() and ops.wants_grad(hidden_states, router_logits, *self.parameters()):
-            # inference only: a backward through the output raises MF307 (moeflow.ops.inference_only)
-            return ops.inference_only(lambda: self._forward_eager(hidden_states, router_logits), "layer",
-                                      hidden_states, router_logits, *self.parameters())
+        grads = ops.grad_inputs(hidden_states, router_logits, weights=self.parameters())
+        if grads:  # inference only: a backward through the output raises MF307 (moeflow.ops.inference_only)
+            return ops.inference_only(lambda: self._forward_eager(hidden_states, router_logits), "layer", *grads)
         return self._forward_eager(hidden_states, router_logits)
 
     def forward_topk(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
@@ -199,10 +198,10 @@ class MoE(nn.Module):
         """
         if torch.compiler.is_compiling():  # one op of the compiled graph: _forward_topk_eager at run time
             return ops.call(self, MoE._forward_topk_eager, hidden_states, (topk_ids, topk_weights))
-        if torch.is_grad_enabled() and ops.wants_grad(hidden_states, topk_weights, *self.parameters()):
-            # inference only: a backward through the output raises MF307 (moeflow.ops.inference_only)
+        grads = ops.grad_inputs(hidden_states, topk_weights, weights=self.parameters())
+        if grads:  # inference only: a backward through the output raises MF307 (moeflow.ops.inference_only)
             return ops.inference_only(lambda: self._forward_topk_eager(hidden_states, topk_ids, topk_weights),
-                                      "layer", hidden_states, topk_weights, *self.parameters())
+                                      "layer", *grads)
         return self._forward_topk_eager(hidden_states, topk_ids, topk_weights)
 
     def _forward_eager(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:

@@ -37,6 +37,7 @@ torch.export of a model for use in another process (the owner key names a layer 
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Callable
 
@@ -122,10 +123,13 @@ def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...]) -> Te
 
 
 # ---------------------------------------------------------------- eager calls with grad mode on
-def wants_grad(*tensors) -> bool:
-    """Whether an eager call's output would join an autograd graph: grad mode on and an input (or weight) that
-    requires grad. Cheap when grad mode is off (inference_mode, no_grad, transformers' generate)."""
-    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+def grad_inputs(*tensors, weights=()) -> tuple[Tensor, ...]:
+    """The inputs, then the ``weights`` (an iterable, read only with grad mode on), that require grad with grad mode
+    on: an eager call's output would join an autograd graph through them (inference_only). Empty with grad mode off
+    (inference_mode, no_grad, transformers' generate), at the cost of one check."""
+    if not torch.is_grad_enabled():
+        return ()
+    return tuple(t for t in itertools.chain(tensors, weights) if isinstance(t, Tensor) and t.requires_grad)
 
 
 class _InferenceOnly(torch.autograd.Function):
@@ -142,7 +146,7 @@ class _InferenceOnly(torch.autograd.Function):
 
 
 def inference_only(fn: Callable, op: str, *inputs: Tensor) -> Tensor:
-    """An eager call with grad mode on (wants_grad): fn() as without grad, and a backward through it raises MF307
-    instead of gradients that stop silently at the layer (the Triton kernels have no backward; the CPU runners'
-    torch ops would have given untested ones)."""
+    """An eager call whose ``inputs`` require grad (grad_inputs): fn() as without grad, and a backward through it
+    raises MF307 instead of gradients that stop silently at the layer (the Triton kernels have no backward; the CPU
+    runners' torch ops would have given untested ones)."""
     return _InferenceOnly.apply(fn, op, *inputs)

@@ -68,10 +68,10 @@ class ExpertsPath:
             scales = () if weights.w13_scale is None else (weights.w13_scale, weights.w2_scale)
             tensors = (topk_ids, topk_weights, weights.w13, weights.w2) + scales
             return ops.call(self, ExpertsPath._call_op, hidden, tensors)
-        tensors = (hidden, topk_weights, weights.w13, weights.w2)
-        if ops.wants_grad(*tensors):  # inference only: a backward through the output is MF307 (moeflow.ops)
+        grads = ops.grad_inputs(hidden, topk_weights, weights.w13, weights.w2)
+        if grads:  # inference only: a backward through the output raises MF307 (moeflow.ops.inference_only)
             return ops.inference_only(lambda: self._call(hidden, topk_ids, topk_weights, weights, valid_below),
-                                      "experts", *tensors)
+                                      "experts", *grads)
         return self._call(hidden, topk_ids, topk_weights, weights, valid_below)
 
     def _call_op(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
