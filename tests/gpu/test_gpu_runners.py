@@ -64,3 +64,32 @@ def test_layer_built_on_cpu_moves_to_cuda(make_layer, poison, scheme):
     logits = torch.randn(5, 8)
     ids, w = route_for(layer.config, logits)
     assert_close(layer(x, logits), layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{scheme} on cpu")
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
+def test_eager_call_with_grad_is_inference_only(make_layer, scheme):
+    """The Triton runner's eager calls with grad mode on (a model fine-tuning other layers): the same bits as under
+    no_grad, for a hidden state or expert weights that require grad, and a backward through the output raises MF307
+    (the kernels record no autograd history; gradients must not stop silently)."""
+    from moeflow.errors import MoeflowError
+    layer = make_layer(**SHAPE, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="triton")
+    for t in (1, 40):
+        x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(t, 8, device="cuda")
+        with torch.no_grad():
+            want = layer(x, logits).clone()
+        out = layer(x.clone().requires_grad_(), logits)
+        assert out.requires_grad and torch.equal(out, want), f"{scheme} T={t}"
+        with pytest.raises(MoeflowError) as info:
+            out.float().sum().backward()
+        assert info.value.code == "MF307"
+    for p in layer.parameters():  # the bf16 weights, or the FP8 weights' float32 scales
+        if p.dtype.itemsize > 1:
+            p.requires_grad_(True)
+    x = torch.randn(9, 256, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(9, 8, device="cuda")
+    out = layer(x, logits)
+    assert out.requires_grad
+    with pytest.raises(MoeflowError) as info:
+        out.float().sum().backward()
+    assert info.value.code == "MF307"
