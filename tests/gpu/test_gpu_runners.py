@@ -48,10 +48,10 @@ def test_layer_built_on_cpu_moves_to_cuda(make_layer, poison, scheme):
     there ("auto" now takes triton), FP8 weights and scales still FP8 / float32, outputs right; and back to the CPU."""
     layer = make_layer(**SHAPE, quant=scheme, dtype=torch.float32)
     assert layer.plan.runner != "triton"
-    fp8 = layer.gate_up_proj.dtype
+    stored = layer.gate_up_proj.dtype if layer.scheme.quantized else torch.bfloat16  # FP8 stays FP8
     layer.to("cuda", torch.bfloat16)
     assert layer.plan.runner == "triton" and layer.config.device.type == "cuda", layer.plan
-    assert layer.gate_up_proj.dtype == fp8 and layer.gate_up_proj.is_cuda
+    assert layer.gate_up_proj.dtype == stored and layer.gate_up_proj.is_cuda
     for t in (1, 40):
         x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(t, 8, device="cuda")
