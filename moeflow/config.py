@@ -100,7 +100,7 @@ class MoEConfig:
     runner: str = "auto"
     dispatcher: str = "auto"
     dtype: torch.dtype = torch.bfloat16
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device = field(default_factory=torch.get_default_device)  # omitted: torch's, as nn.Linear's
     placement: tuple[int, ...] | None = None  # expert e lives on rank placement[e]; None = contiguous blocks
     max_tokens_per_rank: int = 256  # tokens per rank of fixed-size dispatch buffers (lowlatency, alltoall-fixed)
     dispatch_payload: str = "auto"  # expert parallelism: how tokens travel (PAYLOADS)

@@ -175,8 +175,11 @@ _spec("MF203", UnsupportedError, "backend does not run on this device kind",
       """
 What: the backend declares the device types it runs on and the layer's device is not one of them
 (for example the Triton runner needs CUDA; the reference runner runs anywhere).
-When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...).
-Fix: move the layer to a supported device or choose another backend ("auto" picks a valid one).
+When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...). A layer built
+without device= takes torch's default device: inside `with torch.device("meta")` (a model built empty, to be
+loaded later) that is "meta", where nothing runs.
+Fix: move the layer to a supported device or choose another backend ("auto" picks a valid one); build layers on
+the device they run on (device="cuda"), also inside a meta-device block.
 Example: MoE(..., device="cpu", runner="grouped_mm")
 """)
 _spec("MF204", UnsupportedError, "compute capability too low",
@@ -228,7 +231,7 @@ Fix: use dispatcher="auto", or start the program with torchrun and pass process_
 Example: torchrun --nproc-per-node 2 app.py   # then MoE(..., dispatcher="alltoall")
 """)
 _spec("MF209", UnsupportedError, "no valid plan",
-      "no {kind} can run this configuration here; tried: {tried}",
+      "no {kind} can run this configuration here; tried: {tried}; the first refused it with {first}",
       """
 What: "auto" found no backend whose declared capabilities cover the configuration on this machine;
 the message lists each candidate with the code that refused it.

@@ -154,14 +154,15 @@ def _choose(kind: str, registry, check, requested: str, cfg: MoEConfig, env: Env
             raise err
         return requested, f"{kind} {requested!r} requested and valid here"
     ranked = sorted(registry.items(), key=lambda item: -item[1].caps.priority)
-    refused = []
+    refused, first = [], None
     for name, cls in ranked:
         err = check(name, cfg, env)
         if err is None:
             skipped = f"; skipped {', '.join(refused)}" if refused else ""
             return name, f"{kind} 'auto' -> {name!r}: highest priority ({cls.caps.priority}) valid {kind}{skipped}"
         refused.append(f"{name} ({err.code})")
-    raise error("MF209", kind=kind, tried=", ".join(refused))
+        first = first or f"{err.code}: {err.detail}"
+    raise error("MF209", kind=kind, tried=", ".join(refused), first=first)
 
 
 def plan(cfg: MoEConfig, env: Environment) -> Plan:

@@ -110,6 +110,21 @@ def test_to_empty_keeps_fp8_dtypes():
     assert layer.gate_up_proj.dtype == torch.float8_e4m3fn and layer.gate_up_proj_scale_inv.dtype == torch.float32
 
 
+def test_device_omitted_is_torchs_default_device(poison):
+    """device= omitted takes torch's default device, as nn.Linear's parameters do: the CPU here, and inside a
+    meta-device block "meta", refused at build with MF209 (each dispatcher's MF203 naming "meta"). A layer given
+    device="cpu" inside that block is built on the CPU and runs once outside it."""
+    fields = dict(FULL, quant="fp8-channel", dtype=torch.float32)
+    assert MoE(**fields).config.device == torch.device("cpu")
+    with torch.device("meta"):
+        with pytest.raises(MoeflowError) as info:
+            MoE(**fields)
+        assert info.value.code == "MF209" and "MF203: " in str(info.value) and "'meta'" in str(info.value)
+        layer = MoE(**fields, device="cpu")
+    assert layer.config.device == torch.device("cpu") and layer.gate_up_proj.device.type == "cpu"
+    check_against_oracle(layer)
+
+
 # ---------------------------------------------------------------- load_state_dict
 @pytest.mark.parametrize("target", SCHEMES)
 @pytest.mark.parametrize("source", ("none", "fp8-block", "fp8-channel"))

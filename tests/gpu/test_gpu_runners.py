@@ -93,3 +93,15 @@ def test_eager_call_with_grad_is_inference_only(make_layer, scheme):
     with pytest.raises(MoeflowError) as info:
         out.float().sum().backward()
     assert info.value.code == "MF307"
+
+
+def test_device_omitted_inside_a_cuda_block(make_layer, poison):
+    """device= omitted inside `with torch.device("cuda")` builds on CUDA, as nn.Linear would: "auto" takes triton
+    and the outputs match the oracle."""
+    with torch.device("cuda"):
+        layer = make_layer(**SHAPE, quant="fp8-block", dtype=torch.bfloat16)
+    assert layer.config.device.type == "cuda" and layer.plan.runner == "triton" and layer.gate_up_proj.is_cuda
+    x = torch.randn(7, 256, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(7, 8, device="cuda")
+    ids, w = route_for(layer.config, logits)
+    assert_close(layer(x, logits), layer_oracle(layer, x, ids, w), rel_tol("fp8-block", torch.bfloat16), "cuda block")
