@@ -234,7 +234,7 @@ _spec("MF209", UnsupportedError, "no valid plan",
       "no {kind} can run this configuration here; tried: {tried}; the first refused it with {first}",
       """
 What: "auto" found no backend whose declared capabilities cover the configuration on this machine;
-the message lists each candidate with the code that refused it.
+the message lists each candidate with the code that refused it, and quotes the first candidate's refusal.
 When: building the layer with runner="auto" or dispatcher="auto", or converting it (moe.to(...)).
 Fix: read the codes listed for each candidate (moeflow explain CODE) and change the configuration.
 Example: moeflow check --preset small --quant fp8-block --device cpu
