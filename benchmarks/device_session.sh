@@ -28,7 +28,8 @@
 #      back into moeflow/kernels/configs/ only after comparing the layer rows
 #  10. prepared without a GPU on 2026-12-05, not yet run: ws_bounds.py at five tile orders (Qwen3 bf16 T=4096, the
 #      loads alone against the full GEMMs), graph_vs_eager.py (why the graph replay times GPU-bound rows slower
-#      than eager calls) and zero_padding.py (zero rows instead of the next expert's as the tiles' padding), GPU 0;
+#      than eager calls; two rows ran on an H100 on 2026-12-05, gpu_session_2026-12-05_h100_9762fe8.md, the H200 run
+#      is still to come) and zero_padding.py (zero rows instead of the next expert's as the tiles' padding), GPU 0;
 #      about a call each: ONLY=zero_padding (likewise graph_vs_eager, ws_bounds_order)
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
 # can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
