@@ -65,6 +65,9 @@ def parse_device(value) -> torch.device:
         raise error("MF106", value=value, why=str(exc)) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise error("MF106", value=value, why="CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise error("MF106", value=value, why=f"this machine has {torch.cuda.device_count()} CUDA device(s), "
+                                               f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 

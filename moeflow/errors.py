@@ -135,9 +135,9 @@ _spec("MF106", ConfigError, "invalid device",
       "device={value!r} is invalid: {why}",
       """
 What: the layer's device cannot be used: the string does not parse, or names an accelerator
-this machine does not have (torch.cuda.is_available() is False).
+this machine does not have (torch.cuda.is_available() is False, or cuda:N with N >= torch.cuda.device_count()).
 When: building the configuration, or converting a built layer (moe.to(device or dtype), .cuda(), .half(), ...).
-Fix: pass device="cpu", or "cuda" / "cuda:N" on a machine with a GPU.
+Fix: pass device="cpu", or "cuda" / "cuda:N" (N below torch.cuda.device_count()) on a machine with a GPU.
 Example: MoE(..., device="cuda:0")
 """)
 

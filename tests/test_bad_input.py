@@ -224,6 +224,17 @@ def test_cuda_device_without_cuda_is_mf106():
     assert info.value.code == "MF106" and "not available" in str(info.value)
 
 
+def test_cuda_index_past_the_devices_is_mf106(monkeypatch):
+    """device="cuda:N" naming a GPU the machine does not have: MF106 at build, naming the valid range, instead of
+    torch's "invalid device ordinal" from the first tensor (a one-GPU machine is simulated here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(MoeflowError) as info:
+        MoEConfig(**BASE, device="cuda:1")
+    assert info.value.code == "MF106" and "cuda:0 to cuda:0" in str(info.value)
+    assert MoEConfig(**BASE, device="cuda:0").device == torch.device("cuda", 0)
+
+
 def test_valid_dtype_names_are_accepted():
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("float32", torch.float32),
                         ("torch.bfloat16", torch.bfloat16), (torch.float16, torch.float16)):
