@@ -26,6 +26,13 @@ from .errors import error
 from .quant import FP8_DTYPE, SCHEMES, create_scheme
 
 EXPERT_NAMES = ("gate_up_proj", "down_proj")
+
+
+def expert_matrix(cfg, name: str) -> tuple[int, int]:
+    """One expert's matrix of expert weight ``name`` (Hugging Face layout): gate_up_proj (2I, H), down_proj (H, I)."""
+    return {"gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
+            "down_proj": (cfg.hidden_size, cfg.intermediate_size)}[name]
+
 SHARED_NAMES = ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
 
 
@@ -90,8 +97,7 @@ def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> Non
     its optional ``scale`` (``name``_scale_inv) in ``layer``, converted to the layer's scheme (see the module
     docstring); MF402 / MF404 where that cannot be done."""
     cfg = layer.config
-    n, k = {"gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
-            "down_proj": (cfg.hidden_size, cfg.intermediate_size)}[name]
+    n, k = expert_matrix(cfg, name)
     e_all, local = cfg.num_experts, layer.local_experts
     if w.dim() != 3 or tuple(w.shape[1:]) != (n, k) or w.shape[0] not in (e_all, len(local)):
         raise error("MF402", name=name, shape=tuple(w.shape), expected=f"[{e_all} (or local {len(local)}), {n}, {k}]")

@@ -28,6 +28,7 @@ from ..layer import check_input, routed_experts
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan
 from ..quant import FP8_DTYPE, create_scheme
+from ..weights import expert_matrix
 
 _ID_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8)
 
@@ -94,7 +95,7 @@ class ExpertsPath:
         With valid_below the ids may have more columns than top_k (an expert-parallel rank with fewer experts
         than the model's top_k: transformers' experts call plans top_k = min(K, E_local))."""
         cfg = self.config
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        e, h = cfg.num_experts, cfg.hidden_size
         t = hidden.shape[0] if isinstance(hidden, Tensor) and hidden.dim() == 2 else None
         k = cfg.top_k if valid_below is None else None
         check_input(hidden, "hidden", (None, h), cfg)
@@ -103,8 +104,9 @@ class ExpertsPath:
         check_input(topk_weights, "topk_weights", (t, k) if k else tuple(topk_ids.shape), cfg,
                     dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
         stored = FP8_DTYPE if self.scheme.quantized else cfg.dtype
-        for name, w, shape in (("weights.w13", weights.w13, (e, 2 * i, h)), ("weights.w2", weights.w2, (e, h, i))):
-            check_input(w, name, shape, cfg, dtype_ok=lambda d: d == stored, dtype_desc=stored)
+        for name, w, hf_name in (("weights.w13", weights.w13, "gate_up_proj"), ("weights.w2", weights.w2, "down_proj")):
+            check_input(w, name, (e, *expert_matrix(cfg, hf_name)), cfg, dtype_ok=lambda d: d == stored,
+                        dtype_desc=stored)
         for name, scale in (("weights.w13_scale", weights.w13_scale), ("weights.w2_scale", weights.w2_scale)):
             if self.scheme.quantized:
                 check_input(scale, name, None, cfg, dtype_ok=lambda d: d == torch.float32, dtype_desc=torch.float32)
