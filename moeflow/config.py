@@ -63,11 +63,13 @@ def parse_device(value) -> torch.device:
         dev = torch.device(value)
     except (RuntimeError, TypeError) as exc:
         raise error("MF106", value=value, why=str(exc)) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
         raise error("MF106", value=value, why="CUDA is not available on this machine")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise error("MF106", value=value, why=f"this machine has {torch.cuda.device_count()} CUDA device(s), "
-                                               f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise error("MF106", value=value, why=f"this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return dev
 
 
