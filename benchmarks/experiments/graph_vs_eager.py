@@ -32,7 +32,6 @@ eager-rot; the SM clock's median over the mode's windows).
 --padding bounds (b): per row, the rows the H200 tables' tiles compute (each expert's count rounded up to the tile's
 rows; gate_up weighted 2, down 1) over 64 random routings (top-k of N(0, 1) logits), as their spread around the mean.
 """
-import csv
 import datetime
 import glob
 import itertools
@@ -48,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_layer import Case  # noqa: E402
 from power_clocks import smi_window, start_smi  # noqa: E402
+from target_gaps import RESULTS, read_run  # noqa: E402
 
 from moeflow.experts import create_runner  # noqa: E402
 from moeflow.kernels.autotune import capture_graph  # noqa: E402
@@ -101,14 +101,11 @@ def run_row(case: Case, t: int) -> dict:
 def ratios(pattern: str = "triton_2026-12-0*_bench.csv") -> list[dict]:
     """The committed 36-row runs (benchmarks/results/PATTERN) -> per row with a graph time: the runs, and the median,
     least and largest layer_graph_us / layer_us and the runs where it is above 1."""
-    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
     by = {}
-    for path in sorted(glob.glob(os.path.join(results, pattern))):
-        with open(path) as f:
-            for r in csv.DictReader(f):
-                if r["runner"] == "triton" and r.get("layer_graph_us") and r.get("layer_us"):
-                    key = (r["preset"], r["scheme"], int(r["T"]))
-                    by.setdefault(key, []).append(float(r["layer_graph_us"]) / float(r["layer_us"]))
+    for path in sorted(glob.glob(os.path.join(RESULTS, pattern))):
+        for key, r in read_run(path).items():  # the triton rows, times as floats
+            if r.get("layer_graph_us") and r.get("layer_us"):
+                by.setdefault(key, []).append(r["layer_graph_us"] / r["layer_us"])
     return [dict(preset=p, scheme=s, T=t, runs=len(v), median=sorted(v)[len(v) // 2], least=min(v), most=max(v),
                  above_1=sum(x > 1 for x in v)) for (p, s, t), v in sorted(by.items())]
 
