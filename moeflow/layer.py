@@ -31,7 +31,7 @@ from .layouts import run_in_layout
 from .planner import plan as make_plan
 from .quant import create_scheme
 from .routing import create_router
-from .weights import EXPERT_NAMES, load_expert_weight, load_layer_weights
+from .weights import EXPERT_NAMES, canonical_shared_state, load_expert_weight, load_layer_weights
 
 
 class MoE(nn.Module):
@@ -109,7 +109,10 @@ class MoE(nn.Module):
         high-precision checkpoint quantizes into an FP8 layer, an FP8 one of another scheme is requantized, an FP8
         one dequantizes into a layer without FP8, and all E experts give an expert-parallel rank its own; torch's
         plain copy would round the values into the parameter's dtype and keep stale scales. Misshaped or
-        scale-less FP8 weights raise MF402 / MF404."""
+        scale-less FP8 weights raise MF402 / MF404. Shared-expert keys are read as load_weights reads them: Qwen2-MoE's
+        ``shared_expert.`` spelling, FP8 weights with ``.weight_scale_inv`` dequantized (``state_dict``, torch's copy
+        of the caller's, is changed in place, before torch hands the children their keys)."""
+        canonical_shared_state(state_dict, prefix, self.config)
         own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
         for name in EXPERT_NAMES:
             if prefix + name in own:

@@ -15,7 +15,7 @@ Expert tensors may hold all E experts (a rank keeps its own) or exactly this ran
 High-precision expert weights are quantized by the layer's scheme. FP8 expert weights are kept
 as they are when their scale has the layer scheme's shape (an fp8-block checkpoint into an
 fp8-block layer loads without dequantizing); a scale of another scheme's shape is dequantized
-and requantized by the layer's scheme.
+and requantized by the layer's scheme. ``MoE.load_state_dict`` reads the same names the same way.
 """
 from __future__ import annotations
 
@@ -52,6 +52,26 @@ def _canonical(name: str) -> str:
     return "shared_experts." + name[len("shared_expert."):] if name.startswith("shared_expert.") else name
 
 
+def shared_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """The shared-expert weights' shapes, by name: gate_proj / up_proj (S, H), down_proj (H, S)."""
+    s, h = cfg.shared_size, cfg.hidden_size
+    return dict(zip(SHARED_NAMES, ((s, h), (s, h), (h, s))))
+
+
+def canonical_shared_state(state: dict[str, Tensor], prefix: str, cfg) -> None:
+    """For load_state_dict, in place: keys under ``prefix`` spelled ``shared_expert.`` (Qwen2-MoE) renamed
+    ``shared_experts.``, and an FP8 shared weight with its ``.weight_scale_inv`` beside it replaced by its
+    dequantized values (the scale key removed), as load_weights reads them."""
+    for key in [k for k in state if k.startswith(prefix + "shared_expert.")]:
+        state[prefix + _canonical(key[len(prefix):])] = state.pop(key)
+    if not cfg.shared_size:
+        return
+    for name, shape in shared_shapes(cfg).items():
+        key = prefix + name
+        if key in state and state[key].dtype == FP8_DTYPE:
+            state[key] = _dense(name, state[key], state.pop(key + "_scale_inv", None), shape)
+
+
 @torch.no_grad()
 def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
     state = {_canonical(k): v for k, v in state.items()}
@@ -75,8 +95,7 @@ def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
         _expect_shape("e_score_correction_bias", bias, (e,))
         layer.e_score_correction_bias.data.copy_(bias.float())
     if layer.shared_experts is not None:
-        s = cfg.shared_size
-        for name, shape in zip(SHARED_NAMES, ((s, h), (s, h), (h, s))):
+        for name, shape in shared_shapes(cfg).items():
             if name in state:
                 w = _dense(name, state[name], state.get(name + "_scale_inv"), shape)
                 layer.get_parameter(name).data.copy_(w.to(cfg.dtype))

@@ -177,3 +177,44 @@ def test_load_state_dict_under_a_parent_prefix(make_layer, poison):
     parent.load_state_dict({"block.moe." + k: v for k, v in src.state_dict().items()})
     assert parent.block.moe.gate_up_proj.dtype == torch.float8_e4m3fn
     check_against_oracle(parent.block.moe, tokens=(5,))
+
+
+@pytest.mark.parametrize("prefix", ("", "block.moe."))
+def test_load_state_dict_reads_shared_experts_as_load_weights(prefix, make_layer, poison):
+    """Qwen2-MoE's ``shared_expert.`` spelling and FP8 shared weights with ``.weight_scale_inv`` (block and
+    per-channel [S, 1] scales): load_state_dict gives load_weights' bits, under a parent's prefix too, and leaves
+    the caller's dict as it was."""
+    from moeflow.quant import create_scheme
+    src = make_layer(**FULL, dtype=torch.float32)
+    state = {k.replace("shared_experts.", "shared_expert."): v for k, v in src.state_dict().items()}
+    gate_q, gate_s = create_scheme("fp8-block").quantize_weight(torch.randn(1, S, H))
+    down_q, down_s = create_scheme("fp8-channel").quantize_weight(torch.randn(1, H, S))
+    state.update({"shared_expert.gate_proj.weight": gate_q[0], "shared_expert.gate_proj.weight_scale_inv": gate_s[0],
+                  "shared_expert.down_proj.weight": down_q[0],
+                  "shared_expert.down_proj.weight_scale_inv": down_s[0][:, None]})
+    given = dict(state)
+    by_weights = MoE(**FULL, dtype=torch.float32, init_weights=False)
+    by_weights.load_weights(state)
+    layer = MoE(**FULL, dtype=torch.float32, init_weights=False)
+    target = layer
+    if prefix:
+        target = nn.Module()
+        target.block = nn.Module()
+        target.block.moe = layer
+    result = target.load_state_dict({prefix + k: v for k, v in state.items()})
+    assert not result.missing_keys and not result.unexpected_keys
+    assert state.keys() == given.keys() and all(state[k] is given[k] for k in given)
+    a, b = layer.state_dict(), by_weights.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(bits(a[k]), bits(b[k])), k
+    assert not torch.equal(layer.shared_experts.gate_proj.weight, src.shared_experts.gate_proj.weight)
+    check_against_oracle(layer, tokens=(3,))
+
+
+def test_load_state_dict_fp8_shared_weight_without_scale_is_mf404(make_layer):
+    state = make_layer(**FULL, dtype=torch.float32).state_dict()
+    state["shared_experts.up_proj.weight"] = state["shared_experts.up_proj.weight"].to(torch.float8_e4m3fn)
+    with pytest.raises(MoeflowError) as info:
+        MoE(**FULL, dtype=torch.float32).load_state_dict(state)
+    assert info.value.code == "MF404" and "shared_experts.up_proj.weight" in str(info.value)
