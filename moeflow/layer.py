@@ -225,9 +225,8 @@ class MoE(nn.Module):
             if _validating():
                 t = hidden_states.shape[0] if hidden_states.dim() == 2 else None
                 check_input(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
-                check_input(topk_ids, "topk_ids", (t, cfg.top_k), cfg,
-                       dtype_ok=lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool,
-                       dtype_desc="an integer dtype")
+                check_input(topk_ids, "topk_ids", (t, cfg.top_k), cfg, dtype_ok=ID_DTYPES.__contains__,
+                            dtype_desc=ID_DTYPES_DESC)
                 check_input(topk_weights, "topk_weights", (t, cfg.top_k), cfg,
                        dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
                 if not _capturing(hidden_states):
@@ -335,6 +334,11 @@ def _validating() -> bool:
 
 def _capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+# topk_ids a caller routes with (forward_topk, ExpertsPath): any of torch's integer dtypes, read as int32
+ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+ID_DTYPES_DESC = "an integer dtype (" + ", ".join(str(d).removeprefix("torch.") for d in ID_DTYPES) + ")"
 
 
 def check_input(t, name, shape, cfg, dtype_ok=None, dtype_desc=None):

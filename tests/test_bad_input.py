@@ -304,3 +304,26 @@ def test_backward_through_an_eager_layer_is_mf307():
     with pytest.raises(MoeflowError) as info:
         path(x, ids, w, weights).sum().backward()
     assert info.value.code == "MF307" and "moeflow.experts" in str(info.value)
+
+
+# ---------------------------------------------------------------- id dtypes
+def test_every_integer_id_dtype_is_read_alike_and_others_are_mf302():
+    """forward_topk and ExpertsPath accept the same id dtypes (all of torch's integer ones) and give int64 ids' bits;
+    bool, floating and complex ids are MF302 naming the accepted dtypes, at both entries."""
+    from moeflow.experts import ExpertWeights
+    from moeflow.integrations.path import ExpertsPath
+    from moeflow.layer import ID_DTYPES
+    layer = MoE(**BASE, dtype=torch.float32)
+    path = ExpertsPath(layer.config)
+    weights = ExpertWeights(layer.gate_up_proj, layer.down_proj)
+    x, w = torch.randn(4, 64), torch.rand(4, 2)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(4)])  # int64
+    want_layer, want_path = layer.forward_topk(x, ids, w), path(x, ids, w, weights)
+    for dtype in ID_DTYPES:
+        assert torch.equal(layer.forward_topk(x, ids.to(dtype), w), want_layer), dtype
+        assert torch.equal(path(x, ids.to(dtype), w, weights), want_path), dtype
+    for dtype in (torch.bool, torch.float32, torch.complex64):
+        for call in (lambda i: layer.forward_topk(x, i, w), lambda i: path(x, i, w, weights)):
+            with pytest.raises(MoeflowError) as info:
+                call(ids.to(dtype))
+            assert info.value.code == "MF302" and "uint16" in str(info.value), dtype

@@ -24,14 +24,11 @@ from ..dispatch.gather_sum import gather_sum
 from ..errors import error
 from ..experts import ExpertWeights, create_runner
 from ..graphs import GraphCache
-from ..layer import check_input, routed_experts
+from ..layer import ID_DTYPES, ID_DTYPES_DESC, check_input, routed_experts
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan
 from ..quant import FP8_DTYPE, create_scheme
 from ..weights import expert_matrix
-
-_ID_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8)
-
 
 class ExpertsPath:
     """One planned (scheme, dispatcher, runner) for a layer shape. Between calls it keeps only the CUDA graphs of
@@ -99,8 +96,7 @@ class ExpertsPath:
         t = hidden.shape[0] if isinstance(hidden, Tensor) and hidden.dim() == 2 else None
         k = cfg.top_k if valid_below is None else None
         check_input(hidden, "hidden", (None, h), cfg)
-        check_input(topk_ids, "topk_ids", (t, k), cfg, dtype_ok=lambda d: d in _ID_DTYPES,
-                    dtype_desc="an integer dtype")
+        check_input(topk_ids, "topk_ids", (t, k), cfg, dtype_ok=ID_DTYPES.__contains__, dtype_desc=ID_DTYPES_DESC)
         check_input(topk_weights, "topk_weights", (t, k) if k else tuple(topk_ids.shape), cfg,
                     dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
         stored = FP8_DTYPE if self.scheme.quantized else cfg.dtype

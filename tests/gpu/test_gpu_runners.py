@@ -105,3 +105,22 @@ def test_device_omitted_inside_a_cuda_block(make_layer, poison):
     logits = torch.randn(7, 8, device="cuda")
     ids, w = route_for(layer.config, logits)
     assert_close(layer(x, logits), layer_oracle(layer, x, ids, w), rel_tol("fp8-block", torch.bfloat16), "cuda block")
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-replay"])
+def test_every_integer_id_dtype_on_cuda(make_layer, graph, monkeypatch):
+    """The triton runner's layer and ExpertsPath read every accepted id dtype (unsigned ones included) as int32 ids,
+    on the eager path and through the small-batch graph replay: the bits of int32 ids."""
+    from moeflow.experts import ExpertWeights
+    from moeflow.integrations.path import ExpertsPath
+    from moeflow.layer import ID_DTYPES
+    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "1" if graph else "0")
+    layer = make_layer(**SHAPE, dtype=torch.bfloat16, device="cuda", runner="triton")
+    path = ExpertsPath(layer.config)
+    weights = ExpertWeights(layer.gate_up_proj, layer.down_proj)
+    x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(5, 8, 2)
+    want_layer, want_path = layer.forward_topk(x, ids, w), path(x, ids, w, weights)
+    for dtype in ID_DTYPES:
+        assert torch.equal(layer.forward_topk(x, ids.to(dtype), w), want_layer), dtype
+        assert torch.equal(path(x, ids.to(dtype), w, weights), want_path), dtype
