@@ -74,6 +74,35 @@ def test_bf16_model(checkpoints):
     assert_close(logits(model, ids), ref, tol, "bf16 replace_moe_blocks")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_logits_are_recorded_after_replacement(checkpoints, family):
+    """output_router_logits=True: transformers hooks the router module, which a replaced block keeps and then runs;
+    the recorded logits (and the auxiliary loss, where the family computes one) are the eager model's, and the
+    model's output is the same bits with the recording as without. The router keeps its state_dict names."""
+    path = checkpoints(family)
+    ids = torch.randint(0, 256, (2, 5))
+    eager = load(path, "eager")
+    if not hasattr(eager.config, "output_router_logits"):
+        pytest.skip(f"{family} has no output_router_logits")
+    with torch.no_grad():
+        want = eager(ids, output_router_logits=True)
+    model = load(path, "eager")
+    gate_keys = {k for k in model.state_dict() if ".mlp.gate." in k}
+    replace_moe_blocks(model)
+    assert gate_keys and gate_keys <= set(model.state_dict())
+    with torch.no_grad():
+        got = model(ids, output_router_logits=True)
+        plain = model(ids).logits
+    assert len(got.router_logits) == len(want.router_logits) > 0
+    assert torch.equal(got.router_logits[0], want.router_logits[0])  # the first MoE layer's input is eager's
+    for i, (a, b) in enumerate(zip(got.router_logits, want.router_logits)):  # later ones: after moeflow's experts
+        assert_close(a, b, rel_tol("none", torch.float32), f"{family} router logits {i}")
+    if getattr(want, "aux_loss", None) is not None:
+        assert_close(got.aux_loss, want.aux_loss, rel_tol("none", torch.float32), f"{family} aux loss")
+    assert torch.equal(got.logits, plain)
+    assert_close(got.logits, want.logits, rel_tol("none", torch.float32), f"{family} with router logits")
+
+
 def test_set_experts_implementation_switches_a_loaded_model(checkpoints):
     model = load(checkpoints("olmoe"), "eager")
     ids = torch.randint(0, 256, (1, 7))

@@ -1,7 +1,8 @@
 """replace_moe_blocks: each sparse MoE block of a transformers model -> a MoeflowBlock.
 
-A MoeflowBlock computes the router logits with the block's own gate weight [E, H] (the same
-Parameter, not a copy) and hands everything else to one ``moeflow.MoE``: routing, the experts and
+A MoeflowBlock keeps the block's router module (``gate``), computes the router logits with its weight [E, H] (the
+same Parameter, not a copy; the router module itself runs where something hooks it, as transformers'
+``output_router_logits`` does) and hands everything else to one ``moeflow.MoE``: routing, the experts and
 the shared experts. Expert weights already in the layer's storage format are adopted (the layer's
 parameter points at the model's tensor); others go through ``MoE.load_weights`` (quantized when
 ``quant`` asks for FP8, kept FP8 when they already are 128x128-block FP8).
@@ -72,24 +73,31 @@ def supported_blocks() -> list[str]:
 class MoeflowBlock(nn.Module):
     """Drop-in for a sparse MoE block: hidden_states [..., H] -> [..., H], same dtype.
 
-    gate_weight: the router's [E, H] weight; moe: the moeflow layer doing routing, experts and
-    shared experts; router_fp32: compute the logits in float32 (DeepSeek-V3) instead of the input dtype.
+    gate: the block's own router module (its [E, H] ``weight``; kept as ``gate``, so the state_dict keeps the
+    model's ``...gate.weight`` names); moe: the moeflow layer doing routing, experts and shared experts;
+    router_fp32: compute the logits in float32 (DeepSeek-V3) instead of the input dtype.
+
+    The logits are ``x @ gate.weight.T``, computed here. When something hooks the router module (transformers'
+    ``output_router_logits=True`` records its output through a forward hook), the router module runs instead, as in
+    the block replaced, and its logits (output 0, the same values) feed moeflow's routing.
     """
 
-    def __init__(self, moe: MoE, gate_weight: nn.Parameter, router_fp32: bool, source: str):
+    def __init__(self, moe: MoE, gate: nn.Module, router_fp32: bool, source: str):
         super().__init__()
         self.moe = moe
-        self.gate_weight = gate_weight
+        self.gate = gate
         self.router_fp32 = router_fp32
         self.source = source
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        if self.router_fp32:
-            logits = F.linear(x.float(), self.gate_weight.float())  # [T, E]
+        if self.gate._forward_hooks or self.gate._forward_pre_hooks:  # observed: run the router module itself
+            logits = self.gate(x)[0]  # [T, E]
+        elif self.router_fp32:
+            logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
         else:
-            logits = F.linear(x, self.gate_weight.to(x.dtype))
+            logits = F.linear(x, self.gate.weight.to(x.dtype))
         return self.moe(x.to(self.moe.config.dtype), logits).to(hidden_states.dtype).reshape(shape)
 
     def extra_repr(self) -> str:
@@ -183,7 +191,7 @@ def build_block(block: nn.Module, quant: str | None = None, runner: str = "auto"
     # skip the random init when the block's tensors cover every weight the layer needs
     moe = MoE(cfg, init_weights=not set(expected_names(cfg)) <= set(state))
     _adopt(moe, state)
-    return MoeflowBlock(moe, block.gate.weight, family.router_fp32, f"{type(block).__name__} at {path or '?'}")
+    return MoeflowBlock(moe, block.gate, family.router_fp32, f"{type(block).__name__} at {path or '?'}")
 
 
 def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str = "auto", dtype: torch.dtype | None = None,
