@@ -26,11 +26,11 @@
 #   9. the decode rows (T=1, 16) of the six shipped tables re-tuned into $R/tuned (moeflow tune --merge
 #      over copies of them: the candidates include split-K forms of both GEMMs), GPU 0; copy the files
 #      back into moeflow/kernels/configs/ only after comparing the layer rows
-#  10. prepared without a GPU on 2026-12-05, not yet run: ws_bounds.py at five tile orders (Qwen3 bf16 T=4096, the
-#      loads alone against the full GEMMs), graph_vs_eager.py (why the graph replay times GPU-bound rows slower
-#      than eager calls; two rows ran on an H100 on 2026-12-05, gpu_session_2026-12-05_h100_9762fe8.md, the H200 run
-#      is still to come) and zero_padding.py (zero rows instead of the next expert's as the tiles' padding), GPU 0;
-#      about a call each: ONLY=zero_padding (likewise graph_vs_eager, ws_bounds_order)
+#  10. prepared without a GPU on 2026-12-05: ws_bounds.py at five tile orders (Qwen3 bf16 T=4096, the loads alone
+#      against the full GEMMs; not yet run), graph_vs_eager.py (why the graph replay times GPU-bound rows slower than
+#      eager calls) and zero_padding.py (zero rows instead of the next expert's as the tiles' padding); the last two
+#      ran on an H200 on 2026-12-05 (gpu_session_2026-12-05_h200_3d1f7f3.md), GPU 0; about a call each:
+#      ONLY=ws_bounds_order (likewise graph_vs_eager, zero_padding)
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
 # can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
 # tests in 420 s (compiling as it went), so they are three steps now: gpu_tests_triton (test_gpu_triton.py),

@@ -37,6 +37,7 @@ import glob
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -169,7 +170,7 @@ def main():
         time.sleep(0.3)
         smi.terminate()
         smi.wait()
-    med = lambda v: sorted(v)[len(v) // 2] if v else None
+    med = lambda v: statistics.median(v) if v else None
     for windows in (w for row in res.values() for w in row.values()):
         for w in windows:
             w.update(smi_window(smi_path, w["lo"], w["hi"]))

@@ -17,6 +17,7 @@ import csv
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -90,7 +91,7 @@ def sustained(fn, settle_s: float = SETTLE_S, run_s: float = RUN_S) -> dict:
         b.synchronize()
         samples.append((time.perf_counter() - t0, a.elapsed_time(b) * 1e3 / n))
     end = datetime.datetime.now()
-    med = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
+    med = lambda v: statistics.median(v) if v else float("nan")
     first = med([us for s, us in samples if s < 0.25])
     last = med([us for s, us in samples if s > run_s - 1])
     del g
@@ -120,7 +121,7 @@ def smi_window(path: str, lo: str, hi: str) -> dict:
             except (ValueError, IndexError):
                 continue
     w = [r for r in rows if lo <= r[0] <= hi]
-    med = lambda v: sorted(v)[len(v) // 2] if v else None
+    med = lambda v: statistics.median(v) if v else None
     return dict(samples=len(w), sm_mhz=med([r[1] for r in w]), sm_mhz_min=min([r[1] for r in w], default=None),
                 power_w=med([r[2] for r in w]), power_cap_share=sum(r[3] & 4 > 0 for r in w) / len(w) if w else None)
 

@@ -7,6 +7,7 @@ align.quant_rows) against several (align.quant_rows), by turns; outputs checked 
 """
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -50,7 +51,7 @@ def main():
                 align._QUANT_PARTS = base
                 row["several"].append(round(graph_us(batches), 2))
             out.append(row)
-            med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+            med = statistics.median
             print(f"{preset:14s} T={t:6d} rows/part={row['rows_a_part']} same={same} one token a part "
                   f"{med(row['one']):8.2f} us, several {med(row['several']):8.2f} us "
                   f"({med(row['one']) / med(row['several']):.2f}x)", flush=True)

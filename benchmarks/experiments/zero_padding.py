@@ -30,6 +30,7 @@ Writes OUT/zero_padding.json and OUT/smi.csv; prints a table last.
 """
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -124,7 +125,7 @@ def main():
     finally:
         smi.terminate()
         smi.wait()
-    med = lambda v: sorted(v)[len(v) // 2] if v else 0
+    med = lambda v: statistics.median(v) if v else 0
     for rec in res.values():
         for x in (x for f in FORMS for x in rec[f]):
             x.update(smi_window(smi_path, x["last_second_from"], x["end"]))
