@@ -103,6 +103,53 @@ def test_router_logits_are_recorded_after_replacement(checkpoints, family):
     assert_close(got.logits, want.logits, rel_tol("none", torch.float32), f"{family} with router logits")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replaced_model_saves_a_checkpoint_transformers_reads(checkpoints, family, tmp_path):
+    """A replaced model's state_dict names its tensors as the blocks it replaced did, so save_pretrained writes a
+    checkpoint that from_pretrained loads (no missing or unexpected keys) with the original tensors, bit for bit;
+    load_state_dict of the original state_dict into a replaced model reads those names back."""
+    path = checkpoints(family)
+    original = load(path, "eager")
+    want = original.state_dict()
+    model = load(path, "eager")
+    replace_moe_blocks(model)
+    assert set(model.state_dict()) == set(want)
+    model.save_pretrained(tmp_path)
+    again, info = Auto.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    got = again.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    fresh = load(path, "eager")
+    replace_moe_blocks(fresh)
+    for block in (b for b in fresh.modules() if isinstance(b, MoeflowBlock)):
+        for t in block.moe.parameters():
+            t.data.zero_()
+    assert not fresh.load_state_dict(want).missing_keys
+    ids = torch.randint(0, 256, (2, 5))
+    assert torch.equal(logits(fresh, ids), logits(model, ids))
+
+
+def test_fp8_replaced_blocks_keep_moeflow_names_and_load_block_names(checkpoints):
+    """A block quantized by moeflow (quant="fp8-channel" on a float model) has no block format to save in: its
+    state_dict keeps the layer's names (FP8 weights and scales); its load_state_dict still reads the block's names,
+    quantizing as MoE.load_state_dict does."""
+    path = checkpoints("qwen2_moe")
+    original = load(path, "eager").state_dict()
+    model = load(path, "eager")
+    replace_moe_blocks(model, quant="fp8-channel")
+    state = model.state_dict()
+    assert any(k.endswith("mlp.moe.gate_up_proj_scale_inv") for k in state)
+    assert not any(".mlp.experts." in k or ".mlp.shared_expert." in k for k in state)
+    other = load(path, "eager")
+    replace_moe_blocks(other, quant="fp8-channel")
+    result = other.load_state_dict({k: v for k, v in original.items()}, strict=False)
+    assert not result.unexpected_keys and all(k.endswith("_scale_inv") for k in result.missing_keys)
+    got = other.state_dict()
+    assert all(torch.equal(got[k].view(torch.uint8) if got[k].dtype == torch.float8_e4m3fn else got[k],
+                           state[k].view(torch.uint8) if state[k].dtype == torch.float8_e4m3fn else state[k])
+               for k in state)
+
+
 def test_set_experts_implementation_switches_a_loaded_model(checkpoints):
     model = load(checkpoints("olmoe"), "eager")
     ids = torch.randint(0, 256, (1, 7))

@@ -5,7 +5,8 @@ same Parameter, not a copy; the router module itself runs where something hooks 
 ``output_router_logits`` does) and hands everything else to one ``moeflow.MoE``: routing, the experts and
 the shared experts. Expert weights already in the layer's storage format are adopted (the layer's
 parameter points at the model's tensor); others go through ``MoE.load_weights`` (quantized when
-``quant`` asks for FP8, kept FP8 when they already are 128x128-block FP8).
+``quant`` asks for FP8, kept FP8 when they already are 128x128-block FP8). The state_dict names the tensors as the
+replaced block did where the layer keeps the block's format (block_names), so save_pretrained round-trips.
 
 Families (block class -> routing as MoEConfig fields), following transformers' modeling code:
   MixtralSparseMoeBlock   softmax top-k, always renormalized
@@ -82,12 +83,21 @@ class MoeflowBlock(nn.Module):
     the block replaced, and its logits (output 0, the same values) feed moeflow's routing.
     """
 
-    def __init__(self, moe: MoE, gate: nn.Module, router_fp32: bool, source: str):
+    def __init__(self, moe: MoE, gate: nn.Module, router_fp32: bool, source: str, names: dict[str, str] | None = None):
         super().__init__()
         self.moe = moe
         self.gate = gate
         self.router_fp32 = router_fp32
         self.source = source
+        self.names = dict(names or {})  # moe's state_dict key -> the replaced block's (block_names)
+        self.register_state_dict_post_hook(_save_block_names)
+        self.register_load_state_dict_pre_hook(_read_block_names)
+
+    def saves_block_names(self) -> bool:
+        """Whether state_dict() names the tensors as the replaced block did: the layer keeps the block's format
+        (no FP8 of moeflow's making) and all of its experts, and the block's names are known (block_names)."""
+        moe = self.moe
+        return bool(self.names) and not moe.scheme.quantized and len(moe.local_experts) == moe.config.num_experts
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
@@ -102,6 +112,48 @@ class MoeflowBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"replaces {self.source}, router_fp32={self.router_fp32}"
+
+
+def block_names(block: nn.Module, family: Family) -> dict[str, str]:
+    """moe state_dict key -> the key of the same tensor in ``block``, for a MoeflowBlock to save and load under the
+    block's names (so a replaced model's save_pretrained writes a checkpoint transformers reads back). Empty where the
+    layer's tensors are not the block's in its layout: transposed or FP8 experts, FP8 shared-expert weights."""
+    experts = block.experts
+    shared = getattr(block, family.shared) if family.shared else None
+    if getattr(experts, "is_transposed", False) or expert_weights(experts).w13_scale is not None or (
+            shared is not None and any(getattr(getattr(shared, p), "weight_scale_inv", None) is not None
+                                       for p in ("gate_proj", "up_proj", "down_proj"))):
+        return {}
+    names = {"gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj"}
+    if shared is not None:
+        names.update({f"shared_experts.{p}.weight": f"{family.shared}.{p}.weight"
+                      for p in ("gate_proj", "up_proj", "down_proj")})
+    if family.shared_gate:
+        names["shared_expert_gate.weight"] = f"{family.shared_gate}.weight"
+    return names
+
+
+def _save_block_names(block: MoeflowBlock, state: dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook: the layer's tensors under the replaced block's names (MoeflowBlock.saves_block_names);
+    the layer's float32 copy of the correction bias is left out where the router module holds the bias."""
+    if not block.saves_block_names():
+        return
+    for ours, theirs in block.names.items():
+        if prefix + "moe." + ours in state:
+            state[prefix + theirs] = state.pop(prefix + "moe." + ours)
+    if prefix + "gate.e_score_correction_bias" in state:
+        state.pop(prefix + "moe.e_score_correction_bias", None)
+
+
+def _read_block_names(block: MoeflowBlock, state: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: keys under the replaced block's names read as the layer's (the layer converts them:
+    MoE.load_state_dict), the router module's correction bias as the layer's where the layer's own is absent."""
+    for ours, theirs in block.names.items():
+        if prefix + theirs in state:
+            state[prefix + "moe." + ours] = state.pop(prefix + theirs)
+    bias = prefix + "gate.e_score_correction_bias"
+    if bias in state and block.moe.e_score_correction_bias is not None:
+        state.setdefault(prefix + "moe.e_score_correction_bias", state[bias])
 
 
 def _is_moe_block(module: nn.Module) -> bool:
@@ -191,7 +243,8 @@ def build_block(block: nn.Module, quant: str | None = None, runner: str = "auto"
     # skip the random init when the block's tensors cover every weight the layer needs
     moe = MoE(cfg, init_weights=not set(expected_names(cfg)) <= set(state))
     _adopt(moe, state)
-    return MoeflowBlock(moe, block.gate, family.router_fp32, f"{type(block).__name__} at {path or '?'}")
+    names = block_names(block, family) if experts is None else {}
+    return MoeflowBlock(moe, block.gate, family.router_fp32, f"{type(block).__name__} at {path or '?'}", names)
 
 
 def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str = "auto", dtype: torch.dtype | None = None,
