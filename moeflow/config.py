@@ -63,6 +63,8 @@ def parse_device(value) -> torch.device:
         dev = torch.device(value)
     except (RuntimeError, TypeError) as exc:
         raise error("MF106", value=value, why=str(exc)) from None
+    if dev.type == "cpu":
+        return torch.device("cpu")  # "cpu:0": torch's CPU tensors carry no index, so the layer's device must not
     if dev.type != "cuda":
         return dev
     if not torch.cuda.is_available():
