@@ -6,6 +6,7 @@ routed expert, E num_experts, K top_k, E_local experts on this rank, W expert-pa
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import asdict, dataclass, field, replace
 
@@ -75,6 +76,11 @@ def parse_device(value) -> torch.device:
     return dev
 
 
+# the integer fields (numpy integers are read as Python ints)
+INT_FIELDS = ("num_experts", "hidden_size", "intermediate_size", "top_k", "max_tokens_per_rank", "num_expert_groups",
+              "topk_groups", "num_shared_experts", "shared_intermediate_size")
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Everything that defines a layer. Frozen: build a new one with ``dataclasses.replace``.
@@ -116,6 +122,13 @@ class MoEConfig:
         set_ = object.__setattr__
         set_(self, "dtype", parse_dtype(self.dtype))
         set_(self, "device", parse_device(self.device))
+        for name in INT_FIELDS:  # numpy's integers too, as Python ints (a bool or a str stays, refused below)
+            v = getattr(self, name)
+            if not isinstance(v, bool) and hasattr(type(v), "__index__"):
+                set_(self, name, operator.index(v))
+        f = self.routed_scaling_factor
+        if isinstance(f, numbers.Real) and not isinstance(f, bool):
+            set_(self, "routed_scaling_factor", float(f))
         for name in SWITCHES:
             v = getattr(self, name)
             if isinstance(v, (str, bytes)) or v not in (True, False):  # a bool (or numpy's, or 0 / 1), not "no"
@@ -145,7 +158,7 @@ class MoEConfig:
                 raise error("MF102", field=name, value=getattr(self, name), valid=list(valid))
         self._check_groups()
         f = self.routed_scaling_factor
-        if not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+        if not isinstance(f, float) or not math.isfinite(f) or f <= 0:
             raise error("MF105", field="routed_scaling_factor", value=f, why="must be a finite number > 0")
         if self.use_correction_bias and self.scoring != "sigmoid":
             raise error("MF105", field="use_correction_bias", value=True,
@@ -154,8 +167,10 @@ class MoEConfig:
     def _check_groups(self):
         g, tg, e = self.num_expert_groups, self.topk_groups, self.num_experts
         bad = None
-        if not isinstance(g, int) or g <= 0 or e % g:
+        if not isinstance(g, int) or isinstance(g, bool) or g <= 0 or e % g:
             bad = f"num_experts={e} must be divisible by num_expert_groups"
+        elif not isinstance(tg, int) or isinstance(tg, bool):
+            bad = "topk_groups must be an integer"
         elif not 1 <= tg <= g:
             bad = "need 1 <= topk_groups <= num_expert_groups"
         elif g > 1 and tg * (e // g) < self.top_k:

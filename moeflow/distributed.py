@@ -50,7 +50,7 @@ def resolve_group(process_group):
 
 
 def timeout_s() -> float:
-    return env.DIST_TIMEOUT_S.get_float()
+    return env.DIST_TIMEOUT_S.get_positive()
 
 
 def init_distributed(backend: str | None = None, device: torch.device | None = None) -> torch.device:

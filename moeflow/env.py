@@ -8,6 +8,7 @@ kept until the outermost block ends: a call read its switches some 23 times, 1.4
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -40,12 +41,15 @@ class EnvVar:
             return False
         raise _invalid(self, "expected 1 or 0 (also true / false, yes / no, on / off)")
 
-    def get_float(self) -> float:
-        """The value as a number (MF107 if it is not one)."""
+    def get_positive(self) -> float:
+        """The value as a finite number > 0 (MF107 otherwise: not a number, 0, negative, nan, inf)."""
         try:
-            return float(self.get())
+            value = float(self.get())
         except ValueError:
             raise _invalid(self, "expected a number") from None
+        if not math.isfinite(value) or value <= 0:
+            raise _invalid(self, "expected a finite number > 0")
+        return value
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

@@ -27,6 +27,9 @@ class MoeflowError(Exception):
         self.code = code
         self.detail = message
 
+    def __reduce__(self):  # pickle / copy (a process pool hands a worker's error back): rebuilt from (code, detail)
+        return type(self), (self.code, self.detail), self.__dict__
+
 
 class ConfigError(MoeflowError, ValueError):
     """A value in the layer configuration is invalid on its own or in combination."""
@@ -148,7 +151,7 @@ _spec("MF107", ConfigError, "invalid environment variable",
 What: an environment variable moeflow reads (`moeflow env` lists them) holds a value it cannot use.
 When: the first call that reads it (MOEFLOW_EAGER_GRAPHS: every eager forward on CUDA; a switch such as
 MOEFLOW_TRITON_PDL that is neither 1 nor 0: the first call that consults it; MOEFLOW_DIST_TIMEOUT_S that is not a
-number: building an expert-parallel layer).
+finite number > 0: init_distributed, or building an expert-parallel layer).
 Fix: set it to a value of the kind `moeflow env` describes, or unset it for the default.
 Example: MOEFLOW_EAGER_GRAPHS=16 (the largest batch replayed from a CUDA graph), MOEFLOW_EAGER_GRAPHS=0 (off)
 """)

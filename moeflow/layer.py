@@ -31,7 +31,7 @@ from .layouts import run_in_layout
 from .planner import plan as make_plan
 from .quant import create_scheme
 from .routing import create_router
-from .weights import EXPERT_NAMES, canonical_shared_state, load_expert_weight, load_layer_weights
+from .weights import EXPERT_NAMES, canonical_state, load_expert_weight, load_layer_weights
 
 
 class MoE(nn.Module):
@@ -55,6 +55,9 @@ class MoE(nn.Module):
         super().__init__()
         if config is None:
             config = MoEConfig(**fields)
+        elif not isinstance(config, MoEConfig):
+            raise error("MF101", field="config", value=type(config).__name__,
+                        why="must be a MoEConfig; pass a dict of its fields as keywords: MoE(**fields)")
         elif fields:
             config = config.replace(**fields)
         self.__dict__.update(_built(config, process_group))
@@ -109,10 +112,11 @@ class MoE(nn.Module):
         high-precision checkpoint quantizes into an FP8 layer, an FP8 one of another scheme is requantized, an FP8
         one dequantizes into a layer without FP8, and all E experts give an expert-parallel rank its own; torch's
         plain copy would round the values into the parameter's dtype and keep stale scales. Misshaped or
-        scale-less FP8 weights raise MF402 / MF404. Shared-expert keys are read as load_weights reads them: Qwen2-MoE's
-        ``shared_expert.`` spelling, FP8 weights with ``.weight_scale_inv`` dequantized (``state_dict``, torch's copy
-        of the caller's, is changed in place, before torch hands the children their keys)."""
-        canonical_shared_state(state_dict, prefix, self.config)
+        scale-less FP8 weights raise MF402 / MF404. The other tensors are read as load_weights reads them too
+        (weights.canonical_state: Qwen2-MoE's ``shared_expert.`` spelling, FP8 shared weights dequantized, the layer's
+        dtypes and device, also under ``assign=True``); ``state_dict``, torch's copy of the caller's, is changed in
+        place, before torch hands the children their keys."""
+        canonical_state(state_dict, prefix, self.config)
         own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
         for name in EXPERT_NAMES:
             if prefix + name in own:

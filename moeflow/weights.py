@@ -19,6 +19,8 @@ and requantized by the layer's scheme. ``MoE.load_state_dict`` reads the same na
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
@@ -58,22 +60,50 @@ def shared_shapes(cfg) -> dict[str, tuple[int, int]]:
     return dict(zip(SHARED_NAMES, ((s, h), (s, h), (h, s))))
 
 
-def canonical_shared_state(state: dict[str, Tensor], prefix: str, cfg) -> None:
-    """For load_state_dict, in place: keys under ``prefix`` spelled ``shared_expert.`` (Qwen2-MoE) renamed
-    ``shared_experts.``, and an FP8 shared weight with its ``.weight_scale_inv`` beside it replaced by its
-    dequantized values (the scale key removed), as load_weights reads them."""
+def canonical_state(state: dict[str, Tensor], prefix: str, cfg) -> None:
+    """For load_state_dict, in place: the tensors under ``prefix`` other than the expert weights read as load_weights
+    reads them. ``shared_expert.`` keys (Qwen2-MoE) renamed ``shared_experts.``; the correction bias, the shared-expert
+    weights (an FP8 one dequantized with its ``.weight_scale_inv``, whose key is removed) and the shared gate replaced
+    by the layer's dtypes on the layer's device (dense_tensors), so ``assign=True`` keeps the layer's dtypes too."""
     for key in [k for k in state if k.startswith(prefix + "shared_expert.")]:
         state[prefix + _canonical(key[len(prefix):])] = state.pop(key)
-    if not cfg.shared_size:
-        return
-    for name, shape in shared_shapes(cfg).items():
-        key = prefix + name
-        if key in state and state[key].dtype == FP8_DTYPE:
-            state[key] = _dense(name, state[key], state.pop(key + "_scale_inv", None), shape)
+    own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    for name, t in dense_tensors(own, cfg).items():
+        state[prefix + name] = t
+        if state[prefix + name] is not own[name] and own[name].dtype == FP8_DTYPE:
+            state.pop(prefix + name + "_scale_inv", None)
+
+
+def dense_tensors(state: dict[str, Tensor], cfg) -> dict[str, Tensor]:
+    """The tensors of ``state`` (canonical names) that are not expert weights, as the layer stores them: the
+    correction bias float32 [E], the shared-expert weights (dequantized where FP8) and the shared gate [1, H] in the
+    layer dtype; all on the layer's device. Only the names the configuration has; MF402 / MF404 where a tensor cannot
+    be read so."""
+    out = {}
+    if cfg.use_correction_bias and "e_score_correction_bias" in state:
+        bias = _floating("e_score_correction_bias", state["e_score_correction_bias"])
+        _expect_shape("e_score_correction_bias", bias, (cfg.num_experts,))
+        out["e_score_correction_bias"] = bias.to(device=cfg.device, dtype=torch.float32)
+    if cfg.shared_size:
+        for name, shape in shared_shapes(cfg).items():
+            if name in state:
+                w = _dense(name, state[name], state.get(name + "_scale_inv"), shape)
+                out[name] = w.to(device=cfg.device, dtype=cfg.dtype)
+    if cfg.shared_expert_gate and "shared_expert_gate.weight" in state:
+        w = _floating("shared_expert_gate.weight", state["shared_expert_gate.weight"])
+        _expect_shape("shared_expert_gate.weight", w, (1, cfg.hidden_size))
+        out["shared_expert_gate.weight"] = w.to(device=cfg.device, dtype=cfg.dtype)
+    return out
 
 
 @torch.no_grad()
 def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
+    if not isinstance(state, Mapping):
+        raise error("MF404", name="state",
+                    why=f"load_weights takes a dict of tensors by name, not {type(state).__name__}")
+    for k, v in state.items():
+        if not isinstance(v, Tensor):
+            raise error("MF404", name=k, why=f"must be a torch.Tensor, not {type(v).__module__}.{type(v).__name__}")
     state = {_canonical(k): v for k, v in state.items()}
     required = expected_names(layer.config)
     optional = [n + "_scale_inv" for n in EXPERT_NAMES] + [n + "_scale_inv" for n in SHARED_NAMES]
@@ -85,25 +115,11 @@ def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
         unknown = [n for n in state if n not in valid]
         if unknown:
             raise error("MF403", names=unknown, valid=valid)
-    cfg = layer.config
-    e, h = cfg.num_experts, cfg.hidden_size
     for name in EXPERT_NAMES:
         if name in state:
             load_expert_weight(layer, name, state[name], state.get(name + "_scale_inv"))
-    if "e_score_correction_bias" in state and layer.e_score_correction_bias is not None:
-        bias = state["e_score_correction_bias"]
-        _expect_shape("e_score_correction_bias", bias, (e,))
-        layer.e_score_correction_bias.data.copy_(bias.float())
-    if layer.shared_experts is not None:
-        for name, shape in shared_shapes(cfg).items():
-            if name in state:
-                w = _dense(name, state[name], state.get(name + "_scale_inv"), shape)
-                layer.get_parameter(name).data.copy_(w.to(cfg.dtype))
-    gate = getattr(layer, "shared_expert_gate", None)
-    if gate is not None and "shared_expert_gate.weight" in state:
-        w = state["shared_expert_gate.weight"]
-        _expect_shape("shared_expert_gate.weight", w, (1, h))
-        gate.weight.data.copy_(w.to(cfg.dtype))
+    for name, t in dense_tensors(state, layer.config).items():
+        layer.get_parameter(name).data.copy_(t)
 
 
 def _expect_shape(name: str, t: Tensor, shape: tuple) -> None:
@@ -160,11 +176,17 @@ def _scheme_of_scale(preferred, scale: Tensor, wshape) -> tuple[object | None, T
     return None, scale
 
 
+def _floating(name: str, t: Tensor) -> Tensor:
+    if not t.dtype.is_floating_point or t.dtype == FP8_DTYPE:
+        raise error("MF404", name=name, why=f"dtype {t.dtype} cannot be read: a floating tensor (not FP8) is needed")
+    return t
+
+
 def _dense(name: str, w: Tensor, scale: Tensor | None, shape: tuple) -> Tensor:
     """A 2-D shared-expert weight, dequantized when it is FP8 (any scheme's scale shape)."""
     _expect_shape(name, w, shape)
     if w.dtype != FP8_DTYPE:
-        return w
+        return _floating(name, w)
     if scale is None:
         raise error("MF404", name=name, why=f"float8_e4m3fn weights need {name}_scale_inv beside them")
     s1 = scale.reshape(1) if scale.numel() == 1 else scale.unsqueeze(0)  # as a 1-expert scale

@@ -161,6 +161,9 @@ CONFIG_BAD = {
     "zero-topk-groups": ("MF103", dict(num_expert_groups=4, topk_groups=0), "topk_groups=0"),
     "topk-groups-above-groups": ("MF103", dict(num_expert_groups=2, topk_groups=3), "topk_groups=3"),
     "kept-groups-too-small": ("MF103", dict(num_expert_groups=4, topk_groups=1, top_k=3), "fewer than top_k=3"),
+    "fraction-topk-groups": ("MF103", dict(num_expert_groups=2, topk_groups=1.5), "topk_groups must be an integer"),
+    "string-topk-groups": ("MF103", dict(num_expert_groups=2, topk_groups="1"), "topk_groups must be an integer"),
+    "bool-groups": ("MF103", dict(num_expert_groups=True), "num_expert_groups=True"),
     "bias-with-one-expert-groups": ("MF103", dict(num_expert_groups=8, topk_groups=2, scoring="sigmoid",
                                                   use_correction_bias=True), "two"),
     "int-dtype": ("MF104", dict(dtype=torch.int8), "int8"),
@@ -171,6 +174,7 @@ CONFIG_BAD = {
     "nan-scaling": ("MF105", dict(routed_scaling_factor=math.nan), "routed_scaling_factor=nan"),
     "inf-scaling": ("MF105", dict(routed_scaling_factor=math.inf), "routed_scaling_factor=inf"),
     "string-scaling": ("MF105", dict(routed_scaling_factor="2.5"), "'2.5'"),
+    "bool-scaling": ("MF105", dict(routed_scaling_factor=True), "routed_scaling_factor=True"),
     "bias-with-softmax": ("MF105", dict(use_correction_bias=True), "use_correction_bias"),
     "unparsable-device": ("MF106", dict(device="tpu:x"), "'tpu:x'"),
 }
@@ -204,6 +208,41 @@ def test_bad_placement_is_mf504(case):
     with pytest.raises(MoeflowError) as info:
         MoE(**BASE, placement=placement)
     assert info.value.code == "MF504" and text in str(info.value), str(info.value)
+
+
+def test_numpy_numbers_are_read_as_python_numbers():
+    """numpy integers for the sizes and a numpy float for the scaling factor, as a config parsed from arrays gives."""
+    import numpy as np
+    cfg = MoEConfig(num_experts=np.int64(8), hidden_size=np.int32(64), intermediate_size=np.uint16(32),
+                    top_k=np.int8(2), num_expert_groups=np.int64(2), topk_groups=np.int64(1),
+                    routed_scaling_factor=np.float32(2.5))
+    assert cfg == MoEConfig(**BASE, num_expert_groups=2, topk_groups=1, routed_scaling_factor=2.5)
+    assert type(cfg.num_experts) is int and type(cfg.routed_scaling_factor) is float
+
+
+def test_config_that_is_not_a_moeconfig_is_mf101():
+    with pytest.raises(MoeflowError) as info:
+        MoE(dict(BASE))
+    assert info.value.code == "MF101" and "MoE(**fields)" in str(info.value)
+
+
+def test_cpu_index_is_the_cpu():
+    """device="cpu:0" (torch's CPU tensors carry no index) is the CPU: the layer runs CPU tensors."""
+    for device in ("cpu:0", torch.device("cpu", 0)):
+        layer = MoE(**BASE, dtype=torch.float32, device=device)
+        assert layer.config.device == torch.device("cpu")
+        assert layer(torch.randn(3, 64), torch.randn(3, 8)).shape == (3, 64)
+
+
+def test_coded_errors_survive_pickle_and_copy():
+    """A worker process's coded error reaches its pool's caller as the same error (pickled), not a TypeError."""
+    import copy
+    import pickle
+    with pytest.raises(MoeflowError) as info:
+        MoE(**{**BASE, "top_k": 9})
+    for again in (pickle.loads(pickle.dumps(info.value)), copy.copy(info.value), copy.deepcopy(info.value)):
+        assert type(again) is type(info.value) and again.code == "MF101"
+        assert str(again) == str(info.value) and again.detail == info.value.detail
 
 
 def test_switches_and_placements_of_other_types_are_read():

@@ -105,10 +105,13 @@ def test_another_programs_switch_is_read_as_it_reads_it(monkeypatch):
     assert moeflow_env.TRITON_INTERPRET.get_bool() is False
 
 
-def test_a_number_that_is_not_one_is_mf107(monkeypatch):
-    monkeypatch.setenv("MOEFLOW_DIST_TIMEOUT_S", "5 minutes")
-    with pytest.raises(MoeflowError, match="expected a number") as info:
-        moeflow_env.DIST_TIMEOUT_S.get_float()
+@pytest.mark.parametrize("value,why", [("5 minutes", "expected a number"), ("0", "> 0"), ("-5", "> 0"),
+                                       ("nan", "> 0"), ("inf", "> 0")])
+def test_a_timeout_that_is_not_a_positive_number_is_mf107(monkeypatch, value, why):
+    """Not a number, or one no timeout can be (0, negative, nan, inf: torch's own errors later, or no timeout)."""
+    monkeypatch.setenv("MOEFLOW_DIST_TIMEOUT_S", value)
+    with pytest.raises(MoeflowError, match=why) as info:
+        moeflow_env.DIST_TIMEOUT_S.get_positive()
     assert info.value.code == "MF107"
     monkeypatch.setenv("MOEFLOW_DIST_TIMEOUT_S", "12.5")
-    assert moeflow_env.DIST_TIMEOUT_S.get_float() == 12.5
+    assert moeflow_env.DIST_TIMEOUT_S.get_positive() == 12.5

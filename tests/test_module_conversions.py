@@ -218,3 +218,16 @@ def test_load_state_dict_fp8_shared_weight_without_scale_is_mf404(make_layer):
     with pytest.raises(MoeflowError) as info:
         MoE(**FULL, dtype=torch.float32).load_state_dict(state)
     assert info.value.code == "MF404" and "shared_experts.up_proj.weight" in str(info.value)
+
+
+@pytest.mark.parametrize("target", ("none", "fp8-channel"))
+def test_load_state_dict_assign_keeps_the_layers_dtypes(target, make_layer, poison):
+    """assign=True takes the given tensors instead of copying into the layer's: the expert weights were converted
+    already, and the dense ones (shared experts, their gate, the correction bias) now are too, to the layer's dtypes."""
+    src = make_layer(**FULL, dtype=torch.bfloat16)
+    layer = MoE(**FULL, quant=target, dtype=torch.float32, init_weights=False)
+    assert not layer.load_state_dict(src.state_dict(), assign=True).missing_keys
+    for name, p in layer.named_parameters():  # float32 but for an FP8 layer's expert weights
+        fp8 = layer.scheme.quantized and name in ("gate_up_proj", "down_proj")
+        assert p.dtype == (torch.float8_e4m3fn if fp8 else torch.float32), name
+    check_against_oracle(layer, tokens=(3,))

@@ -117,6 +117,25 @@ def test_misshaped_weight_is_mf402(case, weights_for):
     assert key in raises_code("MF402", layer.load_weights, state)
 
 
+@pytest.mark.parametrize("key", ("gate_up_proj", "e_score_correction_bias", "shared_experts.up_proj.weight",
+                                 "shared_expert_gate.weight"))
+def test_integer_weight_is_mf404(key, weights_for):
+    """An integer tensor is refused by name wherever it is given (it was silently cast for the dense tensors)."""
+    layer = MoE(**FULL, dtype=torch.float32)
+    state = weights_for(layer.config)
+    state[key] = state[key].to(torch.int32)
+    assert key in raises_code("MF404", layer.load_weights, state)
+
+
+def test_weights_not_a_dict_of_tensors_is_mf404(weights_for):
+    import numpy as np
+    layer = MoE(**FULL, dtype=torch.float32)
+    state = weights_for(layer.config)
+    assert "list" in raises_code("MF404", layer.load_weights, list(state.items()))
+    state["down_proj"] = np.zeros((E, H, I), dtype=np.float32)
+    assert "numpy.ndarray" in raises_code("MF404", layer.load_weights, state)
+
+
 def test_fp8_scale_of_no_scheme_is_mf402(weights_for):
     layer = MoE(num_experts=E, hidden_size=128, intermediate_size=128, top_k=K, quant="fp8-block")
     state = weights_for(layer.config)
