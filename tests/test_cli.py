@@ -1,7 +1,12 @@
-"""The command line: matrix, check, explain, env, bench (small, on the CPU)."""
+"""The command line: matrix, check, explain, env, bench (small, on the CPU), generate's and tune's argument checks, and
+the commands the documents name."""
+import importlib.util
 import json
+import pathlib
+import re
 
 import pytest
+import torch
 
 from moeflow.cli import main
 from moeflow.errors import CATALOGUE
@@ -164,3 +169,118 @@ def test_bench_makes_the_output_directory(tmp_path):
     out = tmp_path / "new" / "dir" / "rows.json"
     assert main(["bench", "--quant", "none", "--tokens", "2", "--device", "cpu", "--json", str(out)]) == 0
     assert json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------- the CLI audit's fixes
+
+@pytest.mark.parametrize("device,why", [
+    pytest.param("cuda", "CUDA is not available", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                                            reason="this machine has CUDA")),
+    ("gpu", "Expected one of"),
+    ("meta", "holds data"),
+])
+def test_generate_refuses_a_device_up_front(device, why, capsys):
+    """A device generate cannot run on: MF106 as check and bench give (was a traceback: torch's AssertionError for
+    cuda, a RuntimeError for gpu, .item() on meta), before any model is built."""
+    assert main(["generate", "--device", device, "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "MF106" in err and why in err and "Traceback" not in err
+
+
+def _matrix(argv, capsys) -> str:
+    assert main(["matrix", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_matrix_reads_the_device_as_check_does(capsys):
+    """cuda:N is cuda (its --cc honoured), cpu:0 is cpu: not MF203 in every cell; a string torch does not parse
+    (CPU, gpu) is MF106 (it was MF203 in every cell, exit 0)."""
+    cuda = _matrix(["--device", "cuda", "--cc", "8.0"], capsys)
+    assert "MF204" in cuda and "✓" in cuda
+    assert _matrix(["--device", "cuda:0", "--cc", "8.0"], capsys) == cuda
+    assert _matrix(["--device", "cpu:0"], capsys) == _matrix(["--device", "cpu"], capsys)
+    for bad in ("CPU", "gpu"):
+        assert main(["matrix", "--device", bad]) == 2
+        assert "MF106" in capsys.readouterr().err
+
+
+def test_bench_refuses_an_output_it_cannot_write_before_running(tmp_path, capsys, monkeypatch):
+    """A directory given for a file, or a plot format matplotlib has no writer for: argparse's usage error before
+    the benchmark runs (it was IsADirectoryError / matplotlib's ValueError after the whole run)."""
+    from moeflow.cli import bench
+    monkeypatch.setattr(bench, "_measure", lambda *a: pytest.fail("the benchmark ran"))
+    cases = [(["--json", str(tmp_path)], "names a directory"), (["--csv", f"{tmp_path}/"], "names a directory")]
+    if importlib.util.find_spec("matplotlib"):
+        cases.append((["--png", str(tmp_path / "plot.foo")], "matplotlib writes no 'foo' files"))
+    for argv, text in cases:
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "--quant", "none", "--tokens", "1", "--device", "cpu", *argv])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and text in err and "Traceback" not in err, err
+
+
+def test_bench_makes_no_directory_when_it_does_not_run(tmp_path, capsys):
+    """The output's directories are made when the file is written, not while the arguments are parsed."""
+    out = tmp_path / "new" / "rows.json"
+    assert main(["bench", "--quant", "bogus", "--device", "cpu", "--json", str(out)]) == 2
+    assert "MF102" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_bench_runner_names_the_runner_benchmarked(tmp_path, capsys):
+    """--runner is --runners (it was accepted and ignored: every runner ran)."""
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--quant", "none", "--tokens", "2", "--device", "cpu", "--runner", "grouped_mm",
+                 "--json", str(out)]) == 0
+    assert {r["runner"] for r in json.loads(out.read_text())} == {"reference", "grouped_mm"}
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["--quant", "bogus"], "MF102"),
+    (["--quant", "none,fp8-bogus"], "MF102"),
+    (["--runners", "bogus"], "MF201"),
+    (["--runners", "grouped_mm,bogus"], "MF201"),
+    (["--dispatcher", "bogus"], "MF201"),
+])
+def test_bench_refuses_unknown_names_up_front(argv, code, capsys):
+    """A scheme, runner or dispatcher that does not exist: its coded error, exit 2, nothing benchmarked (it printed
+    a table of refused rows and exited 0)."""
+    assert main(["bench", "--tokens", "1", "--device", "cpu", *argv]) == 2
+    captured = capsys.readouterr()
+    assert code in captured.err and "moeflow bench:" not in captured.out
+
+
+@pytest.mark.parametrize("argv,rc", [
+    (["--quant", "none", "--dispatcher", "alltoall"], 2),  # every row refused (MF208), the reference's too
+    (["--quant", "fp8-block", "--runners", "grouped_mm"], 2),  # the one runner asked for refused (MF202)
+    (["--quant", "none,fp8-block", "--runners", "grouped_mm"], 0),  # refused for one scheme, ran for the other
+])
+def test_bench_exits_2_when_nothing_asked_for_ran(argv, rc, capsys):
+    """The table is printed, then exit 2 with one line where no row of the runners asked for was benchmarked."""
+    assert main(["bench", "--tokens", "1", "--device", "cpu", *argv]) == rc
+    captured = capsys.readouterr()
+    assert "refused with MF2" in captured.out
+    assert ("nothing benchmarked" in captured.err) == (rc == 2)
+
+
+def test_tune_help_names_the_schemes_no_fused_skips():
+    """--no-fused's help names every scheme the one-launch layer is searched for (the triton runner's fused_layer;
+    it named none and fp8-block only)."""
+    import argparse
+
+    from moeflow.cli import build_parser
+    from moeflow.experts import RUNNERS
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    help_ = next(a.help for a in sub.choices["tune"]._actions if "--no-fused" in a.option_strings)
+    assert all(scheme in help_ for scheme in RUNNERS.get("triton").caps.fused_layer), help_
+
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md"))])
+def test_docs_name_only_commands_that_exist(doc):
+    """Every `moeflow WORD` a document names is a subcommand (docs/architecture.md named `moeflow plan`)."""
+    from moeflow.cli import COMMANDS
+    text = (ROOT / doc).read_text()
+    named = set(re.findall(r"`(?:python -m )?moeflow ([a-z][a-z_-]*)", text))
+    assert named <= set(COMMANDS), named - set(COMMANDS)

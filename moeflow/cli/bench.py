@@ -12,6 +12,7 @@ On a CPU-only machine the defaults (preset "small", all schemes) finish in secon
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -21,37 +22,74 @@ import torch
 
 from ..benchmark import (graph_us, layer_bytes, layer_flops, plot_panels, poisoned_allocations, relative_error,
                          roofline_seconds, time_fn)
+from ..dispatch import DISPATCHERS
 from ..errors import MoeflowError, error
 from ..experts import RUNNERS
 from ..layer import MoE
 from ..quant import SCHEMES
-from .common import add_layer_args, config_from_args, int_list, writable_path
+from .common import add_layer_args, config_from_args, int_list, make_parent, writable_path
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark every valid runner against the reference (the main job)")
-    add_layer_args(p)
+    add_layer_args(p, runner=False)  # --runners (or --runner) names the runners benchmarked
     p.set_defaults(quant="all")
     p.add_argument("--tokens", type=int_list(0), default=None,
                    help="comma-separated token counts (default 1,16,128 on CPU; 1,16,128,1024,4096,16384 on CUDA)")
-    p.add_argument("--runners", default="all", help="comma-separated runner names (default: every registered runner)")
+    p.add_argument("--runners", "--runner", dest="runners", default="all",
+                   help="comma-separated runner names, each benchmarked against the reference runner "
+                        "(default: every registered runner)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", type=writable_path, help="write the rows as JSON here")
     p.add_argument("--csv", dest="csv_path", type=writable_path, help="write the rows as CSV here")
-    p.add_argument("--png", dest="png_path", type=writable_path, help="plot µs against T per runner here (needs matplotlib: moeflow[plot])")
+    p.add_argument("--png", dest="png_path", type=plot_path,
+                   help="plot µs against T per runner here (needs matplotlib: moeflow[plot]; its formats: .png, .svg, "
+                        ".pdf, ...)")
     p.set_defaults(func=run)
 
 
+def plot_path(text: str) -> str:
+    """argparse type: a writable_path whose extension matplotlib can write (unchecked without matplotlib: MF606)."""
+    text = writable_path(text)
+    ext = os.path.splitext(text)[1].removeprefix(".").lower()
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return text
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:  # no extension: matplotlib writes PNG (and appends .png)
+        raise argparse.ArgumentTypeError(f"cannot plot to {text!r}: matplotlib writes no {ext!r} files; "
+                                         f"formats: {', '.join(sorted(formats))}")
+    return text
+
+
+def _names(option: str, text: str, valid: list[str]) -> list[str]:
+    """The comma-separated names of --quant or --runners ("all": every valid one), each checked: MF102 for an
+    unknown scheme, MF201 for an unknown runner, before anything runs."""
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if "all" in names:
+        return valid
+    for name in names or [text]:
+        if option == "--runners" and name != "auto":
+            RUNNERS.get(name)  # MF201
+        elif option == "--quant" and name not in valid:
+            raise error("MF102", field=option, value=name, valid=[*valid, "all"])
+    return names
+
+
 def run(args) -> int:
-    schemes = SCHEMES.names() if args.quant == "all" else args.quant.split(",")
-    runners = [r for r in RUNNERS.names() if r != "reference"] if args.runners == "all" else args.runners.split(",")
+    schemes = _names("--quant", args.quant, SCHEMES.names())
+    asked = _names("--runners", args.runners, RUNNERS.names())
+    runners = [r for r in asked if r != "reference"]  # the reference runner is benchmarked first in any case
+    if args.dispatcher != "auto":
+        DISPATCHERS.get(args.dispatcher)  # MF201
     base = config_from_args(args, quant="none", runner="reference")
     if args.png_path:
         _plotting()  # MF606 before the benchmark runs, not after
     tokens = args.tokens or ([1, 16, 128, 1024, 4096, 16384] if base.device.type == "cuda" else [1, 16, 128])
     _check_memory(base)
     jobs = [(s, r) for s in schemes for r in ["reference", *runners]]
-    rows, done = [], 0
+    rows, done, measured = [], 0, set()  # measured: the names (as asked) of the runners benchmarked
     for scheme in schemes:
         torch.manual_seed(args.seed)
         try:
@@ -76,11 +114,17 @@ def run(args) -> int:
                 layer.load_state_dict(ref.state_dict())
             for (x, logits), want in zip(inputs, expected):
                 rows.append(_measure(layer, x, logits, want))
+            measured.add(name)
     print(file=sys.stderr)
     _print_table(base, rows)
     _write(rows, args)
     if args.png_path:
         _plot(base, rows, args.png_path)
+    if not measured & set(asked):  # every row asked for refused: in CI that must not pass for a benchmark
+        codes = sorted({r["status"] for r in rows if r["runner"] in asked and r["status"] not in ("ok", "wrong")})
+        print(f"moeflow bench: nothing benchmarked of {', '.join(asked)}: every row refused "
+              f"({', '.join(codes)}; `moeflow explain CODE`)", file=sys.stderr)
+        return 2
     wrong = [r for r in rows if r["status"] == "wrong"]
     if wrong:
         print(f"moeflow bench: {len(wrong)} row(s) off the reference runner by more than {WRONG_REL_ERR:g} "
@@ -171,11 +215,11 @@ def _print_table(cfg, rows: list[dict]) -> None:
 
 def _write(rows: list[dict], args) -> None:
     if args.json_path:
-        with open(args.json_path, "w") as f:
+        with open(make_parent(args.json_path), "w") as f:
             json.dump(rows, f, indent=1)
     if args.csv_path:
         keys = sorted({k for r in rows for k in r})
-        with open(args.csv_path, "w", newline="") as f:
+        with open(make_parent(args.csv_path), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(rows)
@@ -203,4 +247,4 @@ def _plot(cfg, rows: list[dict], path: str) -> None:
         floor = [(t, roofline_seconds(cfg.replace(quant=scheme), t) * 1e6) for t in ts] if cfg.device.type == "cuda" \
             else []
         panels.append((f"{scheme}  E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size}", lines, floor))
-    plot_panels(_plotting(), panels, path)
+    plot_panels(_plotting(), panels, make_parent(path))

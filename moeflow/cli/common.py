@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 
 import torch
 
@@ -10,7 +11,8 @@ from ..config import MoEConfig
 from ..presets import PRESETS, preset_config
 
 
-def add_layer_args(p: argparse.ArgumentParser, default_preset: str = "small") -> None:
+def add_layer_args(p: argparse.ArgumentParser, default_preset: str = "small", runner: bool = True) -> None:
+    """The layer's options (config_from_args reads them); runner=False: no --runner (bench names its own)."""
     g = p.add_argument_group("layer")
     g.add_argument("--preset", default=default_preset, help=f"model shape: {', '.join(PRESETS)} (default {default_preset})")
     g.add_argument("--experts", type=int_at_least(1), help="override num_experts")
@@ -18,7 +20,8 @@ def add_layer_args(p: argparse.ArgumentParser, default_preset: str = "small") ->
     g.add_argument("--inter", type=int_at_least(1), help="override intermediate_size")
     g.add_argument("--topk", type=int_at_least(1), help="override top_k")
     g.add_argument("--quant", default="none", help="none | fp8-tensor | fp8-channel | fp8-block")
-    g.add_argument("--runner", default="auto")
+    if runner:
+        g.add_argument("--runner", default="auto")
     g.add_argument("--dispatcher", default="auto")
     g.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
@@ -52,15 +55,36 @@ def int_list(low: int):
 
 
 def writable_path(text: str) -> str:
-    """argparse type: an output file whose directory exists or can be made now (not after a long run)."""
-    parent = os.path.dirname(os.path.abspath(text))
-    try:
-        os.makedirs(parent, exist_ok=True)
+    """argparse type: an output file that can be written after a long run, checked now: not a directory, not a file
+    that cannot be written, and its directory either writable or possible to make (made only when the file is
+    written: make_parent)."""
+    path = os.path.abspath(text)
+    if text.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it names a directory, not a file")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the file is not writable")
+    parent = os.path.dirname(path)
+    if os.path.isdir(parent):
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: its directory is not writable")
+        return text
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {existing!r} is a file, not a directory")
+    try:  # try to make a directory where the missing ones would go, and remove it: os.access says yes to root on /proc
+        os.rmdir(tempfile.mkdtemp(prefix=".moeflow-", dir=existing))
     except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
-    if not os.access(parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: its directory is not writable")
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: cannot make directories in {existing!r}: "
+                                         f"{exc.strerror}") from None
     return text
+
+
+def make_parent(path: str) -> str:
+    """Make the directories an output file (a writable_path) goes in; -> path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
 
 
 def default_device() -> str:
@@ -70,8 +94,8 @@ def default_device() -> str:
 def config_from_args(args, **overrides) -> MoEConfig:
     sizes = {k: v for k, v in (("num_experts", args.experts), ("hidden_size", args.hidden),
                                ("intermediate_size", args.inter), ("top_k", args.topk)) if v is not None}
-    fields = dict(quant=args.quant, runner=args.runner, dispatcher=args.dispatcher, dtype=args.dtype,
-                  device=args.device or default_device())
+    fields = dict(quant=args.quant, runner=vars(args).get("runner", "auto"), dispatcher=args.dispatcher,
+                  dtype=args.dtype, device=args.device or default_device())
     fields.update(sizes)
     fields.update(overrides)
     return preset_config(args.preset, **fields)

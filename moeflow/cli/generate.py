@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import parse_device, parse_dtype
 from ..errors import error
 from .common import default_device, int_at_least
 
@@ -32,7 +33,7 @@ def add_parser(sub) -> None:
                    "moeflow-block; 'both' = eager,moeflow (default)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--repeats", type=int_at_least(1), default=2,
                    help="timed runs per implementation; the fastest counts")
     p.add_argument("--seed", type=int, default=0)
@@ -52,13 +53,24 @@ def _variants(spec: str) -> list[str]:
     return sorted(set(names), key=names.index)
 
 
+def _device(text: str) -> torch.device:
+    """The device to generate on: config.parse_device's (MF106 for a bad string or a GPU this machine lacks), and
+    MF106 for a device type that holds no data (meta) or that generate does not run on."""
+    device = parse_device(text)
+    if device.type == "meta":
+        raise error("MF106", value=text, why="generation needs a device that holds data (a meta tensor has a shape "
+                    "only); use cpu or cuda")
+    if device.type not in ("cpu", "cuda"):
+        raise error("MF106", value=text, why="moeflow generate runs on cpu or cuda")
+    return device
+
+
 def run(args) -> int:
-    from ..config import parse_dtype
     from ..integrations.hf import require_transformers
-    transformers = require_transformers("moeflow generate")
     names = _variants(args.experts)
-    device = torch.device(args.device or default_device())
+    device = _device(args.device or default_device())
     dtype = parse_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    transformers = require_transformers("moeflow generate")
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else _build_random(Path(tmp), args.size, dtype)

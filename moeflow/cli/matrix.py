@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from ..capabilities import Environment
 from ..dispatch import DISPATCHERS
+from ..errors import error
 from ..planner import matrix
 from ..presets import preset_config
 from .common import int_at_least
@@ -26,8 +29,11 @@ STANDARD = (
 
 def add_parser(sub) -> None:
     p = sub.add_parser("matrix", help="print the capability matrix (each cell ✓ or its error code)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (hypothetical environments allowed)")
-    p.add_argument("--cc", type=_capability, default=(9, 0), help="compute capability for --device cuda (default 9.0)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu | cuda | cuda:N: the device type the cells are checked for; a CUDA one need not be "
+                        "on this machine (default cpu)")
+    p.add_argument("--cc", type=_capability, default=(9, 0),
+                   help="compute capability of the CUDA device (--device cuda or cuda:N; default 9.0)")
     p.add_argument("--world-size", type=int_at_least(1), default=1, help="expert-parallel ranks (default 1)")
     p.add_argument("--preset", default="small", help="shape the cells are checked at (default small)")
     p.add_argument("--dtype", default="bfloat16")
@@ -42,6 +48,15 @@ def _capability(text: str) -> tuple[int, int]:
     if not (major.isdigit() and minor.isdigit() and dot):
         raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability such as 9.0")
     return int(major), int(minor)
+
+
+def device_type(text: str) -> str:
+    """The device type --device names ("cuda:0" -> "cuda", "cpu:0" -> "cpu"), or MF106 for a string torch does not
+    parse. Unlike config.parse_device it does not ask for the device: the matrix describes any machine from this one."""
+    try:
+        return torch.device(text).type
+    except (RuntimeError, TypeError) as exc:
+        raise error("MF106", value=text, why=str(exc)) from None
 
 
 def render(env: Environment, preset: str, dtype: str, markdown: bool) -> str:
@@ -65,8 +80,8 @@ def run(args) -> int:
     if args.standard:
         envs = STANDARD
     else:
-        cc = args.cc if args.device == "cuda" else None
-        env = Environment(args.device, cc, args.world_size)
+        kind = device_type(args.device)
+        env = Environment(kind, args.cc if kind == "cuda" else None, args.world_size)
         envs = ((env.describe(), env),)
     blocks = []
     for title, env in envs:

@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
                         "a re-tuned entry's one-launch tiles where this run does not search them")
     p.add_argument("--no-fused", action="store_true",
                    help="do not search the one-launch small-batch layer's tiles (kernels/fused_layer.py; by default "
-                        "searched for a single-process layer, scheme none or fp8-block, T <= 16)")
+                        "searched for a single-process layer of scheme none (a bf16 / fp16 layer), fp8-channel or "
+                        "fp8-block, T <= 16: kernels/tune_fused.fused_candidates)")
     p.set_defaults(func=run)
 
 
