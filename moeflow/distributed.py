@@ -61,7 +61,7 @@ def init_distributed(backend: str | None = None, device: torch.device | None = N
     """
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if device is None:
-        local = int(env.LOCAL_RANK.get())
+        local = env.LOCAL_RANK.get_count()
         device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if device.type == "cuda":

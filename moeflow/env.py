@@ -21,6 +21,7 @@ class EnvVar:
     name: str
     default: str
     help: str
+    kind: str = "switch"  # how it is read: "switch" (get_bool), "seconds" (get_positive), "count" (get_count), "text"
 
     def get(self) -> str:
         held = getattr(_HELD, "values", None)
@@ -50,6 +51,18 @@ class EnvVar:
         if not math.isfinite(value) or value <= 0:
             raise _invalid(self, "expected a finite number > 0")
         return value
+
+    def get_count(self) -> int:
+        """The value as a whole number >= 0 (MF107 otherwise)."""
+        raw = self.get().strip()
+        if not (raw.isascii() and raw.isdigit()):
+            raise _invalid(self, "expected a whole number >= 0")
+        return int(raw)
+
+    def read(self):
+        """The value as its kind reads it (MF107 where it cannot be: `moeflow env` checks every variable so)."""
+        return {"switch": self.get_bool, "seconds": self.get_positive, "count": self.get_count,
+                "text": self.get}[self.kind]()
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -85,13 +98,13 @@ VALIDATE_INPUTS = EnvVar(
     "ids on the host; set 0 to skip it in latency-critical eager loops. Always skipped under CUDA-graph capture.")
 KERNEL_CONFIG_DIR = EnvVar(
     "MOEFLOW_KERNEL_CONFIG_DIR", "",
-    "Directory searched before the shipped tuned kernel configs (JSON files written by `moeflow tune`).")
+    "Directory searched before the shipped tuned kernel configs (JSON files written by `moeflow tune`).", "text")
 DIST_TIMEOUT_S = EnvVar(
     "MOEFLOW_DIST_TIMEOUT_S", "300",
-    "Seconds an expert-parallel collective may take before it is reported as a stopped rank (MF502).")
+    "Seconds an expert-parallel collective may take before it is reported as a stopped rank (MF502).", "seconds")
 LOCAL_RANK = EnvVar(
     "LOCAL_RANK", "0",
-    "torchrun's own: this process's GPU index on its node (init_distributed picks cuda:LOCAL_RANK).")
+    "torchrun's own: this process's GPU index on its node (init_distributed picks cuda:LOCAL_RANK).", "count")
 TRITON_TMA = EnvVar(
     "MOEFLOW_TRITON_TMA", "1",
     "Triton runner: load weight tiles through TMA tensor descriptors where the weight allows it "
@@ -116,7 +129,8 @@ EAGER_GRAPHS = EnvVar(
     "MOEFLOW_EAGER_GRAPHS", "16",
     "Largest batch (tokens) whose eager layer call is replayed from a CUDA graph captured for its shape "
     "(moeflow.graphs: one replay instead of the call's launches one by one, which cost the host more than the GPU at "
-    "decode sizes). CUDA layers whose plan is graph-safe, outside any capture and torch.compile. 0 turns it off.")
+    "decode sizes). CUDA layers whose plan is graph-safe, outside any capture and torch.compile. 0 turns it off.",
+    "count")
 ALLOW_UNVALIDATED_GPU = EnvVar(
     "MOEFLOW_ALLOW_UNVALIDATED_GPU", "0",
     "Set 1 to let the planner build runners on GPUs newer than the compute capability they were validated on "

@@ -39,7 +39,6 @@ import torch
 from torch import Tensor
 
 from . import env as moeflow_env
-from .errors import error
 
 MAX_GRAPHS = 8  # graphs one cache keeps (one per token count and entry, in practice)
 # set while torch.compile's op runs a layer (moeflow.ops): the compiled model's own CUDA graphs (mode="reduce-overhead")
@@ -50,15 +49,7 @@ MAX_EVICTIONS = 32  # graphs one cache may drop to make room; past that it captu
 
 def graph_tokens() -> int:
     """MOEFLOW_EAGER_GRAPHS as an int >= 0 (MF107 otherwise)."""
-    raw = moeflow_env.EAGER_GRAPHS.get()
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise error("MF107", name=moeflow_env.EAGER_GRAPHS.name, value=raw,
-                    why="expected a whole number of tokens >= 0 (0 turns eager graphs off)")
-    return value
+    return moeflow_env.EAGER_GRAPHS.get_count()
 
 
 def layout_key(tensors) -> tuple:

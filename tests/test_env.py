@@ -115,3 +115,23 @@ def test_a_timeout_that_is_not_a_positive_number_is_mf107(monkeypatch, value, wh
     assert info.value.code == "MF107"
     monkeypatch.setenv("MOEFLOW_DIST_TIMEOUT_S", "12.5")
     assert moeflow_env.DIST_TIMEOUT_S.get_positive() == 12.5
+
+
+@pytest.mark.parametrize("name,value", [("MOEFLOW_EAGER_GRAPHS", "-1"), ("MOEFLOW_EAGER_GRAPHS", "1.5"),
+                                        ("LOCAL_RANK", "x"), ("MOEFLOW_TRITON_PDL", "maybe"),
+                                        ("MOEFLOW_DIST_TIMEOUT_S", "0")])
+def test_moeflow_env_shows_a_value_it_cannot_read_and_exits_2(monkeypatch, capsys, name, value):
+    """`moeflow env` reads every variable as its kind and shows the MF107 of one it cannot read (a listing alone
+    let a wrong value through until the call that first read it)."""
+    from moeflow.cli import main
+    assert main(["env"]) == 0
+    monkeypatch.setenv(name, value)
+    assert main(["env"]) == 2
+    out = capsys.readouterr().out
+    assert f"    invalid: [MF107] {name}=" in out and out.count("    invalid: ") == 1
+
+
+def test_every_variable_has_a_kind_its_default_reads_as():
+    for var in moeflow_env.ALL:
+        assert var.kind in ("switch", "seconds", "count", "text"), var.name
+        assert var.read() is not None, var.name
