@@ -12,6 +12,7 @@ forward path branches on backend names.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -24,7 +25,7 @@ from .capabilities import Environment
 from .config import MoEConfig
 from .dispatch import create_dispatcher
 from .distributed import resolve_group
-from .errors import error
+from .errors import MoeflowError, error
 from .experts import ExpertWeights, create_runner, gated_activation
 from .graphs import GraphCache
 from .layouts import run_in_layout
@@ -217,9 +218,10 @@ class MoE(nn.Module):
         cfg = self.config
         with moeflow_env.one_reading():
             if _validating():
-                check_input(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
-                check_input(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
-                       dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
+                with self._refusal_takes_part():
+                    check_input(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
+                    check_input(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
+                                dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
             return self._graphs("forward", self._route_and_run, (hidden_states, router_logits), self._weight_tensors)
 
     def _forward_topk_eager(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
@@ -227,16 +229,33 @@ class MoE(nn.Module):
         cfg = self.config
         with moeflow_env.one_reading():
             if _validating():
-                t = hidden_states.shape[0] if hidden_states.dim() == 2 else None
-                check_input(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
-                check_input(topk_ids, "topk_ids", (t, cfg.top_k), cfg, dtype_ok=ID_DTYPES.__contains__,
-                            dtype_desc=ID_DTYPES_DESC)
-                check_input(topk_weights, "topk_weights", (t, cfg.top_k), cfg,
-                       dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
-                if not _capturing(hidden_states):
-                    _check_ids(topk_ids, cfg.num_experts)
+                with self._refusal_takes_part():
+                    t = hidden_states.shape[0] if hidden_states.dim() == 2 else None
+                    check_input(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
+                    check_input(topk_ids, "topk_ids", (t, cfg.top_k), cfg, dtype_ok=ID_DTYPES.__contains__,
+                                dtype_desc=ID_DTYPES_DESC)
+                    check_input(topk_weights, "topk_weights", (t, cfg.top_k), cfg,
+                                dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
+                    if not _capturing(hidden_states):
+                        _check_ids(topk_ids, cfg.num_experts)
             return self._graphs("forward_topk", self._run_topk, (hidden_states, topk_ids, topk_weights),
                                 self._weight_tensors)
+
+    @contextlib.contextmanager
+    def _refusal_takes_part(self):
+        """Around a call's input checks: on an expert-parallel rank, a refused call (MF30x) first takes its part in
+        the call's collectives with no tokens, so the other ranks' call completes with their right results (instead
+        of pairing with this rank's next call, a silent mismatch), then the refusal is raised, as MF503's overflow
+        does. One process: the refusal alone."""
+        try:
+            yield
+        except MoeflowError:
+            if self.environment.world_size > 1:
+                cfg, k = self.config, self.config.top_k
+                self._run(torch.empty(0, cfg.hidden_size, dtype=cfg.dtype, device=cfg.device),
+                          torch.empty(0, k, dtype=torch.int32, device=cfg.device),
+                          torch.empty(0, k, dtype=torch.float32, device=cfg.device))
+            raise
 
     def _route_and_run(self, hidden: Tensor, router_logits: Tensor) -> Tensor:
         topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)

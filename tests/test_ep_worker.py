@@ -184,6 +184,8 @@ def suite(world):
     checks.append(("bad-placement-MF504", lambda c: c.expect("MF504", lambda: MoE(**BASE, placement=(0,) * 8))))
     for d in ("lowlatency", "alltoall-fixed", "alltoall-p2p"):
         checks.append((f"overflow-MF503-{d}", lambda c, d=d: check_overflow(c, d)))
+    for d in ("alltoall", "allgather", "lowlatency", "alltoall-fixed", "alltoall-p2p"):
+        checks.append((f"refused-on-one-rank-{d}", lambda c, d=d: check_refused_on_one_rank(c, d)))
     checks.append(("alltoall-p2p-repeated-dispatch", check_p2p_repeated))
     checks.append(("alltoall-p2p-unmappable-MF507", check_unmappable))
     # alltoall-fixed's combine in 3 pieces (C_rank = 27), and in one
@@ -319,6 +321,36 @@ def check_overflow(c, d):
         c.compare(tokens, dispatcher=d, runner="reference", dtype=torch.float32)
     torch.manual_seed(1234)  # the group is still usable: one more forward on every rank
     c.compare(tokens_for(c, "after" + d), dispatcher=d, runner="reference", dtype=torch.float32)
+
+
+def check_refused_on_one_rank(c, d):
+    """Rank 0's call of layer A is refused (MF305 from forward_topk's duplicate id, MF301 from forward's misshaped
+    logits) while the other ranks call A rightly; every rank then calls layer B. The refused call still takes its
+    part in A's collectives, so the other ranks' A and every rank's B equal the one-process layers (before, the other
+    ranks' A silently paired with rank 0's B)."""
+    cfg = MoEConfig(**BASE, dispatcher=d, runner="reference", dtype=torch.float32)
+    e, h, i, k = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    layers = []
+    for _ in range(2):
+        state = {"gate_up_proj": torch.randn(e, 2 * i, h) / h ** 0.5, "down_proj": torch.randn(e, h, i) / i ** 0.5}
+        ep, one = MoE(cfg), MoE(cfg.replace(dispatcher="auto"), process_group=c.solo[c.rank])
+        for layer in (ep, one):
+            layer.load_weights(state)
+        layers.append((ep, one))
+    (a, a1), (b, b1) = layers
+    x, logits = torch.randn(5, h), torch.randn(5, e)
+    ids, w = torch.stack([torch.randperm(e)[:k] for _ in range(5)]), torch.rand(5, k)
+    tol = rel_tol("none", torch.float32)
+    for refused, call, call_one in (
+            ("MF305", lambda: a.forward_topk(x, torch.zeros_like(ids), w), lambda: a1.forward_topk(x, ids, w)),
+            ("MF301", lambda: a(x, logits[:, :-1]), lambda: a1(x, logits))):
+        if c.rank == 0:
+            c.expect(refused, call)
+        else:
+            want = call_one()
+            got = a.forward_topk(x, ids, w) if refused == "MF305" else a(x, logits)
+            assert rel_err(got, want) <= tol, (refused, rel_err(got, want))
+        assert rel_err(b(x, logits), b1(x, logits)) <= tol, refused
 
 
 def check_p2p_repeated(c):
