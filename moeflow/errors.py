@@ -468,6 +468,18 @@ When: building the layer (the dispatcher allocates and maps its buffers once).
 Fix: use alltoall-fixed (the same blocks through NCCL, also CUDA-graph capturable) or alltoall.
 Example: MoE(..., dispatcher="alltoall-fixed", max_tokens_per_rank=4096)
 """)
+_spec("MF508", DistributedError, "expert-parallel layer cannot be copied or pickled",
+      "{how} a layer whose dispatcher {name!r} runs on a process group of {world} ranks is not possible: {why}",
+      """
+What: an expert-parallel layer belongs to its process group: torch's process groups cannot be copied or pickled,
+its dispatcher exchanges with the other ranks' layers in step, and some own buffers the other ranks write into
+(alltoall-p2p). A copy would be a layer no other rank exchanges with.
+When: copy.deepcopy, pickle or torch.save of the layer (or of a model holding it) where the group has more than
+one rank. A layer in a group of one rank is copied (the copy shares the group) but not pickled (MF508 too).
+Fix: save and load the weights instead: torch.save(layer.state_dict()); for a second layer, build one with the
+same configuration on every rank (construction is collective) and load_state_dict(layer.state_dict()).
+Example: twin = MoE(layer.config); twin.load_state_dict(layer.state_dict())
+""")
 # ---------------------------------------------------------------- MF603+: kernel configs / tuning
 _spec("MF603", ToolError, "invalid kernel config file",
       "kernel config file {path} cannot be used: {why}",

@@ -13,6 +13,7 @@ forward path branches on backend names.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import torch
@@ -70,6 +71,32 @@ class MoE(nn.Module):
     def __setstate__(self, state):  # copies (copy.deepcopy) and unpickled layers: their own keys in moeflow.ops
         super().__setstate__(state)
         self._register_ops()
+
+    def __deepcopy__(self, memo):
+        """copy.deepcopy: a layer in a process group of one rank shares the group with its copy (torch's groups cannot
+        be copied); an expert-parallel layer is MF508."""
+        group = self._group_for("copying")
+        if group is not None:
+            memo[id(group)] = group
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(super().__getstate__(), memo))
+        return copied
+
+    def __getstate__(self):
+        """pickle / torch.save of the layer: MF508 where it holds a process group (torch's cannot be pickled)."""
+        if self._group_for("pickling") is not None:
+            raise error("MF508", how="pickling", name=self.plan.dispatcher, world=1,
+                        why="its process group cannot be pickled; save its state_dict")
+        return super().__getstate__()
+
+    def _group_for(self, how: str):
+        """The dispatcher's process group (None without one); MF508 for an expert-parallel layer."""
+        world = self.environment.world_size
+        if world > 1:
+            raise error("MF508", how=how, name=self.plan.dispatcher, world=world,
+                        why="the copy would exchange with no other rank's layer")
+        return self.dispatcher.process_group
 
     def _apply(self, fn, recurse=True):
         """nn.Module's .to(device / dtype), .cuda(), .cpu(), .half(), .bfloat16(), .float(), .to_empty(): the layer is

@@ -10,7 +10,8 @@ CPU through Triton's interpreter (alltoall-p2p's stores through address tables i
 processes' shared memory included); alltoall-p2p's buffers reused over several forwards and MF507 when
 they cannot be mapped; "auto" picking alltoall; MF501 (ranks disagree), MF504 (bad placement),
 MF503 (low-latency capacity overflow: the other ranks finish correctly, the group stays usable), a call refused on one
-rank (MF305, MF301: it takes part with no tokens, the other ranks finish correctly)
+rank (MF305, MF301: it takes part with no tokens, the other ranks finish correctly), MF508 (copying or pickling a
+layer with a process group)
 and MF502 (a rank that never builds the layer); a layer compiled by torch.compile (one op, the eager bits).
 The suite is killed after 150 s, so it cannot hang CI.
 """

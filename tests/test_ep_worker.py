@@ -186,6 +186,7 @@ def suite(world):
         checks.append((f"overflow-MF503-{d}", lambda c, d=d: check_overflow(c, d)))
     for d in ("alltoall", "allgather", "lowlatency", "alltoall-fixed", "alltoall-p2p"):
         checks.append((f"refused-on-one-rank-{d}", lambda c, d=d: check_refused_on_one_rank(c, d)))
+    checks.append(("copies-MF508", check_copies))
     checks.append(("alltoall-p2p-repeated-dispatch", check_p2p_repeated))
     checks.append(("alltoall-p2p-unmappable-MF507", check_unmappable))
     # alltoall-fixed's combine in 3 pieces (C_rank = 27), and in one
@@ -351,6 +352,24 @@ def check_refused_on_one_rank(c, d):
             got = a.forward_topk(x, ids, w) if refused == "MF305" else a(x, logits)
             assert rel_err(got, want) <= tol, (refused, rel_err(got, want))
         assert rel_err(b(x, logits), b1(x, logits)) <= tol, refused
+
+
+def check_copies(c):
+    """copy.deepcopy / pickle of a layer with a process group: an expert-parallel one is MF508 (it was torch's
+    TypeError from inside copy.py); a group of one's layer is copied, sharing the group, and runs the same."""
+    import copy
+    import pickle
+    ep = MoE(**BASE, dispatcher="alltoall", runner="reference", dtype=torch.float32)
+    for how, fn in (("copying", copy.deepcopy), ("pickling", pickle.dumps)):
+        exc = c.expect("MF508", lambda fn=fn: fn(ep))
+        assert how in str(exc) and "alltoall" in str(exc), str(exc)
+    one = MoE(**BASE, runner="reference", dtype=torch.float32, process_group=c.solo[c.rank])
+    twin = copy.deepcopy(one)
+    assert twin.dispatcher.process_group is one.dispatcher.process_group
+    assert twin.gate_up_proj.data_ptr() != one.gate_up_proj.data_ptr()
+    x, logits = torch.randn(5, BASE["hidden_size"]), torch.randn(5, BASE["num_experts"])
+    assert torch.equal(twin(x, logits), one(x, logits))
+    c.expect("MF508", lambda: pickle.dumps(one))
 
 
 def check_p2p_repeated(c):
