@@ -110,7 +110,10 @@ class MoE(nn.Module):
         probe = fn(here)
         rebuilt = None
         if (probe.dtype, probe.device) != (here.dtype, here.device):
-            rebuilt = _built(cfg.replace(dtype=probe.dtype, device=probe.device), self.dispatcher.process_group)
+            # a payload set with dispatcher.with_payload(...) carries over (the dispatcher is built from the config)
+            payload = getattr(self.dispatcher, "payload", cfg.dispatch_payload)
+            rebuilt = _built(cfg.replace(dtype=probe.dtype, device=probe.device, dispatch_payload=payload),
+                             self.dispatcher.process_group)
         keep = {id(t) for t in self._stored_dtypes()}
 
         def convert(t: Tensor) -> Tensor:

@@ -187,6 +187,7 @@ def suite(world):
     for d in ("alltoall", "allgather", "lowlatency", "alltoall-fixed", "alltoall-p2p"):
         checks.append((f"refused-on-one-rank-{d}", lambda c, d=d: check_refused_on_one_rank(c, d)))
     checks.append(("copies-MF508", check_copies))
+    checks.append(("payload-survives-conversion", check_payload_converted))
     checks.append(("alltoall-p2p-repeated-dispatch", check_p2p_repeated))
     checks.append(("alltoall-p2p-unmappable-MF507", check_unmappable))
     # alltoall-fixed's combine in 3 pieces (C_rank = 27), and in one
@@ -370,6 +371,16 @@ def check_copies(c):
     x, logits = torch.randn(5, BASE["hidden_size"]), torch.randn(5, BASE["num_experts"])
     assert torch.equal(twin(x, logits), one(x, logits))
     c.expect("MF508", lambda: pickle.dumps(one))
+
+
+def check_payload_converted(c):
+    """A payload chosen with dispatcher.with_payload("fp8") survives .to(dtype), which builds the dispatcher again
+    (it was silently back to "auto": bf16 tokens travelling)."""
+    layer = MoE(**BASE, dispatcher="alltoall", runner="reference", dtype=torch.float32)
+    layer.dispatcher = layer.dispatcher.with_payload("fp8")
+    layer.bfloat16()
+    assert layer.dispatcher.payload == "fp8" and layer.config.dispatch_payload == "fp8", layer.dispatcher.payload
+    assert layer.config.dtype == torch.bfloat16
 
 
 def check_p2p_repeated(c):
