@@ -150,6 +150,9 @@ class MoE(nn.Module):
         canonical_state(state_dict, prefix, self.config)
         own = {k: v for k, v in state_dict.items() if k.startswith(prefix)}
         for name in EXPERT_NAMES:
+            if prefix + name + "_scale_inv" in own and prefix + name not in own:  # a new scale on a stale weight
+                raise error("MF404", name=name + "_scale_inv",
+                            why=f"given without {name}: a scale is read with its weight (give both, or neither)")
             if prefix + name in own:
                 load_expert_weight(self, name, own[prefix + name], own.get(prefix + name + "_scale_inv"))
                 own[prefix + name] = getattr(self, name).detach()  # stored: torch's copy below is of itself

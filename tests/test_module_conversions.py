@@ -156,12 +156,25 @@ def test_load_state_dict_refusals_are_coded(make_layer):
     assert info.value.code == "MF402"
 
 
+def test_load_state_dict_scale_without_its_weight_is_mf404(make_layer):
+    """A partial state_dict with down_proj_scale_inv but not down_proj: refused, where the new scale was put on the
+    stale FP8 weight (one process) or failed in torch's size check (an expert-parallel rank)."""
+    state = make_layer(**FULL, quant="fp8-block", dtype=torch.bfloat16).state_dict()
+    del state["down_proj"]
+    layer = MoE(**FULL, quant="fp8-block", dtype=torch.bfloat16)
+    before = bits(layer.down_proj_scale_inv).clone()
+    with pytest.raises(MoeflowError) as info:
+        layer.load_state_dict(state, strict=False)
+    assert info.value.code == "MF404" and "down_proj_scale_inv" in str(info.value)
+    assert torch.equal(bits(layer.down_proj_scale_inv), before)
+
+
 def test_load_state_dict_keeps_torch_key_checks(make_layer):
     layer = make_layer(**FULL, quant="fp8-block", dtype=torch.bfloat16)
     state = layer.state_dict()
-    partial = {k: v for k, v in state.items() if k != "down_proj"}
+    partial = {k: v for k, v in state.items() if not k.startswith("down_proj")}  # the weight and its scale
     result = MoE(**FULL, quant="fp8-block", dtype=torch.bfloat16).load_state_dict(partial, strict=False)
-    assert result.missing_keys == ["down_proj"] and not result.unexpected_keys
+    assert result.missing_keys == ["down_proj", "down_proj_scale_inv"] and not result.unexpected_keys
     with pytest.raises(RuntimeError, match="Unexpected key"):
         MoE(**FULL, quant="fp8-block", dtype=torch.bfloat16).load_state_dict(dict(state, extra=torch.zeros(1)))
     # a layer without FP8: an FP8 weight's scale is consumed by the conversion, not reported as unexpected
