@@ -28,6 +28,7 @@ from moeflow import MoE, MoEConfig  # noqa: E402
 from moeflow.errors import MoeflowError  # noqa: E402
 from moeflow.planner import cell_status  # noqa: E402
 from moeflow.capabilities import Environment  # noqa: E402
+from moeflow.dispatch._ep_base import expert_placement  # noqa: E402
 from oracle import rel_err  # noqa: E402
 from tolerances import rel_tol  # noqa: E402
 
@@ -188,6 +189,9 @@ def suite(world):
         checks.append((f"refused-on-one-rank-{d}", lambda c, d=d: check_refused_on_one_rank(c, d)))
     checks.append(("copies-MF508", check_copies))
     checks.append(("payload-survives-conversion", check_payload_converted))
+    checks.append(("placement-written-out-agrees", lambda c: c.compare(
+        tokens_for(c, "pl"), dispatcher="alltoall", runner="reference", dtype=torch.float32,
+        placement=None if c.rank == 0 else expert_placement(MoEConfig(**BASE), c.world))))
     checks.append(("alltoall-p2p-repeated-dispatch", check_p2p_repeated))
     checks.append(("alltoall-p2p-unmappable-MF507", check_unmappable))
     # alltoall-fixed's combine in 3 pieces (C_rank = 27), and in one

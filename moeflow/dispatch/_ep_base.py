@@ -120,6 +120,10 @@ class ExpertParallelDispatcher(Dispatcher):
         from ..planner import plan  # the planner imports this package
 
         fields = self.config.to_dict()
+        try:  # the placement each rank resolves: None and the same contiguous blocks written out agree
+            fields["placement"] = list(expert_placement(self.config, dist.get_world_size(self.process_group)))
+        except MoeflowError:  # an invalid one (MF504, raised after the ranks agree) is compared as given
+            pass
         try:
             p = plan(self.config, Environment.detect(self.config.device, dist.get_world_size(self.process_group)))
             fields.update({"plan.scheme": p.scheme, "plan.runner": p.runner, "plan.dispatcher": p.dispatcher})
