@@ -64,7 +64,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         # combine's receive buffer has the same rows
         counts, home = rank_rows(topk_ids, self.expert_rank, w)
         theirs = torch.empty_like(counts)
-        with collective("alltoall counts exchange", self.process_group):
+        with collective(f"{self.name} counts exchange", self.process_group):
             work = dist.all_to_all_single(theirs, counts, group=self.process_group, async_op=True)
         # Everything below up to the host read runs on the device while the counts travel; after
         # it the host only launches the all-to-all (each op queued after a host synchronization
@@ -73,19 +73,19 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         most = t * min(w, self.config.top_k)  # a token goes to at most min(W, K) ranks
         send = self.codec.pack(most, tokens, scale, topk_ids, topk_weights, dest_pos=home,
                                expert_rank=self.expert_rank, expert_local=self.expert_local)
-        wait(work, "alltoall counts exchange", self.process_group, counts.device, host=True)
+        wait(work, f"{self.name} counts exchange", self.process_group, counts.device, host=True)
         both = torch.cat([counts, theirs], dim=1).tolist()  # the one host synchronization of dispatch
         sent, received = [row[0] for row in both], [row[2] for row in both]
         copies_in = sum(row[3] for row in both)
         buf = torch.empty(sum(received), self.codec.row_bytes, dtype=torch.uint8, device=dev)
-        with collective("alltoall dispatch", self.process_group):
+        with collective(f"{self.name} dispatch", self.process_group):
             work = dist.all_to_all_single(buf, send[:sum(sent)], received, sent, group=self.process_group,
                                           async_op=True)
         return _Pending(work, buf, AllToAllHandle(None, home, sent, received), copies_in)
 
     def dispatch_wait(self, pending: _Pending):
         if pending.work is not None:  # None: the rows are already here (alltoall-p2p)
-            wait(pending.work, "alltoall dispatch", self.process_group, pending.buf.device)
+            wait(pending.work, f"{self.name} dispatch", self.process_group, pending.buf.device)
         rows = self.codec.unpack(pending.buf)
         batch, pending.handle.copy_pos = sorted_batch(self.codec, rows, pending.copies, len(self._local),
                                                       indexed=self.indexed_rows, padded=pending.padded)
@@ -94,11 +94,11 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
     def combine_start(self, expert_out: Tensor, handle: AllToAllHandle) -> _Pending:
         partial = gather_sum(expert_out, handle.copy_pos)  # [R, H]: per received row, its copies here
         back = partial.new_empty(sum(handle.sent), partial.shape[1])
-        with collective("alltoall combine", self.process_group):
+        with collective(f"{self.name} combine", self.process_group):
             work = dist.all_to_all_single(back, partial, handle.sent, handle.received,
                                           group=self.process_group, async_op=True)
         return _Pending(work, back, handle, 0)
 
     def combine_wait(self, pending: _Pending) -> Tensor:
-        wait(pending.work, "alltoall combine", self.process_group, pending.buf.device)
+        wait(pending.work, f"{self.name} combine", self.process_group, pending.buf.device)
         return gather_sum(pending.buf, pending.handle.home)  # [T, H]: the partial sums of its ranks
