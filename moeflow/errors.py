@@ -355,11 +355,12 @@ torch.stack([torch.cat([w1, w3]) for w1, w3 in ...]).
 Example: gate_up = torch.cat([gate_proj, up_proj], dim=1)  # [E, 2I, H]
 """)
 _spec("MF403", WeightError, "unexpected weight",
-      "load_weights got unknown names {names}; valid names: {valid}",
+      "load_weights got names it cannot take: {names}; valid names: {valid}",
       """
 What: a name given to load_weights() is not a weight of this layer (a typo, or a tensor of a
-part the layer was not built with, such as shared experts).
-When: calling load_weights() with strict=True.
+part the layer was not built with, such as shared experts), or one weight is given twice, under
+both spellings of the shared experts (shared_expert. and shared_experts.).
+When: calling load_weights() with strict=True (a weight given twice: with any strict, and load_state_dict).
 Fix: rename or drop the tensor, build the layer with the matching option, or pass strict=False.
 Example: MoE(..., num_shared_experts=1, shared_intermediate_size=2048)
 """)

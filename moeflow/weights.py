@@ -65,8 +65,12 @@ def canonical_state(state: dict[str, Tensor], prefix: str, cfg) -> None:
     reads them. ``shared_expert.`` keys (Qwen2-MoE) renamed ``shared_experts.``; the correction bias, the shared-expert
     weights (an FP8 one dequantized with its ``.weight_scale_inv``, whose key is removed) and the shared gate replaced
     by the layer's dtypes on the layer's device (dense_tensors), so ``assign=True`` keeps the layer's dtypes too."""
-    for key in [k for k in state if k.startswith(prefix + "shared_expert.")]:
-        state[prefix + _canonical(key[len(prefix):])] = state.pop(key)
+    renamed = {k: prefix + _canonical(k[len(prefix):]) for k in state if k.startswith(prefix + "shared_expert.")}
+    twice = [f"{k} (also given as {ours})" for k, ours in renamed.items() if ours in state]
+    if twice:  # as load_weights: which one to load is not ours to guess
+        raise error("MF403", names=twice, valid=expected_names(cfg))
+    for key, ours in renamed.items():
+        state[ours] = state.pop(key)
     own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     for name, t in dense_tensors(own, cfg).items():
         state[prefix + name] = t
@@ -104,6 +108,9 @@ def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
     for k, v in state.items():
         if not isinstance(v, Tensor):
             raise error("MF404", name=k, why=f"must be a torch.Tensor, not {type(v).__module__}.{type(v).__name__}")
+    twice = [f"{k} (also given as {_canonical(k)})" for k in state if k != _canonical(k) and _canonical(k) in state]
+    if twice:  # Qwen2-MoE's spelling beside ours: which one to load is not ours to guess
+        raise error("MF403", names=twice, valid=expected_names(layer.config))
     state = {_canonical(k): v for k, v in state.items()}
     required = expected_names(layer.config)
     optional = [n + "_scale_inv" for n in EXPERT_NAMES] + [n + "_scale_inv" for n in SHARED_NAMES]

@@ -225,6 +225,14 @@ def test_load_state_dict_reads_shared_experts_as_load_weights(prefix, make_layer
     check_against_oracle(layer, tokens=(3,))
 
 
+def test_load_state_dict_shared_weight_under_both_spellings_is_mf403(make_layer):
+    state = make_layer(**FULL, dtype=torch.float32).state_dict()
+    state["shared_expert.gate_proj.weight"] = torch.randn(S, H)
+    with pytest.raises(MoeflowError) as info:
+        MoE(**FULL, dtype=torch.float32).load_state_dict(state)
+    assert info.value.code == "MF403" and "also given as shared_experts.gate_proj.weight" in str(info.value)
+
+
 def test_load_state_dict_fp8_shared_weight_without_scale_is_mf404(make_layer):
     state = make_layer(**FULL, dtype=torch.float32).state_dict()
     state["shared_experts.up_proj.weight"] = state["shared_experts.up_proj.weight"].to(torch.float8_e4m3fn)

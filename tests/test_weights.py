@@ -127,6 +127,16 @@ def test_integer_weight_is_mf404(key, weights_for):
     assert key in raises_code("MF404", layer.load_weights, state)
 
 
+@pytest.mark.parametrize("strict", (True, False))
+def test_a_shared_weight_under_both_spellings_is_mf403(weights_for, strict):
+    """shared_expert.X (Qwen2-MoE) beside shared_experts.X: refused, where the later one silently won."""
+    layer = MoE(**FULL, dtype=torch.float32)
+    state = weights_for(layer.config)
+    state["shared_expert.up_proj.weight"] = torch.randn(S, H)
+    text = raises_code("MF403", layer.load_weights, state, strict=strict)
+    assert "shared_expert.up_proj.weight (also given as shared_experts.up_proj.weight)" in text
+
+
 def test_weights_not_a_dict_of_tensors_is_mf404(weights_for):
     import numpy as np
     layer = MoE(**FULL, dtype=torch.float32)
