@@ -35,6 +35,7 @@ def expert_matrix(cfg, name: str) -> tuple[int, int]:
     return {"gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
             "down_proj": (cfg.hidden_size, cfg.intermediate_size)}[name]
 
+
 SHARED_NAMES = ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
 
 
@@ -60,21 +61,27 @@ def shared_shapes(cfg) -> dict[str, tuple[int, int]]:
     return dict(zip(SHARED_NAMES, ((s, h), (s, h), (h, s))))
 
 
+def _spellings(state, prefix: str, cfg) -> dict[str, str]:
+    """{key under ``prefix`` spelled ``shared_expert.`` (Qwen2-MoE): the same key spelled ``shared_experts.``};
+    MF403 where ``state`` gives both (which one to load is not ours to guess)."""
+    renamed = {k: prefix + _canonical(k[len(prefix):]) for k in state if k.startswith(prefix + "shared_expert.")}
+    twice = [f"{k} (also given as {ours})" for k, ours in renamed.items() if ours in state]
+    if twice:
+        raise error("MF403", names=twice, valid=expected_names(cfg))
+    return renamed
+
+
 def canonical_state(state: dict[str, Tensor], prefix: str, cfg) -> None:
     """For load_state_dict, in place: the tensors under ``prefix`` other than the expert weights read as load_weights
     reads them. ``shared_expert.`` keys (Qwen2-MoE) renamed ``shared_experts.``; the correction bias, the shared-expert
     weights (an FP8 one dequantized with its ``.weight_scale_inv``, whose key is removed) and the shared gate replaced
     by the layer's dtypes on the layer's device (dense_tensors), so ``assign=True`` keeps the layer's dtypes too."""
-    renamed = {k: prefix + _canonical(k[len(prefix):]) for k in state if k.startswith(prefix + "shared_expert.")}
-    twice = [f"{k} (also given as {ours})" for k, ours in renamed.items() if ours in state]
-    if twice:  # as load_weights: which one to load is not ours to guess
-        raise error("MF403", names=twice, valid=expected_names(cfg))
-    for key, ours in renamed.items():
+    for key, ours in _spellings(state, prefix, cfg).items():
         state[ours] = state.pop(key)
     own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     for name, t in dense_tensors(own, cfg).items():
         state[prefix + name] = t
-        if state[prefix + name] is not own[name] and own[name].dtype == FP8_DTYPE:
+        if own[name].dtype == FP8_DTYPE:  # dequantized: its scale is consumed
             state.pop(prefix + name + "_scale_inv", None)
 
 
@@ -108,10 +115,8 @@ def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
     for k, v in state.items():
         if not isinstance(v, Tensor):
             raise error("MF404", name=k, why=f"must be a torch.Tensor, not {type(v).__module__}.{type(v).__name__}")
-    twice = [f"{k} (also given as {_canonical(k)})" for k in state if k != _canonical(k) and _canonical(k) in state]
-    if twice:  # Qwen2-MoE's spelling beside ours: which one to load is not ours to guess
-        raise error("MF403", names=twice, valid=expected_names(layer.config))
-    state = {_canonical(k): v for k, v in state.items()}
+    renamed = _spellings(state, "", layer.config)
+    state = {renamed.get(k, k): v for k, v in state.items()}
     required = expected_names(layer.config)
     optional = [n + "_scale_inv" for n in EXPERT_NAMES] + [n + "_scale_inv" for n in SHARED_NAMES]
     valid = required + optional

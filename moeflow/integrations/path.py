@@ -30,6 +30,7 @@ from ..planner import plan as make_plan
 from ..quant import FP8_DTYPE, create_scheme
 from ..weights import expert_matrix
 
+
 class ExpertsPath:
     """One planned (scheme, dispatcher, runner) for a layer shape. Between calls it keeps only the CUDA graphs of
     eager small-batch calls (moeflow.graphs), keyed by the weights they read."""
