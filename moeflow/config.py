@@ -59,11 +59,17 @@ def _placement(value, num_experts) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-def parse_device(value) -> torch.device:
+def device_named(value) -> torch.device:
+    """The device ``value`` names, as torch parses it (MF106 where it cannot); whether this machine has it is
+    parse_device's question."""
     try:
-        dev = torch.device(value)
+        return torch.device(value)
     except (RuntimeError, TypeError) as exc:
         raise error("MF106", value=value, why=str(exc)) from None
+
+
+def parse_device(value) -> torch.device:
+    dev = device_named(value)
     if dev.type == "cpu":
         return torch.device("cpu")  # "cpu:0": torch's CPU tensors carry no index, so the layer's device must not
     if dev.type != "cuda":

@@ -63,23 +63,30 @@ def plot_path(text: str) -> str:
     return text
 
 
-def _names(option: str, text: str, valid: list[str]) -> list[str]:
-    """The comma-separated names of --quant or --runners ("all": every valid one), each checked: MF102 for an
-    unknown scheme, MF201 for an unknown runner, before anything runs."""
+def _names(text: str, valid: list[str], check) -> list[str]:
+    """The comma-separated names of --quant or --runners ("all": every valid one), each passed to ``check`` (which
+    raises the coded error of an unknown name) before anything runs."""
     names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
     if "all" in names:
         return valid
     for name in names or [text]:
-        if option == "--runners" and name != "auto":
-            RUNNERS.get(name)  # MF201
-        elif option == "--quant" and name not in valid:
-            raise error("MF102", field=option, value=name, valid=[*valid, "all"])
+        check(name)
     return names
 
 
+def _scheme(name: str) -> None:
+    if name not in SCHEMES.names():
+        raise error("MF102", field="--quant", value=name, valid=[*SCHEMES.names(), "all"])
+
+
+def _runner(name: str) -> None:
+    if name != "auto":
+        RUNNERS.get(name)  # MF201
+
+
 def run(args) -> int:
-    schemes = _names("--quant", args.quant, SCHEMES.names())
-    asked = _names("--runners", args.runners, RUNNERS.names())
+    schemes = _names(args.quant, SCHEMES.names(), _scheme)
+    asked = _names(args.runners, RUNNERS.names(), _runner)
     runners = [r for r in asked if r != "reference"]  # the reference runner is benchmarked first in any case
     if args.dispatcher != "auto":
         DISPATCHERS.get(args.dispatcher)  # MF201

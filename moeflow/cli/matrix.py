@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from ..capabilities import Environment
+from ..config import device_named
 from ..dispatch import DISPATCHERS
-from ..errors import error
 from ..planner import matrix
 from ..presets import preset_config
 from .common import int_at_least
@@ -50,15 +48,6 @@ def _capability(text: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def device_type(text: str) -> str:
-    """The device type --device names ("cuda:0" -> "cuda", "cpu:0" -> "cpu"), or MF106 for a string torch does not
-    parse. Unlike config.parse_device it does not ask for the device: the matrix describes any machine from this one."""
-    try:
-        return torch.device(text).type
-    except (RuntimeError, TypeError) as exc:
-        raise error("MF106", value=text, why=str(exc)) from None
-
-
 def render(env: Environment, preset: str, dtype: str, markdown: bool) -> str:
     template = preset_config(preset, dtype=dtype)
     cells = {(s, r, d): status for s, r, d, status in matrix(template, env)}
@@ -80,7 +69,7 @@ def run(args) -> int:
     if args.standard:
         envs = STANDARD
     else:
-        kind = device_type(args.device)
+        kind = device_named(args.device).type  # not parse_device: the matrix describes any machine from this one
         env = Environment(kind, args.cc if kind == "cuda" else None, args.world_size)
         envs = ((env.describe(), env),)
     blocks = []
