@@ -29,16 +29,20 @@
 #  10. prepared without a GPU on 2026-12-05: ws_bounds.py at five tile orders (Qwen3 bf16 T=4096, the loads alone
 #      against the full GEMMs; not yet run), graph_vs_eager.py (why the graph replay times GPU-bound rows slower than
 #      eager calls) and zero_padding.py (zero rows instead of the next expert's as the tiles' padding); the last two
-#      ran on an H200 on 2026-12-05 (gpu_session_2026-12-05_h200_3d1f7f3.md), GPU 0; about a call each:
+#      ran on an H200 on 2026-12-05 (gpu_session_2026-12-05_h200_3d1f7f3.md), ws_bounds_order on an H100 the same day
+#      (gpu_session_2026-12-05_h100_76b441b.md), GPU 0; about a call each:
 #      ONLY=ws_bounds_order (likewise graph_vs_eager, zero_padding)
+#  11. x_tma_repeat.py: the gate_up's x_tma and pointer-load forms compared over 200 rounds of varied GPU memory
+#      garbage (one H100 run failed their bit-equality test once, 2026-12-05; not yet run): ONLY=x_tma_repeat
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
 # can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
 # tests in 420 s (compiling as it went), so they are three steps now: gpu_tests_triton (test_gpu_triton.py),
 # gpu_tests_layers (the other files of step 1) and gpu_tests_gluon; one call may not reach all three.
 # On 2026-12-04 a fresh machine with no carried cache ran 125 of test_gpu_triton.py's 128 tests in its 450 s; with
 # the cache carried, the next calls ran gpu_tests_layers' 162 in 170 s and gpu_tests_gluon's 598 in 296 s.
-# pytest runs with -v: a step cut by its time limit prints no failure summary, and a -q log's dots did not name
-# the test that failed (a cut gpu_tests_triton run at bb6f075 left one F; counted, test_tune_searches_one_launch_tiles).
+# pytest runs with -v (a -q log's dots did not name the test that failed: a cut gpu_tests_triton run at bb6f075 left
+# one F; counted, test_tune_searches_one_launch_tiles), and a step's time limit interrupts it (SIGINT) so that a cut
+# run still prints its failures' tracebacks.
 # Everything lands in one folder, packed as $OUT/results.tgz (the device tool returns at most 8
 # files, and none whose name holds '=' or ','), with summary.txt beside it and printed last.
 # Compiled kernels travel between calls (benchmarks/triton_cache.sh): the call restores .triton-cache/ if it was
@@ -66,7 +70,9 @@ step() {  # step NAME SECONDS COMMAND...: run if time is left, bounded by SECOND
         return
     fi
     [ $((SECONDS + limit)) -gt "$DEADLINE_S" ] && limit=$((DEADLINE_S - SECONDS))
-    timeout "$limit" "$@" > "$R/$name.log" 2>&1
+    # SIGINT first: a pytest run cut by its limit then prints the failures so far, with their tracebacks (a TERM
+    # printed nothing: the H100 run of 2026-12-05 left one FAILED line and no message); KILL 10 s later
+    timeout -s INT -k 10 "$((limit > 20 ? limit - 10 : limit))" "$@" > "$R/$name.log" 2>&1
     echo "$name: exit $? at ${SECONDS}s: $(tail -n 1 "$R/$name.log")" >> "$S"
 }
 
@@ -128,6 +134,10 @@ step graph_vs_eager 400 env CUDA_VISIBLE_DEVICES=0 OUT="$R/graph_vs_eager" pytho
 tail -n 10 "$R/graph_vs_eager.log" >> "$S" 2>/dev/null
 step zero_padding 400 env CUDA_VISIBLE_DEVICES=0 OUT="$R/zero_padding" python benchmarks/experiments/zero_padding.py
 tail -n 10 "$R/zero_padding.log" >> "$S" 2>/dev/null
+# the H100 run of 2026-12-05 failed test_gate_up_rows_through_tma_on_gpu[4-fp8-channel-deepseek-v3-300] once in a full
+# test_gpu_triton.py run, then passed alone about 25 times: its two forms, repeated over varied memory garbage
+step x_tma_repeat 240 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/x_tma_repeat.py "$R/x_tma_repeat"
+tail -n 4 "$R/x_tma_repeat.log" >> "$S" 2>/dev/null
 grep -hE "FAILED|Error" "$R"/*tests*.log 2>/dev/null | head -20 >> "$S"
 tar czf "$OUT/results.tgz" -C "$R" .
 bash benchmarks/triton_cache.sh save "$OUT" 2>> "$S"

@@ -79,7 +79,7 @@ def test_target_gaps_bounds_hold_for_every_measured_row(monkeypatch):
     import os
 
     import target_gaps as tg
-    runs = sorted(glob.glob(os.path.join(tg.RESULTS, "triton_2026-12-0*_bench.csv")))
+    runs = sorted(glob.glob(os.path.join(tg.RESULTS, "triton_2026-12-0*_h200_*_bench.csv")))
     assert runs
     for path in runs:
         run = tg.read_run(path)

@@ -2,7 +2,7 @@
 
 bench_layer.py's headline, layer_graph_us, replays the whole layer (route -> combine) as one CUDA graph of input 0;
 its layer_us calls the same layer eagerly, rotating over 4 inputs. Over the 26 committed 36-row runs
-(benchmarks/results/triton_2026-12-0*_bench.csv) the graph was the slower of the two on the GPU-bound rows: the
+(benchmarks/results/triton_2026-12-0*_h200_*_bench.csv) the graph was the slower of the two on the GPU-bound rows: the
 median graph / eager ratio is 1.078 on DeepSeek-V3 bf16 T=16384 (above 1 in 26 of 26 runs), 1.054 on Qwen3 bf16
 T=16384 (24 of 26), 1.048 on Mixtral bf16 T=1024 (25 of 26), 1.03-1.04 on DeepSeek-V3 and Mixtral T=4096 (both
 schemes), but 1.005 on DeepSeek-V3 fp8-block T=16384 (`--ratios` below prints every row).
@@ -99,7 +99,7 @@ def run_row(case: Case, t: int) -> dict:
     return out
 
 
-def ratios(pattern: str = "triton_2026-12-0*_bench.csv") -> list[dict]:
+def ratios(pattern: str = "triton_2026-12-0*_h200_*_bench.csv") -> list[dict]:
     """The committed 36-row runs (benchmarks/results/PATTERN) -> per row with a graph time: the runs, and the median,
     least and largest layer_graph_us / layer_us and the runs where it is above 1."""
     by = {}

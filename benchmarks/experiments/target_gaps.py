@@ -2,7 +2,7 @@
 
 Reads benchmarks/results/ (nothing is timed here):
   RUN            one 36-row run (bench_layer.py's CSV; default the latest committed, b67a6e3's)
-  triton_2026-12-0*_bench.csv   every committed 36-row run: each row's spread of % of roofline between runs
+  triton_2026-12-0*_h200_*_bench.csv   every committed 36-row run: each row's spread of % of roofline between runs
   flush_mode_2026-12-01_h200_a186f5f.json   per T = 1, 16, 128 row: the layer after do_bench's flush (dirty L2)
                  and after a clean one; the difference is write-back the layer pays for the flush
   fused_parts_2026-12-01_h200_35ee490.json  a graph replay of one empty kernel under do_bench (4.2-4.3 µs)
@@ -49,7 +49,7 @@ def read_run(path: str) -> dict:
     return out
 
 
-def spread(pattern: str = "triton_2026-12-0*_bench.csv") -> dict:
+def spread(pattern: str = "triton_2026-12-0*_h200_*_bench.csv") -> dict:
     """(preset, scheme, T) -> the % of roofline of every committed run's graph time, sorted."""
     by = {}
     for path in sorted(glob.glob(os.path.join(RESULTS, pattern))):
