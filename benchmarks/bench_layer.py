@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from moeflow.benchmark import (Ceilings, clean_graph_us, format_target_summary, graph_us, layer_bytes, layer_flops,
-                               plot_panels, poisoned_allocations, relative_error, roofline_seconds, target_summary)
+                               measure_ceilings, plot_panels, poisoned_allocations, relative_error, roofline_seconds,
+                               target_summary)
 from moeflow.capabilities import Environment
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import create_runner
@@ -61,16 +62,9 @@ def bench(fn, rep_ms=50):
 
 
 def ceilings() -> dict:
-    a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    copy_us = bench(lambda: b.copy_(a))
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_us = bench(lambda: x @ x)
-    f8 = x.to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    f8_us = bench(lambda: torch._scaled_mm(f8, f8.t(), one, one, out_dtype=torch.bfloat16))
-    flops = 2 * 8192 ** 3
-    return dict(bandwidth=2 * 2 ** 30 / (copy_us * 1e-6), bf16_flops=flops / (mm_us * 1e-6), fp8_flops=flops / (f8_us * 1e-6))
+    """This GPU's ceilings (moeflow.benchmark.measure_ceilings) as bench.json's "ceilings"."""
+    c = measure_ceilings(torch.device("cuda"))
+    return dict(bandwidth=c.bandwidth, bf16_flops=c.bf16_flops, fp8_flops=c.fp8_flops)
 
 
 class Case:

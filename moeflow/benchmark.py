@@ -2,8 +2,10 @@
 
     FLOPs  = 2 · T · K · 3 · H · I                    (gate_up GEMM [H→2I] + down GEMM [I→H])
     bytes ≥ hit · 3 · H · I · bytes_per_weight + T · H · 2 · bytes_per_act
-    hit    = expected distinct experts touched by random routing, E · (1 − (1 − K/E)^T)
-    floor  = max(FLOPs / matrix peak, bytes / memory bandwidth)
+    hit    = the distinct experts the routing touched (counted by the benchmarks, as PERF.md asks), or where not
+             counted their expectation under random routing, E · (1 − (1 − K/E)^T)
+    floor  = max(FLOPs / matrix peak, bytes / memory bandwidth), with the peaks and the bandwidth measured in the same
+             run on a GPU (``measure_ceilings``)
 
 Timing: ``time_fn`` (host-timed, synchronized calls: any device), ``graph_us`` (CUDA: the calls captured once as a
 CUDA graph and replayed with the L2 flushed, triton's do_bench median: PERF.md's method) and ``clean_graph_us``
@@ -35,6 +37,28 @@ class Ceilings:
     bf16_flops: float = 700e12
     fp8_flops: float = 1265e12
     bandwidth: float = 4.27e12
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    """PERF.md's ceilings, measured on this CUDA device (do_bench medians, about 2 s): the bandwidth is 2 GiB over a
+    1 GiB device-to-device copy's time (read + write); each matrix peak is 2 · 8192³ FLOPs over an 8192² matmul's
+    time, bf16 (``x @ x``) and e4m3 (``torch._scaled_mm``). fp8_flops is nan on a GPU without fp8 matmuls."""
+    from triton.testing import do_bench
+
+    def us(fn) -> float:
+        return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    copy_us = us(lambda: b.copy_(a))
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    flops = 2 * 8192 ** 3
+    bf16 = flops / (us(lambda: x @ x) * 1e-6)
+    try:
+        f8, one = x.to(torch.float8_e4m3fn), torch.ones((), device=device)
+        fp8 = flops / (us(lambda: torch._scaled_mm(f8, f8.t(), one, one, out_dtype=torch.bfloat16)) * 1e-6)
+    except RuntimeError:  # no fp8 matmul on this GPU (compute capability < 8.9)
+        fp8 = float("nan")
+    return Ceilings(bf16_flops=bf16, fp8_flops=fp8, bandwidth=2 * 2 ** 30 / (copy_us * 1e-6))
 
 
 def layer_flops(cfg: MoEConfig, tokens: int) -> float:

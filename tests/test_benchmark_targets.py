@@ -6,6 +6,7 @@ import runpy
 import sys
 
 import pytest
+import torch
 
 from moeflow.benchmark import format_target_summary, rebased_rows, target_summary
 
@@ -87,3 +88,44 @@ def test_compare_runs_prints_both_runs_and_the_rebased_lines(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "1.200" in out and "geometric mean 1.200" in out
     assert out.count("targets, ") == 3 and "new run at the old run's ceilings" in out
+
+
+# PERF.md's anchor table: (preset, T) -> (bf16 µs, its % of roofline, fp8 µs, its %), the percentages as PERF.md
+# printed them (whole numbers) at its ceilings (700 / 1265 TFLOP/s, 4.27 TB/s) with random routing's expected hit
+PERF_ANCHORS = {
+    ("qwen3-30b-a3b", 1): (35, 50, 27, 33), ("qwen3-30b-a3b", 128): (300, 94, 169, 84),
+    ("qwen3-30b-a3b", 4096): (777, 57, 621, 39), ("qwen3-30b-a3b", 16384): (2347, 75, 2160, 45),
+    ("deepseek-v3", 1): (203, 81, 108, 76), ("deepseek-v3", 128): (5268, 99, 2765, 94),
+    ("deepseek-v3", 4096): (10239, 52, 5741, 46), ("deepseek-v3", 16384): (22764, 72, 15453, 59),
+    ("mixtral-8x7b", 1): (188, 88, 144, 57), ("mixtral-8x7b", 128): (677, 98, 376, 88),
+    ("mixtral-8x7b", 4096): (5088, 81, 3325, 69), ("mixtral-8x7b", 16384): (18283, 90, 12092, 75),
+}
+
+
+@pytest.mark.parametrize("preset,t", sorted(PERF_ANCHORS))
+def test_roofline_reproduces_perf_md_anchor_percentages(preset, t):
+    """moeflow.benchmark's FLOPs, bytes, expected hit and floor at PERF.md's ceilings (Ceilings()) give each of PERF.md's
+    24 anchor percentages to within rounding: the formulas the benchmarks report against are PERF.md's."""
+    from moeflow.benchmark import roofline_seconds
+    from moeflow.presets import preset_config
+    bf16_us, bf16_pct, fp8_us, fp8_pct = PERF_ANCHORS[(preset, t)]
+    for quant, us, pct in (("none", bf16_us, bf16_pct), ("fp8-block", fp8_us, fp8_pct)):
+        cfg = preset_config(preset, quant=quant, dtype=torch.bfloat16)
+        assert 100 * roofline_seconds(cfg, t) / (us * 1e-6) == pytest.approx(pct, abs=0.6), (preset, t, quant)
+
+
+def test_roofline_formulas_by_hand():
+    """PERF.md's formulas on Qwen3-30B-A3B (H 2048, I 768, E 128, K 8), numbers worked by hand."""
+    from moeflow.benchmark import Ceilings, experts_hit, layer_bytes, layer_flops, roofline_seconds
+    from moeflow.presets import preset_config
+    bf16 = preset_config("qwen3-30b-a3b", dtype=torch.bfloat16)
+    fp8 = preset_config("qwen3-30b-a3b", quant="fp8-block", dtype=torch.bfloat16)
+    assert layer_flops(bf16, 1) == 2 * 8 * (2048 * 1536 + 768 * 2048) == 75_497_472
+    assert experts_hit(bf16, 16) == pytest.approx(128 * (1 - (120 / 128) ** 16)) and round(experts_hit(bf16, 16), 1) == 82.4
+    # 8 experts hit x 3HI weights (2 bytes in bf16, 1 in FP8) + T x H in and out in bf16
+    assert layer_bytes(bf16, 1, hit=8) == 8 * 3 * 2048 * 768 * 2 + 2048 * 2 * 2
+    assert layer_bytes(fp8, 1, hit=8) == 8 * 3 * 2048 * 768 + 2048 * 2 * 2
+    ceil = Ceilings(bf16_flops=1e15, fp8_flops=2e15, bandwidth=1e12)
+    assert roofline_seconds(bf16, 1, ceil, hit=8) == pytest.approx(layer_bytes(bf16, 1, 8) / 1e12)  # memory-bound
+    big = layer_flops(fp8, 16384)  # compute-bound: the FP8 peak, not the bf16 one
+    assert roofline_seconds(fp8, 16384, Ceilings(1e15, 2e15, 1e13), hit=128) == pytest.approx(big / 2e15)

@@ -57,8 +57,11 @@ def test_bench_small_runs_and_checks(tmp_path, capsys, quant):
     for r in ran:
         assert r["us"] > 0 and r["timing"] == "eager"  # the CPU: host timing (CUDA: graph replay)
         assert r["rel_err"] is None or r["rel_err"] < 2e-2  # bf16 vs the reference runner
-        # GB/s: the fewest bytes the layer moves (moeflow.benchmark.layer_bytes) over its time
-        assert r["gbs"] == pytest.approx(r["tflops"] * 1e3 * _bytes_per_flop(quant, r["T"]), rel=1e-9)
+        # GB/s: the fewest bytes the layer moves (moeflow.benchmark.layer_bytes) over its time, counting the experts
+        # the row's routing touched (PERF.md), here at most E = 8 and at least one
+        assert 1 <= r["experts_hit"] <= min(8, 2 * r["T"])
+        assert r["gbs"] == pytest.approx(r["tflops"] * 1e3 * _bytes_per_flop(quant, r["T"], r["experts_hit"]), rel=1e-9)
+        assert "pct_roofline" not in r and "floor_us" not in r  # no ceilings on the CPU
     refused = [r for r in rows if r["status"] != "ok"]
     assert all(r["status"] in CATALOGUE for r in refused)
 
@@ -71,8 +74,9 @@ def test_bench_marks_rows_off_the_reference(tmp_path, capsys, monkeypatch):
     assert bench.accuracy_status(0.2) == "wrong" and bench.accuracy_status(float("nan")) == "wrong"
     measure = bench._measure
 
-    def off(layer, x, logits, want):  # the CPU runs only the reference runner: its rows stand for a faulty runner's
-        return dict(measure(layer, x, logits, want), runner="triton", rel_err=1 / 3, status=bench.accuracy_status(1 / 3))
+    def off(layer, x, logits, want, ceilings):  # the CPU runs only the reference runner: its rows stand for a faulty one's
+        return dict(measure(layer, x, logits, want, ceilings), runner="triton", rel_err=1 / 3,
+                    status=bench.accuracy_status(1 / 3))
 
     monkeypatch.setattr(bench, "_measure", off)
     out = tmp_path / "rows.json"
@@ -91,12 +95,39 @@ def test_bench_refuses_a_preset_that_does_not_fit(capsys, monkeypatch):
     assert "MF605" in err and "45.1 GB" in err
 
 
-def _bytes_per_flop(quant, tokens):
-    """The small preset's layer_bytes / layer_flops at T = tokens (bf16 layer)."""
+def test_bench_row_counts_the_experts_routed_and_uses_the_ceilings_given():
+    """A row's GB/s and floor count the experts its routing touched (PERF.md), not random routing's expectation, and
+    its % of roofline divides by the ceilings handed in (on CUDA, measured at the start of the run)."""
+    from moeflow import MoE
+    from moeflow.benchmark import Ceilings, layer_bytes, roofline_seconds
+    from moeflow.cli import bench
+    from moeflow.presets import preset_config
+    torch.manual_seed(0)
+    layer = MoE(preset_config("small", device="cpu"))  # E = 8, K = 2
+    x = torch.randn(64, layer.config.hidden_size, dtype=layer.config.dtype)
+    logits = torch.full((64, 8), -5.0)
+    logits[:, 3], logits[:, 6] = 2.0, 1.0  # every token to experts 3 and 6
+    with torch.no_grad():
+        want = layer(x, logits)
+    ceil = Ceilings(bf16_flops=1e12, fp8_flops=2e12, bandwidth=1e9)
+    row = bench._measure(layer, x, logits, want, ceil)
+    assert row["experts_hit"] == 2
+    assert row["gbs"] == pytest.approx(layer_bytes(layer.config, 64, 2) / (row["us"] * 1e-6) / 1e9)
+    assert row["floor_us"] == pytest.approx(roofline_seconds(layer.config, 64, ceil, 2) * 1e6)
+    assert row["pct_roofline"] == pytest.approx(100 * row["floor_us"] / row["us"])
+    assert "pct_roofline" not in bench._measure(layer, x, logits, want)  # no ceilings: no roofline
+    nan_fp8 = Ceilings(bf16_flops=1e12, fp8_flops=float("nan"), bandwidth=1e9)
+    fp8 = MoE(preset_config("small", quant="fp8-block", device="cpu"))
+    with torch.no_grad():
+        assert "pct_roofline" not in bench._measure(fp8, x, logits, fp8(x, logits), nan_fp8)  # no fp8 peak here
+
+
+def _bytes_per_flop(quant, tokens, hit):
+    """The small preset's layer_bytes / layer_flops at T = tokens (bf16 layer), ``hit`` experts touched."""
     from moeflow.benchmark import layer_bytes, layer_flops
     from moeflow.presets import preset_config
     cfg = preset_config("small", quant=quant)
-    return layer_bytes(cfg, tokens) / layer_flops(cfg, tokens)
+    return layer_bytes(cfg, tokens, hit) / layer_flops(cfg, tokens)
 
 
 def test_bench_png_plots_every_scheme(tmp_path, capsys):

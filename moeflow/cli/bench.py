@@ -3,6 +3,10 @@ the reference runner on the same weights and inputs, print latency, TFLOP/s, GB/
 (on CUDA also % of roofline), with a progress bar; --json / --csv write the rows, --png plots time against T per
 runner (on CUDA with the roofline floor).
 
+Roofline (PERF.md's method, moeflow.benchmark): GB/s and the floor count the experts the routing of each row's
+tokens touched ("experts_hit"), and on CUDA the floor divides by this GPU's ceilings, measured at the start of the run
+(moeflow.benchmark.measure_ceilings, printed above the table); "floor_us" and "pct_roofline" are in each row.
+
 Error: the first call's output against the reference runner's, relative (moeflow.benchmark.relative_error), the
 call's buffers poisoned (moeflow.benchmark.poisoned_allocations); over WRONG_REL_ERR the row is "wrong".
 Timing: on CUDA the layer is captured as one CUDA graph and replayed with the L2 flushed (PERF.md's method,
@@ -20,8 +24,8 @@ import sys
 
 import torch
 
-from ..benchmark import (graph_us, layer_bytes, layer_flops, plot_panels, poisoned_allocations, relative_error,
-                         roofline_seconds, time_fn)
+from ..benchmark import (Ceilings, graph_us, layer_bytes, layer_flops, measure_ceilings, plot_panels,
+                         poisoned_allocations, relative_error, roofline_seconds, time_fn)
 from ..dispatch import DISPATCHERS
 from ..errors import MoeflowError, error
 from ..experts import RUNNERS
@@ -95,6 +99,7 @@ def run(args) -> int:
         _plotting()  # MF606 before the benchmark runs, not after
     tokens = args.tokens or ([1, 16, 128, 1024, 4096, 16384] if base.device.type == "cuda" else [1, 16, 128])
     _check_memory(base)
+    ceilings = measure_ceilings(base.device) if base.device.type == "cuda" else None
     jobs = [(s, r) for s in schemes for r in ["reference", *runners]]
     rows, done, measured = [], 0, set()  # measured: the names (as asked) of the runners benchmarked
     for scheme in schemes:
@@ -120,10 +125,10 @@ def run(args) -> int:
             if layer is not ref:
                 layer.load_state_dict(ref.state_dict())
             for (x, logits), want in zip(inputs, expected):
-                rows.append(_measure(layer, x, logits, want))
+                rows.append(_measure(layer, x, logits, want, ceilings))
             measured.add(name)
     print(file=sys.stderr)
-    _print_table(base, rows)
+    _print_table(base, rows, ceilings)
     _write(rows, args)
     if args.png_path:
         _plot(base, rows, args.png_path)
@@ -153,18 +158,23 @@ def _check_memory(cfg) -> None:
                     f"{str(cfg.dtype).removeprefix('torch.')}", need=f"{need / 1e9:.1f}", device=cfg.device, free=f"{free / 1e9:.1f}")
 
 
-def _measure(layer: MoE, x, logits, want) -> dict:
+def _measure(layer: MoE, x, logits, want, ceilings: Ceilings | None = None) -> dict:
+    """One row: the layer's error against ``want`` and its time on x [T, H] routed by logits [T, E]; with
+    ``ceilings`` (CUDA) also its floor and % of roofline."""
     cfg, t = layer.config, x.shape[0]
     with torch.no_grad():
         with poisoned_allocations():  # an element the layer never writes is NaN, not another runner's stale output
             err = relative_error(layer(x, logits), want)
         seconds, timing = _time(layer, x, logits)
+        hit = int(layer.router(logits, layer.e_score_correction_bias)[0].unique().numel())  # PERF.md: routed, counted
     oracle = layer.plan.runner == "reference"  # the comparand itself: no error to report
     row = dict(quant=cfg.quant, runner=layer.plan.runner, dtype=str(cfg.dtype).removeprefix("torch."), T=t,
-               us=seconds * 1e6, tflops=layer_flops(cfg, t) / seconds / 1e12, gbs=layer_bytes(cfg, t) / seconds / 1e9,
+               us=seconds * 1e6, tflops=layer_flops(cfg, t) / seconds / 1e12,
+               gbs=layer_bytes(cfg, t, hit) / seconds / 1e9, experts_hit=hit,
                rel_err=None if oracle else err, status="ok" if oracle else accuracy_status(err), timing=timing)
-    if cfg.device.type == "cuda":
-        row["pct_roofline"] = 100 * roofline_seconds(cfg, t) / seconds
+    floor = roofline_seconds(cfg, t, ceilings, hit) if ceilings is not None else float("nan")
+    if floor == floor:  # nan: no ceilings (CPU), or an fp8 row on a GPU without fp8 matmuls
+        row.update(floor_us=floor * 1e6, pct_roofline=100 * floor / seconds)
     return row
 
 
@@ -203,9 +213,13 @@ def _progress(done: int, total: int, what: str) -> None:
     print(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {what:<32}", end="", file=sys.stderr, flush=True)
 
 
-def _print_table(cfg, rows: list[dict]) -> None:
+def _print_table(cfg, rows: list[dict], ceilings: Ceilings | None = None) -> None:
     print(f"moeflow bench: E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size} K={cfg.top_k} "
           f"dtype={str(cfg.dtype).removeprefix('torch.')} device={cfg.device} (error: ‖out−ref‖/‖ref‖ vs the reference runner)")
+    if ceilings is not None:
+        print(f"ceilings measured on this GPU: copy {ceilings.bandwidth / 1e12:.3g} TB/s, bf16 "
+              f"{ceilings.bf16_flops / 1e12:.3g} TFLOP/s, fp8 {ceilings.fp8_flops / 1e12:.3g} TFLOP/s "
+              f"(%roof: the floor max(FLOPs / peak, bytes / copy) over the time)")
     roof = any("pct_roofline" in r for r in rows)
     print(f"{'quant':<12} {'runner':<11} {'T':>6} {'µs':>10} {'TFLOP/s':>8} {'GB/s':>8} {'rel err':>9}"
           + ("  %roof" if roof else ""))
@@ -244,14 +258,13 @@ def _plotting():
 
 
 def _plot(cfg, rows: list[dict], path: str) -> None:
-    """One panel per scheme: µs against T per runner; on CUDA also the roofline floor (PERF.md's ceilings,
-    moeflow.benchmark.Ceilings)."""
+    """One panel per scheme: µs against T per runner; on CUDA also the roofline floor (the rows' floor_us: the
+    ceilings measured in this run, the experts each T's routing touched)."""
     panels = []
     for scheme in sorted({r["quant"] for r in rows if r["status"] == "ok"}):
         sel = [r for r in rows if r["quant"] == scheme and r["status"] == "ok"]
         lines = {name: [(r["T"], r["us"]) for r in sel if r["runner"] == name] for name in {r["runner"] for r in sel}}
-        ts = sorted({r["T"] for r in sel})
-        floor = [(t, roofline_seconds(cfg.replace(quant=scheme), t) * 1e6) for t in ts] if cfg.device.type == "cuda" \
-            else []
+        floors = {r["T"]: r["floor_us"] for r in sel if "floor_us" in r}  # every runner's row of a T: the same routing
+        floor = sorted(floors.items())
         panels.append((f"{scheme}  E={cfg.num_experts} H={cfg.hidden_size} I={cfg.intermediate_size}", lines, floor))
     plot_panels(_plotting(), panels, make_parent(path))
