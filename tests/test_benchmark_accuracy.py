@@ -47,6 +47,7 @@ def test_bench_marks_a_row_with_an_unwritten_element(make_layer):
     class Runner(torch.nn.Module):
         config = layer.config
         plan = types.SimpleNamespace(runner="triton")  # stands for a faulty runner (the CPU runs only the reference)
+        router, e_score_correction_bias = layer.router, layer.e_score_correction_bias  # bench counts the routed experts
 
         def __init__(self, rows: slice):
             super().__init__()
