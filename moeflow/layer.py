@@ -255,7 +255,9 @@ class MoE(nn.Module):
                     check_input(hidden_states, "hidden_states", (None, cfg.hidden_size), cfg)
                     check_input(router_logits, "router_logits", (hidden_states.shape[0], cfg.num_experts), cfg,
                                 dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
-            return self._graphs("forward", self._route_and_run, (hidden_states, router_logits), self._weight_tensors)
+            with own_precision(hidden_states):
+                return self._graphs("forward", self._route_and_run, (hidden_states, router_logits),
+                                    self._weight_tensors)
 
     def _forward_topk_eager(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """forward_topk() outside torch.compile's tracing (as _forward_eager)."""
@@ -271,8 +273,9 @@ class MoE(nn.Module):
                                 dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
                     if not _capturing(hidden_states):
                         _check_ids(topk_ids, cfg.num_experts)
-            return self._graphs("forward_topk", self._run_topk, (hidden_states, topk_ids, topk_weights),
-                                self._weight_tensors)
+            with own_precision(hidden_states):
+                return self._graphs("forward_topk", self._run_topk, (hidden_states, topk_ids, topk_weights),
+                                    self._weight_tensors)
 
     @contextlib.contextmanager
     def _refusal_takes_part(self):
@@ -390,6 +393,17 @@ def _validating() -> bool:
 
 def _capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def own_precision(t: Tensor):
+    """torch.autocast off for the call where it is on for t's device: the layer computes by its numerics contract
+    (README: the scheme's quantization, float32 accumulation, the intermediate in the layer dtype) in every runner,
+    where autocast would have recast the torch runners' matmuls alone (reference: an fp32 layer's GEMMs in bf16)."""
+    try:
+        on = torch.is_autocast_enabled(t.device.type)
+    except RuntimeError:  # a device type autocast does not know
+        on = False
+    return torch.autocast(t.device.type, enabled=False) if on else contextlib.nullcontext()
 
 
 # topk_ids a caller routes with (forward_topk, ExpertsPath): any of torch's integer dtypes, read as int32

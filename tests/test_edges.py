@@ -116,3 +116,25 @@ def test_cpu_grouped_mm_refuses_rows_of_no_16_bytes(dtype, h, i, bad, make_layer
     layer = make_layer(num_experts=4, hidden_size=h, intermediate_size=i, top_k=2, dtype=dtype)
     assert layer.plan.runner == "reference", layer.plan
     run_edge(layer, 9, None)
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme,runner", CELLS)
+def test_autocast_leaves_the_layer_in_its_own_precision(make_layer, scheme, runner, autocast_dtype):
+    """Under torch.autocast an fp32 layer computes as without it, bit for bit, through forward, forward_topk and
+    transformers' experts path: the layer's numerics contract holds in every runner (the reference runner's matmuls
+    had followed autocast into bf16 / fp16, 1e-2 off the oracle, where grouped_mm's did not)."""
+    from moeflow.experts import ExpertWeights
+    from moeflow.integrations.path import ExpertsPath
+    layer = make_layer(num_experts=8, hidden_size=128, intermediate_size=128, top_k=2, dtype=torch.float32,
+                       quant=scheme, runner=runner)
+    x, logits = torch.randn(12, 128), torch.randn(12, 8)
+    ids, w = distinct_ids(12, 8, 2), torch.rand(12, 2)
+    path = ExpertsPath(layer.config)
+    weights = layer.expert_weights()
+    with torch.no_grad():
+        plain = layer(x, logits), layer.forward_topk(x, ids, w), path(x, ids, w, weights)
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            auto = layer(x, logits), layer.forward_topk(x, ids, w), path(x, ids, w, weights)
+    for p, a in zip(plain, auto):
+        assert a.dtype == torch.float32 and torch.equal(a, p)

@@ -24,7 +24,7 @@ from ..dispatch.gather_sum import gather_sum
 from ..errors import error
 from ..experts import ExpertWeights, create_runner
 from ..graphs import GraphCache
-from ..layer import ID_DTYPES, ID_DTYPES_DESC, check_input, routed_experts
+from ..layer import ID_DTYPES, ID_DTYPES_DESC, check_input, own_precision, routed_experts
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan
 from ..quant import FP8_DTYPE, create_scheme
@@ -84,7 +84,8 @@ class ExpertsPath:
         with moeflow_env.one_reading():
             if moeflow_env.VALIDATE_INPUTS.get_bool():
                 self._check(hidden, topk_ids, topk_weights, weights, valid_below)
-            return self._call_once(hidden, topk_ids, topk_weights, weights, valid_below)
+            with own_precision(hidden):  # the layer's numerics, not torch.autocast's (as MoE's calls)
+                return self._call_once(hidden, topk_ids, topk_weights, weights, valid_below)
 
     def _check(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                valid_below: int | None) -> None:
