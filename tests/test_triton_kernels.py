@@ -815,6 +815,27 @@ def test_route_stream_kernel_matches_the_torch_router(case, lanes):
     assert torch.equal(ids, route(logits, bias, *args, lanes=0)[0])  # the warp-per-token kernel's ids
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_sigmoid_routers_agree_where_the_scores_saturate(renormalize):
+    """Sigmoid without a bias: float32 sigmoids are exactly 1.0 from a logit of about 16.6, so the scores tie where
+    the logits do not. The torch router, kernels/route.py and the streaming kernel all pick the largest logits (the
+    warp-a-token kernel had ranked the tied scores and picked the lowest ids: other experts, at full weight)."""
+    from moeflow import MoEConfig
+    from moeflow.kernels.route import route
+    from moeflow.routing import create_router
+    cfg = MoEConfig(num_experts=16, hidden_size=16, intermediate_size=16, top_k=3, scoring="sigmoid",
+                    renormalize=renormalize)
+    logits = torch.randn(9, 16)
+    logits[:, [2, 5, 9, 11, 14]] = torch.tensor([20.0, 30.0, 25.0, 18.0, 40.0])  # five saturate; the best: 14, 5, 9
+    assert torch.sigmoid(logits[:, [2, 5, 9, 11, 14]]).eq(1.0).all()
+    want_ids, want_w = create_router(cfg, "torch")(logits, None)
+    assert torch.equal(want_ids, torch.tensor([[14, 5, 9]], dtype=torch.int32).expand(9, 3))
+    for lanes in (0, 1, 2):  # 0: kernels/route.py's warp-a-token kernel; else the streaming kernel
+        ids, w = route(logits, None, 3, "sigmoid", renormalize, lanes=lanes, num_warps=1)
+        assert torch.equal(ids, want_ids), lanes
+        torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("e,k,lanes,t", [(100, 8, 4, 9), (13, 3, 1, 1), (128, 8, 8, 33)])
 def test_route_stream_kernel_odd_shapes(e, k, lanes, t):
     """The streaming kernel past a part-filled last chunk (E not a multiple of 4 * lanes), one token, and 8

@@ -6,7 +6,9 @@ token's row, each top-k step a single max over (score, index) keys.
     logits [T, E] float (any), bias [E] float32 or None
     -> ids [T, K] int32 (descending choice order), weights [T, K] float32
 Semantics are those of routing/torch_topk.py (its torch code is the reference): choice = score
-(+ bias); grouped: a group's score is the sum of its two best choices (with a bias) or its best,
+(+ bias), but sigmoid without a bias or groups ranks the logits (float32 sigmoids saturate to 1.0 from a logit of
+about 16.6: the scores tie there, the logits do not, and the other two routers rank the logits);
+grouped: a group's score is the sum of its two best choices (with a bias) or its best,
 the topk_groups best groups stay; ids = top-k of the choice among kept experts; weights = the
 unbiased scores of those ids, renormalized (sum + 1e-20) and times routed_scaling_factor.
 Ties pick the lowest index (torch.topk's order among exact ties is unspecified). Sigmoid scores are torch's float32
@@ -52,9 +54,12 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
         mx = tl.max(x, axis=1)
         ex = tl.where(ok[None, :], tl.exp(x - mx[:, None]), 0.0)
         score = tl.where(ok[None, :], ex / tl.sum(ex, axis=1)[:, None], NEG_INF)
+    LOGITS: tl.constexpr = SIGMOID and not HAS_BIAS and GROUPS == 1  # the choice is the logit (module docstring)
     choice = score
     if HAS_BIAS:
         choice = tl.where(ok[None, :], score + tl.load(bias_ptr + e, mask=ok, other=0.0)[None, :], NEG_INF)
+    elif LOGITS:
+        choice = x  # NEG_INF past E
     if GROUPS > 1:  # keep the TOPK_GROUPS best groups (E % GROUPS == 0, E_POW2 == E here)
         PER: tl.constexpr = E_POW2 // GROUPS
         c3 = tl.reshape(choice, (BLOCK_T, GROUPS, PER))
@@ -80,7 +85,7 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
         key, i = _argmax_first(taken, e, E_POW2)
         hit = e[None, :] == i[:, None]
         ids = tl.where(kk[None, :] == k, i[:, None], ids)
-        if HAS_BIAS:  # the unbiased score of the chosen expert
+        if HAS_BIAS or LOGITS:  # the (unbiased) score of the chosen expert
             w_k = tl.sum(tl.where(hit, score, 0.0), axis=1)
         else:  # the choice is the score itself
             w_k = key_value(key)

@@ -38,7 +38,9 @@ class TorchTopK(Router):
     def _select_on_logits(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Plain top-k, fewer kernels (the eager decode path): softmax and sigmoid are monotonic,
         so the top-k logits pick the same experts as the top-k scores; the renormalized softmax
-        of the K picked is the softmax over their logits alone. Same values to fp32 rounding."""
+        of the K picked is the softmax over their logits alone. Same values to fp32 rounding.
+        Where float32 sigmoids saturate (1.0 from a logit of about 16.6) the scores tie and the logits
+        still order the experts: the Triton routers rank the logits there too (kernels/route.py)."""
         cfg = self.config
         vals, ids = torch.topk(logits, cfg.top_k, dim=-1, sorted=True)
         if cfg.scoring == "softmax":
