@@ -368,9 +368,11 @@ _spec("MF404", WeightError, "bad weight dtype or scale",
       "{name}: {why}",
       """
 What: a weight's dtype cannot be loaded: an FP8 weight needs its *_scale_inv beside it, a scale
-must be floating, a high-precision weight must be a floating tensor.
+must be floating, a high-precision weight must be a floating tensor and comes without a scale, a
+scaled FP8 weight must be float8_e4m3fn; or a tensor is on the meta device (no values) or is not a tensor.
 When: calling load_weights(), or load_state_dict() with the layer's expert weights.
-Fix: pass float8_e4m3fn weights together with their *_scale_inv tensors, or high-precision weights.
+Fix: pass float8_e4m3fn weights together with their *_scale_inv tensors, or high-precision weights;
+dequantize other FP8 formats first; load a lazily built checkpoint's tensors themselves.
 Example: moe.load_weights({"gate_up_proj": q, "gate_up_proj_scale_inv": s, ...})
 """)
 

@@ -76,6 +76,9 @@ def canonical_state(state: dict[str, Tensor], prefix: str, cfg) -> None:
     reads them. ``shared_expert.`` keys (Qwen2-MoE) renamed ``shared_experts.``; the correction bias, the shared-expert
     weights (an FP8 one dequantized with its ``.weight_scale_inv``, whose key is removed) and the shared gate replaced
     by the layer's dtypes on the layer's device (dense_tensors), so ``assign=True`` keeps the layer's dtypes too."""
+    for key, t in state.items():
+        if key.startswith(prefix) and isinstance(t, Tensor):
+            _holds_values(key[len(prefix):], t)
     for key, ours in _spellings(state, prefix, cfg).items():
         state[ours] = state.pop(key)
     own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -115,6 +118,7 @@ def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
     for k, v in state.items():
         if not isinstance(v, Tensor):
             raise error("MF404", name=k, why=f"must be a torch.Tensor, not {type(v).__module__}.{type(v).__name__}")
+        _holds_values(k, v)
     renamed = _spellings(state, "", layer.config)
     state = {renamed.get(k, k): v for k, v in state.items()}
     required = expected_names(layer.config)
@@ -132,6 +136,13 @@ def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
             load_expert_weight(layer, name, state[name], state.get(name + "_scale_inv"))
     for name, t in dense_tensors(state, layer.config).items():
         layer.get_parameter(name).data.copy_(t)
+
+
+def _holds_values(name: str, t: Tensor) -> None:
+    """MF404 for a tensor on the meta device (a lazily built checkpoint's): it has a shape and no values."""
+    if t.is_meta:
+        raise error("MF404", name=name, why="is on the meta device and holds no values (a lazily built checkpoint): "
+                                            "load the checkpoint's tensors themselves")
 
 
 def _expect_shape(name: str, t: Tensor, shape: tuple) -> None:
@@ -161,8 +172,7 @@ def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> Non
             scale = scale.index_select(0, index.to(scale.device))
         source, scale = _scheme_of_scale(layer.scheme, scale, w.shape)
         if source is None:
-            raise error("MF402", name=name + "_scale_inv", shape=tuple(scale.shape),
-                        expected=f"{list(layer.scheme.weight_scale_shape(*w.shape))} (or another FP8 scheme's scale shape)")
+            raise error("MF402", name=name + "_scale_inv", shape=tuple(scale.shape), expected=_scale_shapes(w.shape))
         if source.name == layer.scheme.name:
             getattr(layer, name).data.copy_(w)
             getattr(layer, name + "_scale_inv").data.copy_(scale.float())
@@ -171,8 +181,22 @@ def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> Non
     elif not w.dtype.is_floating_point:
         raise error("MF404", name=name, why=f"dtype {w.dtype} is neither floating nor float8_e4m3fn")
     elif scale is not None:
-        raise error("MF404", name=name + "_scale_inv", why="a scale was given for a high-precision weight")
+        raise error("MF404", name=name + "_scale_inv", why=_unreadable_scale(w))
     layer._store_expert_weight(name, w.to(cfg.dtype))
+
+
+def _scale_shapes(wshape) -> str:
+    """The scale shapes an FP8 weight of shape ``wshape`` [E, N, K] may come with, one for each FP8 scheme."""
+    return "one FP8 scheme's: " + ", ".join(
+        f"{s.name} {list(s.weight_scale_shape(*wshape))}" for s in map(create_scheme, SCHEMES.names()) if s.quantized)
+
+
+def _unreadable_scale(w: Tensor) -> str:
+    """Why a scale beside a weight that is not float8_e4m3fn is refused (MF404)."""
+    if w.dtype.itemsize == 1:  # another FP8 format (e5m2, e4m3fnuz, ...)
+        return (f"the weight is {str(w.dtype).removeprefix('torch.')}: moeflow reads scaled FP8 weights as "
+                "float8_e4m3fn only; dequantize it first (w.float() * scale, broadcast by block) or give it in e4m3fn")
+    return "a scale was given for a high-precision weight"
 
 
 def _scheme_of_scale(preferred, scale: Tensor, wshape) -> tuple[object | None, Tensor]:
@@ -198,6 +222,8 @@ def _dense(name: str, w: Tensor, scale: Tensor | None, shape: tuple) -> Tensor:
     """A 2-D shared-expert weight, dequantized when it is FP8 (any scheme's scale shape)."""
     _expect_shape(name, w, shape)
     if w.dtype != FP8_DTYPE:
+        if scale is not None:  # read as values, the scale would be dropped
+            raise error("MF404", name=name + "_scale_inv", why=_unreadable_scale(w))
         return _floating(name, w)
     if scale is None:
         raise error("MF404", name=name, why=f"float8_e4m3fn weights need {name}_scale_inv beside them")

@@ -160,15 +160,40 @@ BAD_DTYPE = {
     "int-scale": lambda s: {"gate_up_proj": s["gate_up_proj"].to(FP8_DTYPE),
                             "gate_up_proj_scale_inv": torch.ones(E, 1, 1, dtype=torch.int32)},
     "scale-for-high-precision": lambda s: {"gate_up_proj_scale_inv": torch.ones(E, 1, 1)},
+    "scale-for-high-precision-shared": lambda s: {"shared_experts.up_proj.weight_scale_inv": torch.ones(1)},
+    "scaled-e5m2": lambda s: {"gate_up_proj": s["gate_up_proj"].to(torch.float8_e5m2),
+                              "gate_up_proj_scale_inv": torch.ones(E, 1, 1)},
 }
 
 
 @pytest.mark.parametrize("case", BAD_DTYPE)
 def test_bad_dtype_is_mf404(case, weights_for):
-    layer = MoE(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, dtype=torch.float32)
+    """A shared weight's scale beside a high-precision weight is refused as an expert's is (it had been dropped); a
+    scaled FP8 weight in another format than e4m3fn is named so, not called high-precision."""
+    layer = MoE(**FULL, dtype=torch.float32)
     state = weights_for(layer.config)
     state.update(BAD_DTYPE[case](state))
-    raises_code("MF404", layer.load_weights, state)
+    message = raises_code("MF404", layer.load_weights, state, strict=False)
+    assert ("float8_e5m2" in message) == (case == "scaled-e5m2")
+
+
+def test_meta_tensors_are_mf404(weights_for):
+    """Tensors of a lazily built checkpoint (meta device: a shape, no values) are MF404 in load_weights and
+    load_state_dict, where torch's copy raised NotImplementedError."""
+    layer = MoE(**FULL, dtype=torch.float32)
+    meta = {k: v.to("meta") for k, v in weights_for(layer.config).items()}
+    assert "meta device" in raises_code("MF404", layer.load_weights, meta)
+    for assign in (False, True):
+        assert "meta device" in raises_code("MF404", layer.load_state_dict, meta, assign=assign)
+
+
+def test_fp8_scale_shape_message_names_every_scheme():
+    """An FP8 weight's scale of no scheme's shape, into a layer without FP8: the message lists each FP8 scheme's
+    shape (it had printed the layer's own scheme's, none's: 'expected []')."""
+    layer = MoE(num_experts=E, hidden_size=128, intermediate_size=128, top_k=K, dtype=torch.float32)
+    state = {"gate_up_proj": torch.randn(E, 256, 128).to(FP8_DTYPE), "gate_up_proj_scale_inv": torch.tensor(0.01)}
+    message = raises_code("MF402", layer.load_weights, state, strict=False)
+    assert f"fp8-tensor [{E}]" in message and f"fp8-channel [{E}, 256]" in message and f"fp8-block [{E}, 2, 1]" in message
 
 
 # ---------------------------------------------------------------- pre-quantized FP8 checkpoints
