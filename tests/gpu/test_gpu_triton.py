@@ -448,6 +448,27 @@ def test_triton_router_on_gpu(preset, t):
     torch.testing.assert_close(w, warp_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("t", [37, 4096])
+def test_sigmoid_routers_agree_where_the_scores_saturate_on_gpu(t):
+    """Sigmoid without a bias, every row with six experts past the logit (about 16.6) where float32 sigmoids are 1.0:
+    the torch router, kernels/route.py (T=37) and the streaming kernel (T=4096, 128 experts) pick the same largest
+    logits, with the same weights."""
+    from moeflow import MoEConfig
+    from moeflow.kernels.route import route
+    from moeflow.routing import create_router
+    cfg = MoEConfig(num_experts=128, hidden_size=128, intermediate_size=128, top_k=4, scoring="sigmoid",
+                    device="cuda")
+    logits = torch.randn(t, 128, device="cuda")
+    cols = torch.stack([torch.randperm(128, device="cuda")[:6] for _ in range(t)])
+    logits.scatter_(1, cols, 17.0 + 30.0 * torch.rand(t, 6, device="cuda"))
+    want_ids, want_w = create_router(cfg, "torch")(logits, None)
+    assert torch.equal(want_ids.long().sort(1).values, logits.topk(4, 1).indices.sort(1).values)
+    for lanes in (0, None):  # kernels/route.py, and what route() picks (the streaming kernel at T=4096)
+        ids, w = route(logits, None, 4, "sigmoid", True, lanes=lanes)
+        assert torch.equal(ids, want_ids), lanes
+        torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("payload", [None, "fp8-block"])
 def test_ep_row_kernels_on_gpu(payload):
     """kernels/ep_rows.py at the benchmark's sizes (H=7168, top-8, 256 rows, 128 local experts) on
