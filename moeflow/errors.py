@@ -321,13 +321,12 @@ Example: model = torch.compile(model); y = model(x)
 _spec("MF307", InputError, "gradient asked of a moeflow layer",
       "a gradient was asked through the op moeflow.{op}: moeflow layers compute inference only",
       """
-What: moeflow runs MoE layers for inference: its kernels have no backward. Under torch.compile a layer is one op
-of the compiled graph (moeflow.ops) whose backward raises this error; torch.compile traces the backward of a model
-whose inputs or parameters require grad while grad mode is on, and so reaches it when it compiles the model.
-When: compiling (or running backward through) a model with grad mode on, e.g. torch.compile(model)(x) outside
-torch.no_grad(); or, eagerly, calling backward through a layer's output (a call with grad mode on and an input or
-weight that requires grad runs as usual, and its output carries a backward that raises this error, so that no
-gradient stops silently at the layer).
+What: moeflow runs MoE layers for inference: its kernels have no backward. A call with grad mode on and an input
+or weight that requires grad computes as usual, and its output carries a backward that raises this error, so that
+no gradient stops silently at the layer. Compiled, the same: a layer is one op of the compiled graph (moeflow.ops),
+the weights that require grad among its inputs, and running its backward raises this error.
+When: calling backward through a layer's output, eagerly or in a model compiled with grad mode on (e.g. training
+the layers around moeflow's).
 Fix: run the model under torch.no_grad() or torch.inference_mode() (transformers' generate already does), or set
 requires_grad_(False) on the model's parameters; to train other layers around moeflow's, use another experts
 implementation for training.

@@ -226,7 +226,7 @@ class MoE(nn.Module):
     def forward(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:
         """hidden_states [T, H] layer dtype, router_logits [T, E] any float -> [T, H] layer dtype."""
         if torch.compiler.is_compiling():  # one op of the compiled graph: _forward_eager at run time (moeflow.ops)
-            return ops.call(self, MoE._forward_eager, hidden_states, (router_logits,))
+            return ops.call(self, MoE._forward_eager, hidden_states, (router_logits,), self.parameters)
         grads = ops.grad_inputs(hidden_states, router_logits, weights=self.parameters())
         if grads:  # inference only: a backward through the output raises MF307 (moeflow.ops.inference_only)
             return ops.inference_only(lambda: self._forward_eager(hidden_states, router_logits), "layer", *grads)
@@ -238,7 +238,7 @@ class MoE(nn.Module):
         The caller routed: weights are used as given (no renormalization or scaling here).
         """
         if torch.compiler.is_compiling():  # one op of the compiled graph: _forward_topk_eager at run time
-            return ops.call(self, MoE._forward_topk_eager, hidden_states, (topk_ids, topk_weights))
+            return ops.call(self, MoE._forward_topk_eager, hidden_states, (topk_ids, topk_weights), self.parameters)
         grads = ops.grad_inputs(hidden_states, topk_weights, weights=self.parameters())
         if grads:  # inference only: a backward through the output raises MF307 (moeflow.ops.inference_only)
             return ops.inference_only(lambda: self._forward_topk_eager(hidden_states, topk_ids, topk_weights),

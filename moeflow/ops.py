@@ -6,11 +6,12 @@ fake kernel, which refuses float32 (tests/test_compile.py has the model that sho
 moeflow layer could not be compiled, which is how serving engines and transformers' static-cache generation run
 models.
 How: while torch.compile traces (torch.compiler.is_compiling()), MoE.forward / forward_topk, transformers'
-"moeflow" experts and ExpertsPath call ``torch.ops.moeflow.layer(hidden, routing, owner)`` instead of running:
+"moeflow" experts and ExpertsPath call ``torch.ops.moeflow.layer(hidden, routing, owner, weights)`` instead:
 
     hidden [T, H] float, routing: [router_logits [T, E]] or [topk_ids [T, K], topk_weights [T, K]] (ExpertsPath:
     then the caller's weights w13, w2 and their scales), owner: the key of the layer (or experts module, or path)
-    and of its eager function -> [T, H], hidden's dtype, a new contiguous tensor
+    and of its eager function, weights: the owner's parameters that require grad, with grad mode on (else empty;
+    read by autograd only) -> [T, H], hidden's dtype, a new contiguous tensor
 
 The op's fake implementation gives that shape, so the compiled graph holds one opaque node per layer. At run time
 the op calls the owner's eager function, launch by launch: the layer's own eager graphs (moeflow.graphs) stand
@@ -31,9 +32,11 @@ CUDA graphs: torch.compile(mode="reduce-overhead") records the op's launches in 
 graph-safe (Plan.graph_safe False: the reference runner, the expert-parallel dispatchers, their host
 synchronization) calls ``torch.ops.moeflow.layer_host_sync`` instead, the same op tagged
 torch.Tag.cudagraph_unsafe. Inductor then keeps that op out of its CUDA graphs.
-Not supported: gradients (moeflow is for inference: the op's backward raises MF307, which torch.compile reaches
-when it compiles a model with grad mode on; compile under torch.no_grad() or torch.inference_mode()), and
-torch.export of a model for use in another process (the owner key names a layer of this process).
+Not supported: gradients (moeflow is for inference). With grad mode on, the owner's parameters that require grad
+are inputs of the op too (``weights``), and the op's backward is one op, refuse_gradient, whose fake gives the
+gradients' shapes (so the compile succeeds and the forward computes, as an eager call) and which raises MF307 when
+a backward runs, as an eager call's backward does. Nor torch.export of a model for use in another process (the owner
+key names a layer of this process).
 """
 from __future__ import annotations
 
@@ -74,7 +77,9 @@ def _forget(key: str) -> None:
     _GRAPH_SAFE.pop(key, None)
 
 
-def _run(hidden: Tensor, routing: list[Tensor], owner: str) -> Tensor:
+def _run(hidden: Tensor, routing: list[Tensor], owner: str, weights: list[Tensor]) -> Tensor:
+    """The op at run time: the owner's eager function on hidden and routing (``weights`` are inputs for autograd's
+    sake only: the owner reads its own)."""
     entry = _OWNERS.get(owner)
     target = entry[0]() if entry else None
     if target is None:
@@ -83,18 +88,46 @@ def _run(hidden: Tensor, routing: list[Tensor], owner: str) -> Tensor:
         return entry[1](target, hidden, *routing)
 
 
-def _fake(hidden: Tensor, routing: list[Tensor], owner: str) -> Tensor:
+def _fake(hidden: Tensor, routing: list[Tensor], owner: str, weights: list[Tensor]) -> Tensor:
     return hidden.new_empty(hidden.shape)
+
+
+def _refuse(op: str, grad: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """The layer op's backward, run: MF307 (moeflow computes inference only). ``grad``, the output's gradient, ties
+    the op to the backward: without it AOTAutograd's partitioner ran it in the forward graph."""
+    raise error("MF307", op=op)
+
+
+def _refuse_fake(op: str, grad: Tensor, like: list[Tensor]) -> list[Tensor]:
+    return [t.new_empty(t.shape) for t in like]
+
+
+# the backward's one op: traced (fake) it gives a gradient for each floating input, so torch.compile compiles a model
+# with grad mode on as eager runs it, and the backward graph keeps it (its outputs are the gradients); run, it raises
+# MF307, as an eager call's backward does (inference_only), instead of failing the compile inside torch's
+# BackendCompilerFailed or, where only the weights required grad, leaving them without gradients
+refuse_gradient = torch.library.custom_op("moeflow::refuse_gradient", _refuse, mutates_args=())
+refuse_gradient.register_fake(_refuse_fake)
 
 
 def _define(name: str, tags: tuple):
     op = torch.library.custom_op(f"moeflow::{name}", _run, mutates_args=(), tags=tags)
     op.register_fake(_fake)
 
-    def backward(ctx, grad):
-        raise error("MF307", op=name)
+    def setup_context(ctx, inputs, output):
+        hidden, routing, _owner, weights = inputs
+        ctx.save_for_backward(hidden, *routing, *weights)
+        ctx.routing = len(routing)
 
-    op.register_autograd(backward)
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        floating = [i for i, t in enumerate(saved) if t.is_floating_point()]
+        grads = [None] * len(saved)
+        for i, g in zip(floating, refuse_gradient(name, grad, [saved[i] for i in floating])):
+            grads[i] = g
+        return grads[0], grads[1:1 + ctx.routing], None, grads[1 + ctx.routing:]
+
+    op.register_autograd(backward, setup_context=setup_context)
     return op
 
 
@@ -112,14 +145,17 @@ def _unregistered(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ..
     return fn(owner, hidden, *routing)
 
 
-def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...]) -> Tensor:
+def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...], weights: Callable = tuple) -> Tensor:
     """fn(owner, hidden, *routing) as one op of the traced graph (module docstring): the graph-safe op or the one
-    tagged cudagraph_unsafe, as registered; run outside the graph where the owner is not registered."""
+    tagged cudagraph_unsafe, as registered; run outside the graph where the owner is not registered. ``weights()``:
+    the owner's parameters, which it reads itself (called with grad mode on only); those that require grad become
+    inputs of the op, so that a backward reaches the op's (MF307) where they alone require grad."""
     key = owner_key(owner, fn)
     if key not in _GRAPH_SAFE:  # run outside the graph (disabled here, not at import: that would import dynamo)
         return torch.compiler.disable(_unregistered, reason=_UNREGISTERED_REASON)(owner, fn, hidden, routing)
     op = layer if _GRAPH_SAFE[key] else layer_host_sync
-    return op(hidden, list(routing), key)
+    trainable = [w for w in weights() if w.requires_grad] if torch.is_grad_enabled() else []
+    return op(hidden, list(routing), key, trainable)
 
 
 # ---------------------------------------------------------------- eager calls with grad mode on

@@ -103,24 +103,37 @@ def test_op_of_a_deleted_layer_raises_mf306():
     moe = block().moe
     key = ops.owner_key(moe, MoE._forward_eager)
     x, logits = torch.randn(2, H), torch.randn(2, E)
-    assert torch.equal(ops.layer_host_sync(x, [logits], key), moe(x, logits))
+    assert torch.equal(ops.layer_host_sync(x, [logits], key, []), moe(x, logits))
     del moe
     gc.collect()
     with pytest.raises(MoeflowError) as err:
-        ops.layer_host_sync(x, [logits], key)
+        ops.layer_host_sync(x, [logits], key, [])
     assert err.value.code == "MF306"
     with pytest.raises(MoeflowError, match="MF306"):
-        ops.layer(x, [logits], "MoE._forward_eager.no-such-layer")
+        ops.layer(x, [logits], "MoE._forward_eager.no-such-layer", [])
 
 
-def test_compiling_with_grad_raises_mf307():
-    model = block().requires_grad_(True)  # parameters that require grad, grad mode on: a backward is traced
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match="MF307"):
-        compiled(torch.randn(3, H))
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("trainable", ["all", "experts only"])
+def test_compiled_with_grad_computes_and_its_backward_raises_mf307(backend, trainable):
+    """Compiled with grad mode on, as eager calls: the forward computes as eager, and a backward through the layers
+    raises MF307 as a MoeflowError, at run time, in every backend. Where only the experts' weights require grad (the
+    input does not: a frozen model around unfrozen experts) the backward had gone through and left them no
+    gradient; where the input did, aot_eager and inductor had failed the compile inside BackendCompilerFailed."""
+    model = block()
+    (model if trainable == "all" else model.moe).requires_grad_(True)
+    head = nn.Linear(H, 1)  # something trainable after the layers, so that a backward runs at all
     x = torch.randn(3, H)
-    with torch.no_grad():  # the documented fix
-        assert torch.equal(compiled(x), model(x))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    y = compiled(x)
+    assert_close(y.detach(), model(x).detach(), 1e-5, backend)  # inductor fuses the linears and softmax its own way
+    with pytest.raises(MoeflowError) as info:
+        head(y).sum().backward()
+    assert info.value.code == "MF307"
+    assert model.moe.gate_up_proj.grad is None
+    with torch.no_grad():  # inference, the documented way
+        assert_close(compiled(x), model(x), 1e-5, backend)
 
 
 def test_bad_input_raises_its_code_when_run():
@@ -152,9 +165,16 @@ def test_opcheck():
     x, logits = torch.randn(6, H), torch.randn(6, E)
     ids = torch.randint(0, E, (6, 1)).expand(6, K).contiguous() + torch.arange(K)
     checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(ops.layer_host_sync, (x, [logits], ops.owner_key(moe, MoE._forward_eager)), test_utils=checks)
+    torch.library.opcheck(ops.layer_host_sync, (x, [logits], ops.owner_key(moe, MoE._forward_eager), []),
+                          test_utils=checks)
     torch.library.opcheck(ops.layer_host_sync, (x, [ids % E, torch.rand(6, K)],
-                                                ops.owner_key(moe, MoE._forward_topk_eager)), test_utils=checks)
+                                                ops.owner_key(moe, MoE._forward_topk_eager), []), test_utils=checks)
+    # with the weights as inputs for autograd's sake, and an input that requires grad: the schema, the fake and the
+    # autograd registration (running the backward, as test_aot_dispatch_dynamic does, raises MF307 by design)
+    weights = [p.detach().requires_grad_(True) for p in moe.parameters()]
+    torch.library.opcheck(ops.layer_host_sync, (x.clone().requires_grad_(True), [logits],
+                                                ops.owner_key(moe, MoE._forward_eager), weights),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
@@ -209,6 +229,27 @@ def test_transformers_experts_not_planned_before_compiling():
         out = torch.compile(fresh, backend=rec, fullgraph=True)(ids).logits
         assert len(rec.graphs) == 1 and rec.targets().count("moeflow.layer_host_sync.default") == 2
         assert torch.equal(out, ref)
+
+
+def test_transformers_experts_compiled_with_trainable_weights_refuse_the_backward():
+    """transformers' "moeflow" experts, compiled with only the experts' weights (and the head) requiring grad: the
+    backward raises MF307 as eagerly, where it had gone through and left the experts without gradients."""
+    pytest.importorskip("transformers")
+    from moeflow.integrations.hf import prepare_experts
+    from moeflow.integrations.hf.tiny import tiny_model
+    ids = torch.randint(0, 256, (2, 7))
+    model = tiny_model("qwen3_moe")
+    model.set_experts_implementation("moeflow")
+    prepare_experts(model)
+    model.requires_grad_(False)
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    for m in experts:
+        m.requires_grad_(True)
+    model.lm_head.requires_grad_(True)
+    torch._dynamo.reset()
+    with pytest.raises(MoeflowError) as info:
+        torch.compile(model, backend="aot_eager")(ids).logits.sum().backward()
+    assert info.value.code == "MF307" and all(m.gate_up_proj.grad is None for m in experts)
 
 
 def test_experts_path_compiles_with_the_weights_as_inputs(make_layer):

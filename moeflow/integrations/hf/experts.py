@@ -132,7 +132,7 @@ def moeflow_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     """The function registered as "moeflow" (see the module docstring for shapes and refusals). Under torch.compile's
     tracing, one op of the compiled graph (moeflow.ops) that runs it."""
     if torch.compiler.is_compiling():
-        return ops.call(self, experts_forward_eager, hidden_states, (top_k_index, top_k_weights))
+        return ops.call(self, experts_forward_eager, hidden_states, (top_k_index, top_k_weights), self.parameters)
     return experts_forward_eager(self, hidden_states, top_k_index, top_k_weights)
 
 
