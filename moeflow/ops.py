@@ -137,12 +137,24 @@ layer_host_sync = _define("layer_host_sync", (_UNSAFE,) if _UNSAFE is not None e
 
 
 _UNREGISTERED_REASON = ("moeflow: a layer's first call before it is registered with moeflow.ops (a transformers "
-                        "experts module not yet planned: moeflow.integrations.hf.prepare_experts plans them before "
-                        "torch.compile)")
+                        "experts module not yet planned, or a copy of a planned one: call "
+                        "moeflow.integrations.hf.prepare_experts(model) before torch.compile)")
 
 
 def _unregistered(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...]) -> Tensor:
     return fn(owner, hidden, *routing)
+
+
+_DISABLED: list = []  # _unregistered wrapped by torch.compiler.disable, made outside tracing (prepare_tracing)
+
+
+def prepare_tracing() -> None:
+    """Wrap the function unregistered owners run through with torch.compiler.disable now, outside tracing (the
+    transformers integration does when it registers "moeflow"; transformers has imported dynamo by then). Wrapped
+    inside tracing, dynamo stopped at the disable call itself, and its message, fullgraph=True's error among them,
+    dropped moeflow's reason (prepare_experts)."""
+    if not _DISABLED:
+        _DISABLED.append(torch.compiler.disable(_unregistered, reason=_UNREGISTERED_REASON))
 
 
 def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...], weights: Callable = tuple) -> Tensor:
@@ -151,8 +163,9 @@ def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...], weigh
     the owner's parameters, which it reads itself (called with grad mode on only); those that require grad become
     inputs of the op, so that a backward reaches the op's (MF307) where they alone require grad."""
     key = owner_key(owner, fn)
-    if key not in _GRAPH_SAFE:  # run outside the graph (disabled here, not at import: that would import dynamo)
-        return torch.compiler.disable(_unregistered, reason=_UNREGISTERED_REASON)(owner, fn, hidden, routing)
+    if key not in _GRAPH_SAFE:  # run outside the graph (not disabled at import: that would import dynamo)
+        run = _DISABLED[0] if _DISABLED else torch.compiler.disable(_unregistered, reason=_UNREGISTERED_REASON)
+        return run(owner, fn, hidden, routing)
     op = layer if _GRAPH_SAFE[key] else layer_host_sync
     trainable = [w for w in weights() if w.requires_grad] if torch.is_grad_enabled() else []
     return op(hidden, list(routing), key, trainable)

@@ -231,6 +231,32 @@ def test_transformers_experts_not_planned_before_compiling():
         assert torch.equal(out, ref)
 
 
+def test_fullgraph_names_prepare_experts_for_unplanned_and_copied_experts():
+    """fullgraph=True over transformers' "moeflow" experts not planned yet, or copied from planned ones: torch's
+    error carries moeflow's reason, naming prepare_experts (it had named only torch.compiler.disable); after
+    prepare_experts the copy compiles as one graph."""
+    pytest.importorskip("transformers")
+    import copy as copying
+
+    from moeflow.integrations.hf import prepare_experts
+    from moeflow.integrations.hf.tiny import tiny_model
+    ids = torch.randint(0, 256, (2, 7))
+    unplanned = tiny_model("qwen3_moe")
+    unplanned.set_experts_implementation("moeflow")
+    planned = copying.deepcopy(unplanned)
+    assert prepare_experts(planned) == 2
+    twin = copying.deepcopy(planned)  # its experts modules are new objects, not registered
+    with torch.no_grad():
+        want = planned(ids).logits
+        for model in (unplanned, twin):
+            torch._dynamo.reset()
+            with pytest.raises(Exception, match="prepare_experts"):
+                torch.compile(model, backend="aot_eager", fullgraph=True)(ids)
+        assert prepare_experts(twin) == 2
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(twin, backend="aot_eager", fullgraph=True)(ids).logits, want)
+
+
 def test_transformers_experts_compiled_with_trainable_weights_refuse_the_backward():
     """transformers' "moeflow" experts, compiled with only the experts' weights (and the head) requiring grad: the
     backward raises MF307 as eagerly, where it had gone through and left the experts without gradients."""

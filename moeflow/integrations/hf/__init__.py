@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 
+from ... import ops
 from ...errors import error
 from .blocks import MoeflowBlock, replace_moe_blocks, supported_blocks
 from .experts import moeflow_experts_forward, prepare_experts
@@ -47,6 +48,7 @@ def register_module(module_name: str) -> bool:
     if interface is None:
         return False
     interface.register(IMPLEMENTATION, moeflow_experts_forward)
+    ops.prepare_tracing()  # an experts module compiled before it is planned: torch.compile's message names the fix
     return True
 
 
