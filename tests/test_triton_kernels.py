@@ -815,6 +815,24 @@ def test_route_stream_kernel_matches_the_torch_router(case, lanes):
     assert torch.equal(ids, route(logits, bias, *args, lanes=0)[0])  # the warp-per-token kernel's ids
 
 
+def test_large_batch_of_two_expert_groups_routes_with_the_one_warp_kernel():
+    """A biased grouped router with 2 experts a group (E=64 in 32 groups, which the planner gives the Triton router):
+    at T >= 2048 route() had picked the streaming kernel, whose lanes load 4 columns of one group, and raised an
+    uncoded ValueError at the first large batch; it runs the one-warp kernel there, with the torch router's ids."""
+    from moeflow import MoEConfig
+    from moeflow.kernels.route import route
+    from moeflow.kernels.route_stream import stream_pays
+    from moeflow.routing import create_router
+    assert stream_pays(2048, 64) and not stream_pays(2048, 64, 32)
+    cfg = MoEConfig(num_experts=64, hidden_size=16, intermediate_size=16, top_k=8, scoring="sigmoid",
+                    num_expert_groups=32, topk_groups=4, use_correction_bias=True)
+    logits, bias = torch.randn(2048, 64), (torch.rand(64) - 0.5) * 0.1
+    ids, w = route(logits, bias, 8, "sigmoid", True, 32, 4, 1.0)
+    want_ids, want_w = create_router(cfg, "torch")(logits, bias)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_sigmoid_routers_agree_where_the_scores_saturate(renormalize):
     """Sigmoid without a bias: float32 sigmoids are exactly 1.0 from a logit of about 16.6, so the scores tie where

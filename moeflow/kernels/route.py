@@ -112,7 +112,8 @@ def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renorma
     if t == 0:
         return ids, w
     e_pow2 = next_pow2(e)  # grouped: E a power of two (routing/triton_topk.py's caps)
-    if streams(scoring, bias is not None, num_groups) and (stream_pays(t, e_pow2) if lanes is None else lanes > 0):
+    if streams(scoring, bias is not None, num_groups) and (stream_pays(t, e_pow2, num_groups) if lanes is None
+                                                          else lanes > 0):
         auto_lanes, auto_warps = stream_shape(t, e_pow2, num_groups)
         stream_launch(logits, bias, ids, w, top_k, scoring, renormalize, num_groups, topk_groups, scaling,
                       lanes or auto_lanes, num_warps or auto_warps, pdl(logits.device))

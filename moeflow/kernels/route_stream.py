@@ -241,7 +241,9 @@ def streams(scoring: str, has_bias: bool, num_groups: int) -> bool:
     return scoring == "sigmoid" or not (has_bias or num_groups > 1)
 
 
-def stream_pays(t: int, e_pow2: int) -> bool:
-    """Whether route.route runs the streaming kernel for T tokens of E_POW2 experts (launch_shape's kernel
-    otherwise). It holds a whole row in registers: E_POW2 / LANES values a thread, up to 256 experts."""
-    return t >= 2048 and 64 <= e_pow2 <= 256
+def stream_pays(t: int, e_pow2: int, num_groups: int = 1) -> bool:
+    """Whether route.route runs the streaming kernel for T tokens of E_POW2 experts in num_groups groups
+    (launch_shape's kernel otherwise). It holds a whole row in registers: E_POW2 / LANES values a thread, up to 256
+    experts; a lane loads 4 columns of one group, so a group holds at least 4 experts (groups of 1 or 2, which a
+    biased grouped router allows, run the one-warp kernel: stream_launch refused them)."""
+    return t >= 2048 and 64 <= e_pow2 <= 256 and e_pow2 // num_groups >= 4
