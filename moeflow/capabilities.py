@@ -80,6 +80,9 @@ class RouterCaps:
     grouped_pow2: bool = False  # grouped selection needs a power-of-two expert count
     note: str = ""
     graph_safe: bool = False  # as RunnerCaps.graph_safe
+    # the CUDA compute capabilities (lowest, highest) it has been run and validated on (None: any); on others only
+    # with MOEFLOW_ALLOW_UNVALIDATED_GPU=1 (MF210), as a runner past its Support rows' max_cc
+    validated_cc: tuple[tuple[int, int], tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,3 +125,27 @@ def _import_error(package: str) -> str | None:
     except Exception as exc:  # ImportError, or a broken install raising anything
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+# the GPUs the Triton kernels around the runner were run and checked on: those of the Triton router (sm_90)
+GLUE_VALIDATED_CC = (9, 0)
+
+
+def triton_glue(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels around the runner run for ``t``: the local dispatcher's sort (with the tokens'
+    quantization) and the top-k sum, the expert-parallel dispatchers' row packing and quantization. On CUDA, on a GPU
+    of compute capability GLUE_VALIDATED_CC, where they were run and checked (as RouterCaps.validated_cc and the
+    runners' Support rows declare), or on any with MOEFLOW_ALLOW_UNVALIDATED_GPU=1; elsewhere their torch code runs
+    (the same results: each kernel's torch reference)."""
+    if not t.is_cuda:
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if _capability(index) == GLUE_VALIDATED_CC:
+        return True
+    from . import env as moeflow_env
+    return moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool()
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))

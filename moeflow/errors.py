@@ -186,13 +186,14 @@ the device they run on (device="cuda"), also inside a meta-device block.
 Example: MoE(..., device="cpu", runner="grouped_mm")
 """)
 _spec("MF204", UnsupportedError, "compute capability too low",
-      "{kind} {name!r} needs compute capability >= {need} for quant={scheme!r}; this GPU has {have}",
+      "{kind} {name!r} needs compute capability >= {need} for quant={scheme!r}; this GPU has {have}; "
+      "valid {kind}s here: {valid}",
       """
-What: the kernels need newer GPU hardware: FP8 tensor-core instructions need compute capability
-8.9 (Ada) or 9.0 (Hopper); torch._scaled_grouped_mm needs 9.0.
+What: the kernels need newer GPU hardware, whatever the scheme: moeflow's Triton runner is built on Hopper's
+instructions (wgmma, TMA), and torch._grouped_mm / torch._scaled_grouped_mm need compute capability 9.0.
 When: building the layer on an older GPU, or moving a built layer to one (moe.to(...)).
-Fix: use quant="none" (bf16/fp16), the reference runner, or a newer GPU.
-Example: MoE(..., quant="none", dtype=torch.bfloat16)
+Fix: use a runner listed as valid (the reference runner runs on any GPU), or a Hopper GPU.
+Example: MoE(..., runner="reference")
 """)
 _spec("MF205", UnsupportedError, "optional package missing",
       "{kind} {name!r} needs the package {package!r}, which is not importable: {why}",
@@ -203,7 +204,7 @@ Fix: install the package (for the Triton runner: pip install triton) or choose a
 Example: pip install "triton>=3.4"
 """)
 _spec("MF206", UnsupportedError, "shape constraint not met",
-      "{what} does not satisfy {rule} required by {kind} {name!r}",
+      "{what} does not satisfy {rule} required by {kind} {name!r}; valid {kind}s here: {valid}",
       """
 What: a scheme or backend needs sizes aligned to its tiles: fp8-block needs hidden_size and
 intermediate_size divisible by 128 (its 128x128 weight blocks and 1x128 activation groups);
@@ -211,16 +212,19 @@ torch grouped GEMMs need row strides that are multiples of 16 bytes. The triton 
 experts of a token in registers (at most 1024; grouped selection needs a power-of-two count): the
 plan then routes with the torch router and lists this code among the skipped candidates.
 When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...).
-Fix: choose a scheme or runner without the constraint (the reference runner has none), or pad
-the model's sizes. A router refusal needs no fix: the torch router routes any expert count.
+Fix: a scheme's rule binds every runner: choose a scheme listed as valid (fp8-channel and fp8-tensor have no
+size rule), or pad the model's sizes; a runner's alignment: choose a runner listed as valid (the reference runner
+has none). A router refusal needs no fix: the torch router routes any expert count.
 Example: MoE(hidden_size=7168, intermediate_size=2048, quant="fp8-block", ...)
 """)
 _spec("MF207", UnsupportedError, "runner does not support the layer dtype",
-      "runner {runner!r} does not support dtype {dtype} on {device}; supported: {valid}",
+      "runner {runner!r} does not support dtype {dtype} on {device}; dtypes it runs here: {valid}; "
+      "valid runners for {dtype}: {runners}",
       """
-What: the runner's kernels exist only for some activation dtypes on this device kind.
+What: the runner's kernels exist only for some activation dtypes on this device kind. The dtypes listed are those
+with which the runner passes every other check here too (compute capability, alignment); none where it passes none.
 When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...).
-Fix: use one of the listed dtypes or another runner.
+Fix: use one of the listed dtypes, or a runner listed for this dtype.
 Example: MoE(..., dtype=torch.bfloat16)
 """)
 _spec("MF208", UnsupportedError, "dispatcher does not fit the process group",
@@ -243,16 +247,18 @@ Fix: read the codes listed for each candidate (moeflow explain CODE) and change 
 Example: moeflow check --preset small --quant fp8-block --device cpu
 """)
 
-_spec("MF210", UnsupportedError, "GPU newer than the runner has been validated on",
-      "runner {name!r} has been run and validated up to compute capability {newest}; this GPU has {have}; "
-      "valid runners here: {valid}",
+_spec("MF210", UnsupportedError, "GPU the backend has not been validated on",
+      "{kind} {name!r} has been run and validated on compute capability {validated}; this GPU has {have}; "
+      "valid {kind}s here: {valid}",
       """
 What: a runner declares the newest GPU architecture its kernels were run and checked on (Support.max_cc); the
 Triton and grouped_mm runners, sm_90 (H100/H200). A newer GPU (Blackwell, sm_100/sm_120) has other instructions
 (no wgmma) and, on sm_120, a third of the shared memory the tuned tiles plan for, so the planner does not pick an
-unvalidated runner there: it would compile and launch untested code, or fail at forward time.
-When: building the layer on a newer GPU with that runner named, or seeing it listed under MF209 with "auto"
-(which then picks a runner validated here, such as "reference").
+unvalidated runner there: it would compile and launch untested code, or fail at forward time. The Triton router
+declares the GPUs it was run and checked on (RouterCaps.validated_cc, sm_90); elsewhere the torch router routes.
+When: building the layer on such a GPU with that runner named, or seeing it listed under MF209 with "auto"
+(which then picks a runner validated here, such as "reference"); a router: seen in `moeflow check`'s skipped
+candidates (the torch router then routes).
 Fix: use a runner listed as valid; or, to try the runner anyway (untested: its results are not checked here),
 set MOEFLOW_ALLOW_UNVALIDATED_GPU=1 and run the test suite on that GPU first (pytest -m gpu tests/gpu).
 Example: MoE(..., runner="reference")   # or: MOEFLOW_ALLOW_UNVALIDATED_GPU=1 python app.py

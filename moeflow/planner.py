@@ -55,13 +55,15 @@ class Plan:
         return "\n".join(lines)
 
 
-def check_scheme(cfg: MoEConfig, env: Environment) -> MoeflowError | None:
+def check_scheme(cfg: MoEConfig, env: Environment, alternatives: bool = True) -> MoeflowError | None:
+    """None when the scheme's shape rules hold for ``cfg``, else MF206 (naming the schemes whose rules hold unless
+    ``alternatives`` is False)."""
     cls = SCHEMES.get(cfg.quant)
     for rule in cls.caps.shape_rules:
         value = getattr(cfg, rule.field)
         if value % rule.multiple:
             return error("MF206", what=f"{rule.field}={value}", rule=f"a multiple of {rule.multiple}",
-                         kind="quant scheme", name=cfg.quant)
+                         kind="quant scheme", name=cfg.quant, valid=_valid_schemes(cfg, env) if alternatives else [])
     return None
 
 
@@ -92,28 +94,31 @@ def check_runner(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
         return error("MF202", runner=name, scheme=cfg.quant, device=env.device_type,
                      valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
     dtyped = [s for s in rows if cfg.dtype in s.dtypes]
-    if not dtyped:
-        valid = sorted({str(d).removeprefix("torch.") for s in rows for d in s.dtypes})
+    if not dtyped:  # the dtypes with which this runner passes every check here (MF204 / MF206 / MF210 included)
+        listed = sorted({d for s in rows for d in s.dtypes}, key=str)
+        valid = [str(d).removeprefix("torch.") for d in listed if _passes(check_runner, name, cfg, env, dtype=d)]
         return error("MF207", runner=name, dtype=str(cfg.dtype).removeprefix("torch."), device=env.device_type,
-                     valid=valid)
+                     valid=valid, runners=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
     if env.device_type == "cuda":
         have = env.capability or (0, 0)
         capable = [s for s in dtyped if have >= s.min_cc]
         if not capable:
             need = min(s.min_cc for s in dtyped)
-            return error("MF204", kind="runner", name=name, need=f"{need[0]}.{need[1]}",
-                         scheme=cfg.quant, have=f"{have[0]}.{have[1]}")
+            return error("MF204", kind="runner", name=name, need=f"{need[0]}.{need[1]}", scheme=cfg.quant,
+                         have=f"{have[0]}.{have[1]}", valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
         validated = [s for s in capable if s.max_cc is None or have <= s.max_cc]
         if not validated and not moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
             newest = max(s.max_cc for s in capable)
-            return error("MF210", name=name, newest=f"{newest[0]}.{newest[1]}", have=f"{have[0]}.{have[1]}",
+            return error("MF210", kind="runner", name=name, validated=f"up to {newest[0]}.{newest[1]}",
+                         have=f"{have[0]}.{have[1]}",
                          valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
         dtyped = validated or capable
     row = dtyped[0]
     for fld in ("hidden_size", "intermediate_size"):
         value = getattr(cfg, fld)
         if value % row.align:
-            return error("MF206", what=f"{fld}={value}", rule=f"a multiple of {row.align}", kind="runner", name=name)
+            return error("MF206", what=f"{fld}={value}", rule=f"a multiple of {row.align}", kind="runner", name=name,
+                         valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
     return _package_error("runner", name, caps.requires, env)
 
 
@@ -122,12 +127,18 @@ def check_router(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
     caps = ROUTERS.get(name).caps
     if env.device_type not in caps.devices:
         return error("MF203", kind="router", name=name, device=env.device_type, valid=sorted(caps.devices))
+    if env.device_type == "cuda" and caps.validated_cc and not moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
+        (lo, hi), have = caps.validated_cc, env.capability or (0, 0)
+        if not lo <= have <= hi:  # as a runner past its validated GPUs (check_runner)
+            return error("MF210", kind="router", name=name, validated=_cc_range(lo, hi), have=f"{have[0]}.{have[1]}",
+                         valid=_valid_names(ROUTERS, check_router, cfg, env, alternatives))
     e = cfg.num_experts
     if caps.max_experts is not None and e > caps.max_experts:
-        return error("MF206", what=f"num_experts={e}", rule=f"at most {caps.max_experts}", kind="router", name=name)
+        return error("MF206", what=f"num_experts={e}", rule=f"at most {caps.max_experts}", kind="router", name=name,
+                     valid=_valid_names(ROUTERS, check_router, cfg, env, alternatives))
     if caps.grouped_pow2 and cfg.grouped and e & (e - 1):
         return error("MF206", what=f"num_experts={e} with grouped selection", rule="a power of two",
-                     kind="router", name=name)
+                     kind="router", name=name, valid=_valid_names(ROUTERS, check_router, cfg, env, alternatives))
     return _package_error("router", name, caps.requires, env)
 
 
@@ -143,6 +154,33 @@ def _valid_names(registry, check, cfg, env, wanted: bool) -> list[str]:
     if not wanted:
         return []
     return [n for n in registry.names() if check(n, cfg, env, alternatives=False) is None]
+
+
+def _cc_range(lo: tuple[int, int], hi: tuple[int, int]) -> str:
+    return f"{lo[0]}.{lo[1]}" if lo == hi else f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+
+
+def _passes(check, name: str, cfg: MoEConfig, env: Environment, **change) -> bool:
+    """Whether backend ``name`` passes ``check`` with ``cfg`` changed by ``change`` (a change the configuration
+    itself refuses does not)."""
+    try:
+        changed = cfg.replace(**change)
+    except MoeflowError:
+        return False
+    return check(name, changed, env, alternatives=False) is None
+
+
+def _valid_schemes(cfg: MoEConfig, env: Environment) -> list[str]:
+    """The schemes whose shape rules this configuration's sizes meet."""
+    out = []
+    for name in SCHEMES.names():
+        try:
+            changed = cfg.replace(quant=name)
+        except MoeflowError:
+            continue
+        if check_scheme(changed, env, alternatives=False) is None:
+            out.append(name)
+    return out
 
 
 def _choose(kind: str, registry, check, requested: str, cfg: MoEConfig, env: Environment) -> tuple[str, str]:

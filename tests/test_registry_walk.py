@@ -186,6 +186,51 @@ def test_router_choice():
     assert "skipped triton (MF205)" in str(plan(base, no_triton))
 
 
+@pytest.mark.parametrize("cc", [(7, 0), (8, 0), (8, 9), (10, 0), (12, 0)])
+def test_triton_router_and_glue_only_on_the_gpus_they_were_checked_on(cc, monkeypatch):
+    """The Triton router, like the runners, is planned only on the GPUs it was run and checked on (sm_90): elsewhere
+    the torch router routes and check_router says MF210, naming it; MOEFLOW_ALLOW_UNVALIDATED_GPU=1 lets it through.
+    The dispatchers' Triton kernels (sort, top-k sum, row packing) follow the same rule (capabilities.triton_glue)."""
+    from moeflow import capabilities
+    from moeflow.planner import check_router
+    cfg = MoEConfig(num_experts=64, hidden_size=128, intermediate_size=128, top_k=4)
+    env = Environment("cuda", cc)
+    assert plan(cfg, env).router == "torch" and "skipped triton (MF210)" in str(plan(cfg, env))
+    err = check_router("triton", cfg, env)
+    assert err.code == "MF210" and "router 'triton'" in str(err) and "valid routers here: ['torch']" in str(err)
+    assert plan(cfg, Environment("cuda", (9, 0))).router == "triton"
+
+    class OnCuda:  # what triton_glue reads of a tensor
+        is_cuda, device = True, torch.device("cuda", 0)
+    monkeypatch.setattr(capabilities, "_capability", lambda index: cc)
+    assert not capabilities.triton_glue(OnCuda()) and not capabilities.triton_glue(torch.zeros(1))
+    monkeypatch.setattr(capabilities, "_capability", lambda index: (9, 0))
+    assert capabilities.triton_glue(OnCuda())
+    monkeypatch.setenv("MOEFLOW_ALLOW_UNVALIDATED_GPU", "1")
+    monkeypatch.setattr(capabilities, "_capability", lambda index: cc)
+    assert capabilities.triton_glue(OnCuda()) and plan(cfg, env).router == "triton"
+
+
+def test_refusals_name_alternatives_that_build():
+    """MF204, MF206 and MF207 name the alternatives that pass every check here: MF207's dtypes are those the runner
+    then accepts (it had named bfloat16 for grouped_mm on GPUs where grouped_mm is refused in any dtype), and a
+    scheme's MF206 names the schemes whose rules hold (the reference runner has the same rule to meet)."""
+    from moeflow.planner import check_runner, check_scheme
+    fp16 = MoEConfig(num_experts=8, hidden_size=256, intermediate_size=128, top_k=2, dtype=torch.float16)
+    sm80, sm90 = Environment("cuda", (8, 0)), Environment("cuda", (9, 0))
+    err = check_runner("grouped_mm", fp16, sm80)
+    assert err.code == "MF207" and "dtypes it runs here: []" in str(err) and "['reference']" in str(err)
+    assert "dtypes it runs here: ['bfloat16']" in str(check_runner("grouped_mm", fp16, sm90))
+    err = check_runner("triton", fp16.replace(dtype=torch.bfloat16), sm80)
+    assert err.code == "MF204" and "valid runners here: ['reference']" in str(err)
+    block = MoEConfig(num_experts=8, hidden_size=96, intermediate_size=128, top_k=2, quant="fp8-block")
+    err = check_scheme(block, sm90)
+    assert err.code == "MF206" and "valid quant schemes here: ['none', 'fp8-tensor', 'fp8-channel']" in str(err)
+    with pytest.raises(MoeflowError) as info:
+        MoE(block.replace(runner="reference", device="cpu"))
+    assert info.value.code == "MF206"
+
+
 def test_auto_with_nothing_valid_is_mf209():
     """A device no dispatcher declares: "auto" lists each candidate with the code that refused it."""
     with pytest.raises(MoeflowError) as info:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..capabilities import triton_glue
 from ..layouts import MASKED, SORTED, ExpertBatch
 from ..quant import QuantScheme
 from ._ep_reference import (blank_rows_torch, masked_batch_torch, pack_rows_torch, rank_rows_torch,
@@ -43,7 +44,7 @@ class Rows:
 
 def _quantize(scheme: QuantScheme, x: Tensor) -> tuple[Tensor, Tensor]:
     """scheme.quantize_activation(x), through the Triton kernel on CUDA when triton is present."""
-    if x.is_cuda and x.shape[0]:
+    if triton_glue(x) and x.shape[0]:
         try:
             from ..kernels.quant import quantize_activation
         except ImportError:  # triton missing: the scheme's torch code below
@@ -56,7 +57,7 @@ def _quantize(scheme: QuantScheme, x: Tensor) -> tuple[Tensor, Tensor]:
 def _ep_kernels(t: Tensor, module: str = "ep_rows"):
     """moeflow.kernels.<module> (ep_rows, ep_sort) when ``t`` is on CUDA and triton imports, else
     None (the torch code)."""
-    if not t.is_cuda:
+    if not triton_glue(t):
         return None
     try:
         return importlib.import_module(f"moeflow.kernels.{module}")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..capabilities import triton_glue
+
 
 # Which sort a CUDA batch of T*K copies takes (benchmarks/experiments/sort_variants.py on one H200,
 # benchmarks/results/sort_variants_2026-11-30_h200_323572f.json, sort_variants_2026-12-01_h200_1c1c8bc.json and
@@ -62,7 +64,7 @@ def _triton_sort(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidde
     """The Triton sort the thresholds above pick for this batch (with hidden: quantizing it too, the
     tuple then 7 long), or None where torch's sort runs (not CUDA, triton missing, a batch past
     sort_pays, or ids / weights not int32 / float32 beyond the one-launch size)."""
-    if not topk_ids.is_cuda:
+    if not triton_glue(topk_ids):  # not CUDA, or a GPU the kernels were not checked on
         return None
     try:
         from ..kernels.align import sort_copies

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..capabilities import triton_glue
+
 
 def gather_sum(src: Tensor, index: Tensor) -> Tensor:
     """out[r] = sum over j of src[index[r, j]] (index -1 counts as zero), accumulated in float32
@@ -12,7 +14,7 @@ def gather_sum(src: Tensor, index: Tensor) -> Tensor:
     Reads each indexed row once: the combine's reduction without a float32 copy of src. On CUDA it
     is the Triton kernel moeflow.kernels.reduce.moe_sum when present; torch otherwise.
     """
-    if src.is_cuda:
+    if triton_glue(src):  # CUDA, on a GPU the kernel was checked on
         try:
             from ..kernels.reduce import moe_sum
         except ImportError:  # triton (or the kernel module) missing: torch below

@@ -20,7 +20,7 @@ class TritonTopK(Router):
     name = "triton"
     caps = RouterCaps(devices=frozenset({"cuda"}), requires=("triton",), priority=10, max_experts=1024,
                       grouped_pow2=True, note="one launch per call; experts held in registers (E <= 1024)",
-                      graph_safe=True)
+                      graph_safe=True, validated_cc=((9, 0), (9, 0)))  # run and checked on sm_90 only
 
     def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
         from ..kernels.route import route
