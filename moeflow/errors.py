@@ -461,7 +461,8 @@ What: an expert-parallel dispatcher compresses tokens to FP8 on their home rank,
 time. A scheme whose activation scale spans the whole batch a GEMM sees (fp8-tensor: one amax for
 all rows) cannot be reproduced that way: the rows from different ranks would carry different
 scales where the scheme promises one.
-When: building the dispatcher with payload="fp8" (dispatcher.with_payload("fp8")).
+When: building the layer (the planner refuses it for the expert-parallel dispatchers) or the dispatcher with
+payload="fp8" (dispatcher.with_payload("fp8")).
 Fix: use payload="auto" (FP8 for fp8-channel and fp8-block, the layer dtype otherwise) or "dtype".
 Example: moe.dispatcher = moe.dispatcher.with_payload("auto")
 """)

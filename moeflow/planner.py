@@ -17,7 +17,7 @@ from .config import MoEConfig
 from .dispatch import DISPATCHERS
 from .errors import MoeflowError, error
 from .experts import RUNNERS
-from .quant import SCHEMES
+from .quant import SCHEMES, create_scheme, payload_scheme, row_local
 from .routing import ROUTERS
 
 
@@ -57,13 +57,18 @@ class Plan:
 
 def check_scheme(cfg: MoEConfig, env: Environment, alternatives: bool = True) -> MoeflowError | None:
     """None when the scheme's shape rules hold for ``cfg``, else MF206 (naming the schemes whose rules hold unless
-    ``alternatives`` is False)."""
+    ``alternatives`` is False); in an expert-parallel group, MF506 where the tokens are to travel as FP8
+    (dispatch_payload "fp8") but the scheme's activation scale spans the batch (fp8-tensor), as every expert-parallel
+    dispatcher refuses it when built (dispatch/_ep_base.py)."""
     cls = SCHEMES.get(cfg.quant)
     for rule in cls.caps.shape_rules:
         value = getattr(cfg, rule.field)
         if value % rule.multiple:
             return error("MF206", what=f"{rule.field}={value}", rule=f"a multiple of {rule.multiple}",
                          kind="quant scheme", name=cfg.quant, valid=_valid_schemes(cfg, env) if alternatives else [])
+    if env.world_size > 1 and cfg.dispatch_payload == "fp8" and not row_local(payload_scheme(create_scheme(cfg.quant))):
+        return error("MF506", scheme=cfg.quant, why="its activation scale spans the whole batch",
+                     valid=["auto", "dtype"])
     return None
 
 

@@ -231,6 +231,21 @@ def test_refusals_name_alternatives_that_build():
     assert info.value.code == "MF206"
 
 
+def test_planner_refuses_an_fp8_payload_the_expert_parallel_dispatchers_cannot_send():
+    """dispatch_payload="fp8" with fp8-tensor (one activation scale for the whole batch): the expert-parallel
+    dispatchers refuse it when built (MF506), and now the planner says so too, where plan() and the matrix had said
+    ok; per-row schemes, and the local dispatcher, are unaffected."""
+    from moeflow.planner import cell_status, check_scheme
+    two = Environment("cpu", None, world_size=2)
+    cfg = MoEConfig(num_experts=8, hidden_size=256, intermediate_size=128, top_k=2, quant="fp8-tensor",
+                    runner="reference", dispatcher="alltoall", dispatch_payload="fp8")
+    assert cell_status(cfg, two) == cell_status(cfg.replace(dispatcher="auto"), two) == "MF506"
+    assert "valid payloads: ['auto', 'dtype']" in str(check_scheme(cfg, two))
+    assert check_scheme(cfg.replace(quant="fp8-block"), two) is None
+    assert check_scheme(cfg.replace(dispatch_payload="auto"), two) is None
+    assert check_scheme(cfg.replace(dispatcher="local"), CPU) is None
+
+
 def test_auto_with_nothing_valid_is_mf209():
     """A device no dispatcher declares: "auto" lists each candidate with the code that refused it."""
     with pytest.raises(MoeflowError) as info:
