@@ -134,7 +134,8 @@ EAGER_GRAPHS = EnvVar(
 ALLOW_UNVALIDATED_GPU = EnvVar(
     "MOEFLOW_ALLOW_UNVALIDATED_GPU", "0",
     "Set 1 to let the planner build runners on GPUs newer than the compute capability they were validated on "
-    "(their declared max_cc: the Triton and grouped_mm runners, sm_90). Untested there: MF210 otherwise.")
+    "(their declared max_cc: the Triton and grouped_mm runners, sm_90), and the Triton router and the dispatchers' "
+    "Triton kernels run on any GPU but sm_90. Untested there: MF210 otherwise, or their torch code.")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
