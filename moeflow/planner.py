@@ -176,16 +176,10 @@ def _passes(check, name: str, cfg: MoEConfig, env: Environment, **change) -> boo
 
 
 def _valid_schemes(cfg: MoEConfig, env: Environment) -> list[str]:
-    """The schemes whose shape rules this configuration's sizes meet."""
-    out = []
-    for name in SCHEMES.names():
-        try:
-            changed = cfg.replace(quant=name)
-        except MoeflowError:
-            continue
-        if check_scheme(changed, env, alternatives=False) is None:
-            out.append(name)
-    return out
+    """The schemes whose shape rules (and payload rule) this configuration meets."""
+    def check(name, changed, env, alternatives):  # check_scheme by name, as _passes calls the backends' checks
+        return check_scheme(changed, env, alternatives)
+    return [name for name in SCHEMES.names() if _passes(check, name, cfg, env, quant=name)]
 
 
 def _choose(kind: str, registry, check, requested: str, cfg: MoEConfig, env: Environment) -> tuple[str, str]:
