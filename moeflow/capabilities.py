@@ -12,6 +12,8 @@ from functools import lru_cache
 
 import torch
 
+from . import env as moeflow_env
+
 ALL_FLOAT = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
 
@@ -140,10 +142,7 @@ def triton_glue(t: torch.Tensor) -> bool:
     if not t.is_cuda:
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if _capability(index) == GLUE_VALIDATED_CC:
-        return True
-    from . import env as moeflow_env
-    return moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool()
+    return _capability(index) == GLUE_VALIDATED_CC or moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool()
 
 
 @lru_cache(maxsize=None)
