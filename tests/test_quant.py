@@ -120,6 +120,20 @@ def test_weight_scale_shapes_and_convention(name, e, n, k):
     assert_fp8_rounding_bound(deq, w, per_elem)
 
 
+@pytest.mark.parametrize("e,n,k", ((3, 256, 128), (2, 200, 300), (1, 1, 1)))
+@pytest.mark.parametrize("name", ("none",) + FP8)
+def test_one_expert_dequantized_alone_matches_all_at_once(name, e, n, k):
+    """dequantize_expert (the torch references' per-expert form, which never holds every expert in float32) gives
+    each expert's slice of dequantize_weight bit for bit."""
+    s = create_scheme(name)
+    q, scale = s.quantize_weight(torch.randn(e, n, k) * torch.rand(e, 1, 1) * 10)
+    whole = s.dequantize_weight(q, scale)
+    for i in range(e):
+        one = s.dequantize_expert(q, scale, i)
+        assert one.shape == (n, k) and one.dtype == torch.float32
+        assert torch.equal(one, whole[i])
+
+
 @pytest.mark.parametrize("m,k", ((5, 256), (3, 200), (1, 1), (0, 128)))
 @pytest.mark.parametrize("name", FP8)
 def test_activation_scale_shapes_and_convention(name, m, k):

@@ -41,12 +41,12 @@ class ReferenceRunner(ExpertRunner):
         inter = torch.empty(x.shape[0], cfg.intermediate_size, dtype=torch.float32, device=x.device)
         spans = _spans(rows)
         for e, lo, hi in spans:
-            w13 = scheme.dequantize_weight(weights.w13[e:e + 1], _scale_of(weights.w13_scale, e))[0]
+            w13 = scheme.dequantize_expert(weights.w13, weights.w13_scale, e)
             inter[lo:hi] = gated_activation(x[lo:hi] @ w13.T, cfg.activation)
         a = scheme.fake_quantize_activation(inter.to(cfg.dtype))  # rounded to dtype, then quantized
         route_w = batch.weights.reshape(-1)[index].float()
         for e, lo, hi in spans:
-            w2 = scheme.dequantize_weight(weights.w2[e:e + 1], _scale_of(weights.w2_scale, e))[0]
+            w2 = scheme.dequantize_expert(weights.w2, weights.w2_scale, e)
             y = (a[lo:hi] @ w2.T) * route_w[lo:hi, None]
             flat_out[index[lo:hi]] = y.to(cfg.dtype)
         return out
@@ -72,7 +72,3 @@ def _spans(rows: list[tuple[int, Tensor]]) -> list[tuple[int, int, int]]:
         spans.append((e, lo, lo + r.numel()))
         lo += r.numel()
     return spans
-
-
-def _scale_of(scale: Tensor | None, e: int) -> Tensor | None:
-    return None if scale is None else scale[e:e + 1]

@@ -244,11 +244,10 @@ def down_torch(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor |
     from ..quant import create_scheme
     sch = create_scheme(scheme)
     af = sch.dequantize_activation(a, a_scale) if a_scale is not None else a.float()
-    wf = sch.dequantize_weight(w2, w2_scale)
     expert = _expert_of_row(layout)
     out = torch.zeros(a.shape[0], w2.shape[1], dtype=torch.float32, device=a.device)
     for e in range(w2.shape[0]):
         sel = expert == e
         if bool(sel.any()):
-            out[sel] = (af[sel] @ wf[e].T) * route_w[sel].float()[:, None]
+            out[sel] = (af[sel] @ sch.dequantize_expert(w2, w2_scale, e).T) * route_w[sel].float()[:, None]
     return out.to(dtype)

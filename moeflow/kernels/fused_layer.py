@@ -399,18 +399,22 @@ def fused_layer_torch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Te
                       w2: Tensor, w2_scale: Tensor | None, scheme: str, activation: str, dtype: torch.dtype) -> Tensor:
     """Reference of fused_layer, float32 math in its order: each copy's gate_up from x[t] (fp8-block: its groups
     quantized; fp8-channel: the row), act(gate) * up rounded to ``dtype``, down (inter quantized the same way), times
-    the routing weight, summed over k in k order, rounded once -> [T, H] ``dtype``."""
+    the routing weight, summed over k in k order, rounded once -> [T, H] ``dtype``. Row-wise quantization only
+    (FUSED_SCHEMES): a copy quantized alone gives what it gives among the others."""
     from ..experts.base import gated_activation
     from ..quant import create_scheme
     sch = create_scheme(scheme)
     t, k = topk_ids.shape
     fq = (lambda v: sch.fake_quantize_activation(v).float()) if sch.quantized else (lambda v: v.float())
-    w13f, w2f = sch.dequantize_weight(w13, w13_scale), sch.dequantize_weight(w2, w2_scale)
-    out = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=x.device)
     xq = fq(x)
-    for kk in range(k):
-        e = topk_ids[:, kk].long()
-        h = torch.einsum("th,tnh->tn", xq, w13f[e])
-        inter = gated_activation(h, activation).to(dtype)
-        out += torch.einsum("ti,thi->th", fq(inter), w2f[e]) * topk_weights[:, kk].float()[:, None]
+    copies = torch.zeros(k, t, w2.shape[1], dtype=torch.float32, device=x.device)  # [K, T, H]: copy kk of token t
+    ids = topk_ids.long()
+    for e in ids.unique().tolist():  # one expert's weights in float32 at a time
+        kk, tok = (ids.T == e).nonzero(as_tuple=True)
+        inter = gated_activation(xq[tok] @ sch.dequantize_expert(w13, w13_scale, e).T, activation).to(dtype)
+        down = fq(inter) @ sch.dequantize_expert(w2, w2_scale, e).T
+        copies[kk, tok] = down * topk_weights[tok, kk].float()[:, None]
+    out = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=x.device)
+    for kk in range(k):  # summed in k order
+        out += copies[kk]
     return out.to(dtype)

@@ -345,13 +345,12 @@ def gate_up_torch(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Ten
     xf = sch.dequantize_activation(x, x_scale) if x_scale is not None else x.float()
     if source_rows is not None:
         xf = xf[source_rows]
-    wf = sch.dequantize_weight(w13, w13_scale)
     expert = _expert_of_row(layout)
     out = torch.zeros(xf.shape[0], w13.shape[1] // 2, dtype=torch.float32, device=x.device)  # R rows
     for e in range(w13.shape[0]):
         sel = expert == e
         if bool(sel.any()):
-            out[sel] = gated_activation(xf[sel] @ wf[e].T, activation)
+            out[sel] = gated_activation(xf[sel] @ sch.dequantize_expert(w13, w13_scale, e).T, activation)
     return out.to(dtype)
 
 

@@ -67,7 +67,7 @@ def gemm_error(gemm: str, scheme: str, activation: str, offsets: Tensor, inputs:
         if hi == lo:
             continue
         af = (sch.dequantize_activation(a[lo:hi], a_scale[lo:hi]) if a_scale is not None else a[lo:hi].float())
-        wf = sch.dequantize_weight(w[e:e + 1], None if w_scale is None else w_scale[e:e + 1])[0]
+        wf = sch.dequantize_expert(w, w_scale, e)
         prod = af.double() @ wf.double().T
         if gemm == "gate_up":
             ref = gated_activation(prod, activation)

@@ -64,6 +64,12 @@ class QuantScheme(ABC):
     def dequantize_weight(self, q: Tensor, scale: Tensor | None) -> Tensor:
         """-> [E, N, K] float32."""
 
+    def dequantize_expert(self, q: Tensor, scale: Tensor | None, e: int) -> Tensor:
+        """Expert ``e`` of q [E, N, K] (scale of weight_scale_shape) -> [N, K] float32: one expert's copy, where
+        ``dequantize_weight`` of the whole [E, N, K] would hold every expert's in float32 at once (28 GiB for
+        DeepSeek-V3's gate_up)."""
+        return self.dequantize_weight(q[e:e + 1], None if scale is None else scale[e:e + 1])[0]
+
     @abstractmethod
     def quantize_activation(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """x: [M, K] floating -> (q [M, K], scale [M, G] float32 or None). Dynamic: scales from x."""
