@@ -33,7 +33,8 @@
 #      (gpu_session_2026-12-05_h100_76b441b.md), GPU 0; about a call each:
 #      ONLY=ws_bounds_order (likewise graph_vs_eager, zero_padding)
 #  11. x_tma_repeat.py: the gate_up's x_tma and pointer-load forms compared over 200 rounds of varied GPU memory
-#      garbage (one H100 run failed their bit-equality test once, 2026-12-05; not yet run): ONLY=x_tma_repeat
+#      garbage (run on an H100 at 617a4ac: no mismatch; the test's one failure was its reference running out of
+#      memory, gpu_session_2026-12-05_h100_617a4ac.md): ONLY=x_tma_repeat
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
 # can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
 # tests in 420 s (compiling as it went), so they are three steps now: gpu_tests_triton (test_gpu_triton.py),
