@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -200,7 +201,7 @@ class MoE(nn.Module):
         e, h, i = len(self.local_experts), cfg.hidden_size, cfg.intermediate_size
         for name, shape, fan_in in (("gate_up_proj", (e, 2 * i, h), h), ("down_proj", (e, h, i), i)):
             w = torch.empty(shape, dtype=cfg.dtype, device=cfg.device).uniform_(-1, 1).mul_(1 / math.sqrt(fan_in))
-            self._store_expert_weight(name, w)
+            self._store_expert_weight(name, w.__getitem__)  # values(e) = w[e]
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
         if self.shared_experts is not None:
@@ -208,12 +209,17 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 self.shared_expert_gate.reset_parameters()
 
-    def _store_expert_weight(self, name: str, w: Tensor) -> None:
-        """Quantize a high-precision [E_local, N, K] weight by the scheme and store it."""
-        q, scale = self.scheme.quantize_weight(w.to(self.config.device))
-        getattr(self, name).data.copy_(q)
-        if scale is not None:
-            getattr(self, name + "_scale_inv").data.copy_(scale)
+    def _store_expert_weight(self, name: str, values: Callable[[int], Tensor]) -> None:
+        """Store expert weight ``name`` quantized by the scheme, one local expert at a time: ``values(e)`` -> [N, K]
+        high-precision weight of local expert e (any device). Every scheme's scale is per expert, so this stores the
+        same bits as quantizing the whole [E_local, N, K] at once, whose float32 temporaries would be several times
+        the weight (about 60 GB for DeepSeek-V3's gate_up)."""
+        dst, dst_scale = getattr(self, name), getattr(self, name + "_scale_inv")
+        for e in range(dst.shape[0]):
+            q, scale = self.scheme.quantize_weight(values(e)[None].to(self.config.device))
+            dst.data[e:e + 1].copy_(q)
+            if scale is not None:
+                dst_scale.data[e:e + 1].copy_(scale)
 
     def load_weights(self, state: dict[str, Tensor], strict: bool = True) -> None:
         """Load Hugging Face names and layouts (see ``moeflow.weights``)."""

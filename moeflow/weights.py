@@ -177,12 +177,15 @@ def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> Non
             getattr(layer, name).data.copy_(w)
             getattr(layer, name + "_scale_inv").data.copy_(scale.float())
             return
-        w = source.dequantize_weight(w, scale.float().to(w.device))
-    elif not w.dtype.is_floating_point:
+        scale = scale.float().to(w.device)
+        # one expert in float32 at a time, rounded to the layer's dtype as a high-precision checkpoint would be
+        layer._store_expert_weight(name, lambda e: source.dequantize_expert(w, scale, e).to(cfg.dtype))
+        return
+    if not w.dtype.is_floating_point:
         raise error("MF404", name=name, why=f"dtype {w.dtype} is neither floating nor float8_e4m3fn")
-    elif scale is not None:
+    if scale is not None:
         raise error("MF404", name=name + "_scale_inv", why=_unreadable_scale(w))
-    layer._store_expert_weight(name, w.to(cfg.dtype))
+    layer._store_expert_weight(name, lambda e: w[e].to(cfg.dtype))
 
 
 def _scale_shapes(wshape) -> str:

@@ -245,6 +245,9 @@ def test_fp8_block_checkpoint_into_other_fp8_scheme(scheme):
     layer.load_weights(state)
     assert layer.gate_up_proj_scale_inv.shape == layer.scheme.weight_scale_shape(E, 256, 256)
     s = layer.scheme
+    # stored one expert at a time: the bits of requantizing the whole dequantized weight at once
+    q, scale = s.quantize_weight(w13)
+    assert torch.equal(bits(layer.gate_up_proj), bits(q)) and torch.equal(layer.gate_up_proj_scale_inv, scale)
     for got, want in ((s.dequantize_weight(layer.gate_up_proj, layer.gate_up_proj_scale_inv), w13),
                       (s.dequantize_weight(layer.down_proj, layer.down_proj_scale_inv), w2)):
         rel = ((got - want).norm() / want.norm()).item()
