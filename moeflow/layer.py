@@ -202,6 +202,7 @@ class MoE(nn.Module):
         for name, shape, fan_in in (("gate_up_proj", (e, 2 * i, h), h), ("down_proj", (e, h, i), i)):
             w = torch.empty(shape, dtype=cfg.dtype, device=cfg.device).uniform_(-1, 1).mul_(1 / math.sqrt(fan_in))
             self._store_expert_weight(name, w.__getitem__)  # values(e) = w[e]
+            del w  # freed before the next weight's is drawn
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
         if self.shared_experts is not None:
