@@ -196,13 +196,15 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """Random weights: uniform ±1/sqrt(fan_in) in high precision, quantized by the scheme."""
+        """Random weights: uniform ±1/sqrt(fan_in) in high precision, quantized by the scheme; drawn one expert at
+        a time (a whole high-precision draw would be a second copy of the layer's weights)."""
         cfg = self.config
-        e, h, i = len(self.local_experts), cfg.hidden_size, cfg.intermediate_size
-        for name, shape, fan_in in (("gate_up_proj", (e, 2 * i, h), h), ("down_proj", (e, h, i), i)):
-            w = torch.empty(shape, dtype=cfg.dtype, device=cfg.device).uniform_(-1, 1).mul_(1 / math.sqrt(fan_in))
-            self._store_expert_weight(name, w.__getitem__)  # values(e) = w[e]
-            del w  # freed before the next weight's is drawn
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        for name, shape, fan_in in (("gate_up_proj", (2 * i, h), h), ("down_proj", (h, i), i)):
+            def draw(e, shape=shape, fan_in=fan_in):
+                w = torch.empty(shape, dtype=cfg.dtype, device=cfg.device)
+                return w.uniform_(-1, 1).mul_(1 / math.sqrt(fan_in))
+            self._store_expert_weight(name, draw)
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
         if self.shared_experts is not None:
