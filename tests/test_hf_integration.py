@@ -3,10 +3,12 @@ against transformers' eager experts, on tiny random models of the five supported
 with save_pretrained (safetensors) and reloaded. Whole-model logits are held to the layer's own
 rows of tests/tolerances.py (measured: ~2e-7 in float32, ~6e-3 in bfloat16).
 """
+import gc
 import os
 import pathlib
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -181,6 +183,21 @@ def test_adopted_weights_are_not_copied(checkpoints):
     w = model.model.layers[1].mlp.experts.gate_up_proj
     replace_moe_blocks(model)
     assert model.model.layers[1].mlp.moe.gate_up_proj.data_ptr() == w.data_ptr()
+
+
+def test_replaced_blocks_are_freed_as_they_go(checkpoints):
+    """replace_moe_blocks quantizing high-precision experts drops each old block once it is replaced (so its experts
+    can be freed then), not when every block is done: the peak holds one block's old and new experts, not all."""
+    model = load(checkpoints("qwen3_moe"), "eager")
+    paths = [n for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+    old = {n: weakref.ref(model.get_submodule(n).experts.gate_up_proj) for n in paths}
+    alive = []
+
+    def progress(done, total, path):
+        gc.collect()
+        alive.append(old[path]() is not None)
+    assert replace_moe_blocks(model, quant="fp8-channel", progress=progress) == paths
+    assert len(paths) >= 2 and alive == [False] * len(paths)
 
 
 def test_expert_parallel_sentinels(checkpoints):

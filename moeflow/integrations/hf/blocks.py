@@ -270,10 +270,12 @@ def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str =
     if not blocks:
         raise error("MF703", model=type(model).__name__, valid=supported_blocks())
     dtype = dtype or getattr(model, "dtype", None)
+    names = [name for name, _ in blocks]
     for name, m in blocks:
         _plan_block(m, quant, runner, dtype, name, experts.get(name))
-    for done, (name, m) in enumerate(blocks, 1):
-        model.set_submodule(name, build_block(m, quant, runner, dtype, name, experts.get(name)))
+    del blocks, m  # each block is looked up when it is replaced and then dropped, so its tensors can be freed
+    for done, name in enumerate(names, 1):  # (quantizing bf16 experts: one block's old and new ones at a time)
+        model.set_submodule(name, build_block(model.get_submodule(name), quant, runner, dtype, name, experts.get(name)))
         if progress:
-            progress(done, len(blocks), name)
-    return [name for name, _ in blocks]
+            progress(done, len(names), name)
+    return names
