@@ -87,6 +87,30 @@ def test_bench_marks_rows_off_the_reference(tmp_path, capsys, monkeypatch):
     assert {r["status"] for r in json.loads(out.read_text()) if r["T"] == 3} == {"wrong"}
 
 
+def test_bench_holds_two_layers_at_a_time(tmp_path, capsys, monkeypatch):
+    """Each layer is built with at most one other alive (the scheme's reference beside the layer under test), as
+    _check_memory's two copies of the experts assume: the last runner's and the last scheme's layers are freed
+    first."""
+    import gc
+    import weakref
+
+    from moeflow import MoE
+    from moeflow.cli import bench
+    live, others = weakref.WeakSet(), []
+
+    class Counted(MoE):
+        def __init__(self, *args, **kwargs):
+            gc.collect()
+            others.append(len(live))
+            super().__init__(*args, **kwargs)
+            live.add(self)
+    monkeypatch.setattr(bench, "MoE", Counted)
+    out = tmp_path / "rows.json"
+    args = ["bench", "--quant", "none,fp8-tensor", "--runners", "auto", "--tokens", "3", "--device", "cpu"]
+    assert main([*args, "--json", str(out)]) == 0
+    assert others == [0, 1, 0, 1], others  # per scheme: its reference, then the auto runner's layer
+
+
 def test_bench_refuses_a_preset_that_does_not_fit(capsys, monkeypatch):
     # deepseek-v3 keeps 2 x 22.5 GB of bf16 experts: refused up front (MF605), not killed mid-run
     monkeypatch.setattr("os.sysconf", lambda name: {"SC_AVPHYS_PAGES": 1 << 20, "SC_PAGE_SIZE": 4096}[name])

@@ -104,6 +104,7 @@ def run(args) -> int:
     rows, done, measured = [], 0, set()  # measured: the names (as asked) of the runners benchmarked
     for scheme in schemes:
         torch.manual_seed(args.seed)
+        ref = layer = None  # the last scheme's layers freed first: two layers at a time, as _check_memory counts
         try:
             ref = MoE(base.replace(quant=scheme))
         except MoeflowError as exc:  # the scheme itself is refused at this shape
@@ -117,8 +118,9 @@ def run(args) -> int:
         for name in ["reference", *runners]:
             done += 1
             _progress(done, len(jobs), f"{scheme} {name}")
+            layer = None  # the last runner's layer freed before the next is built
             try:
-                layer = ref if name == "reference" else MoE(ref.config.replace(runner=name))
+                layer = ref if name == "reference" else MoE(ref.config.replace(runner=name), init_weights=False)
             except MoeflowError as exc:
                 rows.append(_refused(ref.config, scheme, name, exc))
                 continue
