@@ -162,10 +162,11 @@ def _precise(swapped: list[GemmConfig], scheme: str) -> list[GemmConfig]:
     return [] if scheme in ("fp8-tensor", "fp8-channel") else swapped
 
 
-def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8):
+def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8, chunk_bytes: int = 512 << 20):
     """ExpertWeights of random values (uniform ±1/sqrt(fan_in), as MoE.reset_parameters), quantized
-    by the scheme a few experts at a time (whole-tensor FP8 quantization of DeepSeek-V3's
-    experts would need ~100 GB of temporaries)."""
+    by the scheme a few experts at a time: at most ``chunk``, and at most ``chunk_bytes`` of high-precision draw
+    (FP8 quantization makes several float32 copies of what it is given: whole-tensor quantization of DeepSeek-V3's
+    experts would need ~100 GB of temporaries, and 8 of Mixtral's, all of them, 12 GB)."""
     from ..experts.base import ExpertWeights
     gen = torch.Generator(device=device).manual_seed(seed)
     sch = create_scheme(shape.scheme)
@@ -174,8 +175,9 @@ def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8):
     for n, k in ((2 * i, h), (h, i)):
         q = torch.empty((e, n, k), dtype=FP8_DTYPE if sch.quantized else shape.dtype, device=device)
         s = torch.empty(sch.weight_scale_shape(e, n, k), dtype=torch.float32, device=device) if sch.quantized else None
-        for lo in range(0, e, chunk):
-            w = torch.empty((min(chunk, e - lo), n, k), dtype=shape.dtype, device=device)
+        step = max(1, min(chunk, chunk_bytes // max(1, n * k * shape.dtype.itemsize)))
+        for lo in range(0, e, step):
+            w = torch.empty((min(step, e - lo), n, k), dtype=shape.dtype, device=device)
             w.uniform_(-1, 1, generator=gen).mul_(1 / math.sqrt(k))
             wq, ws = sch.quantize_weight(w)
             q[lo:lo + len(w)] = wq
