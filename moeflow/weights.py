@@ -161,8 +161,7 @@ def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> Non
         raise error("MF402", name=name, shape=tuple(w.shape), expected=f"[{e_all} (or local {len(local)}), {n}, {k}]")
     pick = w.shape[0] == e_all and len(local) != e_all
     index = torch.tensor(local, device=w.device)
-    if pick:
-        w = w.index_select(0, index)
+    source_of = local if pick else range(w.shape[0])  # local expert j is w[source_of[j]]: no [E_local, N, K] copy
     if w.dtype == FP8_DTYPE:
         if scale is None:
             raise error("MF404", name=name, why=f"float8_e4m3fn weights need {name}_scale_inv beside them")
@@ -170,22 +169,26 @@ def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> Non
             raise error("MF404", name=name + "_scale_inv", why=f"scales must be floating, got {scale.dtype}")
         if pick and scale.dim() and scale.shape[0] == e_all:
             scale = scale.index_select(0, index.to(scale.device))
-        source, scale = _scheme_of_scale(layer.scheme, scale, w.shape)
+        wshape = (len(source_of), n, k)  # the local experts'
+        source, scale = _scheme_of_scale(layer.scheme, scale, wshape)
         if source is None:
-            raise error("MF402", name=name + "_scale_inv", shape=tuple(scale.shape), expected=_scale_shapes(w.shape))
+            raise error("MF402", name=name + "_scale_inv", shape=tuple(scale.shape), expected=_scale_shapes(wshape))
         if source.name == layer.scheme.name:
-            getattr(layer, name).data.copy_(w)
+            dst = getattr(layer, name).data
+            for j, e in enumerate(source_of):
+                dst[j].copy_(w[e])
             getattr(layer, name + "_scale_inv").data.copy_(scale.float())
             return
-        scale = scale.float().to(w.device)
+        scale = scale.float().to(w.device)  # already the local experts' (index_select above)
         # one expert in float32 at a time, rounded to the layer's dtype as a high-precision checkpoint would be
-        layer._store_expert_weight(name, lambda e: source.dequantize_expert(w, scale, e).to(cfg.dtype))
+        layer._store_expert_weight(name, lambda j: source.dequantize_weight(
+            w[source_of[j]][None], scale[j:j + 1]).to(cfg.dtype)[0])
         return
     if not w.dtype.is_floating_point:
         raise error("MF404", name=name, why=f"dtype {w.dtype} is neither floating nor float8_e4m3fn")
     if scale is not None:
         raise error("MF404", name=name + "_scale_inv", why=_unreadable_scale(w))
-    layer._store_expert_weight(name, lambda e: w[e].to(cfg.dtype))
+    layer._store_expert_weight(name, lambda j: w[source_of[j]].to(cfg.dtype))
 
 
 def _scale_shapes(wshape) -> str:

@@ -326,6 +326,20 @@ def test_full_e_fp8_block_checkpoint_into_a_subset(subset_layer):
         assert torch.equal(getattr(layer, name + "_scale_inv"), state[name + "_scale_inv"][[1, 3, 4]])
 
 
+@pytest.mark.parametrize("scheme", ("none", "fp8-channel", "fp8-tensor"))
+def test_full_e_fp8_block_checkpoint_requantized_into_a_subset(subset_layer, scheme):
+    """A full-E checkpoint of another scheme into a rank's subset: each local expert dequantized from its own
+    source expert and scale (no [E_local, N, K] copy made first), then stored in the layer's scheme."""
+    layer = subset_layer(quant=scheme, dtype=torch.float32)
+    state, w13, w2 = fp8_block_checkpoint(6, 128, 128)
+    layer.load_weights(state)
+    for name, want in (("gate_up_proj", w13), ("down_proj", w2)):
+        q, s = layer.scheme.quantize_weight(want[[1, 3, 4]])
+        assert torch.equal(bits(getattr(layer, name)), bits(q))
+        if s is not None:
+            assert torch.equal(getattr(layer, name + "_scale_inv"), s)
+
+
 # ---------------------------------------------------------------- transformers' own MoE blocks
 def randomize(module):
     """transformers leaves expert tensors uninitialized (torch.empty): give everything fresh values."""
