@@ -5,12 +5,10 @@ to bf16 without a GPU, and needs the accelerate package to load one at all), so 
 here are made by quantizing a saved tiny model in the test itself (plain torch, independent of
 moeflow's quantizer) and read by moeflow's own loader, load_fp8_model. The FP8 experts interface
 (transformers' FP8Experts, as its loader builds them on a GPU) is exercised on a module built
-directly. Expert weights are rescaled per expert and per projection before quantizing, so a scale
-stacked onto the wrong expert or the wrong half of gate_up_proj shows as a large error.
+directly. Expert weights are rescaled per expert and per projection before quantizing (fp8_checkpoints.py), so a
+scale stacked onto the wrong expert or the wrong half of gate_up_proj shows as a large error.
 """
-import json
 import re
-import shutil
 
 import pytest
 import torch
@@ -21,27 +19,10 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from moeflow import MoeflowError  # noqa: E402
 from moeflow.integrations.hf import load_fp8_model  # noqa: E402
 from moeflow.integrations.hf.blocks import MoeflowBlock  # noqa: E402
-from moeflow.integrations.hf.tiny import tiny_model  # noqa: E402
 from moeflow.quant import create_scheme  # noqa: E402
+from fp8_checkpoints import PROJ, write_fp8_checkpoint  # noqa: E402
 from oracle import assert_close, oracle_moe  # noqa: E402
 from tolerances import rel_tol  # noqa: E402
-
-PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-
-
-def quantize_blocks(w):
-    """[N, K] -> (fp8 [N, K], scale [N/128, K/128] float32 = amax/448, dequantized [N, K] float32)."""
-    n, k = w.shape
-    scale = w.float().abs().reshape(n // 128, 128, k // 128, 128).amax(dim=(1, 3)).clamp(min=1e-12) / 448
-    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
-    q = (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, scale, q.float() * full
-
-
-def _quantizable(name, t):
-    return (name.endswith(".weight") and t.dim() == 2 and t.shape[0] % 128 == 0 and t.shape[1] % 128 == 0
-            and "embed" not in name and "lm_head" not in name and not name.endswith(".gate.weight"))
-
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
@@ -50,28 +31,7 @@ def fp8_checkpoint(tmp_path_factory):
 
     def get(family):
         if family not in cache:
-            root = tmp_path_factory.mktemp(f"fp8_{family}")
-            tiny_model(family, size="fp8").save_pretrained(root / "src")
-            state = safetensors_torch.load_file(root / "src" / "model.safetensors")
-            quant, deq = {}, {}
-            for name, t in state.items():
-                parts = name.split(".")
-                if "experts" in parts and parts[-2] in PROJ:  # routed expert: rescale per expert and projection
-                    e = int(parts[parts.index("experts") + 1])
-                    t = t * {"gate": 1 + e / 2, "up": 0.5, "down": 2 / (1 + e / 2)}[PROJ[parts[-2]]]
-                if _quantizable(name, t):
-                    q, s, d = quantize_blocks(t)
-                    quant[name], quant[name + "_scale_inv"], deq[name] = q, s, d
-                else:
-                    quant[name] = deq[name] = t
-            for sub, tensors in (("fp8", quant), ("deq", deq)):
-                shutil.copytree(root / "src", root / sub)
-                safetensors_torch.save_file(tensors, root / sub / "model.safetensors", metadata={"format": "pt"})
-            cfg = json.loads((root / "fp8" / "config.json").read_text())
-            cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                          "activation_scheme": "dynamic"}
-            (root / "fp8" / "config.json").write_text(json.dumps(cfg))
-            cache[family] = (root / "fp8", root / "deq", quant)
+            cache[family] = write_fp8_checkpoint(tmp_path_factory.mktemp(f"fp8_{family}"), family)
         return cache[family]
     return get
 

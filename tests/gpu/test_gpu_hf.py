@@ -53,3 +53,27 @@ def test_fp8_experts_interface_on_gpu():
     want = oracle_moe(x, ids, w, scheme.dequantize_weight(module.gate_up_proj, module.gate_up_proj_scale_inv),
                       scheme.dequantize_weight(module.down_proj, module.down_proj_scale_inv), "silu", scheme, torch.bfloat16)
     assert_close(got, want, rel_tol("fp8-block", torch.bfloat16), "FP8Experts via the FP8 interface on GPU")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_load_fp8_model_on_gpu(family, tmp_path):
+    """load_fp8_model(device="cuda"): the checkpoint read memory-mapped on the host, each block's experts moved to
+    the GPU as it is replaced; the experts keep the checkpoint's bytes, and the logits match the same checkpoint
+    loaded on the CPU."""
+    pytest.importorskip("safetensors")
+    from fp8_checkpoints import write_fp8_checkpoint
+    from moeflow.integrations.hf import load_fp8_model
+    from moeflow.integrations.hf.blocks import MoeflowBlock
+    fp8_dir, _, _ = write_fp8_checkpoint(tmp_path, family)
+    on_gpu = load_fp8_model(fp8_dir, dtype=torch.float32, device="cuda")
+    on_cpu = load_fp8_model(fp8_dir, dtype=torch.float32)
+    blocks = [(n, m) for n, m in on_gpu.named_modules() if isinstance(m, MoeflowBlock)]
+    assert blocks and all(p.device.type == "cuda" for p in on_gpu.parameters())
+    for name, block in blocks:
+        cpu = on_cpu.get_submodule(name).moe
+        assert torch.equal(block.moe.gate_up_proj.view(torch.uint8).cpu(), cpu.gate_up_proj.view(torch.uint8))
+        assert torch.equal(block.moe.down_proj_scale_inv.cpu(), cpu.down_proj_scale_inv)
+    ids = torch.randint(0, 256, (2, 33))
+    with torch.no_grad():
+        got, want = on_gpu(ids.cuda()).logits.cpu(), on_cpu(ids).logits
+    assert_close(got, want, rel_tol("fp8-block-model", torch.float32), f"{family} load_fp8_model on GPU vs CPU")

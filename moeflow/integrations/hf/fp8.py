@@ -57,13 +57,14 @@ def load_fp8_model(path, dtype=None, device="cpu", runner: str = "auto", progres
     with torch.device(device), _no_init(transformers):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts, rest = _read(files, device, dtype, scale_fmt, root)
-    result = model.load_state_dict(rest, strict=False)
+    result = model.load_state_dict(rest, strict=False)  # host tensors copied into the model's, one at a time
+    del rest
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = [k for k in result.missing_keys if ".experts." not in k and k not in tied]
     if missing or result.unexpected_keys:
         raise error("MF705", path=str(path), why=f"names do not match the model: missing {missing[:4]}, "
                                                  f"unexpected {result.unexpected_keys[:4]}")
-    stacked = {block: _stack(block, parts, str(path)) for block, parts in experts.items()}
+    stacked = _BlockExperts(experts, str(path), device)
     replaced = replace_moe_blocks(model, runner=runner, dtype=dtype, experts=stacked, progress=progress)
     if set(replaced) != set(stacked):
         raise error("MF705", path=str(path), why=f"expert blocks in the checkpoint {sorted(stacked)[:3]} do not "
@@ -102,12 +103,29 @@ def _scale(t: Tensor, scale_fmt: str) -> Tensor:
     return t.float()
 
 
+class _BlockExperts(dict):
+    """{block: its experts' checkpoint tensors (host)} whose ``get`` gives the block's stacked tensors
+    (``_stack``) on ``device``, made anew at each call: replace_moe_blocks plans, then builds, one block at a time,
+    so the device holds one block's checkpoint experts beside the model, not every block's."""
+
+    def __init__(self, parts: dict[str, dict[str, Tensor]], path: str, device):
+        super().__init__(parts)
+        self.path, self.device = path, device
+
+    def get(self, block, default=None):
+        parts = super().get(block)
+        if parts is None:
+            return default
+        return {k: v.to(self.device) for k, v in _stack(block, parts, self.path).items()}
+
+
 def _read(files, device, dtype, scale_fmt: str, root: Path):
-    """-> (experts: {block: {key: tensor}}, rest: {model name: tensor}, FP8 rest dequantized to dtype)."""
+    """-> (experts: {block: {key: tensor}}, rest: {model name: tensor}, FP8 rest dequantized to dtype). The files
+    are read memory-mapped on the host; only the FP8 rest goes to ``device`` (to dequantize it there)."""
     safetensors = _safetensors(root)
     tensors = {}
     for f in files:
-        with safetensors.safe_open(str(f), framework="pt", device=str(device)) as handle:
+        with safetensors.safe_open(str(f), framework="pt", device="cpu") as handle:
             for key in handle.keys():
                 name = key
                 for old, new in _RENAMES:
@@ -124,7 +142,7 @@ def _read(files, device, dtype, scale_fmt: str, root: Path):
             scale = tensors.get(name + "_scale_inv")
             if scale is None:
                 raise error("MF705", path=str(root), why=f"{name} is float8_e4m3fn without {name}_scale_inv")
-            rest[name] = _BLOCKS.dequantize_weight(t, _scale(scale, scale_fmt)).to(dtype)  # [N, K], 128x128 scales
+            rest[name] = _BLOCKS.dequantize_weight(t.to(device), _scale(scale, scale_fmt).to(device)).to(dtype)  # [N, K]
         else:
             rest[name] = t
     return {b: {k: (_scale(v, scale_fmt) if k.endswith("_scale_inv") else v) for k, v in parts.items()}
