@@ -134,6 +134,24 @@ def test_one_expert_dequantized_alone_matches_all_at_once(name, e, n, k):
         assert torch.equal(one, whole[i])
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("m,k", ((5, 256), (3, 384), (0, 128), (4, 200)))
+def test_block_activation_scales_broadcast_by_group_give_the_expanded_bits(m, k, dtype):
+    """fp8-block activations with K a multiple of 128 broadcast each group's scale (no [M, K] float32 expansion):
+    the same bits as multiplying by the expanded scales, NaN and all-zero groups included."""
+    s = create_scheme("fp8-block")
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 100).to(dtype)
+    if m > 1:
+        x[0, :128], x[1, 3] = 0, float("nan")
+    q, scale = s.quantize_activation(x)
+    expanded = scale.repeat_interleave(B, dim=1)[:, :k]
+    assert torch.equal(q.view(torch.uint8), to_fp8(x, expanded).view(torch.uint8))
+    assert torch.equal(s.dequantize_activation(q, scale).nan_to_num(7.0), (q.float() * expanded).nan_to_num(7.0))
+    columns = torch.randn(k, m).to(dtype).T  # not contiguous
+    assert torch.equal(s.quantize_activation(columns)[0].view(torch.uint8),
+                       s.quantize_activation(columns.contiguous())[0].view(torch.uint8))
+
+
 @pytest.mark.parametrize("m,k", ((5, 256), (3, 200), (1, 1), (0, 128)))
 @pytest.mark.parametrize("name", FP8)
 def test_activation_scale_shapes_and_convention(name, m, k):

@@ -54,10 +54,15 @@ class FP8Block(QuantScheme):
     def quantize_activation(self, x: Tensor):
         m, k = x.shape
         g = _cdiv(k, BLOCK)
+        if k % BLOCK == 0:  # the same bits, with the scales broadcast by group, not expanded to [M, K] float32
+            scale = amax_to_scale(x.reshape(m, g, BLOCK).abs().amax(dim=2))  # abs and max are exact in any dtype
+            return to_fp8(x.reshape(m, g, BLOCK), scale[:, :, None]).view(m, k), scale
         padded = F.pad(x.float(), (0, g * BLOCK - k))
         scale = amax_to_scale(padded.abs().view(m, g, BLOCK).amax(dim=2))
         return to_fp8(x, scale.repeat_interleave(BLOCK, dim=1)[:, :k]), scale
 
     def dequantize_activation(self, q: Tensor, scale: Tensor):
-        k = q.shape[1]
+        m, k = q.shape
+        if k % BLOCK == 0:
+            return (q.float().view(m, k // BLOCK, BLOCK) * scale.float()[:, :, None]).view(m, k)
         return q.float() * scale.float().repeat_interleave(BLOCK, dim=1)[:, :k]
