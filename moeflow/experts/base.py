@@ -48,7 +48,7 @@ def gated_activation(h: Tensor, kind: str) -> Tensor:
         act = F.gelu(gate)
     else:  # "gelu_tanh"; config validation admits only these three
         act = F.gelu(gate, approximate="tanh")
-    return act * up
+    return act.mul_(up)  # act is the activation's own new tensor: one [M, I] float32 fewer at the peak
 
 
 class ExpertRunner(ABC):

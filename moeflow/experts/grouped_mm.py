@@ -49,11 +49,14 @@ class GroupedMMRunner(ExpertRunner):
         xq, xs = self.input_activations(batch.hidden, batch.hidden_scale)
         h = self._gemm(xq, xs, weights.w13, weights.w13_scale, offs)  # [N, 2I]
         a = gated_activation(h, cfg.activation).to(cfg.dtype)
+        del h  # each intermediate freed once used: the peak holds two of them, not all
         if batch.padded and not self._row_local:  # one scale over the batch: padding rows' (unspecified) outputs must not count
             a = a.masked_fill((torch.arange(a.shape[0], device=a.device) >= batch.offsets[-1])[:, None], 0)
         aq, as_ = self.scheme.quantize_activation(a)
+        del a
         y = self._gemm(aq, as_, weights.w2, weights.w2_scale, offs)  # [N, H]
-        return (y.float() * batch.weights[:, None]).to(cfg.dtype)
+        del aq
+        return y.float().mul_(batch.weights[:, None]).to(cfg.dtype)  # float() of its own GEMM output: free to change
 
     def _gemm(self, x: Tensor, x_scale: Tensor | None, w: Tensor, w_scale: Tensor | None, offs: Tensor) -> Tensor:
         """x [M, K] @ w[e].T for each expert's rows -> [M, N] in the layer dtype.
