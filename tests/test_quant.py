@@ -148,8 +148,10 @@ def test_block_activation_scales_broadcast_by_group_give_the_expanded_bits(m, k,
     assert torch.equal(q.view(torch.uint8), to_fp8(x, expanded).view(torch.uint8))
     assert torch.equal(s.dequantize_activation(q, scale).nan_to_num(7.0), (q.float() * expanded).nan_to_num(7.0))
     columns = torch.randn(k, m).to(dtype).T  # not contiguous
-    assert torch.equal(s.quantize_activation(columns)[0].view(torch.uint8),
-                       s.quantize_activation(columns.contiguous())[0].view(torch.uint8))
+    q_cols, scale_cols = s.quantize_activation(columns)
+    assert torch.equal(q_cols.view(torch.uint8), s.quantize_activation(columns.contiguous())[0].view(torch.uint8))
+    q_t = q_cols.T.contiguous().T  # not contiguous either
+    assert torch.equal(s.dequantize_activation(q_t, scale_cols), s.dequantize_activation(q_cols, scale_cols))
 
 
 @pytest.mark.parametrize("m,k", ((5, 256), (3, 200), (1, 1), (0, 128)))

@@ -64,5 +64,5 @@ class FP8Block(QuantScheme):
     def dequantize_activation(self, q: Tensor, scale: Tensor):
         m, k = q.shape
         if k % BLOCK == 0:
-            return (q.float().view(m, k // BLOCK, BLOCK) * scale.float()[:, :, None]).view(m, k)
+            return (q.float().reshape(m, k // BLOCK, BLOCK) * scale.float()[:, :, None]).view(m, k)
         return q.float() * scale.float().repeat_interleave(BLOCK, dim=1)[:, :k]
