@@ -19,6 +19,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from moeflow import MoeflowError  # noqa: E402
 from moeflow.integrations.hf import load_fp8_model  # noqa: E402
 from moeflow.integrations.hf.blocks import MoeflowBlock  # noqa: E402
+from moeflow.integrations.hf.tiny import FAMILIES, tiny_model  # noqa: E402
 from moeflow.quant import create_scheme  # noqa: E402
 from fp8_checkpoints import PROJ, write_fp8_checkpoint  # noqa: E402
 from oracle import assert_close, oracle_moe  # noqa: E402
@@ -138,3 +139,42 @@ def test_generate_cli_on_fp8_checkpoint(fp8_checkpoint, capsys):
                  "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "eager          skipped: FP8 checkpoint" in out and re.search(r"^moeflow-block +[\d.]+ +[\d.]+", out, re.M)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_model_is_built_without_its_experts_in_high_precision(fp8_checkpoint, family):
+    """load_fp8_model builds the model on the meta device and gives memory to all but the routed experts, which stay
+    on meta until their blocks are replaced; the buffers no checkpoint holds (rotary inv_freq) are computed as
+    from_config computes them, and nothing is left on meta."""
+    from moeflow.integrations.hf import fp8
+    fp8_dir, _, _ = fp8_checkpoint(family)
+    config = transformers.AutoConfig.from_pretrained(fp8_dir)
+    fp8._check_quantization(config, fp8_dir)
+    routed = {n for n, m in tiny_model(family, size="fp8").named_modules() if n.endswith(".experts")}
+    built = fp8._build(transformers, config, torch.float32, "cpu", routed)
+    for name, t in [*built.named_parameters(), *built.named_buffers()]:
+        assert t.is_meta == any(name.startswith(r + ".") for r in routed), name
+    want = dict(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).named_buffers())
+    rotary = {n: b for n, b in built.named_buffers() if "rotary" in n}
+    assert rotary
+    for name, buf in rotary.items():
+        assert torch.equal(buf, want[name]), name
+    model = load_fp8_model(fp8_dir, dtype=torch.float32)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert any(isinstance(m, MoeflowBlock) for m in model.modules())
+
+
+def test_tied_embeddings_stay_tied(fp8_checkpoint, tmp_path):
+    """A checkpoint with tie_word_embeddings (no lm_head.weight of its own): the head is the embedding, loaded."""
+    import json
+    import shutil
+    fp8_dir, _, quant = fp8_checkpoint("qwen3_moe")
+    tied = tmp_path / "tied"
+    shutil.copytree(fp8_dir, tied)
+    cfg = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    state = {k: v for k, v in quant.items() if k != "lm_head.weight"}
+    safetensors_torch.save_file(state, tied / "model.safetensors", metadata={"format": "pt"})
+    model = load_fp8_model(tied, dtype=torch.float32)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert head.data_ptr() == embed.data_ptr() and torch.equal(embed, quant["model.embed_tokens.weight"])

@@ -11,7 +11,8 @@ Why a loader of its own: without a GPU, transformers 5.24 dequantizes a pre-quan
 checkpoint to bf16 (and needs the accelerate package even for that); on a GPU it keeps FP8 and
 ``experts_implementation="moeflow"`` runs FP8Experts through the FP8 interface (experts.py).
 This loader keeps the routed experts FP8 on any device:
-  1. the model is built from config.json without its quantization_config, weights uninitialized;
+  1. the model is built from config.json without its quantization_config, weights uninitialized, the routed
+     experts on the meta device (never allocated in the activation dtype);
   2. every other tensor is loaded, FP8 ones dequantized (attention, dense MLPs, shared experts:
      moeflow keeps only the routed experts in FP8);
   3. each block's experts are stacked into gate_up_proj [E, 2I, H] / down_proj [E, H, I] with
@@ -54,9 +55,8 @@ def load_fp8_model(path, dtype=None, device="cpu", runner: str = "auto", progres
     config = transformers.AutoConfig.from_pretrained(root)
     scale_fmt = _check_quantization(config, root)
     dtype = dtype or (config.dtype if isinstance(config.dtype, torch.dtype) else torch.bfloat16)
-    with torch.device(device), _no_init(transformers):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts, rest = _read(files, device, dtype, scale_fmt, root)
+    model = _build(transformers, config, dtype, device, {f"{block}.experts" for block in experts})
     result = model.load_state_dict(rest, strict=False)  # host tensors copied into the model's, one at a time
     del rest
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -69,7 +69,29 @@ def load_fp8_model(path, dtype=None, device="cpu", runner: str = "auto", progres
     if set(replaced) != set(stacked):
         raise error("MF705", path=str(path), why=f"expert blocks in the checkpoint {sorted(stacked)[:3]} do not "
                                                  f"match the model's MoE blocks {sorted(replaced)[:3]}")
+    unbuilt = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if unbuilt:  # nothing is left on meta by the names above; a model class that does so is refused, not half-built
+        raise error("MF705", path=str(path), why=f"tensors left without memory after loading: {unbuilt[:4]}")
     return model.eval()
+
+
+def _build(transformers, config, dtype, device, routed: set[str]):
+    """The model of config.json with memory on ``device`` for everything but the routed experts (``routed``: their
+    module paths), which stay on the meta device: their blocks are replaced by layers holding the checkpoint's FP8
+    experts, so the model never holds them in the activation dtype (Qwen3-30B-A3B: 54 GiB in bf16). Built on meta,
+    then given memory module by module, uninitialized (the checkpoint is loaded into it next); the non-persistent
+    buffers, which no checkpoint holds (rotary inv_freq), are computed by the model's own initializer, as
+    transformers' from_pretrained does; tied weights are tied again."""
+    with torch.device("meta"), _no_init(transformers):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, module in model.named_modules():
+        if not any(name == r or name.startswith(r + ".") for r in routed):
+            module.to_empty(device=device, recurse=False)
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
+    model.tie_weights()
+    return model
 
 
 def _check_quantization(config, root: Path) -> str:
