@@ -124,22 +124,24 @@ def all_gather_host(t: Tensor, group, what: str) -> Tensor:
     return out
 
 
-def check_agreement(fields: dict, group, device: torch.device) -> None:
-    """Raise MF501 on every rank when the ranks' ``fields`` (JSON-able values) differ.
-
-    Two small all-gathers (lengths, then the padded JSON bytes); MF502 if a rank never joins.
-    """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    blob = json.dumps(fields, sort_keys=True, default=str).encode()
-    mine = torch.tensor(list(blob), dtype=torch.uint8, device=device)
-    what = "the expert-parallel configuration check"
+def all_gather_json(value, group, what: str, device: torch.device) -> list:
+    """Every rank's ``value`` (JSON-able), in rank order: two small all-gathers (lengths, then the padded JSON
+    bytes), each bounded by MOEFLOW_DIST_TIMEOUT_S (MF502 if a rank never joins), where torch's
+    all_gather_object waits for as long as the group's own timeout."""
+    blob = json.dumps(value, sort_keys=True, default=str).encode()
     sizes = all_gather_host(torch.tensor([len(blob)], dtype=torch.int64, device=device), group, what).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    padded[:len(blob)] = mine
+    padded[:len(blob)] = torch.tensor(list(blob), dtype=torch.uint8, device=device)
     rows = all_gather_host(padded[None], group, what).cpu()
-    ours = json.loads(blob)
-    for other in range(world):
-        theirs = json.loads(bytes(rows[other, :sizes[other]].tolist()))
+    return [json.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes)]
+
+
+def check_agreement(fields: dict, group, device: torch.device) -> None:
+    """Raise MF501 on every rank when the ranks' ``fields`` (JSON-able values) differ (all_gather_json)."""
+    rank = dist.get_rank(group)
+    everyone = all_gather_json(fields, group, "the expert-parallel configuration check", device)
+    ours = everyone[rank]
+    for other, theirs in enumerate(everyone):
         for key in sorted(set(ours) | set(theirs)):
             if ours.get(key) != theirs.get(key):
                 raise error("MF501", rank=rank, other=other, field=key, mine=ours.get(key), theirs=theirs.get(key))

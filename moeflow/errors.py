@@ -489,6 +489,19 @@ Fix: save and load the weights instead: torch.save(layer.state_dict()); for a se
 same configuration on every rank (construction is collective) and load_state_dict(layer.state_dict()).
 Example: twin = MoE(layer.config); twin.load_state_dict(layer.state_dict())
 """)
+_spec("MF509", DistributedError, "dispatcher already holds a batch",
+      "dispatcher {name!r} holds one batch at a time: dispatch_start was called again before the last batch's "
+      "combine_wait; valid dispatchers for overlapped batches: {valid}",
+      """
+What: alltoall-p2p's peers store a batch's token rows, and later its partial sums, straight into buffers that
+each rank maps once, and the experts read those rows in place. A second batch started before the first one's
+combine_wait would overwrite the first's rows or sums: the first batch's output would be wrong.
+When: dispatch_start of a second batch (two micro-batches overlapped through the dispatcher's halves) before
+combine_wait of the first. A layer's own forward never does this; it forgets a batch whose experts raised.
+Fix: finish each batch (combine_wait) before the next dispatch_start, or overlap micro-batches with alltoall-fixed
+(the same fixed blocks through NCCL, buffers per call) or alltoall.
+Example: MoE(..., dispatcher="alltoall-fixed", max_tokens_per_rank=4096)
+""")
 # ---------------------------------------------------------------- MF603+: kernel configs / tuning
 _spec("MF603", ToolError, "invalid kernel config file",
       "kernel config file {path} cannot be used: {why}",

@@ -349,10 +349,15 @@ def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, t
         out = runner.run_fused(hidden, topk_ids, topk_weights, weights, fused)
         return out, between() if between else None
     pending = dispatcher.dispatch_start(hidden, topk_ids, topk_weights)
-    extra = between() if between else None
-    batch, handle = dispatcher.dispatch_wait(pending)
-    expert_out = run_in_layout(runner, batch, weights)
-    return dispatcher.combine_wait(dispatcher.combine_start(expert_out, handle)), extra
+    try:
+        extra = between() if between else None
+        batch, handle = dispatcher.dispatch_wait(pending)
+        expert_out = run_in_layout(runner, batch, weights)
+        pending = dispatcher.combine_start(expert_out, handle)
+    except BaseException:
+        dispatcher.abandon()  # the batch ends here: the layer's next call starts afresh
+        raise
+    return dispatcher.combine_wait(pending), extra
 
 
 class _SharedMLP(nn.Module):

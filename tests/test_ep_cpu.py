@@ -7,8 +7,10 @@ tests/tolerances.py); FP8 payload compression; uneven explicit placement; a rank
 no tokens at all; every token routed to one rank's experts; the start/wait halves with shared
 experts in between; the dispatchers' Triton kernel paths (CUDA-only in the library) forced onto
 CPU through Triton's interpreter (alltoall-p2p's stores through address tables into the other
-processes' shared memory included); alltoall-p2p's buffers reused over several forwards and MF507 when
-they cannot be mapped; "auto" picking alltoall; MF501 (ranks disagree), MF504 (bad placement),
+processes' shared memory included); alltoall-p2p's buffers reused over several forwards, MF507 when
+they cannot be mapped (on every rank, or on one: every rank raises at once), MF509 for a second batch in flight, a
+forward that raised between its halves, a layer built under inference_mode; with_payload keeping the dispatcher's
+settings; "auto" picking alltoall; MF501 (ranks disagree), MF504 (bad placement),
 MF503 (low-latency capacity overflow: the other ranks finish correctly, the group stays usable), a call refused on one
 rank (MF305, MF301: it takes part with no tokens, the other ranks finish correctly), MF508 (copying or pickling a
 layer with a process group)

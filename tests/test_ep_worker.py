@@ -194,6 +194,11 @@ def suite(world):
         placement=None if c.rank == 0 else expert_placement(MoEConfig(**BASE), c.world))))
     checks.append(("alltoall-p2p-repeated-dispatch", check_p2p_repeated))
     checks.append(("alltoall-p2p-unmappable-MF507", check_unmappable))
+    checks.append(("alltoall-p2p-unmappable-on-one-rank-MF507", check_p2p_unmappable_on_one_rank))
+    checks.append(("alltoall-p2p-second-batch-MF509", check_p2p_second_batch))
+    checks.append(("alltoall-p2p-after-a-raise", check_p2p_after_a_raise))
+    checks.append(("alltoall-p2p-inference-mode", check_p2p_inference_mode))
+    checks.append(("with-payload-keeps-settings", check_with_payload_keeps_settings))
     # alltoall-fixed's combine in 3 pieces (C_rank = 27), and in one
     checks.append(("alltoall-fixed-combine-3-pieces", lambda c: c.compare(
         tokens_for(c, "p3"), dispatcher="alltoall-fixed", runner="reference", max_tokens_per_rank=27,
@@ -403,6 +408,106 @@ def check_p2p_repeated(c):
         mine = slice(lo, lo + tokens[c.rank])
         err = rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine])
         assert err <= rel_tol("none", torch.float32), (n, err)
+
+
+def _p2p_pair(c, **fields):
+    """(alltoall-p2p layer, the one-process layer) with the same random weights."""
+    cfg = MoEConfig(**{**BASE, "dispatcher": "alltoall-p2p", "runner": "reference", "dtype": torch.float32, **fields})
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    state = {"gate_up_proj": torch.randn(e, 2 * i, h) / h ** 0.5, "down_proj": torch.randn(e, h, i) / i ** 0.5}
+    ep, one = MoE(cfg), MoE(cfg.replace(dispatcher="auto", placement=None), process_group=c.solo[c.rank])
+    for layer in (ep, one):
+        layer.load_weights(state)
+    return ep, one
+
+
+def _mine(c, tokens, h, e):
+    """(x, logits) of all ranks' tokens, and this rank's slice."""
+    x, logits = torch.randn(sum(tokens), h), torch.randn(sum(tokens), e)
+    lo = sum(tokens[:c.rank])
+    return x, logits, slice(lo, lo + tokens[c.rank])
+
+
+def check_p2p_second_batch(c):
+    """alltoall-p2p holds one batch at a time: a second dispatch_start before the first batch's combine_wait is
+    MF509 (it silently overwrote the first batch's rows); the first batch then finishes right, and so does the
+    layer's next call."""
+    from moeflow.layouts import run_in_layout
+    ep, one = _p2p_pair(c)
+    h, e = ep.config.hidden_size, ep.config.num_experts
+    x, logits, mine = _mine(c, [9 + r for r in range(c.world)], h, e)
+    ids, w = ep.router(logits[mine], None)
+    disp = ep.dispatcher
+    pending = disp.dispatch_start(x[mine], ids, w)
+    exc = c.expect("MF509", lambda: disp.dispatch_start(x[mine][:3], ids[:3], w[:3]))
+    assert "alltoall-fixed" in str(exc), str(exc)
+    batch, handle = disp.dispatch_wait(pending)
+    got = disp.combine_wait(disp.combine_start(run_in_layout(ep.runner, batch, ep.expert_weights()), handle))
+    assert rel_err(got, one(x, logits)[mine]) <= rel_tol("none", torch.float32)
+    x, logits, mine = _mine(c, [4 + 2 * r for r in range(c.world)], h, e)
+    assert rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine]) <= rel_tol("none", torch.float32)
+
+
+def check_p2p_after_a_raise(c):
+    """A forward whose experts raise between dispatch and combine (on every rank) forgets its batch: the next
+    call runs, right, where alltoall-p2p would have refused it (MF509) for ever."""
+    ep, one = _p2p_pair(c)
+    h, e = ep.config.hidden_size, ep.config.num_experts
+    run = ep.runner.run
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("planted")
+    ep.runner.run = fail
+    x, logits, mine = _mine(c, [7 + r for r in range(c.world)], h, e)
+    try:
+        ep(x[mine], logits[mine])
+        raise AssertionError("the planted error was not raised")
+    except RuntimeError as exc:
+        assert "planted" in str(exc), exc
+    ep.runner.run = run
+    assert rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine]) <= rel_tol("none", torch.float32)
+
+
+def check_p2p_inference_mode(c):
+    """alltoall-p2p built under torch.inference_mode and called outside it (no_grad), and the reverse: its mapped
+    buffers, written in place at every call, were inference tensors, which raised outside that mode."""
+    with torch.inference_mode():
+        ep, one = _p2p_pair(c)
+    h, e = ep.config.hidden_size, ep.config.num_experts
+    for mode in (torch.no_grad, torch.inference_mode):
+        x, logits, mine = _mine(c, [5 + r for r in range(c.world)], h, e)
+        with mode():
+            assert rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine]) <= rel_tol("none", torch.float32), mode
+
+
+def check_p2p_unmappable_on_one_rank(c):
+    """Creating the shared files fails on the last rank only: every rank raises MF507 at once (the others name that
+    rank), where the others waited in torch's all_gather_object for the group's timeout and then raised MF505."""
+    original = torch.from_file
+
+    def refuse(*args, **kwargs):
+        raise OSError("no shared memory on this rank")
+
+    if c.rank == c.world - 1:
+        torch.from_file = refuse
+    start = time.monotonic()
+    try:
+        exc = c.expect("MF507", lambda: MoE(**BASE, dispatcher="alltoall-p2p", runner="reference"))
+    finally:
+        torch.from_file = original
+    assert time.monotonic() - start < 20, time.monotonic() - start
+    want = "no shared memory on this rank" if c.rank == c.world - 1 else f"failed on rank {c.world - 1}"
+    assert want in str(exc) and "alltoall-fixed" in str(exc), str(exc)
+    c.compare(tokens_for(c, "after-unmappable"), dispatcher="alltoall-p2p", runner="reference", dtype=torch.float32)
+
+
+def check_with_payload_keeps_settings(c):
+    """with_payload builds the dispatcher again and keeps what was set after construction: rows by index (as the
+    plan chose for the runner) and the combine's pieces; they were reset to the class defaults."""
+    layer = MoE(**BASE, dispatcher="alltoall-fixed", runner="reference", dtype=torch.float32)
+    layer.dispatcher.indexed_rows, layer.dispatcher.combine_chunks = True, 3
+    new = layer.dispatcher.with_payload("fp8")
+    assert (new.payload, new.indexed_rows, new.combine_chunks) == ("fp8", True, 3), vars(new)
 
 
 def check_timeout(c):

@@ -112,8 +112,13 @@ class ExpertParallelDispatcher(Dispatcher):
 
     def with_payload(self, payload: str) -> "ExpertParallelDispatcher":
         """A new dispatcher of the same kind and group with another payload mode (collective: every
-        rank must call it). ``moe.dispatcher = moe.dispatcher.with_payload("fp8")``."""
-        return type(self)(self.config, self.scheme, self.process_group, payload=payload)
+        rank must call it). ``moe.dispatcher = moe.dispatcher.with_payload("fp8")``. The new one keeps this one's
+        settings made after construction (rows by index as planned for the runner, the combine's pieces)."""
+        new = type(self)(self.config, self.scheme, self.process_group, payload=payload)
+        for setting in ("indexed_rows", "combine_chunks"):
+            if hasattr(self, setting):
+                setattr(new, setting, getattr(self, setting))
+        return new
 
     def _description(self) -> dict:
         """What ranks must agree on: the configuration, the planned backends, the group size, the payload."""

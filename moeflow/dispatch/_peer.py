@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..distributed import all_gather_host, collective, timeout_s
+from ..distributed import all_gather_host, all_gather_json, timeout_s
 from ..errors import MoeflowError, error
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -39,33 +39,60 @@ class PeerBuffers:
         self.name, self.group, self.rank, self.world, self.device = name, group, rank, world, device
         self._views: dict[str, list[Tensor]] = {}  # name -> every rank's buffer, mapped here
         self._addresses: dict[str, list[int]] = {}  # name -> the address of every rank's buffer, mapped here
-        try:
-            if device.type == "cuda":
-                self._map_symmetric(buffers)
-            else:
-                self._map_files(buffers)
-        except MoeflowError:  # MF502 from a barrier (a TimeoutError, hence an OSError): not a mapping failure
-            raise
-        except (ImportError, RuntimeError, AttributeError, ValueError, OSError) as exc:
-            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise error("MF507", name=name, rank=rank, why=why, valid=alternatives) from exc
-        self.local = {key: views[rank] for key, views in self._views.items()}
-        self._status = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")  # 1 + a silent rank
-        if device.type == "cuda":  # where the barrier kernel writes it (mapped host memory)
-            self._status_at = torch.tensor([self._status.data_ptr()], dtype=torch.int64, device=device)
-            self._stream = torch.cuda.Stream(device)  # the transfers' own stream (side_stream / join)
+        # normal tensors even when the layer is built under torch.inference_mode: every call writes them in place,
+        # and inference tensors cannot be written outside that mode
+        with torch.inference_mode(False):
+            try:
+                if device.type == "cuda":
+                    self._map_symmetric(buffers)
+                else:
+                    self._map_files(buffers)
+            except MoeflowError:  # MF502 from a barrier (a TimeoutError, hence an OSError): not a mapping failure
+                raise
+            except (ImportError, RuntimeError, AttributeError, ValueError, OSError) as exc:
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise error("MF507", name=name, rank=rank, why=why, valid=alternatives) from exc
+            self.local = {key: views[rank] for key, views in self._views.items()}
+            self._status = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")  # 1 + a silent rank
+            if device.type == "cuda":  # where the barrier kernel writes it (mapped host memory)
+                self._status_at = torch.tensor([self._status.data_ptr()], dtype=torch.int64, device=device)
+                self._stream = torch.cuda.Stream(device)  # the transfers' own stream (side_stream / join)
+
+    def _all_done(self, failure: Exception | None, step: str) -> None:
+        """After a local ``step`` of the mapping: every rank learns whether every rank did it (one small all-gather,
+        bounded by MOEFLOW_DIST_TIMEOUT_S), before any rank enters the next collective. A rank that failed raises
+        its own error, the others one naming it (both MF507 in __init__): no rank is left waiting in a collective
+        that a failed peer never joins."""
+        flags = all_gather_host(torch.tensor([failure is not None], dtype=torch.int32, device=self.device), self.group,
+                                f"{self.name}: {step}").tolist()
+        if failure is not None:
+            raise failure
+        if any(flags):
+            raise RuntimeError(f"{step} failed on rank {flags.index(1)} (its own error names why)")
 
     def _map_symmetric(self, buffers: Shapes) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
+        failure, own = None, {}
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
 
-        from ..kernels.peer import barrier  # a Triton kernel: without triton, refused here (MF507)
+            from ..kernels.peer import barrier  # a Triton kernel: without triton, refused here (MF507)
 
-        self._barrier_kernel = barrier
-        for key, (shape, dtype) in {**buffers, "_pads": ((self.world,), torch.int64)}.items():
-            t = symm_mem.empty(*shape, dtype=dtype, device=self.device)
-            handle = symm_mem.rendezvous(t, self.group)
-            self._addresses[key] = list(handle.buffer_ptrs)
-            self._views[key] = [t if r == self.rank else handle.get_buffer(r, list(shape), dtype) for r in range(self.world)]
+            self._barrier_kernel = barrier
+            for key, (shape, dtype) in {**buffers, "_pads": ((self.world,), torch.int64)}.items():
+                own[key] = symm_mem.empty(*shape, dtype=dtype, device=self.device)
+        except (ImportError, RuntimeError, AttributeError, ValueError, OSError) as exc:
+            failure = exc
+        self._all_done(failure, "allocating symmetric memory")  # rendezvous is collective: every rank or none
+        try:
+            for key, t in own.items():
+                shape, dtype = list(t.shape), t.dtype
+                handle = symm_mem.rendezvous(t, self.group)
+                self._addresses[key] = list(handle.buffer_ptrs)
+                self._views[key] = [t if r == self.rank else handle.get_buffer(r, shape, dtype)
+                                    for r in range(self.world)]
+        except (RuntimeError, ValueError, OSError) as exc:  # after the rendezvous' own exchange (peer access)
+            failure = exc
+        self._all_done(failure, "mapping the peers' memory")
         self._views["_pads"][self.rank].zero_()
         self._pads = self.table("_pads", 0)
         self._epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -75,17 +102,26 @@ class PeerBuffers:
     def _map_files(self, buffers: Shapes) -> None:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         mine = {key: os.path.join(folder, f"moeflow-{self.name}-{uuid.uuid4().hex}-{key}") for key in buffers}
-        paths: list = [None] * self.world
         try:
-            for key, (shape, dtype) in buffers.items():  # new files read as zeros
-                self._views[key] = [torch.from_file(mine[key], shared=True, size=math.prod(shape), dtype=dtype).view(shape)]
-            with collective(f"{self.name}: mapping the peers' buffers", self.group):
-                dist.all_gather_object(paths, mine, group=self.group)
-            for key, (shape, dtype) in buffers.items():
-                own = self._views[key][0]
-                self._views[key] = [own if r == self.rank else torch.from_file(
-                    paths[r][key], shared=True, size=math.prod(shape), dtype=dtype).view(shape) for r in range(self.world)]
-                self._addresses[key] = [v.data_ptr() for v in self._views[key]]
+            failure = None
+            try:
+                for key, (shape, dtype) in buffers.items():  # new files read as zeros
+                    self._views[key] = [torch.from_file(mine[key], shared=True, size=math.prod(shape),
+                                                        dtype=dtype).view(shape)]
+            except (RuntimeError, ValueError, OSError) as exc:
+                failure = exc
+            self._all_done(failure, "creating the shared files")
+            paths = all_gather_json(mine, self.group, f"{self.name}: mapping the peers' buffers", self.device)
+            try:
+                for key, (shape, dtype) in buffers.items():
+                    own = self._views[key][0]
+                    self._views[key] = [own if r == self.rank else torch.from_file(
+                        paths[r][key], shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+                        for r in range(self.world)]
+                    self._addresses[key] = [v.data_ptr() for v in self._views[key]]
+            except (RuntimeError, ValueError, OSError) as exc:
+                failure = exc
+            self._all_done(failure, "mapping the peers' files")
             self._cpu_barrier()  # every rank has mapped every file
         finally:
             for path in mine.values():

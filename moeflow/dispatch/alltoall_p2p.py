@@ -21,9 +21,11 @@ the transfer (the sums are the transfer). The barrier is one kernel of one progr
 
 The halves: on CUDA ``dispatch_start`` / ``combine_start`` queue the transfer (barriers, stores) on
 the transport's own stream and return; work queued before the wait half (the layer's shared experts)
-runs beside it, sharing the SMs; the wait half makes the current stream wait for it. One dispatch →
-combine in flight at a time per dispatcher (its buffers are its own); the barriers at the start of
-each half make a repeated dispatch (benchmarks) safe.
+runs beside it, sharing the SMs; the wait half makes the current stream wait for it. One batch in
+flight at a time per dispatcher, from dispatch_start to combine_wait (its buffers are its own, and a
+batch's rows are read in place by index): a second dispatch_start before the first batch's
+combine_wait raises MF509 (two micro-batches overlapped: alltoall-fixed or alltoall, whose buffers are
+per call). The barriers at the start of each half make a repeated dispatch safe.
 A rank that never arrives: on CUDA the barrier stops waiting after MOEFLOW_DIST_TIMEOUT_S and the
 next eager call raises MF502 (dispatch_start, combine_wait); on CPU gloo's barrier raises it at once.
 Buffers that cannot be mapped (ranks on several nodes, no peer access): MF507 at construction.
@@ -61,9 +63,13 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
         self._rows_to = self.peers.table("rows", cap)  # [W] int64: block `rank` of each rank's rows buffer
         self._sums_to = self.peers.table("sums", cap)
         self._block_start = torch.arange(w, dtype=torch.int64, device=self.device) * cap
+        self._open = False  # a batch between dispatch_start and combine_wait: its rows and sums are in the buffers
 
     def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> _Pending:
+        if self._open:  # a second batch would overwrite the first's rows (and then its partial sums) in place
+            raise error("MF509", name=self.name, valid=["alltoall-fixed", "alltoall"])
         self.peers.check()
+        self._open = True
         cap, w = self.tokens_per_rank, self.world
         t = topk_ids.shape[0]
         hidden, topk_ids, topk_weights = hidden[:cap], topk_ids[:cap], topk_weights[:cap]
@@ -101,6 +107,9 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
         for d, block in enumerate(self.peers.blocks("rows", cap)):
             block.copy_(send[d * cap:(d + 1) * cap])
 
+    def abandon(self) -> None:
+        self._open = False
+
     def combine_start(self, expert_out: Tensor, handle: AllToAllHandle) -> _Pending:
         cap, k = self.tokens_per_rank, self.config.top_k
         with self.peers.side_stream():
@@ -117,6 +126,7 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
         return _Pending(expert_out, self.peers.local["sums"], handle, 0)  # work: kept alive until combine_wait
 
     def combine_wait(self, pending: _Pending) -> Tensor:
+        self._open = False  # first: the batch ends here even where MF502 or MF503 is raised below
         self.peers.join()
         pending.work = None
         out = gather_sum(pending.buf, pending.handle.home)  # [T, H]: row r * C + p came from rank r

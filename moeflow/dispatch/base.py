@@ -65,3 +65,8 @@ class Dispatcher(ABC):
     def combine_wait(self, pending: Any) -> Tensor:
         """Second half of combine -> [T, H] layer dtype."""
         return pending
+
+    def abandon(self) -> None:
+        """A batch started by dispatch_start will not reach combine_wait (the layer calls this when the experts or
+        the shared experts raised in between): forget it. Nothing to do but where the dispatcher holds one batch
+        at a time (alltoall-p2p)."""
