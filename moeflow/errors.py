@@ -420,7 +420,8 @@ num_experts of them), with ranks in [0, world_size) and every rank holding at le
 layer that runs in one process (torch.distributed not initialized, or a group of one rank) takes no
 placement naming another rank: start the program with torchrun, or drop the placement.
 When: building the configuration (its form) or the layer (its ranks).
-Fix: pass placement as a list of length num_experts whose entry e is the rank owning expert e.
+Fix: pass placement as a list of length num_experts whose entry e is the rank owning expert e. Fewer experts
+than ranks: no placement works; build the layer on a process group of at most num_experts ranks.
 Example: MoE(..., placement=[0, 0, 1, 1, 1, 0, 1, 0])
 """)
 

@@ -210,6 +210,18 @@ def test_bad_placement_is_mf504(case):
     assert info.value.code == "MF504" and text in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("placement", (None, (0, 1, 2)))
+def test_fewer_experts_than_ranks_names_the_fix(placement):
+    """3 experts over 4 ranks: no placement works (one rank per expert leaves a rank without); MF504 says to use a
+    smaller group, where it named no way out (checked on the placement itself: a 4-rank group is a test_ep_cpu job)."""
+    from moeflow import MoEConfig
+    from moeflow.dispatch._ep_base import expert_placement
+    cfg = MoEConfig(num_experts=3, hidden_size=64, intermediate_size=32, top_k=2, placement=placement)
+    with pytest.raises(MoeflowError) as info:
+        expert_placement(cfg, 4)
+    assert info.value.code == "MF504" and "at most 3 ranks" in str(info.value), str(info.value)
+
+
 def test_numpy_numbers_are_read_as_python_numbers():
     """numpy integers for the sizes and a numpy float for the scaling factor, as a config parsed from arrays gives."""
     import numpy as np

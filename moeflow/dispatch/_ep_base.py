@@ -47,8 +47,9 @@ def expert_placement(config: MoEConfig, world: int) -> tuple[int, ...]:
     E mod W ranks holding one expert more."""
     e = config.num_experts
     if config.placement is None:
-        if e < world:
-            raise error("MF504", why=f"cannot be contiguous: num_experts={e} < world size {world} leaves a rank without experts")
+        if e < world:  # no placement can help: one rank per expert leaves a rank without any
+            raise error("MF504", why=f"cannot give each of {world} ranks an expert: num_experts={e}; build this layer "
+                                    f"on a process group of at most {e} ranks (torch.distributed.new_group)")
         base, extra = divmod(e, world)
         return tuple(r for r in range(world) for _ in range(base + (r < extra)))
     p = config.placement  # one non-negative int per expert (MoEConfig checked)
@@ -57,7 +58,8 @@ def expert_placement(config: MoEConfig, world: int) -> tuple[int, ...]:
         raise error("MF504", why=f"names rank {bad[0]}; ranks are 0..{world - 1}")
     idle = sorted(set(range(world)) - set(p))
     if idle:
-        raise error("MF504", why=f"gives rank {idle[0]} no expert; every rank needs at least one")
+        fix = "" if e >= world else f"; with num_experts={e}, use a process group of at most {e} ranks"
+        raise error("MF504", why=f"gives rank {idle[0]} no expert; every rank needs at least one{fix}")
     return p
 
 
