@@ -500,7 +500,8 @@ combine_wait would overwrite the first's rows or sums: the first batch's output 
 When: dispatch_start of a second batch (two micro-batches overlapped through the dispatcher's halves) before
 combine_wait of the first. A layer's own forward never does this; it forgets a batch whose experts raised.
 Fix: finish each batch (combine_wait) before the next dispatch_start, or overlap micro-batches with alltoall-fixed
-(the same fixed blocks through NCCL, buffers per call) or alltoall.
+(the same fixed blocks through NCCL, buffers per call) or alltoall. Code of your own that calls the halves and
+raised between them (on every rank) calls dispatcher.abandon() before the next batch.
 Example: MoE(..., dispatcher="alltoall-fixed", max_tokens_per_rank=4096)
 """)
 # ---------------------------------------------------------------- MF603+: kernel configs / tuning

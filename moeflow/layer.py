@@ -348,8 +348,8 @@ def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, t
     if fused is not None:
         out = runner.run_fused(hidden, topk_ids, topk_weights, weights, fused)
         return out, between() if between else None
-    pending = dispatcher.dispatch_start(hidden, topk_ids, topk_weights)
     try:
+        pending = dispatcher.dispatch_start(hidden, topk_ids, topk_weights)
         extra = between() if between else None
         batch, handle = dispatcher.dispatch_wait(pending)
         expert_out = run_in_layout(runner, batch, weights)

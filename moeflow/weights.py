@@ -175,8 +175,11 @@ def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> Non
             raise error("MF402", name=name + "_scale_inv", shape=tuple(scale.shape), expected=_scale_shapes(wshape))
         if source.name == layer.scheme.name:
             dst = getattr(layer, name).data
-            for j, e in enumerate(source_of):
-                dst[j].copy_(w[e])
+            if pick:  # expert by expert: no [E_local, N, K] copy of the picked experts first
+                for j, e in enumerate(source_of):
+                    dst[j].copy_(w[e])
+            else:
+                dst.copy_(w)
             getattr(layer, name + "_scale_inv").data.copy_(scale.float())
             return
         scale = scale.float().to(w.device)  # already the local experts' (index_select above)

@@ -449,23 +449,24 @@ def check_p2p_second_batch(c):
 
 
 def check_p2p_after_a_raise(c):
-    """A forward whose experts raise between dispatch and combine (on every rank) forgets its batch: the next
-    call runs, right, where alltoall-p2p would have refused it (MF509) for ever."""
+    """A forward whose experts raise between dispatch and combine, or whose dispatch_start raises after its first
+    barrier (on every rank), forgets its batch: the next call runs, right, where alltoall-p2p would have refused
+    it (MF509) for ever."""
     ep, one = _p2p_pair(c)
     h, e = ep.config.hidden_size, ep.config.num_experts
-    run = ep.runner.run
+    x, logits, mine = _mine(c, [7 + r for r in range(c.world)], h, e)
 
     def fail(*args, **kwargs):
         raise RuntimeError("planted")
-    ep.runner.run = fail
-    x, logits, mine = _mine(c, [7 + r for r in range(c.world)], h, e)
-    try:
-        ep(x[mine], logits[mine])
-        raise AssertionError("the planted error was not raised")
-    except RuntimeError as exc:
-        assert "planted" in str(exc), exc
-    ep.runner.run = run
-    assert rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine]) <= rel_tol("none", torch.float32)
+    for owner, attr in ((ep.runner, "run"), (ep.dispatcher, "_send_rows")):
+        setattr(owner, attr, fail)  # an instance attribute over the method
+        try:
+            ep(x[mine], logits[mine])
+            raise AssertionError(f"the planted error in {attr} was not raised")
+        except RuntimeError as exc:
+            assert "planted" in str(exc), exc
+        delattr(owner, attr)
+        assert rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine]) <= rel_tol("none", torch.float32), attr
 
 
 def check_p2p_inference_mode(c):

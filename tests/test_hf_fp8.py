@@ -178,3 +178,19 @@ def test_tied_embeddings_stay_tied(fp8_checkpoint, tmp_path):
     model = load_fp8_model(tied, dtype=torch.float32)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     assert head.data_ptr() == embed.data_ptr() and torch.equal(embed, quant["model.embed_tokens.weight"])
+
+
+def test_a_buffer_left_uncomputed_is_refused(fp8_checkpoint, monkeypatch):
+    """The meta-device build leaves the rotary buffers NaN until the model's initializer computes them: a
+    transformers whose initializer does not is MF705, not a model with uninitialized memory for inv_freq."""
+    fp8_dir, _, _ = fp8_checkpoint("qwen3_moe")
+    from_config = transformers.AutoModelForCausalLM.from_config
+
+    def no_init(*args, **kwargs):
+        model = from_config(*args, **kwargs)
+        model._init_weights = lambda module: None
+        return model
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", no_init)
+    with pytest.raises(MoeflowError) as info:
+        load_fp8_model(fp8_dir, dtype=torch.float32)
+    assert info.value.code == "MF705" and "rotary_emb.inv_freq" in str(info.value), str(info.value)

@@ -83,14 +83,19 @@ class PeerBuffers:
         except (ImportError, RuntimeError, AttributeError, ValueError, OSError) as exc:
             failure = exc
         self._all_done(failure, "allocating symmetric memory")  # rendezvous is collective: every rank or none
+        handles = {}
+        for key, t in own.items():  # every rendezvous on every rank, whatever failed before: they are collective
+            try:
+                handles[key] = symm_mem.rendezvous(t, self.group)
+            except (RuntimeError, ValueError, OSError) as exc:  # raised after its own exchange (no peer access)
+                failure = failure or exc
         try:
-            for key, t in own.items():
-                shape, dtype = list(t.shape), t.dtype
-                handle = symm_mem.rendezvous(t, self.group)
-                self._addresses[key] = list(handle.buffer_ptrs)
-                self._views[key] = [t if r == self.rank else handle.get_buffer(r, shape, dtype)
-                                    for r in range(self.world)]
-        except (RuntimeError, ValueError, OSError) as exc:  # after the rendezvous' own exchange (peer access)
+            if failure is None:
+                for key, t in own.items():
+                    self._addresses[key] = list(handles[key].buffer_ptrs)
+                    self._views[key] = [t if r == self.rank else handles[key].get_buffer(r, list(t.shape), t.dtype)
+                                        for r in range(self.world)]
+        except (RuntimeError, ValueError, OSError) as exc:
             failure = exc
         self._all_done(failure, "mapping the peers' memory")
         self._views["_pads"][self.rank].zero_()

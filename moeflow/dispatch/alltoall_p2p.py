@@ -69,7 +69,6 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
         if self._open:  # a second batch would overwrite the first's rows (and then its partial sums) in place
             raise error("MF509", name=self.name, valid=["alltoall-fixed", "alltoall"])
         self.peers.check()
-        self._open = True
         cap, w = self.tokens_per_rank, self.world
         t = topk_ids.shape[0]
         hidden, topk_ids, topk_weights = hidden[:cap], topk_ids[:cap], topk_weights[:cap]
@@ -82,6 +81,7 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
             self.peers.barrier()
         handle = AllToAllHandle(None, slot, [cap] * w, [cap] * w, overflow=t if t > cap else 0)
         bound = w * cap * min(self.config.top_k, len(self._local))
+        self._open = True  # only once started: a dispatch_start that raised (MF502 at a barrier) holds no batch
         # `work` keeps what the transfer's stream reads alive until dispatch_wait joins it
         return _Pending((tokens, scale, topk_ids, topk_weights, used), self.peers.local["rows"], handle, bound,
                         padded=True)

@@ -87,9 +87,19 @@ def _build(transformers, config, dtype, device, routed: set[str]):
     for name, module in model.named_modules():
         if not any(name == r or name.startswith(r + ".") for r in routed):
             module.to_empty(device=device, recurse=False)
-    for module in model.modules():
-        if module._non_persistent_buffers_set:
+    unset = []
+    for prefix, module in model.named_modules():
+        own = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+        if own:
+            for n in own:  # NaN until computed: a transformers that leaves one uncomputed is refused, not run
+                if module._buffers[n].is_floating_point():
+                    module._buffers[n].fill_(float("nan"))
             model._init_weights(module)
+            unset += [f"{prefix}.{n}" for n in own if module._buffers[n].isnan().any()]
+    if unset:
+        raise error("MF705", path=str(getattr(config, "_name_or_path", "") or "the checkpoint"),
+                    why=f"transformers {transformers.__version__} computed no value for {unset[:3]} on a model "
+                        "built on the meta device; a newer transformers 5 does")
     model.tie_weights()
     return model
 
