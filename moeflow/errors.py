@@ -490,20 +490,22 @@ Fix: save and load the weights instead: torch.save(layer.state_dict()); for a se
 same configuration on every rank (construction is collective) and load_state_dict(layer.state_dict()).
 Example: twin = MoE(layer.config); twin.load_state_dict(layer.state_dict())
 """)
-_spec("MF509", DistributedError, "dispatcher already holds a batch",
-      "dispatcher {name!r} holds one batch at a time: dispatch_start was called again before the last batch's "
-      "combine_wait; valid dispatchers for overlapped batches: {valid}",
+_spec("MF509", DistributedError, "batch overwritten by a later one",
+      "dispatcher {name!r} holds one batch at a time: this batch's {what} were overwritten by a later {by} (of this "
+      "layer or another sharing its buffers); valid dispatchers for overlapped batches: {valid}",
       """
 What: alltoall-p2p's peers store a batch's token rows, and later its partial sums, straight into buffers that
-each rank maps once, and the experts read those rows in place. A second batch started before the first one's
-combine_wait would overwrite the first's rows or sums: the first batch's output would be wrong.
-When: dispatch_start of a second batch (two micro-batches overlapped through the dispatcher's halves) before
-combine_wait of the first. A layer's own forward never does this; it forgets a batch whose experts raised.
+each rank maps once (shared by the layers of one group and size), and the experts read those rows in place. Each
+dispatch_start and combine_start refills them, so a batch started before an earlier one finished overwrote that
+earlier batch's rows or sums; the earlier batch is refused where it is next used (dispatch_wait, combine_start,
+combine_wait) rather than computed from the wrong rows.
+When: two micro-batches overlapped through the dispatcher's halves (dispatch_start of B before A's combine_wait).
+A layer's own forward never does this.
 Fix: finish each batch (combine_wait) before the next dispatch_start, or overlap micro-batches with alltoall-fixed
-(the same fixed blocks through NCCL, buffers per call) or alltoall. Code of your own that calls the halves and
-raised between them (on every rank) calls dispatcher.abandon() before the next batch.
+(the same fixed blocks through NCCL, buffers per call) or alltoall.
 Example: MoE(..., dispatcher="alltoall-fixed", max_tokens_per_rank=4096)
 """)
+
 # ---------------------------------------------------------------- MF603+: kernel configs / tuning
 _spec("MF603", ToolError, "invalid kernel config file",
       "kernel config file {path} cannot be used: {why}",

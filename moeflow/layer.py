@@ -348,16 +348,11 @@ def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, t
     if fused is not None:
         out = runner.run_fused(hidden, topk_ids, topk_weights, weights, fused)
         return out, between() if between else None
-    try:
-        pending = dispatcher.dispatch_start(hidden, topk_ids, topk_weights)
-        extra = between() if between else None
-        batch, handle = dispatcher.dispatch_wait(pending)
-        expert_out = run_in_layout(runner, batch, weights)
-        pending = dispatcher.combine_start(expert_out, handle)
-    except BaseException:
-        dispatcher.abandon()  # the batch ends here: the layer's next call starts afresh
-        raise
-    return dispatcher.combine_wait(pending), extra
+    pending = dispatcher.dispatch_start(hidden, topk_ids, topk_weights)
+    extra = between() if between else None
+    batch, handle = dispatcher.dispatch_wait(pending)
+    expert_out = run_in_layout(runner, batch, weights)
+    return dispatcher.combine_wait(dispatcher.combine_start(expert_out, handle)), extra
 
 
 class _SharedMLP(nn.Module):

@@ -8,9 +8,9 @@ no tokens at all; every token routed to one rank's experts; the start/wait halve
 experts in between; the dispatchers' Triton kernel paths (CUDA-only in the library) forced onto
 CPU through Triton's interpreter (alltoall-p2p's stores through address tables into the other
 processes' shared memory included); alltoall-p2p's buffers reused over several forwards, MF507 when
-they cannot be mapped (on every rank, or on one: every rank raises at once), MF509 for a second batch in flight, a
-forward that raised between its halves, a layer built under inference_mode; with_payload keeping the dispatcher's
-settings; "auto" picking alltoall; MF501 (ranks disagree), MF504 (bad placement),
+they cannot be mapped (on every rank, or on one: every rank raises at once), MF509 for a batch a later one
+overwrote, a forward that raised partway, a layer built under inference_mode, its buffers shared by layers of one size
+(and mapped anew where one rank alone still holds them); with_payload keeping the dispatcher's settings; "auto" picking alltoall; MF501 (ranks disagree), MF504 (bad placement),
 MF503 (low-latency capacity overflow: the other ranks finish correctly, the group stays usable), a call refused on one
 rank (MF305, MF301: it takes part with no tokens, the other ranks finish correctly), MF508 (copying or pickling a
 layer with a process group)

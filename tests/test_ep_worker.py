@@ -199,6 +199,8 @@ def suite(world):
     checks.append(("alltoall-p2p-after-a-raise", check_p2p_after_a_raise))
     checks.append(("alltoall-p2p-inference-mode", check_p2p_inference_mode))
     checks.append(("with-payload-keeps-settings", check_with_payload_keeps_settings))
+    checks.append(("alltoall-p2p-layers-share-buffers", check_p2p_layers_share_buffers))
+    checks.append(("alltoall-p2p-shared-buffers-held-by-one-rank", check_p2p_shared_buffers_held_by_one_rank))
     # alltoall-fixed's combine in 3 pieces (C_rank = 27), and in one
     checks.append(("alltoall-fixed-combine-3-pieces", lambda c: c.compare(
         tokens_for(c, "p3"), dispatcher="alltoall-fixed", runner="reference", max_tokens_per_rank=27,
@@ -429,29 +431,48 @@ def _mine(c, tokens, h, e):
 
 
 def check_p2p_second_batch(c):
-    """alltoall-p2p holds one batch at a time: a second dispatch_start before the first batch's combine_wait is
-    MF509 (it silently overwrote the first batch's rows); the first batch then finishes right, and so does the
-    layer's next call."""
+    """alltoall-p2p holds one batch at a time. Batch A dispatched, then B: A's rows are B's now, and A is MF509 at
+    its dispatch_wait (it was silently computed from B's rows); B finishes right. A's combine started, then B's: A
+    is MF509 at its combine_wait. A dispatch repeated without its combine (benchmarks) is no error, and the layer's
+    next call is right."""
     from moeflow.layouts import run_in_layout
     ep, one = _p2p_pair(c)
     h, e = ep.config.hidden_size, ep.config.num_experts
-    x, logits, mine = _mine(c, [9 + r for r in range(c.world)], h, e)
-    ids, w = ep.router(logits[mine], None)
-    disp = ep.dispatcher
-    pending = disp.dispatch_start(x[mine], ids, w)
-    exc = c.expect("MF509", lambda: disp.dispatch_start(x[mine][:3], ids[:3], w[:3]))
-    assert "alltoall-fixed" in str(exc), str(exc)
-    batch, handle = disp.dispatch_wait(pending)
-    got = disp.combine_wait(disp.combine_start(run_in_layout(ep.runner, batch, ep.expert_weights()), handle))
-    assert rel_err(got, one(x, logits)[mine]) <= rel_tol("none", torch.float32)
+    disp, tol = ep.dispatcher, rel_tol("none", torch.float32)
+
+    def batch(n):
+        x, logits, mine = _mine(c, [n + r for r in range(c.world)], h, e)
+        ids, w = ep.router(logits[mine], None)
+        return x[mine], ids, w, one(x, logits)[mine]
+
+    def experts(pending):
+        got, handle = disp.dispatch_wait(pending)
+        return run_in_layout(ep.runner, got, ep.expert_weights()), handle
+
+    (xa, ia, wa, want_a), (xb, ib, wb, want_b) = batch(9), batch(4)
+    pending_a = disp.dispatch_start(xa, ia, wa)
+    pending_b = disp.dispatch_start(xb, ib, wb)
+    exc = c.expect("MF509", lambda: disp.dispatch_wait(pending_a))
+    assert "alltoall-fixed" in str(exc) and "rows" in str(exc), str(exc)
+    out_b, handle_b = experts(pending_b)
+    assert rel_err(disp.combine_wait(disp.combine_start(out_b, handle_b)), want_b) <= tol
+    out_a, handle_a = experts(disp.dispatch_start(xa, ia, wa))
+    combine_a = disp.combine_start(out_a, handle_a)
+    out_b, handle_b = experts(disp.dispatch_start(xb, ib, wb))  # B's dispatch after A's combine started: allowed
+    combine_b = disp.combine_start(out_b, handle_b)
+    c.expect("MF509", lambda: disp.combine_wait(combine_a))
+    assert rel_err(disp.combine_wait(combine_b), want_b) <= tol
+    for _ in range(3):  # dispatched and dropped
+        disp.dispatch(xa, ia, wa)
+    out_a, handle_a = experts(disp.dispatch_start(xa, ia, wa))  # A alone: right
+    assert rel_err(disp.combine_wait(disp.combine_start(out_a, handle_a)), want_a) <= tol
     x, logits, mine = _mine(c, [4 + 2 * r for r in range(c.world)], h, e)
-    assert rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine]) <= rel_tol("none", torch.float32)
+    assert rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine]) <= tol
 
 
 def check_p2p_after_a_raise(c):
     """A forward whose experts raise between dispatch and combine, or whose dispatch_start raises after its first
-    barrier (on every rank), forgets its batch: the next call runs, right, where alltoall-p2p would have refused
-    it (MF509) for ever."""
+    barrier (on every rank), leaves nothing behind: the next call runs, right."""
     ep, one = _p2p_pair(c)
     h, e = ep.config.hidden_size, ep.config.num_experts
     x, logits, mine = _mine(c, [7 + r for r in range(c.world)], h, e)
@@ -500,6 +521,42 @@ def check_p2p_unmappable_on_one_rank(c):
     want = "no shared memory on this rank" if c.rank == c.world - 1 else f"failed on rank {c.world - 1}"
     assert want in str(exc) and "alltoall-fixed" in str(exc), str(exc)
     c.compare(tokens_for(c, "after-unmappable"), dispatcher="alltoall-p2p", runner="reference", dtype=torch.float32)
+
+
+def check_p2p_layers_share_buffers(c):
+    """Layers of one group, device and sizes share alltoall-p2p's buffers (one set for a model, not one a layer):
+    calls interleaved between two layers are right; another size maps its own; a batch of one layer dispatched
+    while another layer's is in flight makes that one MF509, and finishes right itself."""
+    from moeflow.layouts import run_in_layout
+    (a, a1), (b, b1) = _p2p_pair(c, hidden_size=192), _p2p_pair(c, hidden_size=192)
+    other, other1 = _p2p_pair(c, hidden_size=128)
+    assert a.dispatcher.peers is b.dispatcher.peers and other.dispatcher.peers is not a.dispatcher.peers
+    for layer, twin in ((a, a1), (b, b1), (a, a1), (other, other1)):
+        x, logits, mine = _mine(c, [6 + r for r in range(c.world)], layer.config.hidden_size, layer.config.num_experts)
+        assert rel_err(layer(x[mine], logits[mine]), twin(x, logits)[mine]) <= rel_tol("none", torch.float32)
+    x, logits, mine = _mine(c, [5 + r for r in range(c.world)], 192, a.config.num_experts)
+    ids, w = a.router(logits[mine], None)
+    pending_a = a.dispatcher.dispatch_start(x[mine], ids, w)
+    pending_b = b.dispatcher.dispatch_start(x[mine], ids, w)
+    c.expect("MF509", lambda: a.dispatcher.dispatch_wait(pending_a))
+    batch, handle = b.dispatcher.dispatch_wait(pending_b)
+    got = b.dispatcher.combine_wait(b.dispatcher.combine_start(run_in_layout(b.runner, batch, b.expert_weights()),
+                                                               handle))
+    assert rel_err(got, b1(x, logits)[mine]) <= rel_tol("none", torch.float32)
+
+
+def check_p2p_shared_buffers_held_by_one_rank(c):
+    """Rank 0 still holds an old layer's buffers, the others freed theirs: the next layer of those sizes maps new
+    ones on every rank (the ranks agree first), where rank 0 alone reusing them would have split the group."""
+    import gc
+    old, _ = _p2p_pair(c, hidden_size=160)
+    kept = old.dispatcher.peers if c.rank == 0 else None
+    del old
+    gc.collect()
+    new, one = _p2p_pair(c, hidden_size=160)
+    assert new.dispatcher.peers is not kept
+    x, logits, mine = _mine(c, [6 + r for r in range(c.world)], 160, new.config.num_experts)
+    assert rel_err(new(x[mine], logits[mine]), one(x, logits)[mine]) <= rel_tol("none", torch.float32)
 
 
 def check_with_payload_keeps_settings(c):

@@ -40,6 +40,7 @@ class AllToAllHandle:
     received: list[int]  # rows received from each rank
     overflow: int = 0  # alltoall-fixed: tokens this rank was given when beyond its capacity (MF503)
     pieces: int = 1  # alltoall-fixed: the combine goes out in this many all-to-alls
+    epoch: int = 0  # alltoall-p2p: the dispatch (PeerBuffers.rows_epoch) whose rows this batch's experts read
 
 
 @dataclass
@@ -49,6 +50,7 @@ class _Pending:
     handle: AllToAllHandle
     copies: int  # copies received for this rank's experts (padded: an upper bound of them)
     padded: bool = False  # copies is a bound: the batch is padded past offsets[-1] (alltoall-fixed)
+    epoch: int = 0  # alltoall-p2p: the transfer (PeerBuffers.rows_epoch / sums_epoch) that filled buf
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher):

@@ -4,7 +4,8 @@ call, no send buffer, no host synchronization; dispatch and combine capture in C
 On CPU (gloo groups of one node) the buffers are shared files and the barrier is gloo's: the same
 dispatcher, tested in CI; there the rows are packed by torch and copied into the peers' blocks.
 
-Buffers, mapped by every rank once at construction (C = max_tokens_per_rank, W ranks):
+Buffers, mapped by every rank at the construction of the first layer that needs them and shared by the layers of
+the same group, device and sizes (PeerBuffers.shared: the layers run one at a time) (C = max_tokens_per_rank, W ranks):
   rows [W·C, row_bytes] uint8: block s holds the packed rows rank s sent here (alltoall-fixed's
     layout: its tokens for this rank, tokens ascending, then blank rows);
   sums [W·C, H] layer dtype: block s holds the partial sums rank s computed for this rank's tokens.
@@ -21,11 +22,13 @@ the transfer (the sums are the transfer). The barrier is one kernel of one progr
 
 The halves: on CUDA ``dispatch_start`` / ``combine_start`` queue the transfer (barriers, stores) on
 the transport's own stream and return; work queued before the wait half (the layer's shared experts)
-runs beside it, sharing the SMs; the wait half makes the current stream wait for it. One batch in
-flight at a time per dispatcher, from dispatch_start to combine_wait (its buffers are its own, and a
-batch's rows are read in place by index): a second dispatch_start before the first batch's
-combine_wait raises MF509 (two micro-batches overlapped: alltoall-fixed or alltoall, whose buffers are
-per call). The barriers at the start of each half make a repeated dispatch safe.
+runs beside it, sharing the SMs; the wait half makes the current stream wait for it. One batch at a
+time per set of buffers: each dispatch_start and combine_start refills them (numbered: rows_epoch,
+sums_epoch), so a batch whose rows or partial sums a later start refilled, of this layer or another
+sharing the buffers, is MF509 where it is next used (dispatch_wait, combine_start, combine_wait): two
+micro-batches overlapped need alltoall-fixed or alltoall, whose buffers are per call. Nothing is held
+between calls: a dispatch repeated without its combine (benchmarks) or a call that raised leaves no
+state behind. The barriers at the start of each half make the next batch safe, whichever layer sends it.
 A rank that never arrives: on CUDA the barrier stops waiting after MOEFLOW_DIST_TIMEOUT_S and the
 next eager call raises MF502 (dispatch_start, combine_wait); on CPU gloo's barrier raises it at once.
 Buffers that cannot be mapped (ranks on several nodes, no peer access): MF507 at construction.
@@ -57,18 +60,16 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         cap, w = self.tokens_per_rank, self.world
-        self.peers = PeerBuffers(self.name, self.process_group, self.rank, w, self.device, {
+        self.peers = PeerBuffers.shared(self.name, self.process_group, self.rank, w, self.device, {
             "rows": ((w * cap, self.codec.row_bytes), torch.uint8),
             "sums": ((w * cap, self.config.hidden_size), self.config.dtype)}, alternatives=["alltoall-fixed", "alltoall"])
         self._rows_to = self.peers.table("rows", cap)  # [W] int64: block `rank` of each rank's rows buffer
         self._sums_to = self.peers.table("sums", cap)
         self._block_start = torch.arange(w, dtype=torch.int64, device=self.device) * cap
-        self._open = False  # a batch between dispatch_start and combine_wait: its rows and sums are in the buffers
 
     def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> _Pending:
-        if self._open:  # a second batch would overwrite the first's rows (and then its partial sums) in place
-            raise error("MF509", name=self.name, valid=["alltoall-fixed", "alltoall"])
         self.peers.check()
+        self.peers.rows_epoch += 1  # from here on, an earlier batch's rows may be overwritten: it is stale
         cap, w = self.tokens_per_rank, self.world
         t = topk_ids.shape[0]
         hidden, topk_ids, topk_weights = hidden[:cap], topk_ids[:cap], topk_weights[:cap]
@@ -79,14 +80,20 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
             self.peers.barrier()
             self._send_rows(tokens, scale, topk_ids, topk_weights, slot, used)
             self.peers.barrier()
-        handle = AllToAllHandle(None, slot, [cap] * w, [cap] * w, overflow=t if t > cap else 0)
+        handle = AllToAllHandle(None, slot, [cap] * w, [cap] * w, overflow=t if t > cap else 0,
+                                epoch=self.peers.rows_epoch)
         bound = w * cap * min(self.config.top_k, len(self._local))
-        self._open = True  # only once started: a dispatch_start that raised (MF502 at a barrier) holds no batch
         # `work` keeps what the transfer's stream reads alive until dispatch_wait joins it
         return _Pending((tokens, scale, topk_ids, topk_weights, used), self.peers.local["rows"], handle, bound,
-                        padded=True)
+                        padded=True, epoch=self.peers.rows_epoch)
+
+    def _current(self, epoch: int, now: int, what: str, by: str) -> None:
+        """MF509 where a later transfer (of this layer or another sharing the buffers) has refilled them."""
+        if epoch != now:
+            raise error("MF509", name=self.name, what=what, by=by, valid=["alltoall-fixed", "alltoall"])
 
     def dispatch_wait(self, pending: _Pending):
+        self._current(pending.epoch, self.peers.rows_epoch, "received rows", "dispatch_start")
         self.peers.join()
         pending.work = None
         return super().dispatch_wait(pending)
@@ -107,10 +114,10 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
         for d, block in enumerate(self.peers.blocks("rows", cap)):
             block.copy_(send[d * cap:(d + 1) * cap])
 
-    def abandon(self) -> None:
-        self._open = False
-
     def combine_start(self, expert_out: Tensor, handle: AllToAllHandle) -> _Pending:
+        # the rows this batch's experts read in place (by index) must still be this batch's
+        self._current(handle.epoch, self.peers.rows_epoch, "received rows", "dispatch_start")
+        self.peers.sums_epoch += 1
         cap, k = self.tokens_per_rank, self.config.top_k
         with self.peers.side_stream():
             self.peers.barrier()
@@ -123,10 +130,11 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
                 for s, block in enumerate(self.peers.blocks("sums", cap)):
                     block.copy_(partial[s * cap:(s + 1) * cap])
             self.peers.barrier()
-        return _Pending(expert_out, self.peers.local["sums"], handle, 0)  # work: kept alive until combine_wait
+        # work: kept alive until combine_wait
+        return _Pending(expert_out, self.peers.local["sums"], handle, 0, epoch=self.peers.sums_epoch)
 
     def combine_wait(self, pending: _Pending) -> Tensor:
-        self._open = False  # first: the batch ends here even where MF502 or MF503 is raised below
+        self._current(pending.epoch, self.peers.sums_epoch, "partial sums", "combine_start")
         self.peers.join()
         pending.work = None
         out = gather_sum(pending.buf, pending.handle.home)  # [T, H]: row r * C + p came from rank r

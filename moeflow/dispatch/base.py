@@ -65,9 +65,3 @@ class Dispatcher(ABC):
     def combine_wait(self, pending: Any) -> Tensor:
         """Second half of combine -> [T, H] layer dtype."""
         return pending
-
-    def abandon(self) -> None:
-        """A batch started by dispatch_start will not reach combine_wait (the layer calls this when the experts or
-        the shared experts raised in between; a caller of the halves calls it likewise): forget it. Nothing to do
-        but where the dispatcher holds one batch at a time (alltoall-p2p). It re-pairs no collective: where one rank
-        alone raised, its peers wait for its combine and end in MF502, as for a rank that stops answering."""
