@@ -129,7 +129,7 @@ def _import_error(package: str) -> str | None:
     return None
 
 
-# the GPUs the Triton kernels around the runner were run and checked on: those of the Triton router (sm_90)
+# the GPU the Triton router (RouterCaps.validated_cc) and the Triton kernels around the runner were run and checked on
 GLUE_VALIDATED_CC = (9, 0)
 
 

@@ -397,17 +397,10 @@ def check_payload_converted(c):
 def check_p2p_repeated(c):
     """alltoall-p2p reuses its mapped buffers: three forwards of one layer, each batch smaller or larger
     than the last (stale rows of the previous call must be blanked), each equal to the one-process layer."""
-    cfg = MoEConfig(**BASE, dispatcher="alltoall-p2p", runner="reference", dtype=torch.float32)
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    state = {"gate_up_proj": torch.randn(e, 2 * i, h) / h ** 0.5, "down_proj": torch.randn(e, h, i) / i ** 0.5}
-    ep, one = MoE(cfg), MoE(cfg.replace(dispatcher="auto", placement=None), process_group=c.solo[c.rank])
-    for layer in (ep, one):
-        layer.load_weights(state)
+    ep, one = _p2p_pair(c)
+    h, e = ep.config.hidden_size, ep.config.num_experts
     for n in (20, 3, 28):
-        tokens = [n + r for r in range(c.world)]
-        x, logits = torch.randn(sum(tokens), h), torch.randn(sum(tokens), e)
-        lo = sum(tokens[:c.rank])
-        mine = slice(lo, lo + tokens[c.rank])
+        x, logits, mine = _mine(c, [n + r for r in range(c.world)], h, e)
         err = rel_err(ep(x[mine], logits[mine]), one(x, logits)[mine])
         assert err <= rel_tol("none", torch.float32), (n, err)
 

@@ -50,6 +50,10 @@ from .alltoall_fixed import AllToAllFixedDispatcher
 from .gather_sum import gather_sum
 
 
+# what MF507 and MF509 name instead: the same blocks through NCCL, with buffers of their own per call
+_WITHOUT_PEER_MEMORY = ["alltoall-fixed", "alltoall"]
+
+
 class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
     name = "alltoall-p2p"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=4,
@@ -62,7 +66,7 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
         cap, w = self.tokens_per_rank, self.world
         self.peers = PeerBuffers.shared(self.name, self.process_group, self.rank, w, self.device, {
             "rows": ((w * cap, self.codec.row_bytes), torch.uint8),
-            "sums": ((w * cap, self.config.hidden_size), self.config.dtype)}, alternatives=["alltoall-fixed", "alltoall"])
+            "sums": ((w * cap, self.config.hidden_size), self.config.dtype)}, alternatives=_WITHOUT_PEER_MEMORY)
         self._rows_to = self.peers.table("rows", cap)  # [W] int64: block `rank` of each rank's rows buffer
         self._sums_to = self.peers.table("sums", cap)
         self._block_start = torch.arange(w, dtype=torch.int64, device=self.device) * cap
@@ -90,7 +94,7 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
     def _current(self, epoch: int, now: int, what: str, by: str) -> None:
         """MF509 where a later transfer (of this layer or another sharing the buffers) has refilled them."""
         if epoch != now:
-            raise error("MF509", name=self.name, what=what, by=by, valid=["alltoall-fixed", "alltoall"])
+            raise error("MF509", name=self.name, what=what, by=by, valid=_WITHOUT_PEER_MEMORY)
 
     def dispatch_wait(self, pending: _Pending):
         self._current(pending.epoch, self.peers.rows_epoch, "received rows", "dispatch_start")
