@@ -2,8 +2,11 @@
 the commands the documents name."""
 import importlib.util
 import json
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,6 +28,16 @@ def test_explain_lists_codes_and_refuses_unknown(capsys):
     assert all(code in listing for code in CATALOGUE)
     assert main(["explain", "MF999"]) == 2
     assert "MF602" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_is_no_error():
+    """`moeflow explain | head -1`: the listing outlives its reader; the command stops without a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "moeflow", "explain"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves after one line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 def test_check_prints_plan_or_code(capsys):

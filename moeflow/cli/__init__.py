@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..errors import MoeflowError
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoeflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left early (`moeflow explain | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot raise again
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer its pipe's reader left
 
 
 if __name__ == "__main__":
