@@ -194,3 +194,31 @@ def test_a_buffer_left_uncomputed_is_refused(fp8_checkpoint, monkeypatch):
     with pytest.raises(MoeflowError) as info:
         load_fp8_model(fp8_dir, dtype=torch.float32)
     assert info.value.code == "MF705" and "rotary_emb.inv_freq" in str(info.value), str(info.value)
+
+
+def test_each_block_is_read_once_and_a_missing_expert_is_refused_before_any_block_is_replaced(fp8_checkpoint,
+                                                                                             monkeypatch, tmp_path):
+    """load_fp8_model plans every block from shapes alone (_BlockExperts.plan) and stacks and copies each block's
+    checkpoint experts once, to build it; a checkpoint without one expert's down_proj is MF705 from that plan, before
+    any block is built."""
+    import shutil
+    from moeflow.integrations.hf import fp8
+    fp8_dir, _, quant = fp8_checkpoint("qwen3_moe")
+    reads, get = [], fp8._BlockExperts.get
+    monkeypatch.setattr(fp8._BlockExperts, "get", lambda self, block, default=None: reads.append(block) or
+                        get(self, block, default))
+    model = load_fp8_model(fp8_dir, dtype=torch.float32)
+    blocks = [n for n, m in model.named_modules() if isinstance(m, MoeflowBlock)]
+    assert len(blocks) > 1 and sorted(reads) == sorted(blocks), reads
+
+    gone = next(k for k in quant if ".experts.1.down_proj.weight" in k and k.endswith("weight"))
+    broken = tmp_path / "broken"
+    shutil.copytree(fp8_dir, broken)
+    safetensors_torch.save_file({k: v for k, v in quant.items() if not k.startswith(gone)},
+                                broken / "model.safetensors", metadata={"format": "pt"})
+    built = []
+    monkeypatch.setattr(fp8._BlockExperts, "get", lambda self, block, default=None: built.append(block))
+    with pytest.raises(MoeflowError) as info:
+        load_fp8_model(broken, dtype=torch.float32)
+    assert info.value.code == "MF705" and "down" in str(info.value) and "[1]" in str(info.value), str(info.value)
+    assert not built

@@ -256,7 +256,8 @@ def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str =
     first is replaced, so a refusal (MF702 unknown block, MF704 unsupported experts, MF1xx/MF2xx
     from the configuration and planner) leaves the model untouched. No block at all: MF703.
     progress: optional callable(done, total, path). experts: {block path: routed-expert tensors}
-    overriding the blocks' own (fp8.py).
+    overriding the blocks' own (fp8.py); where it also has ``plan(path)`` (fp8._BlockExperts), the planning
+    pass takes that: tensors of the same shapes and dtypes whose values are never read.
     """
     if dtype is not None:  # an explicit activation dtype must be a layer dtype (MF104), not silently bfloat16
         dtype = parse_dtype(dtype)
@@ -271,8 +272,9 @@ def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str =
         raise error("MF703", model=type(model).__name__, valid=supported_blocks())
     dtype = dtype or getattr(model, "dtype", None)
     names = [name for name, _ in blocks]
+    planned = getattr(experts, "plan", experts.get)  # fp8._BlockExperts: shapes and dtypes only, nothing read
     for name, m in blocks:
-        _plan_block(m, quant, runner, dtype, name, experts.get(name))
+        _plan_block(m, quant, runner, dtype, name, planned(name))
     del blocks, m  # each block is looked up when it is replaced and then dropped, so its tensors can be freed
     for done, name in enumerate(names, 1):  # (quantizing bf16 experts: one block's old and new ones at a time)
         model.set_submodule(name, build_block(model.get_submodule(name), quant, runner, dtype, name, experts.get(name)))

@@ -137,8 +137,10 @@ def _scale(t: Tensor, scale_fmt: str) -> Tensor:
 
 class _BlockExperts(dict):
     """{block: its experts' checkpoint tensors (host)} whose ``get`` gives the block's stacked tensors
-    (``_stack``) on ``device``, made anew at each call: replace_moe_blocks plans, then builds, one block at a time,
-    so the device holds one block's checkpoint experts beside the model, not every block's."""
+    (``_stack``) on ``device``, made anew at each call: replace_moe_blocks builds one block at a time, so the device
+    holds one block's checkpoint experts beside the model, not every block's. Its planning pass takes ``plan``'s
+    tensors instead, which have the stacked shapes and dtypes but no values: the checkpoint is read and copied to
+    the device once, by the build."""
 
     def __init__(self, parts: dict[str, dict[str, Tensor]], path: str, device):
         super().__init__(parts)
@@ -149,6 +151,15 @@ class _BlockExperts(dict):
         if parts is None:
             return default
         return {k: v.to(self.device) for k, v in _stack(block, parts, self.path).items()}
+
+    def plan(self, block) -> dict[str, Tensor] | None:
+        """The block's stacked tensors uninitialized on ``device`` (stacked on the meta device: nothing is read, and
+        the same MF705 checks run as for ``get``); None for a block the checkpoint has no experts for."""
+        parts = super().get(block)
+        if parts is None:
+            return None
+        shapes = _stack(block, {k: v.to("meta") for k, v in parts.items()}, self.path)
+        return {k: torch.empty(t.shape, dtype=t.dtype, device=self.device) for k, t in shapes.items()}
 
 
 def _read(files, device, dtype, scale_fmt: str, root: Path):
