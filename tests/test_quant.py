@@ -134,7 +134,7 @@ def test_one_expert_dequantized_alone_matches_all_at_once(name, e, n, k):
         assert torch.equal(one, whole[i])
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn), ids=str)
 @pytest.mark.parametrize("m,k", ((5, 256), (3, 384), (0, 128), (4, 200)))
 def test_block_activation_scales_broadcast_by_group_give_the_expanded_bits(m, k, dtype):
     """fp8-block activations with K a multiple of 128 broadcast each group's scale (no [M, K] float32 expansion):
@@ -235,3 +235,19 @@ def test_low_precision_inputs(name, dtype):
     assert torch.equal(q16.view(torch.uint8), q32.view(torch.uint8)) and torch.equal(s16, s32)
     x = torch.randn(4, 256).to(dtype)
     assert torch.equal(s.fake_quantize_activation(x), s.fake_quantize_activation(x.float()))
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_input_quantizes_as_its_float_values(name):
+    """An FP8 tensor quantized again (a payload the dispatcher quantized, a checkpoint's FP8 weights) gives the bits of
+    its exact float32 values; torch has no FP8 amax on the CPU (nor abs on CUDA: gpu/test_gpu_runners.py)."""
+    s = create_scheme(name)
+    for x in (torch.randn(37, 256) * 50, torch.randn(5, 200) * 50):
+        x8 = x.clamp(-448, 448).to(FP8_DTYPE)
+        q, scale = s.quantize_activation(x8)
+        want_q, want_scale = s.quantize_activation(x8.float())
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+    w8 = (torch.randn(3, 256, 384) * 50).clamp(-448, 448).to(FP8_DTYPE)
+    q, scale = s.quantize_weight(w8)
+    want_q, want_scale = s.quantize_weight(w8.float())
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)

@@ -37,6 +37,12 @@ def amax_to_scale(amax: Tensor) -> Tensor:
     return amax.float().clamp(min=_MIN_AMAX) * (1.0 / FP8_MAX)
 
 
+def exact_float(x: Tensor) -> Tensor:
+    """x as it is, or an FP8 x as float32 (exactly its values): torch has no abs for FP8 on CUDA, nor an amax on
+    the CPU, and an FP8 payload quantized again (tests/gpu/test_gpu_triton.py, test_prequantized_payload) is one."""
+    return x.float() if x.dtype.itemsize == 1 else x
+
+
 def to_fp8(x: Tensor, scale: Tensor) -> Tensor:
     """Saturating quantize: float32 ``x * (1 / scale)`` clamped to ±448 then cast (NaN stays NaN).
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..capabilities import SchemeCaps, ShapeRule
-from .base import QuantScheme, amax_to_scale, to_fp8
+from .base import QuantScheme, amax_to_scale, exact_float, to_fp8
 
 BLOCK = 128
 
@@ -55,6 +55,7 @@ class FP8Block(QuantScheme):
         m, k = x.shape
         g = _cdiv(k, BLOCK)
         if k % BLOCK == 0:  # the same bits, with the scales broadcast by group, not expanded to [M, K] float32
+            x = exact_float(x)
             scale = amax_to_scale(x.reshape(m, g, BLOCK).abs().amax(dim=2))  # abs and max are exact in any dtype
             return to_fp8(x.reshape(m, g, BLOCK), scale[:, :, None]).view(m, k), scale
         padded = F.pad(x.float(), (0, g * BLOCK - k))

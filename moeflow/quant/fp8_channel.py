@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import QuantScheme, amax_to_scale, to_fp8
+from .base import QuantScheme, amax_to_scale, exact_float, to_fp8
 
 
 class FP8Channel(QuantScheme):
@@ -17,6 +17,7 @@ class FP8Channel(QuantScheme):
         return (e, n)
 
     def quantize_weight(self, w: Tensor):
+        w = exact_float(w)
         amax = w.abs().amax(dim=2) if w.shape[2] else w.new_zeros(w.shape[:2])
         scale = amax_to_scale(amax)
         return to_fp8(w, scale[:, :, None]), scale
@@ -25,6 +26,7 @@ class FP8Channel(QuantScheme):
         return q.float() * scale.float()[:, :, None]
 
     def quantize_activation(self, x: Tensor):
+        x = exact_float(x)
         amax = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros(x.shape[0], 1)
         scale = amax_to_scale(amax)
         return to_fp8(x, scale), scale

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import QuantScheme, amax_to_scale, to_fp8
+from .base import QuantScheme, amax_to_scale, exact_float, to_fp8
 
 
 class FP8Tensor(QuantScheme):
@@ -17,6 +17,7 @@ class FP8Tensor(QuantScheme):
         return (e,)
 
     def quantize_weight(self, w: Tensor):
+        w = exact_float(w)
         scale = amax_to_scale(w.abs().amax(dim=(1, 2)) if w.numel() else w.new_zeros(w.shape[0]))
         return to_fp8(w, scale[:, None, None]), scale
 
@@ -24,6 +25,7 @@ class FP8Tensor(QuantScheme):
         return q.float() * scale.float()[:, None, None]
 
     def quantize_activation(self, x: Tensor):
+        x = exact_float(x)
         amax = x.abs().amax() if x.numel() else x.new_zeros(())
         scale = amax_to_scale(amax).expand(x.shape[0], 1).contiguous()
         return to_fp8(x, scale), scale

@@ -159,3 +159,22 @@ def test_quantizing_a_layer_holds_one_expert_in_float32_on_gpu(scheme):
     layer.load_weights(ckpt, strict=False)
     load_peak = torch.cuda.max_memory_allocated() - before
     assert load_peak <= 6 * expert_f32, (load_peak, expert_f32, ckpt_bytes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel", "fp8-block"])
+def test_torch_quantizers_give_the_cpu_bits_on_gpu(scheme, dtype):
+    """The schemes' torch quantizers on CUDA, for every input dtype (FP8 too: a payload quantized again, which
+    test_prequantized_payload does, and CUDA has fewer FP8 kernels than the CPU): the CPU's bits, for
+    activations [M, K] (K a multiple of 128 or not) and weights [E, N, K]."""
+    from moeflow.quant import create_scheme
+    s = create_scheme(scheme)
+    for shape in ((37, 256), (5, 200)):
+        x = (torch.randn(*shape) * torch.rand(shape[0], 1) * 100).clamp(-448, 448).to(dtype)
+        q, scale = s.quantize_activation(x)
+        q_gpu, scale_gpu = s.quantize_activation(x.cuda())
+        assert torch.equal(q_gpu.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale_gpu.cpu(), scale)
+    w = (torch.randn(3, 256, 384) * 10).clamp(-448, 448).to(dtype)
+    q, scale = s.quantize_weight(w)
+    q_gpu, scale_gpu = s.quantize_weight(w.cuda())
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale_gpu.cpu(), scale)
