@@ -14,6 +14,12 @@ each T compares the compiled stack's output with the eager one; where they diffe
   b         b.forward_topk(h, ids, w)        the op called eagerly twice (determinism) and under compile
     PYTHONPATH=$PWD:$PWD/tests python benchmarks/experiments/compile_bits.py [SEEDS=0,1,2]
 Prints one line a (seed, T) and a last line per part: cases where it differed.
+
+Answer (H100, 402a5c5, gpu_session_2026-12-05_h200_h100_51f3d1d.md): at the test's seed, T=100, one output row differed; the
+first layer and the op agreed bit for bit (called eagerly twice and under compile), and inductor's softmax gave one
+routing weight one ulp (1.49e-8) off eager's, ids equal. Three other seeds: no difference at any T. The test now
+checks the compiled weights against eager's softmax within two ulps and compares everything moeflow computes on
+the compiled routing (tests/gpu/test_gpu_compile.py, run_compiled).
 """
 import os
 import sys
@@ -53,7 +59,7 @@ def main():
         with torch.inference_mode():
             for t in (1, 3, 16, 100, 16):
                 x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
-                y, ref = compiled(x).clone(), model(x)
+                y, ref = compiled(x)[0].clone(), model(x)[0]  # Stack -> (output, ids, weights)
                 same = torch.equal(y, ref)
                 line = f"seed {seed} T={t}: stack {'same' if same else 'DIFFERS'}"
                 if not same:
