@@ -5,9 +5,6 @@ graph-timed as gemm_sweep.py times it (batches_for(T) routings, the row-block ta
          wgmma (turns and epilogues as shipped): the time the operand traffic takes alone;
   math   the loader copies nothing: it arrives on each slot's ready barrier once the slot is free, so the consumers'
          wgmmas, scaling and epilogues run on whatever the slots hold: the time the K loops take without the traffic.
-  aregs  the kernel with kernels/warp_specialized._k_loop_quarters_r for the fp8-block tiles in quarters: quarters 1-3 of
-         each step take the activation rows from registers (fewer shared-memory reads a step); its outputs must be
-         full's bit for bit (checked where BITS_DIR names a folder for the two forms' outputs).
 loads and math write wrong outputs on purpose (bounds, not kernels). Each form runs in its own process (the Gluon
 functions are swapped in the module before the first compile). Per row it prints the three times and the operand
 bytes the tiles read (every tile's K steps of activation and weight boxes, padding rows included) over the loads and
@@ -17,9 +14,7 @@ full times: the rate the SMs draw operands from L2 at.
         [FORMS=full,loads] python benchmarks/experiments/ws_bounds.py OUT.json preset:T,...
 CFG: a warp-specialized tile for every row (else each row's table entry, which must be warp-specialized).
 GROUP_MS: run each row's tile at each of these tile orders (GROUP_M) in turn (not GROUPS, which bash keeps).
-FORMS: the forms to run (default full, loads and math).
-BITS_DIR: a folder where each form saves its outputs of each row's first routing (poisoned first); aregs is then
-compared with full bit for bit (raw bytes, poison included).
+FORMS: the forms to run (default all three).
 """
 import json
 import os
@@ -92,8 +87,6 @@ def _patch(form: str) -> None:
         ws._k_loop, ws._k_loop_scaled, ws._k_loop_quarters = _k_loop, _k_loop_scaled, _k_loop_quarters
     elif form == "math":
         ws._loader = _loader
-    elif form == "aregs":
-        ws._k_loop_quarters = ws._k_loop_quarters_r
 
 
 def operand_bytes(layout, cfg, n_out: int, k: int, elem: int, gated: bool) -> int:
@@ -142,10 +135,6 @@ def label(cfg) -> str:
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} s{cfg.num_stages}"
 
 
-def bits_name(form, preset, t, cfg) -> str:
-    return f"{form}_{preset}_{t}_{label(cfg).replace(' ', '_')}.pt"
-
-
 def _time_form(form, preset, t, shape, w, ins, cfg) -> dict:
     """One row at one tile in this process's form -> its record (us, TFLOP/s, operand GB and TB/s, or error)."""
     import torch
@@ -160,11 +149,8 @@ def _time_form(form, preset, t, shape, w, ins, cfg) -> dict:
     nbytes = operand_bytes(ins[0][2], cfg, n_out, k, 1 if SCHEME == "fp8-block" else 2, GEMM == "gate_up")
     flops = 2 * t * shape.top_k * shape.hidden * shape.inter * (2 if GEMM == "gate_up" else 1)
     try:
-        outs = run(ins[0], cfg, poison=True)
+        run(ins[0], cfg)
         torch.cuda.synchronize()
-        if os.environ.get("BITS_DIR"):
-            raw = [o.contiguous().view(torch.uint8).cpu() for o in outs if o is not None]
-            torch.save(raw, os.path.join(os.environ["BITS_DIR"], bits_name(form, preset, t, cfg)))
         us = graph_time_ms([lambda d=d: run(d, cfg) for d in ins], 20) * 1e3
         rec = dict(rec, us=round(us, 1), tflops=round(flops / us / 1e6), operand_gb=round(nbytes / 1e9, 3),
                    operand_tbs=round(nbytes / us / 1e6, 2))
@@ -192,21 +178,14 @@ def main():
     by = {}
     for r in res:
         by.setdefault((r["preset"], r["T"], r["cfg"]), {})[r["form"]] = r
-    bits = os.environ.get("BITS_DIR")
-    print(f"{'row':28} {'tile':18} {'full µs':>9} {'loads µs':>9} {'math µs':>9} {'aregs µs':>9} {'GB':>7} "
-          f"{'TB/s full':>9} {'TB/s loads':>10} {'aregs bits':>10}")
+    print(f"{'row':28} {'tile':18} {'full µs':>9} {'loads µs':>9} {'math µs':>9} {'GB':>7} {'TB/s full':>9} "
+          f"{'TB/s loads':>10}")
     for (preset, t, cfg), d in by.items():
         g = lambda f, k: d.get(f, {}).get(k, "-")
         tile = next(iter(d.values()))["tile"]
-        same = "-"
-        if bits and "aregs" in d and "full" in d:
-            import torch
-            name = lambda f: os.path.join(bits, f"{f}_{preset}_{t}_{tile.replace(' ', '_')}.pt")
-            same = all(torch.equal(a, b) for a, b in zip(torch.load(name("aregs")), torch.load(name("full")),
-                                                          strict=True))
         print(f"{preset + ' ' + GEMM + ' T=' + str(t):28} {tile:18} {g('full', 'us'):>9} {g('loads', 'us'):>9} "
-              f"{g('math', 'us'):>9} {g('aregs', 'us'):>9} {g('full', 'operand_gb'):>7} {g('full', 'operand_tbs'):>9} "
-              f"{g('loads', 'operand_tbs'):>10} {str(same):>10}")
+              f"{g('math', 'us'):>9} {g('full', 'operand_gb'):>7} {g('full', 'operand_tbs'):>9} "
+              f"{g('loads', 'operand_tbs'):>10}")
 
 
 if __name__ == "__main__":

@@ -335,55 +335,6 @@ if gluon is not None:
         return acc0, acc1, acc2, acc3, d_a, d_b
 
     @gluon.jit
-    def _quarter_r(a, w_bufs, g, q: gl.constexpr, d, STAGES: gl.constexpr, QN: gl.constexpr):
-        """_quarter with the activation rows in registers (a: the wgmma's A operand layout for d)."""
-        slot = g % STAGES
-        w = w_bufs.index(2 * slot + q // 2).slice((q % 2) * QN, QN, dim=0)
-        return warpgroup_mma(a, w.permute((1, 0)), d, use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _k_loop_quarters_r(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc0, acc1, acc2, acc3, d_a, d_b,
-                           as_rows, gs, us, STAGES: gl.constexpr, UNROLL: gl.constexpr, QN: gl.constexpr,
-                           ROW0: gl.constexpr = 0, TURNS: gl.constexpr = True):
-        """_k_loop_quarters with quarters 1-3 of a step taking the activation rows from registers, read from shared
-        memory once the step before is done (no wgmma then reads the registers they replace): a step's wgmmas
-        read two activation tiles and the weight tile from shared memory instead of four and the weight tile. The
-        same products in the same order (an experiment: benchmarks/experiments/ws_bounds.py, form aregs)."""
-        a_lay: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_a.type.layout, k_width=4)
-        bodies = n // UNROLL
-        for b in range(bodies):
-            last = b == bodies - 1
-            for u in gl.static_range(UNROLL):
-                t = b * UNROLL + u
-                g = g0 + t
-                mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
-                s_x = gl.load(as_rows + t)
-                s_g = s_x * gl.load(gs + t)
-                s_u_next = s_x * gl.load(us + t)
-                p_a = _quarter(a_bufs, w_bufs, g, 0, d_a, STAGES, QN, ROW0)
-                if u > 0:  # the previous step's last quarter (p_b, s_u: set by step u - 1 of this body)
-                    d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))  # noqa: F821
-                    mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)  # every wgmma of step g - 1 is done
-                    acc3 = _scaled_add(d_b, s_u, acc3)  # noqa: F821
-                s_u = s_u_next
-                a_t = _rows_of(a_bufs, g % STAGES, d_a, ROW0).load(a_lay)
-                p_b = _quarter_r(a_t, w_bufs, g, 1, d_b, STAGES, QN)
-                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
-                acc0 = _scaled_add(d_a, s_g, acc0)
-                p_a = _quarter_r(a_t, w_bufs, g, 2, d_a, STAGES, QN)
-                d_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b,))
-                acc1 = _scaled_add(d_b, s_g, acc1)
-                p_b = _quarter_r(a_t, w_bufs, g, 3, d_b, STAGES, QN)
-                if TURNS and u == UNROLL - 1:
-                    mbarrier.arrive(turn_bar, count=1, pred=last)
-                d_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a,))
-                acc2 = _scaled_add(d_a, s_u, acc2)
-            d_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b,))
-            mbarrier.arrive(empty.index((g0 + b * UNROLL + UNROLL - 1) % STAGES), count=1)
-            acc3 = _scaled_add(d_b, s_u, acc3)
-        return acc0, acc1, acc2, acc3, d_a, d_b
-
-    @gluon.jit
     def _store_fp8_groups(acc0, acc1, acc2, acc3, row_start, row_end, pid_n, out_ptr, outs_ptr, stride_out,
                           stride_outs, ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, BLOCK_M: gl.constexpr,
                           QN: gl.constexpr):
