@@ -313,12 +313,14 @@ Example: ids = torch.topk(scores, k, dim=-1).indices
 """)
 
 _spec("MF306", InputError, "compiled graph names no live moeflow layer",
-      "the op moeflow.layer was called for {owner!r}, which names no layer of this process",
+      "the op moeflow.layer was called for {owner!r} with an anchor of no live layer of this process",
       """
-What: under torch.compile, a moeflow layer is one op of the compiled graph (moeflow.ops), which names its layer
-by a key given when the graph was traced. This key named no layer that still exists in this process.
+What: under torch.compile, a moeflow layer is one op of the compiled graph (moeflow.ops). The op names its
+layer's class and function, and finds the layer by its anchor, a one-element buffer (_moeflow_anchor) the graph
+takes as an input. No live layer of this process had that anchor.
 When: running a graph exported or compiled ahead of time in another process (torch.export, AOT compilation),
-or a graph whose layer was deleted.
+or a graph whose layer was deleted; or, inside CUDA graph capture, an anchor copied on its way to the op (a
+module's buffers are not copied; the op can find a copy's layer only outside capture).
 Fix: compile the model in the process that runs it (torch.compile(model)); keep the model alive while its
 compiled function is used.
 Example: model = torch.compile(model); y = model(x)

@@ -168,7 +168,7 @@ class MoE(nn.Module):
     def _register_ops(self) -> None:
         """Make this layer's eager forwards callable by torch.compile's op (moeflow.ops)."""
         for fn in (MoE._forward_eager, MoE._forward_topk_eager):
-            ops.register(self, fn, self.plan.graph_safe)
+            ops.register(self, fn, self.plan.graph_safe, self.config.device)
 
     # ---------------------------------------------------------------- parameters
     def _make_parameters(self):

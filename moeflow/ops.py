@@ -6,12 +6,13 @@ fake kernel, which refuses float32 (tests/test_compile.py has the model that sho
 moeflow layer could not be compiled, which is how serving engines and transformers' static-cache generation run
 models.
 How: while torch.compile traces (torch.compiler.is_compiling()), MoE.forward / forward_topk, transformers'
-"moeflow" experts and ExpertsPath call ``torch.ops.moeflow.layer(hidden, routing, owner, weights)`` instead:
+"moeflow" experts and ExpertsPath call ``torch.ops.moeflow.layer(hidden, routing, owner, anchor, weights)`` instead:
 
     hidden [T, H] float, routing: [router_logits [T, E]] or [topk_ids [T, K], topk_weights [T, K]] (ExpertsPath:
-    then the caller's weights w13, w2 and their scales), owner: the key of the layer (or experts module, or path)
-    and of its eager function, weights: the owner's parameters that require grad, with grad mode on (else empty;
-    read by autograd only) -> [T, H], hidden's dtype, a new contiguous tensor
+    then the caller's weights w13, w2 and their scales), owner: the key of the owner's class and eager function
+    (op_key), anchor: the owner's anchor [1] uint8 (which owner of that class), weights: the owner's parameters that
+    require grad, with grad mode on (else empty; read by autograd only) -> [T, H], hidden's dtype, a new contiguous
+    tensor
 
 The op's fake implementation gives that shape, so the compiled graph holds one opaque node per layer. At run time
 the op calls the owner's eager function, launch by launch: the layer's own eager graphs (moeflow.graphs) stand
@@ -22,12 +23,18 @@ lent H200's host, with no synchronization (benchmarks/results/compile_2026-12-03
 the eager function too: dynamo cannot build moeflow's coded errors, so a bad input raises its code when the
 compiled graph runs, not when it is traced.
 Owners: an owner is registered outside tracing (register: a layer or an ExpertsPath when it is built or copied, a
-transformers experts module when its path is planned), under a key made of its identity (id) and its eager function,
-held weakly: a copy of a layer has its own key, and an op whose owner is gone (an exported graph run in another process)
-raises MF306. Tracing reads the key and the owner's graph safety from the registry. An owner not registered yet (a
-transformers experts module never called before the model was compiled) runs its eager function outside the graph:
-the compiled model is right but broken into pieces around each such call, and stays so. Planning the experts before
-compiling (moeflow.integrations.hf.prepare_experts, or one eager call) registers them and avoids the breaks.
+transformers experts module when its path is planned), under the key of its class and eager function, held weakly,
+and given an anchor: a one-byte tensor, a non-persistent buffer of a module (so it moves with it), an attribute of an
+ExpertsPath. The traced graph holds the key as a constant and the anchor as an input, and at run time the op finds
+the owner whose anchor it was given (by address). Why not the owner's id in the key (as until 2026-12-05): dynamo
+then guarded each compiled frame on the layer's identity, so a model's layers compiled one by one (regional
+compilation: block.compile() for each decoder block) recompiled the same code for every layer, and past dynamo's
+recompile limit (8) ran the rest eagerly. A copy of a layer has its own anchor; an op whose anchor names no live
+owner (an exported graph run in another process, a deleted layer) raises MF306. Tracing reads the owner's graph
+safety from its registrations (REGISTERED), which copies do not inherit. An owner not registered yet (a transformers
+experts module never called before the model was compiled, or a copy of one) runs its eager function outside the
+graph: the compiled model is right but broken into pieces around each such call, and stays so. Planning the experts
+before compiling (moeflow.integrations.hf.prepare_experts, or one eager call) registers them and avoids the breaks.
 CUDA graphs: torch.compile(mode="reduce-overhead") records the op's launches in its own graphs. A plan that is not
 graph-safe (Plan.graph_safe False: the reference runner, the expert-parallel dispatchers, their host
 synchronization) calls ``torch.ops.moeflow.layer_host_sync`` instead, the same op tagged
@@ -35,8 +42,8 @@ torch.Tag.cudagraph_unsafe. Inductor then keeps that op out of its CUDA graphs.
 Not supported: gradients (moeflow is for inference). With grad mode on, the owner's parameters that require grad
 are inputs of the op too (``weights``), and the op's backward is one op, refuse_gradient, whose fake gives the
 gradients' shapes (so the compile succeeds and the forward computes, as an eager call) and which raises MF307 when
-a backward runs, as an eager call's backward does. Nor torch.export of a model for use in another process (the owner
-key names a layer of this process).
+a backward runs, as an eager call's backward does. Nor torch.export of a model for use in another process (the op
+finds its layer among this process's).
 """
 from __future__ import annotations
 
@@ -50,45 +57,119 @@ from torch import Tensor
 from . import graphs
 from .errors import error
 
-_OWNERS: dict[str, tuple[weakref.ref, Callable]] = {}  # key -> (owner, eager fn)
-_GRAPH_SAFE: dict[str, bool] = {}  # key -> whether the owner's calls may be captured (what tracing reads)
+_OWNERS: dict[str, weakref.WeakSet] = {}  # op key -> the live owners registered under it
+_FNS: dict[str, Callable] = {}  # op key -> the owners' eager function
+_SERIALS: dict[int, weakref.ref] = {}  # anchor serial -> its owner
+_BY_ADDRESS: dict[tuple[str, int], weakref.ref] = {}  # (op key, anchor's address) -> its owner, as last resolved
+_NEXT_SERIAL = itertools.count(1)
+ANCHOR = "_moeflow_anchor"  # the owner's anchor: [1] int64 holding its serial
+REGISTERED = "_moeflow_registered"  # the owner's registrations: eager function name -> graph safety
+SERIAL = "_moeflow_serial"  # the serial the owner's anchor holds (int)
 
 
-def owner_key(owner, fn: Callable) -> str:
-    """The key the op names ``fn(owner, hidden, *routing)`` by: the owner's class, fn's name and the owner's id.
-    Traceable: dynamo folds id() of an object it guards to a constant."""
-    return type(owner).__name__ + "." + fn.__name__ + "@" + str(id(owner))
+class _Registrations(dict):
+    """An owner's registrations (eager function name -> graph safety). A copy of the owner starts without any: a
+    copied layer registers itself (MoE.__setstate__), a copied transformers experts module runs outside the graph
+    until it is planned, as one never planned does."""
+
+    def __copy__(self):
+        return _Registrations()
+
+    def __deepcopy__(self, memo):
+        return _Registrations()
+
+    def __reduce__(self):
+        return _Registrations, ()
 
 
-def register(owner, fn: Callable, graph_safe: bool) -> None:
+class _AnchorHolder(torch.nn.Module):
+    """Holds the anchor of an owner that is not a module (ExpertsPath) as a module buffer: dynamo treats the tensors
+    of modules as static inputs, which CUDA graph trees do not copy, so the op sees the anchor itself."""
+
+    def __init__(self, anchor: Tensor):
+        super().__init__()
+        self.register_buffer(ANCHOR, anchor, persistent=False)
+
+
+def op_key(owner, fn: Callable) -> str:
+    """The key the op names ``fn(owner, hidden, *routing)`` by: the owner's class and fn's name. Instances share it
+    (so a model's layers compiled one by one share their compiled code); the op finds its owner by the anchor."""
+    return type(owner).__name__ + "." + fn.__name__
+
+
+def anchor_of(owner) -> Tensor:
+    """The owner's anchor [1] int64 (module docstring, Owners)."""
+    holder = owner if isinstance(owner, torch.nn.Module) else owner.__dict__["_moeflow_anchor_holder"]
+    return getattr(holder, ANCHOR)
+
+
+def _give_anchor(owner, device) -> None:
+    """A new serial for the owner (SERIAL), in a new anchor on ``device``, or written into the one it has: a copy's
+    anchor came with it, holding its original's serial."""
+    serial = next(_NEXT_SERIAL)
+    holder = owner if isinstance(owner, torch.nn.Module) else owner.__dict__.get("_moeflow_anchor_holder")
+    if holder is None:
+        holder = owner.__dict__["_moeflow_anchor_holder"] = _AnchorHolder(torch.empty(0))
+    current = getattr(holder, ANCHOR, None)
+    if current is None or current.numel() != 1:
+        holder.register_buffer(ANCHOR, torch.full((1,), serial, dtype=torch.int64, device=device), persistent=False)
+    else:
+        current.fill_(serial)
+    owner.__dict__[SERIAL] = serial
+    _SERIALS[serial] = weakref.ref(owner, lambda _, s=serial: _SERIALS.pop(s, None))
+
+
+def register(owner, fn: Callable, graph_safe: bool, device) -> None:
     """Make ``fn(owner, hidden, *routing)`` callable by the op (outside tracing). graph_safe: the owner's
-    Plan.graph_safe. The entry goes when the owner does."""
-    key = owner_key(owner, fn)
-    _OWNERS[key] = (weakref.ref(owner, lambda _, k=key: _forget(k)), fn)
-    _GRAPH_SAFE[key] = graph_safe
+    Plan.graph_safe. Gives the owner its anchor on ``device`` where it has none of its own (a non-persistent buffer
+    of a module, which moves with it; of a holder module for other owners). The entry goes when the owner does."""
+    ref = _SERIALS.get(owner.__dict__.get(SERIAL))
+    if ref is None or ref() is not owner:  # no anchor yet, or a copy's
+        _give_anchor(owner, device)
+    owner.__dict__.setdefault(REGISTERED, _Registrations())[fn.__name__] = graph_safe
+    key = op_key(owner, fn)
+    _OWNERS.setdefault(key, weakref.WeakSet()).add(owner)
+    _FNS[key] = fn
 
 
 def registered(owner, fn: Callable) -> bool:
-    return owner_key(owner, fn) in _GRAPH_SAFE
+    return fn.__name__ in owner.__dict__.get(REGISTERED, ())
 
 
-def _forget(key: str) -> None:
-    _OWNERS.pop(key, None)
-    _GRAPH_SAFE.pop(key, None)
+def _resolve(key: str, anchor: Tensor):
+    """The live owner registered under ``key`` whose anchor is ``anchor`` (by address; else, outside graph capture,
+    by the serial it holds: a copy of the anchor, as torch.library.opcheck passes), or None."""
+    ptr = anchor.data_ptr()
+    ref = _BY_ADDRESS.get((key, ptr))
+    owner = ref() if ref is not None else None
+    if owner is not None and anchor_of(owner).data_ptr() == ptr:
+        return owner
+    # first call, or the owner's anchor moved (module.to()): look among the owners of this key
+    owner = next((o for o in _OWNERS.get(key, ()) if anchor_of(o).data_ptr() == ptr), None)
+    if owner is not None:
+        def forget(ref, k=(key, ptr)):
+            if _BY_ADDRESS.get(k) is ref:
+                del _BY_ADDRESS[k]
+        _BY_ADDRESS[(key, ptr)] = weakref.ref(owner, forget)
+        return owner
+    if anchor.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # reading the serial would synchronize
+    ref = _SERIALS.get(int(anchor.item()))
+    owner = ref() if ref is not None else None
+    return owner if owner is not None and owner in _OWNERS.get(key, ()) else None
 
 
-def _run(hidden: Tensor, routing: list[Tensor], owner: str, weights: list[Tensor]) -> Tensor:
-    """The op at run time: the owner's eager function on hidden and routing (``weights`` are inputs for autograd's
-    sake only: the owner reads its own)."""
-    entry = _OWNERS.get(owner)
-    target = entry[0]() if entry else None
+def _run(hidden: Tensor, routing: list[Tensor], owner: str, anchor: Tensor, weights: list[Tensor]) -> Tensor:
+    """The op at run time: the eager function of the owner registered under ``owner`` whose anchor is ``anchor``, on
+    hidden and routing (``weights`` are inputs for autograd's sake only: the owner reads its own)."""
+    target = _resolve(owner, anchor)
     if target is None:
         raise error("MF306", owner=owner)
     with graphs.standing_aside():  # the compiled model's CUDA graphs, if any, are its own (moeflow.graphs)
-        return entry[1](target, hidden, *routing)
+        return _FNS[owner](target, hidden, *routing)
 
 
-def _fake(hidden: Tensor, routing: list[Tensor], owner: str, weights: list[Tensor]) -> Tensor:
+def _fake(hidden: Tensor, routing: list[Tensor], owner: str, anchor: Tensor, weights: list[Tensor]) -> Tensor:
     return hidden.new_empty(hidden.shape)
 
 
@@ -115,7 +196,7 @@ def _define(name: str, tags: tuple):
     op.register_fake(_fake)
 
     def setup_context(ctx, inputs, output):
-        hidden, routing, _owner, weights = inputs
+        hidden, routing, _owner, _anchor, weights = inputs
         ctx.save_for_backward(hidden, *routing, *weights)
         ctx.routing = len(routing)
 
@@ -125,7 +206,7 @@ def _define(name: str, tags: tuple):
         grads = [None] * len(saved)
         for i, g in zip(floating, refuse_gradient(name, grad, [saved[i] for i in floating])):
             grads[i] = g
-        return grads[0], grads[1:1 + ctx.routing], None, grads[1 + ctx.routing:]
+        return grads[0], grads[1:1 + ctx.routing], None, None, grads[1 + ctx.routing:]
 
     op.register_autograd(backward, setup_context=setup_context)
     return op
@@ -162,13 +243,13 @@ def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...], weigh
     tagged cudagraph_unsafe, as registered; run outside the graph where the owner is not registered. ``weights()``:
     the owner's parameters, which it reads itself (called with grad mode on only); those that require grad become
     inputs of the op, so that a backward reaches the op's (MF307) where they alone require grad."""
-    key = owner_key(owner, fn)
-    if key not in _GRAPH_SAFE:  # run outside the graph (not disabled at import: that would import dynamo)
+    safe = owner.__dict__.get(REGISTERED, {}).get(fn.__name__)
+    if safe is None:  # run outside the graph (not disabled at import: that would import dynamo)
         run = _DISABLED[0] if _DISABLED else torch.compiler.disable(_unregistered, reason=_UNREGISTERED_REASON)
         return run(owner, fn, hidden, routing)
-    op = layer if _GRAPH_SAFE[key] else layer_host_sync
+    op = layer if safe else layer_host_sync
     trainable = [w for w in weights() if w.requires_grad] if torch.is_grad_enabled() else []
-    return op(hidden, list(routing), key, trainable)
+    return op(hidden, list(routing), op_key(owner, fn), anchor_of(owner), trainable)
 
 
 # ---------------------------------------------------------------- eager calls with grad mode on

@@ -95,22 +95,59 @@ def test_each_layer_keeps_its_own_key():
     assert torch.equal(f(a, x), a(x))
     assert torch.equal(f(b, x), b(x))
     assert not torch.equal(a(x), b(x))
-    assert ops.owner_key(a.moe, MoE._forward_eager) != ops.owner_key(b.moe, MoE._forward_eager)
+    assert ops.anchor_of(a.moe).data_ptr() != ops.anchor_of(b.moe).data_ptr()  # its own anchor
     assert ops.registered(b.moe, MoE._forward_eager)  # the copy registered itself (MoE.__setstate__)
+
+
+def test_blocks_compiled_one_by_one_share_their_compiled_code():
+    """Regional compilation (each block compiled on its own, block.compile(), as for a model's repeated decoder
+    layers): the blocks share one compiled frame, each op running its own layer. The op had named its layer by id,
+    and dynamo guarded each frame on that layer: every block recompiled the same code, and from the ninth (dynamo's
+    recompile limit, 8) the blocks ran eagerly."""
+    blocks = [block(seed=i) for i in range(11)]
+    torch._dynamo.reset()
+    rec = GraphRecorder()
+    for b in blocks:
+        b.compile(backend=rec, fullgraph=True)
+    with torch.inference_mode():
+        x = torch.randn(5, H)
+        y, want = x, x
+        for b in blocks:
+            y, want = b(y), b.forward(want)  # the compiled call, and the eager forward
+    assert torch.equal(y, want)
+    assert len(rec.graphs) == 1  # one compile for all 11 (8 compiles, then eager, before)
+    assert rec.targets().count("moeflow.layer_host_sync.default") == 2  # forward and forward_topk, one graph
+
+
+def test_a_copied_anchor_finds_its_layer_off_capture():
+    """The op finds its layer by the anchor's address, and given a copy of the anchor (torch.library.opcheck passes
+    copies) by the serial it holds; a copy of a layer gets a serial of its own."""
+    moe = block().moe
+    twin = copy.deepcopy(moe)
+    key = ops.op_key(moe, MoE._forward_eager)
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    for layer in (moe, twin):
+        anchor = ops.anchor_of(layer)
+        assert torch.equal(ops.layer_host_sync(x, [logits], key, anchor.clone(), []), layer(x, logits))
+    assert int(ops.anchor_of(moe)) != int(ops.anchor_of(twin))
+    twin.load_weights({"gate_up_proj": twin.gate_up_proj * 3, "down_proj": twin.down_proj})
+    assert not torch.equal(ops.layer_host_sync(x, [logits], key, ops.anchor_of(twin).clone(), []), moe(x, logits))
 
 
 def test_op_of_a_deleted_layer_raises_mf306():
     moe = block().moe
-    key = ops.owner_key(moe, MoE._forward_eager)
+    key, anchor = ops.op_key(moe, MoE._forward_eager), ops.anchor_of(moe)
     x, logits = torch.randn(2, H), torch.randn(2, E)
-    assert torch.equal(ops.layer_host_sync(x, [logits], key, []), moe(x, logits))
+    assert torch.equal(ops.layer_host_sync(x, [logits], key, anchor, []), moe(x, logits))
     del moe
     gc.collect()
     with pytest.raises(MoeflowError) as err:
-        ops.layer_host_sync(x, [logits], key, [])
+        ops.layer_host_sync(x, [logits], key, anchor, [])
     assert err.value.code == "MF306"
     with pytest.raises(MoeflowError, match="MF306"):
-        ops.layer(x, [logits], "MoE._forward_eager.no-such-layer", [])
+        ops.layer(x, [logits], key, torch.zeros(1, dtype=torch.uint8), [])  # no layer's anchor
+    with pytest.raises(MoeflowError, match="MF306"):
+        ops.layer(x, [logits], "MoE.no_such_function", anchor, [])
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
@@ -165,15 +202,17 @@ def test_opcheck():
     x, logits = torch.randn(6, H), torch.randn(6, E)
     ids = torch.randint(0, E, (6, 1)).expand(6, K).contiguous() + torch.arange(K)
     checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(ops.layer_host_sync, (x, [logits], ops.owner_key(moe, MoE._forward_eager), []),
+    anchor = ops.anchor_of(moe)
+    torch.library.opcheck(ops.layer_host_sync, (x, [logits], ops.op_key(moe, MoE._forward_eager), anchor, []),
                           test_utils=checks)
     torch.library.opcheck(ops.layer_host_sync, (x, [ids % E, torch.rand(6, K)],
-                                                ops.owner_key(moe, MoE._forward_topk_eager), []), test_utils=checks)
+                                                ops.op_key(moe, MoE._forward_topk_eager), anchor, []),
+                          test_utils=checks)
     # with the weights as inputs for autograd's sake, and an input that requires grad: the schema, the fake and the
     # autograd registration (running the backward, as test_aot_dispatch_dynamic does, raises MF307 by design)
     weights = [p.detach().requires_grad_(True) for p in moe.parameters()]
     torch.library.opcheck(ops.layer_host_sync, (x.clone().requires_grad_(True), [logits],
-                                                ops.owner_key(moe, MoE._forward_eager), weights),
+                                                ops.op_key(moe, MoE._forward_eager), anchor, weights),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -100,6 +100,40 @@ def test_plan_not_graph_safe_stays_out_of_cuda_graphs(make_layer):
             assert torch.equal(y, ref), f"T={t}"
 
 
+class Residual(nn.Module):
+    """x -> x + moe(x, gate(x))."""
+
+    def __init__(self, moe: MoE):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(256, 16, bias=False, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return x + self.moe(x, self.gate(x))
+
+
+def test_layers_compiled_one_by_one_with_cuda_graphs(make_layer):
+    """Regional compilation with mode="reduce-overhead": ten blocks compiled one by one share one compiled frame
+    (the op finds each layer by its anchor, a static input of inductor's graphs), each replays its own layer's bits,
+    and no CUDA graph is skipped. With the layer's id in the op, each block had compiled the same frame again and
+    from the ninth the blocks ran eagerly."""
+    from torch._dynamo.utils import counters
+    blocks = [Residual(make_layer(**SHAPE, quant="fp8-block", runner="triton")).requires_grad_(False)
+              for _ in range(10)]
+    for b in blocks:
+        b.compile(mode="reduce-overhead", fullgraph=True)
+    graphs, skips = counters["stats"]["unique_graphs"], cudagraph_skips()
+    with torch.inference_mode():
+        for _ in range(3):  # warm-up, recording, replay
+            x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+            y, want = x, x
+            for b in blocks:
+                y, want = b(y).clone(), b.forward(want)
+            assert torch.equal(y, want)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert cudagraph_skips() == skips
+
+
 def test_transformers_model_compiled_with_cuda_graphs():
     pytest.importorskip("transformers")
     from moeflow.integrations.hf import prepare_experts

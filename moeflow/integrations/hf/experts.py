@@ -124,7 +124,7 @@ def experts_path(module: nn.Module, dtype: torch.dtype, top_k: int) -> ExpertsPa
     if not ops.registered(module, experts_forward_eager):  # torch.compile's op runs it (moeflow.ops)
         # the expert-parallel sentinels are dropped after a host sync: not capturable
         safe = cache[key].plan.graph_safe and not getattr(module, "_is_expert_parallel", False)
-        ops.register(module, experts_forward_eager, safe)
+        ops.register(module, experts_forward_eager, safe, w13.device)
     return cache[key]
 
 
