@@ -13,6 +13,7 @@ forward path branches on backend names.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import math
 from collections.abc import Callable
@@ -35,6 +36,22 @@ from .planner import plan as make_plan
 from .quant import create_scheme
 from .routing import create_router
 from .weights import EXPERT_NAMES, canonical_state, load_expert_weight, load_layer_weights
+
+
+_ADOPTING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("moeflow_adopting", default=None)
+
+
+@contextlib.contextmanager
+def adopting(tensors: dict[str, Tensor]):
+    """Layers built inside with ``init_weights=False`` take ``tensors`` (by parameter name: gate_up_proj, down_proj,
+    their _scale_inv, e_score_correction_bias) as those parameters where they already have the parameter's shape,
+    dtype and device and are contiguous: neither allocated nor copied. integrations.hf.blocks builds its layers so:
+    allocating first and swapping the checkpoint's tensors in after held one block's experts twice."""
+    token = _ADOPTING.set(tensors)
+    try:
+        yield
+    finally:
+        _ADOPTING.reset(token)
 
 
 class MoE(nn.Module):
@@ -64,7 +81,7 @@ class MoE(nn.Module):
         elif fields:
             config = config.replace(**fields)
         self.__dict__.update(_built(config, process_group))
-        self._make_parameters()
+        self._make_parameters(None if init_weights else _ADOPTING.get())
         if init_weights:
             self.reset_parameters()
         self._register_ops()
@@ -171,22 +188,33 @@ class MoE(nn.Module):
             ops.register(self, fn, self.plan.graph_safe, self.config.device)
 
     # ---------------------------------------------------------------- parameters
-    def _make_parameters(self):
+    def _make_parameters(self, adopt: dict[str, Tensor] | None = None):
+        """The parameters, uninitialized; those ``adopt`` holds in their shape, dtype and device (contiguous) are
+        its tensors themselves (adopting)."""
         cfg = self.config
         e, h, i = len(self.local_experts), cfg.hidden_size, cfg.intermediate_size
         store = torch.float8_e4m3fn if self.scheme.quantized else cfg.dtype
+        device = torch.empty(0, device=cfg.device).device  # "cuda" as cuda:N, as the tensors report theirs
+        adopt = adopt or {}
 
-        def param(*shape, dtype):
+        def param(name, *shape, dtype):
+            t = adopt.get(name)
+            if (t is not None and (tuple(t.shape), t.dtype, t.device) == (shape, dtype, device)
+                    and t.is_contiguous()):
+                return nn.Parameter(t, requires_grad=False)
             return nn.Parameter(torch.empty(shape, dtype=dtype, device=cfg.device), requires_grad=False)
 
-        self.gate_up_proj = param(e, 2 * i, h, dtype=store)
-        self.down_proj = param(e, h, i, dtype=store)
+        self.gate_up_proj = param("gate_up_proj", e, 2 * i, h, dtype=store)
+        self.down_proj = param("down_proj", e, h, i, dtype=store)
         if self.scheme.quantized:
-            self.gate_up_proj_scale_inv = param(*self.scheme.weight_scale_shape(e, 2 * i, h), dtype=torch.float32)
-            self.down_proj_scale_inv = param(*self.scheme.weight_scale_shape(e, h, i), dtype=torch.float32)
+            self.gate_up_proj_scale_inv = param("gate_up_proj_scale_inv", *self.scheme.weight_scale_shape(e, 2 * i, h),
+                                                dtype=torch.float32)
+            self.down_proj_scale_inv = param("down_proj_scale_inv", *self.scheme.weight_scale_shape(e, h, i),
+                                             dtype=torch.float32)
         else:
             self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
-        self.e_score_correction_bias = param(cfg.num_experts, dtype=torch.float32) if cfg.use_correction_bias else None
+        self.e_score_correction_bias = (param("e_score_correction_bias", cfg.num_experts, dtype=torch.float32)
+                                        if cfg.use_correction_bias else None)
         if cfg.shared_size:
             self.shared_experts = _SharedMLP(h, cfg.shared_size, cfg.dtype, cfg.device)
             self.shared_expert_gate = (nn.Linear(h, 1, bias=False, dtype=cfg.dtype, device=cfg.device).requires_grad_(False)

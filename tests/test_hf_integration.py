@@ -185,6 +185,31 @@ def test_adopted_weights_are_not_copied(checkpoints):
     assert model.model.layers[1].mlp.moe.gate_up_proj.data_ptr() == w.data_ptr()
 
 
+def test_adopted_weights_are_never_allocated_twice(checkpoints):
+    """A block whose experts are already in the layer's layout builds its layer around them: no tensor of the experts'
+    shape is allocated on the way (the layer had allocated its own, then swapped the block's in: one block's experts
+    twice at the peak)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    model = load(checkpoints("qwen3_moe"), "eager")
+    experts = {tuple(model.model.layers[1].mlp.experts.gate_up_proj.shape),
+               tuple(model.model.layers[1].mlp.experts.down_proj.shape)}
+    with Allocations() as seen:
+        replace_moe_blocks(model)
+    assert seen.shapes and not experts & set(seen.shapes), experts & set(seen.shapes)
+
+
 def test_replaced_blocks_are_freed_as_they_go(checkpoints):
     """replace_moe_blocks quantizing high-precision experts drops each old block once it is replaced (so its experts
     can be freed then), not when every block is done: the peak holds one block's old and new experts, not all."""

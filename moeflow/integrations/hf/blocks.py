@@ -31,7 +31,7 @@ from ...capabilities import Environment
 from ...config import DTYPES, MoEConfig, parse_dtype
 from ...errors import error
 from ...experts import ExpertWeights
-from ...layer import MoE
+from ...layer import MoE, adopting
 from ...planner import plan as make_plan
 from ...weights import expected_names
 from .experts import _check_features, _check_fp8, _local, activation_of, expert_weights, is_experts_module
@@ -240,8 +240,11 @@ def build_block(block: nn.Module, quant: str | None = None, runner: str = "auto"
     if dtype is not None:  # MF104, as replace_moe_blocks
         dtype = parse_dtype(dtype)
     cfg, state, family = _plan_block(block, quant, runner, dtype, path, experts)
-    # skip the random init when the block's tensors cover every weight the layer needs
-    moe = MoE(cfg, init_weights=not set(expected_names(cfg)) <= set(state))
+    # skip the random init when the block's tensors cover every weight the layer needs; then the layer takes those
+    # already in its layout as its parameters at construction (adopting: no second allocation of the experts)
+    init = not set(expected_names(cfg)) <= set(state)
+    with adopting(state):
+        moe = MoE(cfg, init_weights=init)
     _adopt(moe, state)
     names = block_names(block, family) if experts is None else {}
     return MoeflowBlock(moe, block.gate, family.router_fp32, f"{type(block).__name__} at {path or '?'}", names)
