@@ -207,10 +207,10 @@ class MoE(nn.Module):
         self.gate_up_proj = param("gate_up_proj", e, 2 * i, h, dtype=store)
         self.down_proj = param("down_proj", e, h, i, dtype=store)
         if self.scheme.quantized:
-            self.gate_up_proj_scale_inv = param("gate_up_proj_scale_inv", *self.scheme.weight_scale_shape(e, 2 * i, h),
-                                                dtype=torch.float32)
-            self.down_proj_scale_inv = param("down_proj_scale_inv", *self.scheme.weight_scale_shape(e, h, i),
-                                             dtype=torch.float32)
+            gate_up_scale = self.scheme.weight_scale_shape(e, 2 * i, h)
+            down_scale = self.scheme.weight_scale_shape(e, h, i)
+            self.gate_up_proj_scale_inv = param("gate_up_proj_scale_inv", *gate_up_scale, dtype=torch.float32)
+            self.down_proj_scale_inv = param("down_proj_scale_inv", *down_scale, dtype=torch.float32)
         else:
             self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
         self.e_score_correction_bias = (param("e_score_correction_bias", cfg.num_experts, dtype=torch.float32)

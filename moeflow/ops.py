@@ -10,7 +10,7 @@ How: while torch.compile traces (torch.compiler.is_compiling()), MoE.forward / f
 
     hidden [T, H] float, routing: [router_logits [T, E]] or [topk_ids [T, K], topk_weights [T, K]] (ExpertsPath:
     then the caller's weights w13, w2 and their scales), owner: the key of the owner's class and eager function
-    (op_key), anchor: the owner's anchor [1] uint8 (which owner of that class), weights: the owner's parameters that
+    (op_key), anchor: the owner's anchor [1] int64 (which owner of that class), weights: the owner's parameters that
     require grad, with grad mode on (else empty; read by autograd only) -> [T, H], hidden's dtype, a new contiguous
     tensor
 
@@ -24,14 +24,16 @@ the eager function too: dynamo cannot build moeflow's coded errors, so a bad inp
 compiled graph runs, not when it is traced.
 Owners: an owner is registered outside tracing (register: a layer or an ExpertsPath when it is built or copied, a
 transformers experts module when its path is planned), under the key of its class and eager function, held weakly,
-and given an anchor: a one-byte tensor, a non-persistent buffer of a module (so it moves with it), an attribute of an
-ExpertsPath. The traced graph holds the key as a constant and the anchor as an input, and at run time the op finds
-the owner whose anchor it was given (by address). Why not the owner's id in the key (as until 2026-12-05): dynamo
-then guarded each compiled frame on the layer's identity, so a model's layers compiled one by one (regional
-compilation: block.compile() for each decoder block) recompiled the same code for every layer, and past dynamo's
-recompile limit (8) ran the rest eagerly. A copy of a layer has its own anchor; an op whose anchor names no live
-owner (an exported graph run in another process, a deleted layer) raises MF306. Tracing reads the owner's graph
-safety from its registrations (REGISTERED), which copies do not inherit. An owner not registered yet (a transformers
+and given an anchor: [1] int64 holding a serial of its own, a non-persistent buffer of a module (so it moves with it;
+for an ExpertsPath, of a holder module, so that dynamo takes it as a static input, which CUDA graph trees never
+copy). The traced graph holds the key as a constant and the anchor as an input, and at run time the op finds the
+owner whose anchor it was given: by address, or, given a copy of an anchor outside graph capture, by its serial.
+Why not the owner's id in the key (as until 2026-12-05): dynamo then guarded each compiled frame on the layer's
+identity, so a model's layers compiled one by one (regional compilation: block.compile() for each decoder block)
+recompiled the same code for every layer, and past dynamo's recompile limit (8) ran the rest eagerly. A copy of a
+layer has its own anchor and serial; an op whose anchor names no live owner (an exported graph run in another
+process, a deleted layer) raises MF306. Tracing reads the owner's graph safety from its registrations (REGISTERED),
+which copies do not inherit. An owner not registered yet (a transformers
 experts module never called before the model was compiled, or a copy of one) runs its eager function outside the
 graph: the compiled model is right but broken into pieces around each such call, and stays so. Planning the experts
 before compiling (moeflow.integrations.hf.prepare_experts, or one eager call) registers them and avoids the breaks.

@@ -43,9 +43,10 @@ class ExpertsPath:
                                             indexed_rows=self.plan.indexed_rows)
         self.runner = create_runner(self.plan.runner, config, self.scheme)
         self._graphs = GraphCache(self.plan.graph_safe)  # eager calls of small batches replayed (moeflow.graphs)
-        ops.register(self, ExpertsPath._call_op, self.plan.graph_safe, self.config.device)  # torch.compile's op runs it (moeflow.ops)
+        # torch.compile's op runs it (moeflow.ops)
+        ops.register(self, ExpertsPath._call_op, self.plan.graph_safe, self.config.device)
 
-    def __setstate__(self, state):  # copies: their own key in moeflow.ops
+    def __setstate__(self, state):  # copies: their own anchor in moeflow.ops
         self.__dict__.update(state)
         ops.register(self, ExpertsPath._call_op, self.plan.graph_safe, self.config.device)
 
