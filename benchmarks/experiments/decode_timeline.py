@@ -68,9 +68,9 @@ def event_us(g):
     return b2b, sorted(single)[25]
 
 
-def layer_calls(rows):
-    """(name, whole layer of the triton runner as a call) for each (preset, scheme, T) in rows, one Case
-    (random weights) alive at a time."""
+def layer_cases(rows):
+    """(name, Case, triton runner, x, logits) for each (preset, scheme, T) in rows, one Case (random weights) alive
+    at a time."""
     cases = {}
     for preset, scheme, t in rows:
         if (preset, scheme) not in cases:
@@ -80,7 +80,13 @@ def layer_calls(rows):
         case = cases[(preset, scheme)]
         runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
         x, logits = case.inputs(t, 1)[0]
-        yield f"{preset} {scheme} T={t}", (lambda c=case, r=runner, a=x, lg=logits: c.layer(r, a, lg))
+        yield f"{preset} {scheme} T={t}", case, runner, x, logits
+
+
+def layer_calls(rows):
+    """(name, whole layer of the triton runner as a call) for each (preset, scheme, T) in rows (layer_cases)."""
+    for name, case, runner, x, logits in layer_cases(rows):
+        yield name, (lambda c=case, r=runner, a=x, lg=logits: c.layer(r, a, lg))
 
 
 def main():

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 CHUNK = 16384  # bytes a thread prefetches
 BLOCK = 128  # threads (chunks) a program
@@ -51,27 +50,18 @@ def prefetch_l2(t: torch.Tensor, nbytes: int, stream=None) -> None:
 
 
 def main():
-    from bench_layer import Case
+    from decode_timeline import layer_cases
 
     from moeflow.benchmark import clean_graph_us, graph_us
-    from moeflow.experts import create_runner
-    out_path, rows = sys.argv[1], sys.argv[2].split(",")
+    out_path = sys.argv[1]
+    rows = [(p, s, int(t)) for p, s, t in (r.split(":") for r in sys.argv[2].split(","))]
     mbs = [int(m) for m in os.environ.get("MBS", "16,32").split(",")]
     rounds = int(os.environ.get("ROUNDS", "2"))
     modes = ["off"] + [f"{how}{mb}" for mb in mbs for how in ("inline", "side")]
     res = []
-    cases = {}
     side = torch.cuda.Stream()
-    for row in rows:
-        preset, scheme, t = row.split(":")
-        t = int(t)
-        if (preset, scheme) not in cases:
-            cases.clear()
-            torch.cuda.empty_cache()
-            cases[(preset, scheme)] = Case(preset, scheme)
-        case = cases[(preset, scheme)]
-        runner = create_runner("triton", case.cfg.replace(runner="triton"), case.scheme)
-        x, logits = case.inputs(t, 1)[0]
+    for (preset, scheme, t), (_, case, runner, x, logits) in zip(rows, layer_cases(rows)):
+        row = f"{preset}:{scheme}:{t}"
         w13 = case.weights.w13
 
         def layer(mode):
@@ -81,12 +71,12 @@ def main():
             if mode.startswith("inline"):
                 prefetch_l2(w13, mb)
                 return case.layer(runner, x, logits)
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
+            stream = torch.cuda.current_stream()
+            side.wait_stream(stream)
             with torch.cuda.stream(side):
                 prefetch_l2(w13, mb)
             y = case.layer(runner, x, logits)
-            main.wait_stream(side)
+            stream.wait_stream(side)
             return y
 
         want = layer("off").clone()
@@ -103,7 +93,7 @@ def main():
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(f"{'row':34} " + " ".join(f"{m:>17}" for m in modes))
-    for row in rows:
+    for row in dict.fromkeys(r["row"] for r in res):
         cells = []
         for m in modes:
             rs = [x for x in res if x["row"] == row and x["mode"] == m]
