@@ -119,6 +119,27 @@ def test_blocks_compiled_one_by_one_share_their_compiled_code():
     assert rec.targets().count("moeflow.layer_host_sync.default") == 2  # forward and forward_topk, one graph
 
 
+def test_transformers_layers_compiled_one_by_one_share_their_compiled_code():
+    """A transformers model's decoder layers compiled one by one, with moeflow experts planned (prepare_experts): one
+    compiled graph for both layers, whose op takes each layer's experts anchor as an input (two graphs before)."""
+    pytest.importorskip("transformers")
+    from moeflow.integrations.hf import prepare_experts
+    from moeflow.integrations.hf.tiny import tiny_model
+    model = tiny_model("qwen3_moe")
+    model.set_experts_implementation("moeflow")
+    assert prepare_experts(model) == 2
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        torch._dynamo.reset()
+        rec = GraphRecorder()
+        for layer in model.model.layers:
+            layer.compile(backend=rec)
+        got = model(ids, use_cache=False).logits
+    assert torch.equal(got, want)
+    assert len(rec.graphs) == 1 and rec.targets().count("moeflow.layer_host_sync.default") == 1
+
+
 def test_a_copied_anchor_finds_its_layer_off_capture():
     """The op finds its layer by the anchor's address, and given a copy of the anchor (torch.library.opcheck passes
     copies) by the serial it holds; a copy of a layer gets a serial of its own."""
