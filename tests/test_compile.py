@@ -84,7 +84,7 @@ def test_compiled_layer_matches_float64_oracle(make_layer):
     assert_close(compiled(x, logits), layer_oracle(moe, x, ids, w), rel_tol("none", torch.float32), "compiled")
 
 
-def test_each_layer_keeps_its_own_key():
+def test_each_layer_keeps_its_own_anchor():
     """A copy of a layer (same code, other weights) gets its own key: the compiled op runs the layer it was traced
     for, never the original."""
     a = block(seed=1)
@@ -166,7 +166,7 @@ def test_op_of_a_deleted_layer_raises_mf306():
         ops.layer_host_sync(x, [logits], key, anchor, [])
     assert err.value.code == "MF306"
     with pytest.raises(MoeflowError, match="MF306"):
-        ops.layer(x, [logits], key, torch.zeros(1, dtype=torch.uint8), [])  # no layer's anchor
+        ops.layer(x, [logits], key, torch.zeros(1, dtype=torch.int64), [])  # no live layer's anchor (serial 0)
     with pytest.raises(MoeflowError, match="MF306"):
         ops.layer(x, [logits], "MoE.no_such_function", anchor, [])
 
