@@ -67,6 +67,7 @@ _NEXT_SERIAL = itertools.count(1)
 ANCHOR = "_moeflow_anchor"  # the owner's anchor: [1] int64 holding its serial
 REGISTERED = "_moeflow_registered"  # the owner's registrations: eager function name -> graph safety
 SERIAL = "_moeflow_serial"  # the serial the owner's anchor holds (int)
+HOLDER = "_moeflow_anchor_holder"  # where an owner that is not a module keeps its anchor (_AnchorHolder)
 
 
 class _Registrations(dict):
@@ -101,7 +102,7 @@ def op_key(owner, fn: Callable) -> str:
 
 def anchor_of(owner) -> Tensor:
     """The owner's anchor [1] int64 (module docstring, Owners)."""
-    holder = owner if isinstance(owner, torch.nn.Module) else owner.__dict__["_moeflow_anchor_holder"]
+    holder = owner if isinstance(owner, torch.nn.Module) else owner.__dict__[HOLDER]
     return getattr(holder, ANCHOR)
 
 
@@ -109,14 +110,16 @@ def _give_anchor(owner, device) -> None:
     """A new serial for the owner (SERIAL), in a new anchor on ``device``, or written into the one it has: a copy's
     anchor came with it, holding its original's serial."""
     serial = next(_NEXT_SERIAL)
-    holder = owner if isinstance(owner, torch.nn.Module) else owner.__dict__.get("_moeflow_anchor_holder")
-    if holder is None:
-        holder = owner.__dict__["_moeflow_anchor_holder"] = _AnchorHolder(torch.empty(0))
-    current = getattr(holder, ANCHOR, None)
-    if current is None or current.numel() != 1:
-        holder.register_buffer(ANCHOR, torch.full((1,), serial, dtype=torch.int64, device=device), persistent=False)
-    else:
+    holder = owner if isinstance(owner, torch.nn.Module) else owner.__dict__.get(HOLDER)
+    current = None if holder is None else getattr(holder, ANCHOR, None)
+    if current is not None:
         current.fill_(serial)
+    else:
+        anchor = torch.full((1,), serial, dtype=torch.int64, device=device)
+        if holder is None:
+            owner.__dict__[HOLDER] = _AnchorHolder(anchor)
+        else:
+            holder.register_buffer(ANCHOR, anchor, persistent=False)
     owner.__dict__[SERIAL] = serial
     _SERIALS[serial] = weakref.ref(owner, lambda _, s=serial: _SERIALS.pop(s, None))
 
