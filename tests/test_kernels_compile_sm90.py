@@ -660,12 +660,12 @@ print(json.dumps([mp.compile_summary(case, form, image) for case, form in runs f
 
 def test_loads_probe_compiles():
     """benchmarks/experiments/loads_probe.py's box shapes and ring depths (multicast_probe's kernel) compile for
-    sm_90a in the forms it runs them in (own; own-split, own-cols and the own-g<G> orders for some), timed and
-    imaged: no spills, within the SM's shared memory, no cluster PTX."""
+    sm_90a in the forms it runs them in (own; own-split, own-cols, the own-g<G> orders and the row copies for some),
+    timed and imaged: no spills, within the SM's shared memory, no cluster PTX."""
     from moeflow.kernels.registers import SM90_SHARED_BYTES
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     found = compile_without_interpreter(LOADS_PROBE_COMPILE, root)
-    assert len(found) == (18 + 4 + 5 + 12) * 2  # own; own-split, own-cols; the own-g<G> orders
+    assert len(found) == (18 + 4 + 5 + 12 + 12) * 2  # own; own-split, own-cols; the own-g<G> orders; row copies
     for case in found:
         assert case["spill"] == 0 and case["warps"] == 8, case
         assert case["shared"] <= SM90_SHARED_BYTES, case

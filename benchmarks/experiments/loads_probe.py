@@ -59,6 +59,12 @@ FORMED += tuple((f"own-g{g}", names) for g, names in (
     (2, ("64x256x128B s4", "128x128x128B s5")), (4, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")),
     (8, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")),
     (16, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")), (32, ("64x256x128B s4",))))
+# the row copies (multicast_probe._loader's GATHER): each A box as BM one-row copies, from A's own rows (rows: its ring
+# must equal the own form's byte for byte, which shows a row copy lands in the full box's swizzle) or from rows in a
+# random order (gather: the loader's threads a row each; gather-1: one thread every row). Can a gate_up gather its
+# token rows by TMA itself, with no row copy before it?
+GATHERED = ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "64x128x128B s6")
+FORMED += tuple((form, GATHERED) for form in ("rows", "gather", "gather-1"))
 SIZED = ((L2_8MB, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "64x128x128B s6")),
          (HBM_B, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")))
 
@@ -101,14 +107,15 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     programs = sms - sms % 2
     rows = []
-    only = os.environ.get("ONLY")  # a form, to run that form's rows alone
+    only = os.environ.get("ONLY")  # forms (comma-separated), to run those forms' rows alone
     for case, sizes, form in runs():
-        if only and form != only:
+        if only and form not in only.split(","):
             continue
         ok = mp.check(case, programs, forms=("own", form) if form != "own" else ("own",), sizes=sizes)[form]
         good = ok["marker_ok"] and not ok["boxes_wrong"]
         r = dict(case=case[0], sizes=sizes, form=form, programs=programs,
                  ring_kb=case[5] * (case[2] + case[3]) * case[4] // 1024, checks_ok=good,
+                 same_as_own=ok["same_as_own"],
                  **sharing(case, programs, sizes, form))
         if good:
             r |= _times(case, programs, sizes, form)

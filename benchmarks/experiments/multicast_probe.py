@@ -92,6 +92,12 @@ ASM_ISSUE_A = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::ct
                             + f" @pl {_TMA} [$3], [tm, {{$6, $7}}], [$2];" + _END)
 # loads_probe's "own-split": the A box's second half, into the same slot and barrier (the expect above counted it)
 ASM_COPY_A = gl.constexpr(_ONE_LANE + _param(0) + f" @pl {_TMA} [$3], [tm, {{$6, $7}}], [$2];" + _END)
+# loads_probe's gather forms: the B box alone after the expect (the A rows come in row copies below)
+ASM_ISSUE_B = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.expect_tx.shared::cta.b64 _, [$2], $5; " + _param(5)
+                            + f" @pl {_TMA} [$4], [tm, {{$6, $8}}], [$2];" + _END)
+# one A row ([1, BK] box) in every thread whose $1 is not 0: $2 barrier, $3 destination, $4 K coordinate, $5 row
+ASM_COPY_ROW = gl.constexpr("{ .reg .pred pl; .reg .b64 tm; setp.ne.u32 pl, $1, 0; " + _param(0)
+                             + f" @pl {_TMA} [$3], [tm, {{$4, $5}}], [$2];" + _END)
 B_HALF_MULTICAST = gl.constexpr(multicast_asm(KERNEL, 10))  # bh_desc's boxes into both CTAs
 # $2 the slot's empty barrier
 ASM_RELEASE = gl.constexpr(_ONE_LANE + "@pl mbarrier.arrive.shared::cta.b64 _, [$2];" + _END)
@@ -131,11 +137,15 @@ def tile_of(q: int, rank: int, m_pairs: int, n_tiles: int, colpairs: bool = Fals
 @gluon.jit
 def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
             MULTICAST: gl.constexpr, CLUSTER: gl.constexpr, SPLIT_A: gl.constexpr, COLPAIRS: gl.constexpr,
-            GROUP: gl.constexpr):
+            GROUP: gl.constexpr, GATHER: gl.constexpr):
     """The loader warpgroup: every K step of the CTA's tiles into slot g % STAGES, once the slot is released. One
     thread issues; a whole warpgroup, so that no warp of the CTA sits out the cluster barriers (with a one-warp
-    loader Triton pads the CTA with three idle warps, which would never arrive)."""
-    base, m_pairs, n_tiles, k_steps = p
+    loader Triton pads the CTA with three idle warps, which would never arrive). GATHER (a_desc's boxes one row):
+    the A box's BM rows come as BM row copies from rows idx[mt * BM + r] of A, issued by threads 0 .. BM - 1 one
+    row each (GATHER 1) or by thread 0 all (GATHER 2)."""
+    base, m_pairs, n_tiles, k_steps, idx_ptr = p
+    LOADER: gl.constexpr = 32 * gl.num_warps()
+    lane = gl.arange(0, LOADER, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
     A_BYTES: gl.constexpr = BM * BK
     B_BYTES: gl.constexpr = BN * BK
     if CLUSTER:  # both CTAs' barriers initialized before any copy reaches them
@@ -147,6 +157,7 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
     g = 0
     for q in range(pid // 2, m_pairs * n_tiles, gl.num_programs(0) // 2):
         mt, nt = _tile(q, m_pairs, n_tiles, rank, COLPAIRS, GROUP)
+        rows = gl.load(idx_ptr + mt * BM + gl.minimum(lane, BM - 1))  # GATHER 1: the tile's row of each thread
         for kk in range(k_steps):
             s = g % STAGES
             if g >= STAGES:
@@ -157,6 +168,15 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
                 _asm(ASM_ISSUE_A, full + 8 * s, a_slot, 0, A_BYTES + B_BYTES, kk * BK, mt * BM)
                 multicast_copy(B_HALF_MULTICAST, full + 8 * s, b_slot + rank * (B_BYTES // 2), kk * BK,
                                nt * BN + rank * (BN // 2), True)
+            elif GATHER:
+                _asm(ASM_ISSUE_B, full + 8 * s, a_slot, b_slot, A_BYTES + B_BYTES, kk * BK, mt * BM, nt * BN)
+                if GATHER == 1:
+                    gl.inline_asm_elementwise(ASM_COPY_ROW, "=r,r,r,r,r,r", [(lane < BM).to(gl.int32), full + 8 * s,
+                                              a_slot + lane * BK, lane * 0 + kk * BK, rows], dtype=gl.int32,
+                                              is_pure=False, pack=1)
+                else:
+                    for r in gl.static_range(BM):
+                        _asm(ASM_COPY_A, full + 8 * s, a_slot + r * BK, 0, 0, kk * BK, gl.load(idx_ptr + mt * BM + r))
             else:  # SPLIT_A: a_desc's boxes are [BM / 2, BK], the second copied below
                 _asm(ASM_ISSUE_OWN, full + 8 * s, a_slot, b_slot, A_BYTES + B_BYTES, kk * BK, mt * BM, nt * BN)
                 if SPLIT_A:
@@ -170,7 +190,7 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
 def _consumer(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               MULTICAST: gl.constexpr, CLUSTER: gl.constexpr):
     """The consumer warpgroup: waits for each step's slot and releases it (multicast: in both CTAs)."""
-    base, m_pairs, n_tiles, k_steps = p
+    base, m_pairs, n_tiles, k_steps, _ = p
     if CLUSTER:
         cluster_sync(base)
     full = base + STAGES * (BM * BK + BN * BK)
@@ -190,13 +210,14 @@ def _consumer(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: g
 
 
 @gluon.jit(do_not_specialize=["m_pairs", "n_tiles", "k_steps", "never"])
-def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tiles, k_steps, never,
+def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, idx_ptr, m_pairs, n_tiles, k_steps, never,
                      BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                      MULTICAST: gl.constexpr, CLUSTER: gl.constexpr, IMAGE: gl.constexpr, SPLIT_A: gl.constexpr,
-                     COLPAIRS: gl.constexpr, GROUP: gl.constexpr):
+                     COLPAIRS: gl.constexpr, GROUP: gl.constexpr, GATHER: gl.constexpr):
     """Loads alone (module docstring), in bytes: a_desc A [M, K] boxes [BM, BK]; b_desc B [N, K] boxes [BN, BK];
     bh_desc B boxes [BN / 2, BK] (multicast). flag_ptr [P] int32, zeroed: set to 1 where a CTA's marker check
-    failed. img_ptr [P, STAGES * (BM + BN) * BK] int8: with IMAGE, each CTA's final ring. never: a runtime 0 (the
+    failed. img_ptr [P, STAGES * (BM + BN) * BK] int8: with IMAGE, each CTA's final ring. idx_ptr [M] int32: the
+    rows of A the GATHER forms copy for row r of A's row tile mt (idx[mt * BM + r]). never: a runtime 0 (the
     buffer's last use then stays in the kernel, so the allocator gives nothing else its bytes). The cluster
     barriers run inside both partitions: a warp-specialized kernel's worker warps skip the code around them."""
     RING: gl.constexpr = STAGES * (BM + BN) * BK
@@ -215,9 +236,10 @@ def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tile
         _asm(ASM_INIT, full + 8 * (STAGES + s), 2 if MULTICAST else 1)
     fence_mbarrier_init(zero)
     fence_async_shared()
-    p = (base, m_pairs, n_tiles, k_steps)
+    p = (base, m_pairs, n_tiles, k_steps, idx_ptr)
     gl.warp_specialize([(_consumer, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER)),
-                        (_loader, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER, SPLIT_A, COLPAIRS, GROUP))], [4], [40])
+                        (_loader, (p, BM, BN, BK, STAGES, MULTICAST, CLUSTER, SPLIT_A, COLPAIRS, GROUP, GATHER))],
+                       [4], [40])
     offs = gl.arange(0, 2048, lay)
     out = img_ptr + gl.program_id(0).to(gl.int64) * RING
     if IMAGE:
@@ -227,21 +249,25 @@ def _mc_loads_kernel(a_desc, b_desc, bh_desc, flag_ptr, img_ptr, m_pairs, n_tile
         gl.store(out + offs, buf.index(0).load(lay), mask=offs < never)
 
 
-def _descs(a, b, bm, bn, bk, split_a=False):
+def _descs(a, b, bm, bn, bk, split_a=False, row_a=False):
     """TMA descriptors over the byte views (fp8 typed: the swizzle then matches a GEMM's of the same row bytes).
-    split_a (_constexprs' SPLIT_A): the A box is BM / 2 rows, copied twice a step."""
+    split_a (_constexprs' SPLIT_A): the A box is BM / 2 rows, copied twice a step; row_a (GATHER): one row, with
+    the full box's swizzle (the default for one row is none)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     av, bv = a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn)
-    ar = bm // 2 if split_a else bm
-    return (TensorDescriptor.from_tensor(av, [ar, bk], smem_layout((ar, bk), "float8e4nv")),
+    ar = 1 if row_a else bm // 2 if split_a else bm
+    a_layout = smem_layout((bm, bk), "float8e4nv") if row_a else smem_layout((ar, bk), "float8e4nv")
+    return (TensorDescriptor.from_tensor(av, [ar, bk], a_layout),
             TensorDescriptor.from_tensor(bv, [bn, bk], smem_layout((bn, bk), "float8e4nv")),
             TensorDescriptor.from_tensor(bv, [bn // 2, bk], smem_layout((bn // 2, bk), "float8e4nv")))
 
 
 def _constexprs(bm, bn, bk, stages, form, image):
-    """form: FORMS, or loads_probe's own-split (A in two boxes of BM / 2 rows), own-cols (COLPAIRS) and own-g<G>
-    (GROUP G: tile_of)."""
+    """form: FORMS, or loads_probe's own-split (A in two boxes of BM / 2 rows), own-cols (COLPAIRS), own-g<G>
+    (GROUP G: tile_of) and the row copies (GATHER): rows (A's own rows, one copy each, one thread a row), gather
+    (rows of A in a random order, idx) and gather-1 (the same, thread 0 issuing every row)."""
     return dict(BM=bm, BN=bn, BK=bk, STAGES=stages, MULTICAST=form == "multicast",
+                GATHER=1 if form in ("rows", "gather") else 2 if form == "gather-1" else 0,
                 CLUSTER=form in ("own-pair", "multicast"), IMAGE=image, SPLIT_A=form == "own-split",
                 COLPAIRS=form == "own-cols", GROUP=int(form[5:]) if form.startswith("own-g") else 0, num_warps=4)
 
@@ -256,9 +282,10 @@ def compile_ptx(case, form: str, image: bool = False):
     a = torch.empty(M, K_BYTES, dtype=torch.uint8)
     b = torch.empty(N, K_BYTES, dtype=torch.uint8)
     const = _constexprs(bm, bn, bk, stages, form, image)
-    descs = _descs(a, b, bm, bn, bk, const["SPLIT_A"])
+    descs = _descs(a, b, bm, bn, bk, const["SPLIT_A"], const["GATHER"] > 0)
     sig = {name: mangle_type(d) for name, d in zip(("a_desc", "b_desc", "bh_desc"), descs)}
-    sig |= dict(flag_ptr="*i32", img_ptr="*i8", m_pairs="i32", n_tiles="i32", k_steps="i32", never="i32")
+    sig |= dict(flag_ptr="*i32", img_ptr="*i8", idx_ptr="*i32", m_pairs="i32", n_tiles="i32", k_steps="i32",
+                never="i32")
     const.pop("num_warps")
     sig |= {k: "constexpr" for k in const}
     return triton.compile(GluonASTSource(fn=_mc_loads_kernel, signature=sig, constexprs=const),
@@ -287,12 +314,14 @@ def _launcher(case, form: str, image: bool, programs: int, sizes=(M, N, K_BYTES)
     a = torch.randint(0, 256, (m, k_bytes), dtype=torch.uint8, device="cuda", generator=g)
     b = torch.randint(0, 256, (n, k_bytes), dtype=torch.uint8, device="cuda", generator=g)
     const = _constexprs(bm, bn, bk, stages, form, image)
-    descs = _descs(a, b, bm, bn, bk, const["SPLIT_A"])
+    descs = _descs(a, b, bm, bn, bk, const["SPLIT_A"], const["GATHER"] > 0)
+    idx = (torch.randperm(m, generator=g, device="cuda") if form.startswith("gather")
+           else torch.arange(m, device="cuda")).to(torch.int32)
     ring = stages * (bm + bn) * bk
     flag = torch.zeros(programs, dtype=torch.int32, device="cuda")
     img = torch.zeros((programs, ring), dtype=torch.uint8, device="cuda")
     m_pairs, n_tiles, k_steps = m // bm // 2, n // bn, k_bytes // bk
-    args = (*descs, flag, img, m_pairs, n_tiles, k_steps, 0)
+    args = (*descs, flag, img, idx, m_pairs, n_tiles, k_steps, 0)
     kernel = _mc_loads_kernel.warmup(*args, grid=(1,), **const)
     cluster = const["CLUSTER"]
     if cluster:  # a two-CTA cluster launch: the launcher multiplies the grid by num_ctas
@@ -305,12 +334,12 @@ def _launcher(case, form: str, image: bool, programs: int, sizes=(M, N, K_BYTES)
     def run():
         _mc_loads_kernel[grid](*args, **const)
     return run, flag, img, delivered, from_l2, (a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps,
-                                                form == "own-cols", const["GROUP"])
+                                                form == "own-cols", const["GROUP"], idx)
 
 
 def _expected_slots(ops, pid: int, programs: int):
     """The operand boxes each slot of CTA pid holds at the end: [(A box, B box) as uint8 tensors] per slot."""
-    a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps, colpairs, group = ops
+    a, b, bm, bn, bk, stages, m_pairs, n_tiles, k_steps, colpairs, group, idx = ops
     steps = []
     for q in range(pid // 2, m_pairs * n_tiles, programs // 2):
         mt, nt = tile_of(q, pid % 2, m_pairs, n_tiles, colpairs, group)
@@ -319,7 +348,7 @@ def _expected_slots(ops, pid: int, programs: int):
     for g in range(max(0, len(steps) - stages), len(steps)):
         mt, nt, kk = steps[g]
         ks = slice(kk * bk, (kk + 1) * bk)
-        slots[g % stages] = (a[mt * bm:(mt + 1) * bm, ks], b[nt * bn:(nt + 1) * bn, ks])
+        slots[g % stages] = (a[idx[mt * bm:(mt + 1) * bm].long(), ks], b[nt * bn:(nt + 1) * bn, ks])
     return slots
 
 
