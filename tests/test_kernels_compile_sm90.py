@@ -665,7 +665,7 @@ def test_loads_probe_compiles():
     from moeflow.kernels.registers import SM90_SHARED_BYTES
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     found = compile_without_interpreter(LOADS_PROBE_COMPILE, root)
-    assert len(found) == (18 + 4 + 5 + 12 + 12) * 2  # own; own-split, own-cols; the own-g<G> orders; row copies
+    assert len(found) == (18 + 4 + 5 + 12 + 16) * 2  # own; own-split, own-cols; the own-g<G> orders; row copies
     for case in found:
         assert case["spill"] == 0 and case["warps"] == 8, case
         assert case["shared"] <= SM90_SHARED_BYTES, case

@@ -61,10 +61,10 @@ FORMED += tuple((f"own-g{g}", names) for g, names in (
     (16, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")), (32, ("64x256x128B s4",))))
 # the row copies (multicast_probe._loader's GATHER): each A box as BM one-row copies, from A's own rows (rows: its ring
 # must equal the own form's byte for byte, which shows a row copy lands in the full box's swizzle) or from rows in a
-# random order (gather: the loader's threads a row each; gather-1: one thread every row). Can a gate_up gather its
-# token rows by TMA itself, with no row copy before it?
+# random order (gather: the loader's threads a row each; gather-1: one thread every row; gather-4w: the 4 warps a
+# quarter of the rows each). Can a gate_up gather its token rows by TMA itself, with no row copy before it?
 GATHERED = ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "64x128x128B s6")
-FORMED += tuple((form, GATHERED) for form in ("rows", "gather", "gather-1"))
+FORMED += tuple((form, GATHERED) for form in ("rows", "gather", "gather-1", "gather-4w"))
 SIZED = ((L2_8MB, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3", "64x128x128B s6")),
          (HBM_B, ("64x256x128B s4", "128x128x128B s5", "128x256x128B s3")))
 

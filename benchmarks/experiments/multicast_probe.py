@@ -142,7 +142,7 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
     thread issues; a whole warpgroup, so that no warp of the CTA sits out the cluster barriers (with a one-warp
     loader Triton pads the CTA with three idle warps, which would never arrive). GATHER (a_desc's boxes one row):
     the A box's BM rows come as BM row copies from rows idx[mt * BM + r] of A, issued by threads 0 .. BM - 1 one
-    row each (GATHER 1) or by thread 0 all (GATHER 2)."""
+    row each (GATHER 1), by thread 0 all (GATHER 2), or by the first BM / 4 lanes of each of the 4 warps (3)."""
     base, m_pairs, n_tiles, k_steps, idx_ptr = p
     LOADER: gl.constexpr = 32 * gl.num_warps()
     lane = gl.arange(0, LOADER, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
@@ -157,7 +157,10 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
     g = 0
     for q in range(pid // 2, m_pairs * n_tiles, gl.num_programs(0) // 2):
         mt, nt = _tile(q, m_pairs, n_tiles, rank, COLPAIRS, GROUP)
-        rows = gl.load(idx_ptr + mt * BM + gl.minimum(lane, BM - 1))  # GATHER 1: the tile's row of each thread
+        # GATHER 1: thread t copies row t; GATHER 3: the warps share the rows, BM / 4 lanes each (row w * BM / 4 + lane)
+        mine = lane < BM if GATHER != 3 else lane % 32 < BM // 4
+        row_of = lane if GATHER != 3 else lane // 32 * (BM // 4) + lane % 32
+        rows = gl.load(idx_ptr + mt * BM + gl.minimum(row_of, BM - 1))
         for kk in range(k_steps):
             s = g % STAGES
             if g >= STAGES:
@@ -170,9 +173,9 @@ def _loader(p, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.
                                nt * BN + rank * (BN // 2), True)
             elif GATHER:
                 _asm(ASM_ISSUE_B, full + 8 * s, a_slot, b_slot, A_BYTES + B_BYTES, kk * BK, mt * BM, nt * BN)
-                if GATHER == 1:
-                    gl.inline_asm_elementwise(ASM_COPY_ROW, "=r,r,r,r,r,r", [(lane < BM).to(gl.int32), full + 8 * s,
-                                              a_slot + lane * BK, lane * 0 + kk * BK, rows], dtype=gl.int32,
+                if GATHER != 2:
+                    gl.inline_asm_elementwise(ASM_COPY_ROW, "=r,r,r,r,r,r", [mine.to(gl.int32), full + 8 * s,
+                                              a_slot + row_of * BK, lane * 0 + kk * BK, rows], dtype=gl.int32,
                                               is_pure=False, pack=1)
                 else:
                     for r in gl.static_range(BM):
@@ -265,9 +268,10 @@ def _descs(a, b, bm, bn, bk, split_a=False, row_a=False):
 def _constexprs(bm, bn, bk, stages, form, image):
     """form: FORMS, or loads_probe's own-split (A in two boxes of BM / 2 rows), own-cols (COLPAIRS), own-g<G>
     (GROUP G: tile_of) and the row copies (GATHER): rows (A's own rows, one copy each, one thread a row), gather
-    (rows of A in a random order, idx) and gather-1 (the same, thread 0 issuing every row)."""
+    (rows of A in a random order, idx), gather-1 (the same, thread 0 issuing every row) and gather-4w (the same,
+    every warp of the loader a quarter of the rows)."""
     return dict(BM=bm, BN=bn, BK=bk, STAGES=stages, MULTICAST=form == "multicast",
-                GATHER=1 if form in ("rows", "gather") else 2 if form == "gather-1" else 0,
+                GATHER={"rows": 1, "gather": 1, "gather-1": 2, "gather-4w": 3}.get(form, 0),
                 CLUSTER=form in ("own-pair", "multicast"), IMAGE=image, SPLIT_A=form == "own-split",
                 COLPAIRS=form == "own-cols", GROUP=int(form[5:]) if form.startswith("own-g") else 0, num_warps=4)
 
