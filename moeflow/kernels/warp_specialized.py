@@ -102,6 +102,7 @@ except ImportError:  # pragma: no cover - older triton: usable() says False
 
 MAXNREG = 168  # registers a thread at launch: 12 warps x 168 x 32 fit the SM's 64K
 CONSUMER_REGS, LOADER_REGS = 232, 24  # the default partition (consumer 0) gets 3 * MAXNREG - these = 248
+PREFETCH_STEPS = 0  # the loader's L2 prefetch distance in K steps (0: none; _prefetch_w); experiments set it
 
 
 @triton.jit
@@ -178,12 +179,31 @@ if gluon is not None:
         row_end = gl.load(blk_ptr + 2 * num_blocks + pid_m)
         return row_start, row_end, pid_n, expert * w_rows_per_expert + pid_n * BLOCK_N, expert
 
+    # the L2 prefetch of one weight box (cp.async.bulk.prefetch.tensor, sm_90) through w_desc, the kernel's
+    # parameters 5-9 (a rank-2 Gluon TensorDescriptor is passed as 5: the map, 2 sizes, 2 strides; a_desc is 0-4): $1
+    # the lane (the first lane acts), $2 the K coordinate, $3 the row, $4 a predicate; Gluon has no prefetch operation
+    _PREFETCH_W = gl.constexpr("{ .reg .pred pl; .reg .b64 tm; setp.eq.u32 pl, $1, 0; setp.ne.and.u32 pl, $4, 0, pl; "
+                               "mov.b64 tm, _ws_gemm_kernel_param_5; cvta.param.u64 tm, tm; "
+                               "@pl cp.async.bulk.prefetch.tensor.2d.L2.global.tile [tm, {$2, $3}]; mov.u32 $0, 0; }")
+
+    @gluon.jit
+    def _prefetch_w(lane, k, row, on, SECOND: gl.constexpr):
+        """Ask the L2 for the weight box at (row, k) of w_desc, and (SECOND > 0) the one SECOND rows further, where
+        on holds; nothing waits for it (_PREFETCH_W)."""
+        gl.inline_asm_elementwise(_PREFETCH_W, "=r,r,r,r,r", [lane, k, row, on.to(gl.int32)], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+        if SECOND > 0:
+            gl.inline_asm_elementwise(_PREFETCH_W, "=r,r,r,r,r", [lane, k, row + SECOND, on.to(gl.int32)],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+
     @gluon.jit
     def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
+                SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr, PREFETCH: gl.constexpr = 0):
         """The loader warp (module docstring, How); c unused (the workers share a signature). GATED: each step
-        also loads the up rows (N rows after the gate rows) into the slot's second weight buffer."""
+        also loads the up rows (N rows after the gate rows) into the slot's second weight buffer. PREFETCH > 0:
+        before each step's copies, an L2 prefetch of the weight boxes PREFETCH steps on (into the program's next
+        tile), so that more distinct weight bytes are in flight from HBM than the ring holds."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
          num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
          outs_ptr, stride_outs) = p
@@ -192,10 +212,20 @@ if gluon is not None:
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down: two 128-row halves
         nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED or WIDE else 1) * w_desc.block_type.nbytes
         second: gl.constexpr = BLOCK_N // 2 if WIDE else 0  # WIDE: the second weight buffer's first row, past w_row
+        lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
         for j in range(my_tiles):
             a_row, _, _, w_row, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
                                           w_rows_per_expert, BLOCK_N, GROUP_M)
+            if PREFETCH > 0:  # the next tile's first weight row (past the last tile: clamped, never prefetched)
+                _, _, _, next_row, _ = _tile(gl.minimum(j + 1, my_tiles - 1), blocks_m, num_pid_n, blk_ptr,
+                                             num_blocks, num_programs, w_rows_per_expert, BLOCK_N, GROUP_M)
             for k in range(n):
+                if PREFETCH > 0:
+                    past = (k + PREFETCH >= n).to(gl.int32)  # the step PREFETCH on is in the next tile
+                    kp = k + PREFETCH - n * past
+                    on = (kp < n) & ((past == 0) | (j + 1 < my_tiles))
+                    _prefetch_w(lane, kp * BLOCK_K, w_row + (next_row - w_row) * past, on,
+                                N if GATED else second)
                 g = j * n + k
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
@@ -457,7 +487,7 @@ if gluon is not None:
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                         GATED: gl.constexpr = False, ACT: gl.constexpr = 0, SCALED: gl.constexpr = False,
-                        UNROLL: gl.constexpr = 1, INTER_DTYPE: gl.constexpr = gl.bfloat16):
+                        UNROLL: gl.constexpr = 1, INTER_DTYPE: gl.constexpr = gl.bfloat16, PREFETCH: gl.constexpr = 0):
         """out [R, N] from a [R, K] (a_desc: TMA descriptor, [BLOCK_M, BLOCK_K] boxes; rows past a block's end are
         read, never stored) and the weight rows [E * W, K] (w_desc, [BLOCK_N, BLOCK_K] boxes; expert e's from
         e * w_rows_per_expert); both zero-fill past K. down: N = H, K = I, W = H, times rw_ptr's routing weight.
@@ -467,7 +497,7 @@ if gluon is not None:
         [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body. GATED and
         SCALED (BLOCK_N 128): out float8_e4m3fn, act(gate) * up rounded to INTER_DTYPE (the layer dtype), then
         quantized in 1x128 groups, their scales into outs_ptr [R, N / 128] float32 (row stride stride_outs); outs_ptr
-        unused otherwise."""
+        unused otherwise. PREFETCH: _loader's L2 prefetch distance in K steps (0: none)."""
         dtype: gl.constexpr = a_desc.dtype
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256
         WB: gl.constexpr = 2 if GATED or WIDE else 1  # weight buffers a slot (gate and up; WIDE: two 128-row halves)
@@ -491,7 +521,8 @@ if gluon is not None:
                            INTER_DTYPE)),
              (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL,
                            INTER_DTYPE)),
-             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE))],
+             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE,
+                        PREFETCH))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -554,4 +585,5 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
         k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0, ws_.stride(1) if scaled else 0,
         outs, outs.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled,
-        UNROLL=unroll(steps, most_unroll) if scaled else 1, INTER_DTYPE=_INTER[dtype], num_warps=4, maxnreg=MAXNREG)
+        UNROLL=unroll(steps, most_unroll) if scaled else 1, INTER_DTYPE=_INTER[dtype], PREFETCH=PREFETCH_STEPS,
+        num_warps=4, maxnreg=MAXNREG)
