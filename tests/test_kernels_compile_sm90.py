@@ -481,7 +481,7 @@ for dtype, gated, bm, bn, bk, stages, u in jobs + past:
     fn = ws._ws_gemm_kernel
     out_ty = "*" + (name or ("fp8e4nv" if gated else "bf16"))  # fp8-block: the down's out bf16, the gate_up's fp8
     w_box = 128 if bn == 256 and u else bn  # the wide fp8-block down loads its 256 weight rows as two 128-row boxes
-    sig = dict(a_desc=desc(bm), w_desc=desc(w_box), rw_ptr="*fp32", out_ptr=out_ty, blk_ptr="*i32",
+    sig = dict(a_desc=desc(bm), w_desc=desc(w_box), pf_desc=desc(w_box), rw_ptr="*fp32", out_ptr=out_ty, blk_ptr="*i32",
                nblk_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32", outs_ptr="*fp32")
     sig.update({n: "i32" for n in fn.arg_names if n not in sig})
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,

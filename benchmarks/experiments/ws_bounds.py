@@ -16,7 +16,7 @@ CFG: a warp-specialized tile for every row (else each row's table entry, which m
 GROUP_MS: run each row's tile at each of these tile orders (GROUP_M) in turn (not GROUPS, which bash keeps).
 FORMS: the forms to run (default all three).
 PREFETCHS: run each form at each of these loader L2 prefetch distances in K steps (warp_specialized.PREFETCH_STEPS;
-default 0, none), each in its own process.
+default 0, none), each in its own process; DxW: distance D, boxes W steps wide (PREFETCH_WIDTH), one every W steps.
 """
 import json
 import os
@@ -70,7 +70,8 @@ def _k_loop_quarters(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc0, acc1, 
 @gluon.jit
 def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-            SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr, PREFETCH: gl.constexpr = 0):
+            SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr, PREFETCH: gl.constexpr = 0,
+            PF_WIDTH: gl.constexpr = 1):
     """math: every step's slot handed to the consumers as soon as it is free, nothing copied (or prefetched)."""
     (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
      num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
@@ -103,7 +104,8 @@ def operand_bytes(layout, cfg, n_out: int, k: int, elem: int, gated: bool) -> in
 def child(form: str, rows: list[str]) -> list[dict]:
     import torch
     _patch(form)
-    ws.PREFETCH_STEPS = int(os.environ.get("WS_PREFETCH", "0"))
+    pf = os.environ.get("WS_PREFETCH", "0").split("x")
+    ws.PREFETCH_STEPS, ws.PREFETCH_WIDTH = int(pf[0]), int(pf[1]) if len(pf) > 1 else 1
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dataclasses import replace
     from types import SimpleNamespace
@@ -145,7 +147,7 @@ def _time_form(form, preset, t, shape, w, ins, cfg) -> dict:
 
     from moeflow.kernels.autotune import graph_time_ms
     rec = dict(form=form, preset=preset, T=t, gemm=GEMM, scheme=SCHEME, cfg=str(cfg), tile=label(cfg),
-               prefetch=ws.PREFETCH_STEPS)
+               prefetch=f"{ws.PREFETCH_STEPS}x{ws.PREFETCH_WIDTH}")
     if not cfg.warp_specialize:
         return dict(rec, error="not warp-specialized")
     run = gemm_runner(GEMM, w, SCHEME)
@@ -183,12 +185,12 @@ def main():
     by = {}
     for r in res:
         by.setdefault((r["preset"], r["T"], r["cfg"], r.get("prefetch", 0)), {})[r["form"]] = r
-    print(f"{'row':28} {'tile':18} {'pf':>3} {'full µs':>9} {'loads µs':>9} {'math µs':>9} {'GB':>7} "
+    print(f"{'row':28} {'tile':18} {'pf':>4} {'full µs':>9} {'loads µs':>9} {'math µs':>9} {'GB':>7} "
           f"{'TB/s full':>9} {'TB/s loads':>10}")
     for (preset, t, cfg, pf), d in by.items():
         g = lambda f, k: d.get(f, {}).get(k, "-")
         tile = next(iter(d.values()))["tile"]
-        print(f"{preset + ' ' + GEMM + ' T=' + str(t):28} {tile:18} {pf:>3} {g('full', 'us'):>9} "
+        print(f"{preset + ' ' + GEMM + ' T=' + str(t):28} {tile:18} {pf:>4} {g('full', 'us'):>9} "
               f"{g('loads', 'us'):>9} "
               f"{g('math', 'us'):>9} {g('full', 'operand_gb'):>7} {g('full', 'operand_tbs'):>9} "
               f"{g('loads', 'operand_tbs'):>10}")
