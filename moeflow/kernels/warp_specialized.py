@@ -74,6 +74,8 @@ Mixtral's 16384; the layer 1.04-1.12x at those T but Qwen3's 4096 (a tie). The f
 (benchmarks/results/ws_fp8_coop_down_2026-12-03_h200.md), 128 x 256 at 3 stages: 1.02-1.07x the tables' downs alone
 on Qwen3's T = 16384, Mixtral's T = 4096 and 16384 and DeepSeek-V3's T = 16384, a gain in the layer on Mixtral's
 T = 16384 only (1.01-1.02x). The tuner picks per entry.
+Experiment, off by default (PREFETCH_STEPS, PREFETCH_WIDTH; docs/performance.md, "Prepared on 2026-12-05 (twelfth
+session)"): the loader's L2 prefetch of the weight boxes some steps ahead of the ring, not yet measured on a GPU.
 Imported only when a config asks for it on a CUDA device: CPU runs never load Gluon.
 """
 from __future__ import annotations
@@ -506,7 +508,7 @@ if gluon is not None:
         SCALED (BLOCK_N 128): out float8_e4m3fn, act(gate) * up rounded to INTER_DTYPE (the layer dtype), then
         quantized in 1x128 groups, their scales into outs_ptr [R, N / 128] float32 (row stride stride_outs); outs_ptr
         unused otherwise. PREFETCH: _loader's L2 prefetch distance in K steps (0: none); PF_WIDTH > 1: pf_desc (w's
-        rows in boxes PF_WIDTH steps wide) is what it prefetches through, else w_desc (pf_desc unused)."""
+        rows in boxes PF_WIDTH steps wide) is what it prefetches through, else w_desc (pf_desc None)."""
         dtype: gl.constexpr = a_desc.dtype
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256
         WB: gl.constexpr = 2 if GATED or WIDE else 1  # weight buffers a slot (gate and up; WIDE: two 128-row halves)
@@ -583,7 +585,8 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     w_box = bn // 2 if wide else bn
     w_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1], [w_box, bk],
                               smem_layout((w_box, bk), dt))
-    pf_desc, pf_width = w_desc, max(1, min(PREFETCH_WIDTH, 256 // bk))  # a TMA box spans at most 256 elements
+    # pf_desc None (a constexpr: no parameter, no second map to encode at launch) unless the prefetch boxes are wider
+    pf_desc, pf_width = None, max(1, min(PREFETCH_WIDTH, 256 // bk))  # a TMA box spans at most 256 elements
     if PREFETCH_STEPS and pf_width > 1:  # an unswizzled map: its boxes go only to the L2
         pf_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1],
                                    [w_box, bk * pf_width], gl.NVMMASharedLayout(0, 8 * w.element_size(), 2))
