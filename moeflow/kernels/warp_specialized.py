@@ -586,8 +586,9 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     w_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1], [w_box, bk],
                               smem_layout((w_box, bk), dt))
     # pf_desc None (a constexpr: no parameter, no second map to encode at launch) unless the prefetch boxes are wider
-    pf_desc, pf_width = None, max(1, min(PREFETCH_WIDTH, 256 // bk))  # a TMA box spans at most 256 elements
-    if PREFETCH_STEPS and pf_width > 1:  # an unswizzled map: its boxes go only to the L2
+    pf_width = max(1, min(PREFETCH_WIDTH, 256 // bk)) if PREFETCH_STEPS else 1  # a TMA box: at most 256 elements
+    pf_desc = None
+    if pf_width > 1:  # an unswizzled map: its boxes go only to the L2
         pf_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1],
                                    [w_box, bk * pf_width], gl.NVMMASharedLayout(0, 8 * w.element_size(), 2))
     blk, nblk = block_table(layout, bm)
@@ -600,8 +601,6 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
         a_desc, w_desc, pf_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1],
         programs, n, k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0,
         ws_.stride(1) if scaled else 0, outs, outs.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages,
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled,
-        UNROLL=unroll(steps, most_unroll) if scaled else 1, INTER_DTYPE=_INTER[dtype], PREFETCH=PREFETCH_STEPS,
-        PF_WIDTH=pf_width,
-        num_warps=4, maxnreg=MAXNREG)
+        STAGES=cfg.num_stages, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act,
+        SCALED=scaled, UNROLL=unroll(steps, most_unroll) if scaled else 1, INTER_DTYPE=_INTER[dtype],
+        PREFETCH=PREFETCH_STEPS, PF_WIDTH=pf_width, num_warps=4, maxnreg=MAXNREG)
