@@ -192,14 +192,14 @@ if gluon is not None:
     _PREFETCH_W, _PREFETCH_PF = gl.constexpr(_PF % 5), gl.constexpr(_PF % 10)
 
     @gluon.jit
-    def _prefetch_w(lane, k, row, on, SECOND: gl.constexpr, WIDTH: gl.constexpr):
-        """Ask the L2 for the weight box at (row, k) of w_desc (WIDTH 1) or pf_desc, and (SECOND > 0) the one SECOND
+    def _prefetch_w(lane, k, row, on, second, TWO: gl.constexpr, WIDTH: gl.constexpr):
+        """Ask the L2 for the weight box at (row, k) of w_desc (WIDTH 1) or pf_desc, and (TWO) the one ``second``
         rows further, where on holds; nothing waits for it (_PF)."""
         ASM: gl.constexpr = _PREFETCH_W if WIDTH == 1 else _PREFETCH_PF
         gl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [lane, k, row, on.to(gl.int32)], dtype=gl.int32,
                                   is_pure=False, pack=1)
-        if SECOND > 0:
-            gl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [lane, k, row + SECOND, on.to(gl.int32)],
+        if TWO:
+            gl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [lane, k, row + second, on.to(gl.int32)],
                                       dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
@@ -232,8 +232,8 @@ if gluon is not None:
                     past = (k + PREFETCH >= n).to(gl.int32)  # the step PREFETCH on is in the next tile
                     kp = k + PREFETCH - n * past
                     on = (kp < n) & ((past == 0) | (j + 1 < my_tiles)) & (k % PF_WIDTH == 0)
-                    _prefetch_w(lane, kp * BLOCK_K, w_row + (next_row - w_row) * past, on,
-                                N if GATED else second, PF_WIDTH)
+                    _prefetch_w(lane, kp * BLOCK_K, w_row + (next_row - w_row) * past, on, N if GATED else second,
+                                GATED or WIDE, PF_WIDTH)
                 g = j * n + k
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
