@@ -184,16 +184,15 @@ def main():
         json.dump(res, f, indent=1)
     by = {}
     for r in res:
-        by.setdefault((r["preset"], r["T"], r["cfg"], r.get("prefetch", 0)), {})[r["form"]] = r
+        by.setdefault((r["preset"], r["T"], r["cfg"], r["prefetch"]), {})[r["form"]] = r
     print(f"{'row':28} {'tile':18} {'pf':>4} {'full µs':>9} {'loads µs':>9} {'math µs':>9} {'GB':>7} "
           f"{'TB/s full':>9} {'TB/s loads':>10}")
     for (preset, t, cfg, pf), d in by.items():
         g = lambda f, k: d.get(f, {}).get(k, "-")
         tile = next(iter(d.values()))["tile"]
         print(f"{preset + ' ' + GEMM + ' T=' + str(t):28} {tile:18} {pf:>4} {g('full', 'us'):>9} "
-              f"{g('loads', 'us'):>9} "
-              f"{g('math', 'us'):>9} {g('full', 'operand_gb'):>7} {g('full', 'operand_tbs'):>9} "
-              f"{g('loads', 'operand_tbs'):>10}")
+              f"{g('loads', 'us'):>9} {g('math', 'us'):>9} {g('full', 'operand_gb'):>7} "
+              f"{g('full', 'operand_tbs'):>9} {g('loads', 'operand_tbs'):>10}")
 
 
 if __name__ == "__main__":
