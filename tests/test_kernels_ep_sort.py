@@ -120,6 +120,35 @@ def test_local_sort_by_segments_quantizes_the_tokens(t, k, e, h, scheme, form, p
     assert torch.equal(got[5].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[6], sc)
 
 
+@pytest.mark.parametrize("t,k,e,h,scheme", [(40, 8, 16, 384, "fp8-block"), (33, 4, 8, 200, "fp8-channel"),
+                                             (24, 8, 16, 640, "fp8-tensor"), (70, 2, 8, 128, "none")])
+def test_dropping_sort_equals_torch_and_quantizes(monkeypatch, t, k, e, h, scheme, form, poison_empty):
+    """The local dispatcher's dropping form (dispatch/expert_sort.sort_dropping: ids of -1 go to no expert, the batch
+    padded to T * K rows) on the Triton sort equals its torch path exactly, and quantizes the tokens bit for bit
+    kernels/quant.quantize_activation. The last rows' copies are all dropped (a bucket's padding tokens), more at
+    random."""
+    from moeflow.dispatch import expert_sort
+    from moeflow.kernels.quant import quantize_activation
+    ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
+    ids[torch.rand(t, k) < 0.3] = -1
+    ids[t - t // 3:] = -1
+    w = torch.rand(t, k)
+    x = (torch.randn(t, h) * torch.rand(t, 1) * 10).half()
+    monkeypatch.setattr(expert_sort, "triton_glue", lambda t: True)  # the CUDA path, here interpreted
+    got = expert_sort.sort_dropping(ids, w, e, x, scheme)
+    monkeypatch.setattr(expert_sort, "triton_glue", lambda t: False)
+    want = expert_sort.sort_dropping(ids, w, e, x, scheme)
+    for name, g, ref in zip(("offsets", "counts", "copy_pos", "source", "weights"), got[:5], want[:5], strict=True):
+        assert same(g, ref), name
+    assert int(got[0][-1]) == int((ids >= 0).sum()) and torch.equal(got[2] < 0, ids < 0)
+    assert want[5] is None and want[6] is None  # torch's sort: the runner quantizes
+    if scheme == "none":
+        assert got[5] is None and got[6] is None
+    else:
+        q, sc = quantize_activation(x, scheme)
+        assert torch.equal(got[5].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[6], sc)
+
+
 @pytest.mark.parametrize("h,scheme", [(1500, "fp8-block"), (384, "fp8-block"), (640, "fp8-tensor")])
 def test_sorts_quantize_several_tokens_a_part(monkeypatch, h, scheme, poison_empty):
     """Quantizing parts of several tokens each (align.quant_rows, here forced by a low _QUANT_PARTS; 37 tokens leave

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..capabilities import triton_glue
+from ._ep_reference import sort_copies_by_expert_torch
 
 
 # Which sort a CUDA batch of T*K copies takes (benchmarks/experiments/sort_variants.py on one H200,
@@ -90,6 +91,36 @@ def sort_by_segments(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, h
     source, sorted_w, counts, offsets, copy_pos, *quantized = sort_copies_by_expert(
         topk_ids, topk_weights, num_experts, topk_ids.numel(), x=hidden, scheme=scheme)
     return (offsets, counts, copy_pos.view(topk_ids.shape), source, sorted_w, *quantized)
+
+
+def sort_dropping(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor | None = None,
+                  scheme: str = "none"):
+    """Token copies grouped by expert where a copy may go to no expert (id -1: the padding tokens of moeflow.graphs'
+    bucketed calls). topk_ids [T, K] int32 (ids in -1 .. E-1), topk_weights [T, K] float32
+    -> (offsets [E + 1] int64, counts [E] int32, copy_pos [T, K] int64: the sorted row of each copy, -1 for a dropped
+    one, source [T*K] int64, sorted_weights [T*K] float32, hq, hs): rows offsets[E] .. T*K-1 are padding (source 0,
+    weight 0: ExpertBatch.padded). On CUDA kernels/ep_sort's sort, the expert-parallel dispatchers' (with hidden
+    [T, H] and a scheme of SORT_QUANTIZES, as sort_and_quantize: hq [T, H] fp8 and hs [T, G] float32 from the
+    same launch); torch's otherwise, or past ep_sort.sort_pays (hq = hs = None: the runner quantizes)."""
+    t, k = topk_ids.shape
+    n = t * k
+    kernels = None
+    if triton_glue(topk_ids) and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
+        try:
+            from ..kernels import ep_sort as kernels
+        except ImportError:  # triton missing
+            kernels = None
+    if kernels is not None and kernels.sort_pays(n, num_experts):
+        quantize = (hidden is not None and scheme in SORT_QUANTIZES and hidden.stride(-1) == 1
+                    and (scheme != "fp8-tensor" or hidden.numel() <= TENSOR_QUANT_IN_SORT_MAX))
+        source, sorted_w, counts, offsets, copy_pos, *quantized = kernels.sort_copies_by_expert(
+            topk_ids, topk_weights, num_experts, n, padded=True, x=hidden if quantize else None, scheme=scheme)
+    else:
+        source, sorted_w, counts, offsets, copy_pos = sort_copies_by_expert_torch(topk_ids, topk_weights,
+                                                                                  num_experts, n)
+        quantized = []
+    hq, hs = quantized if quantized else (None, None)
+    return offsets, counts, copy_pos.view(t, k), source, sorted_w, hq, hs
 
 
 def sort_by_expert_torch(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):

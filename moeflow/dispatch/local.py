@@ -6,9 +6,12 @@ fp8-tensor batches too, up to expert_sort.TENSOR_QUANT_IN_SORT_MAX elements.
 Combine is the weighted sum of each token's K copies (weights already applied by the runner),
 accumulated in float32 in k order, so results are deterministic. No host
 synchronization anywhere: with a graph-safe runner the whole layer is CUDA-graph capturable.
+``dropping()``: the same dispatcher for calls whose ids may hold -1 (a copy routed to no expert; moeflow.graphs pads
+bucketed calls so): kernels/ep_sort's sort, the expert-parallel dispatchers', makes a padded batch.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -18,20 +21,21 @@ from ..capabilities import DispatcherCaps
 from ..errors import error
 from ..layouts import SORTED, ExpertBatch
 from .base import Dispatcher
-from .expert_sort import SORT_QUANTIZES, sort_and_quantize, sort_by_expert
+from .expert_sort import SORT_QUANTIZES, sort_and_quantize, sort_by_expert, sort_dropping
 from .gather_sum import gather_sum
 
 
 @dataclass
 class LocalHandle:
-    row_of_copy: Tensor  # [T, K] int64: the sorted row holding copy k of token t (inverse of the sort)
+    row_of_copy: Tensor  # [T, K] int64: the sorted row holding copy k of token t (inverse of the sort); -1: dropped
 
 
 class LocalDispatcher(Dispatcher):
     name = "local"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=False, priority=10,
                           note="single process: sort copies by expert", indexed_rows=True, fusable=True,
-                          graph_safe=True)
+                          graph_safe=True, drops_copies=True)
+    drops = False  # dropping(): ids may hold -1
 
     def __init__(self, config, scheme, process_group=None):
         super().__init__(config, scheme, process_group)
@@ -46,7 +50,16 @@ class LocalDispatcher(Dispatcher):
         if config.device.type == "cuda":  # made now, not at the first call: as TritonRunner's counters (moeflow.ops)
             self._expert_bounds(torch.empty(0, dtype=torch.int32, device=config.device))
 
+    def dropping(self) -> "LocalDispatcher":
+        """This dispatcher for calls whose topk_ids [T, K] int32 may hold -1, a copy routed to no expert: it adds zero
+        to its token's sum, and the batch has T*K rows, those past offsets[-1] padding (ExpertBatch.padded)."""
+        new = copy.copy(self)
+        new.drops = True
+        return new
+
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
+        if self.drops:
+            return self._dispatch_dropping(hidden, topk_ids, topk_weights)
         if self._quantize_in_sort:
             offsets, counts, row_of_copy, source, sorted_w, hq, hs = sort_and_quantize(
                 topk_ids, topk_weights, self.config.num_experts, hidden, self.scheme.name, self._expert_bounds(topk_ids))
@@ -66,6 +79,18 @@ class LocalDispatcher(Dispatcher):
             copy_rows=row_of_copy if self.indexed_rows else None,
         )
         return batch, LocalHandle(row_of_copy)
+
+    def _dispatch_dropping(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
+        """dispatch() where ids may hold -1 (dropping): a padded batch, rows given by index where the plan says so
+        (without copy_rows: the runner's scatter by it needs every row to be a copy)."""
+        offsets, counts, copy_pos, source, sorted_w, hq, hs = sort_dropping(
+            topk_ids, topk_weights, self.config.num_experts, hidden if self._quantize_in_sort else None,
+            self.scheme.name)
+        rows = hidden if hq is None else hq
+        batch = ExpertBatch(layout=SORTED, hidden=rows if self.indexed_rows else rows[source], weights=sorted_w,
+                            counts=counts, offsets=offsets, source_rows=source if self.indexed_rows else None,
+                            hidden_scale=None if hs is None else hs if self.indexed_rows else hs[source], padded=True)
+        return batch, LocalHandle(copy_pos)
 
     def _expert_bounds(self, like: Tensor) -> Tensor:
         """[E + 1] = 0..E in ``like``'s dtype and device, made once per (device, dtype) (int32 on the layer's CUDA
