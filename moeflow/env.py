@@ -131,6 +131,13 @@ EAGER_GRAPHS = EnvVar(
     "(moeflow.graphs: one replay instead of the call's launches one by one, which cost the host more than the GPU at "
     "decode sizes). CUDA layers whose plan is graph-safe, outside any capture and torch.compile. 0 turns it off.",
     "count")
+EAGER_BUCKETS = EnvVar(
+    "MOEFLOW_EAGER_BUCKETS", "0",
+    "Largest batch (tokens) whose eager call past MOEFLOW_EAGER_GRAPHS is padded to a bucket (the next power of "
+    "two, at most this) and replayed from a graph captured for the bucket: its padding tokens route to no expert "
+    "(moeflow.graphs). For eager prefill, whose launches cost the host more than the GPU up to a few thousand "
+    "tokens. Same layers as MOEFLOW_EAGER_GRAPHS, single-process. 0 (the default, until measured on a GPU) is off.",
+    "count")
 ALLOW_UNVALIDATED_GPU = EnvVar(
     "MOEFLOW_ALLOW_UNVALIDATED_GPU", "0",
     "Set 1 to let the planner build runners on GPUs newer than the compute capability they were validated on "
@@ -141,7 +148,8 @@ TRITON_INTERPRET = EnvVar(
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
 ALL = (VALIDATE_INPUTS, ALLOW_UNVALIDATED_GPU, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA,
-       TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES, EAGER_GRAPHS, TRITON_INTERPRET)
+       TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES, EAGER_GRAPHS, EAGER_BUCKETS,
+       TRITON_INTERPRET)
 # the switches a layer's forward path reads on every call: a graph captured under one setting replays that setting's
 # launches, so moeflow.graphs keys its graphs by their values
 PATH_SWITCHES = (TRITON_TMA, TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES)

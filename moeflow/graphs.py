@@ -25,6 +25,15 @@ Costs: the first call of each key runs twice and captures (a few ms); a copy of 
 call; one memory pool a cache, shared by its graphs
 (measured on H200 with a pool for each graph, Qwen3-30B-A3B's shapes: about 8 MB of reserved memory a layer for
 the graphs of T = 1-16).
+Buckets (MOEFLOW_EAGER_BUCKETS, off by default): a call of more tokens than MOEFLOW_EAGER_GRAPHS, up to the
+variable, is padded to a bucket, the next power of two (at most the variable), and replays that bucket's graph, so
+calls of any token count (prefill) share a few graphs. The entry's padded form (Bucketed) takes the inputs padded
+with zero rows and ``valid`` ([1] int64 on the device, the call's own token count), routes the padding tokens to no
+expert (id -1, a plan whose dispatcher drops such copies: Plan.bucketed), and its output's first rows are the
+call's. A call copies its rows into the static inputs, zeroes the rows the previous call wrote past its own, sets
+``valid``, replays, and returns a copy of its rows of the output. Buckets keep their own graphs (MAX_BUCKET_GRAPHS,
+least recently used dropped first). The GPU then also routes, sums and copies the padding rows (at most as many as
+the call's own); the expert GEMMs compute only the call's copies. Not yet measured on a GPU: hence off.
 Not supported: calls of one layer on two streams at once (as for the one-launch layer's counters).
 """
 from __future__ import annotations
@@ -33,6 +42,7 @@ import contextlib
 import contextvars
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,11 +55,30 @@ MAX_GRAPHS = 8  # graphs one cache keeps (one per token count and entry, in prac
 # warm up and record in their memory pool, where a graph of ours (its static inputs) would outlive the recording
 _STAND_ASIDE = contextvars.ContextVar("moeflow_eager_graphs_stand_aside", default=False)
 MAX_EVICTIONS = 32  # graphs one cache may drop to make room; past that it captures no new ones (see GraphCache)
+MAX_BUCKET_GRAPHS = 16  # bucket graphs one cache keeps (powers of two from 32 to 4096 are 8 an entry)
 
 
 def graph_tokens() -> int:
     """MOEFLOW_EAGER_GRAPHS as an int >= 0 (MF107 otherwise)."""
     return moeflow_env.EAGER_GRAPHS.get_count()
+
+
+def bucket_of(tokens: int) -> int | None:
+    """The rows a call of ``tokens`` tokens is padded to (module docstring, Buckets): the next power of two, at most
+    MOEFLOW_EAGER_BUCKETS, for MOEFLOW_EAGER_GRAPHS < tokens <= MOEFLOW_EAGER_BUCKETS; else None."""
+    most = moeflow_env.EAGER_BUCKETS.get_count()
+    if not graph_tokens() < tokens <= most:
+        return None
+    return min(1 << (tokens - 1).bit_length(), most)
+
+
+@dataclass(frozen=True)
+class Bucketed:
+    """An entry's padded form: fn(*inputs, valid) -> [rows, ...], the inputs [rows, ...] the call's own rows then
+    zero rows, valid [1] int64 the call's token count; its first rows must be the unpadded call's result (the
+    padding tokens routed to no expert)."""
+
+    fn: Callable[..., Tensor]
 
 
 def layout_key(tensors) -> tuple:
@@ -95,11 +124,42 @@ class _Captured:
                                        capture_error_mode="thread_local")
         self.output = outputs[-1]
 
+    def replay(self) -> Tensor:
+        """Replay on the static inputs as they are -> the graph's own output (the next replay overwrites it)."""
+        self.graph.replay()
+        return self.output
+
     def __call__(self, inputs: tuple[Tensor, ...]) -> Tensor:
         for static, x in zip(self.inputs, inputs):
             static.copy_(x)
-        self.graph.replay()
-        return self.output.clone()
+        return self.replay().clone()
+
+
+class _BucketCall:
+    """A captured bucket: the padded form captured on the first call's rows padded to ``rows``; later calls of at most
+    ``rows`` tokens copy their rows in (module docstring, Buckets). capture: as GraphCache's."""
+
+    def __init__(self, capture, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], rows: int, pool=None):
+        t = inputs[0].shape[0]
+        padded = []
+        for x in inputs:
+            p = x.new_zeros((rows, *x.shape[1:]))
+            p[:t].copy_(x)
+            padded.append(p)
+        valid = torch.tensor([t], dtype=torch.int64, device=inputs[0].device)
+        self.captured = capture(fn, (*padded, valid), pool)
+        self.written = t  # rows of the static inputs past it are zero
+
+    def __call__(self, inputs: tuple[Tensor, ...]) -> Tensor:
+        t = inputs[0].shape[0]
+        *statics, valid = self.captured.inputs
+        for static, x in zip(statics, inputs):
+            static[:t].copy_(x)
+            if self.written > t:
+                static[t:self.written].zero_()
+        self.written = t
+        valid.fill_(t)
+        return self.captured.replay()[:t].clone()
 
 
 class GraphCache:
@@ -115,14 +175,15 @@ class GraphCache:
         self.device_type = device_type
         self._capture = capture
         self._graphs: OrderedDict = OrderedDict()
+        self._buckets: OrderedDict = OrderedDict()  # the bucketed calls' graphs (module docstring, Buckets)
         self.evictions = 0  # graphs dropped to make room (past MAX_EVICTIONS no new graph is captured)
         self._pool = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle), made at the first capture
 
     def __len__(self) -> int:
-        return len(self._graphs)
+        return len(self._graphs) + len(self._buckets)
 
     def __getstate__(self) -> dict:  # copies and pickles of a layer start with no graphs (a graph is neither)
-        return dict(self.__dict__, _graphs=OrderedDict(), _pool=None)
+        return dict(self.__dict__, _graphs=OrderedDict(), _buckets=OrderedDict(), _pool=None)
 
     def __deepcopy__(self, memo) -> "GraphCache":
         return GraphCache(self.enabled, self.max_graphs, self.device_type, self._capture)
@@ -133,11 +194,13 @@ class GraphCache:
         return self.evictions < MAX_EVICTIONS
 
     def usable(self, inputs: tuple[Tensor, ...]) -> bool:
-        """Whether a call on ``inputs`` (the first one [T, ...]) is replayed from a graph (module docstring, When)."""
-        if not self.enabled:
-            return False
-        x = inputs[0]
-        if x.device.type != self.device_type or not 0 < x.shape[0] <= graph_tokens():
+        """Whether a call on ``inputs`` (the first one [T, ...]) is replayed from a graph of its own shape (module
+        docstring, When)."""
+        return 0 < inputs[0].shape[0] <= graph_tokens() and self._replayable(inputs)
+
+    def _replayable(self, inputs: tuple[Tensor, ...]) -> bool:
+        """usable() but for the token bound."""
+        if not self.enabled or inputs[0].device.type != self.device_type:
             return False
         if torch.compiler.is_compiling() or _STAND_ASIDE.get():
             return False
@@ -146,29 +209,53 @@ class GraphCache:
         return not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
 
     def __call__(self, entry: str, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...],
-                 weights: Callable[[], tuple]) -> Tensor:
-        """fn(*inputs) -> Tensor, replayed from a graph where usable(inputs), else called. fn must read nothing but
-        its inputs and the tensors weights() gives (those it reads in place), and make the same launches for the same
-        key: entry names the call (the layer's forward, forward_topk, ...)."""
+                 weights: Callable[[], tuple], bucketed: Bucketed | None = None) -> Tensor:
+        """fn(*inputs) -> Tensor, replayed from a graph where usable(inputs), or from a bucket's graph where
+        ``bucketed`` is given and the token count has a bucket (bucket_of), else called. fn (and bucketed.fn) must
+        read nothing but its inputs and the tensors weights() gives (those it reads in place), and make the same
+        launches for the same key: entry names the call (the layer's forward, forward_topk, ...)."""
+        rows = None  # a bucket's rows, for a padded call
         if not self.usable(inputs):
-            return fn(*inputs)
-        key = (entry, tuple((tuple(x.shape), x.dtype, x.device) for x in inputs), layout_key(weights()),
-               tuple(v.get() for v in moeflow_env.PATH_SWITCHES))
-        captured = self._graphs.pop(key, None)
-        if captured is None:
-            if not self.capturing:
+            rows = None if bucketed is None else bucket_of(inputs[0].shape[0])
+            if rows is None or not self._replayable(inputs):
                 return fn(*inputs)
-            while len(self._graphs) >= self.max_graphs:
-                self._graphs.popitem(last=False)
-                self.evictions += 1
-                if not self.capturing:
-                    warnings.warn(f"moeflow: eager calls cycled through more than {self.max_graphs} batch shapes "
-                                  f"({MAX_EVICTIONS} graphs dropped); new shapes now run without a CUDA graph. "
-                                  "Lower MOEFLOW_EAGER_GRAPHS to the batch sizes you decode at, or set it to 0.",
-                                  RuntimeWarning, stacklevel=3)
-                    return fn(*inputs)
-            if self._pool is None and self.device_type == "cuda":
-                self._pool = torch.cuda.graph_pool_handle()
-            captured = self._capture(fn, inputs, self._pool)
-        self._graphs[key] = captured  # most recently used last
+        store = self._graphs if rows is None else self._buckets
+        key = self._key(entry, inputs, weights, rows)
+        captured = store.pop(key, None)
+        if captured is None:
+            if not self._make_room(store, self.max_graphs if rows is None else MAX_BUCKET_GRAPHS):
+                return fn(*inputs)
+            captured = (self._capture(fn, inputs, self._shared_pool()) if rows is None
+                        else _BucketCall(self._capture, bucketed.fn, inputs, rows, self._shared_pool()))
+        store[key] = captured  # most recently used last
         return captured(inputs)
+
+    def _make_room(self, store: OrderedDict, most: int) -> bool:
+        """Drop ``store``'s least recently used graphs until a new one fits in ``most``; False where the cache no longer
+        captures (MAX_EVICTIONS graphs dropped, counting both stores: calls cycling through more keys than it keeps,
+        each paying a capture), with one warning when that happens."""
+        if not self.capturing:
+            return False
+        while len(store) >= most:
+            store.popitem(last=False)
+            self.evictions += 1
+            if not self.capturing:
+                warnings.warn(f"moeflow: eager calls cycled through more than {most} batch shapes "
+                              f"({MAX_EVICTIONS} graphs dropped); new shapes now run without a CUDA graph. "
+                              "Lower MOEFLOW_EAGER_GRAPHS (and MOEFLOW_EAGER_BUCKETS) to the batch sizes you run, "
+                              "or set them to 0.", RuntimeWarning, stacklevel=4)
+                return False
+        return True
+
+    @staticmethod
+    def _key(entry: str, inputs: tuple[Tensor, ...], weights: Callable[[], tuple], rows: int | None = None) -> tuple:
+        """A graph's key: the entry, the inputs' shapes (rows: a bucket's, in place of the token count), dtypes and
+        devices, the weights' layouts and the forward path's switches."""
+        shapes = tuple((tuple(x.shape) if rows is None else (rows, *x.shape[1:]), x.dtype, x.device) for x in inputs)
+        return (entry, shapes, layout_key(weights()), tuple(v.get() for v in moeflow_env.PATH_SWITCHES))
+
+    def _shared_pool(self):
+        """The graphs' memory pool (CUDA), made at the first capture; None for other device types (tests)."""
+        if self._pool is None and self.device_type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool

@@ -30,7 +30,7 @@ from .dispatch import create_dispatcher
 from .distributed import resolve_group
 from .errors import MoeflowError, error
 from .experts import ExpertWeights, create_runner, gated_activation
-from .graphs import GraphCache
+from .graphs import Bucketed, GraphCache
 from .layouts import run_in_layout
 from .planner import plan as make_plan
 from .quant import create_scheme
@@ -294,7 +294,7 @@ class MoE(nn.Module):
                                 dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
             with own_precision(hidden_states):
                 return self._graphs("forward", self._route_and_run, (hidden_states, router_logits),
-                                    self._weight_tensors)
+                                    self._weight_tensors, self._bucketed(self._route_and_run_padded))
 
     def _forward_topk_eager(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """forward_topk() outside torch.compile's tracing (as _forward_eager)."""
@@ -312,7 +312,7 @@ class MoE(nn.Module):
                         _check_ids(topk_ids, cfg.num_experts)
             with own_precision(hidden_states):
                 return self._graphs("forward_topk", self._run_topk, (hidden_states, topk_ids, topk_weights),
-                                    self._weight_tensors)
+                                    self._weight_tensors, self._bucketed(self._run_topk_padded))
 
     @contextlib.contextmanager
     def _refusal_takes_part(self):
@@ -337,13 +337,30 @@ class MoE(nn.Module):
     def _run_topk(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         return self._run(hidden, topk_ids.to(torch.int32), topk_weights.float())
 
+    def _bucketed(self, fn) -> Bucketed | None:
+        """fn as the eager graphs' padded form of an entry where the plan allows buckets (Plan.bucketed), else None."""
+        return Bucketed(fn) if self.plan.bucketed else None
+
+    def _route_and_run_padded(self, hidden: Tensor, router_logits: Tensor, valid: Tensor) -> Tensor:
+        """_route_and_run on inputs padded with zero rows past ``valid`` [1] int64 tokens: those route to no expert
+        (moeflow.graphs, Buckets)."""
+        topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)
+        return self._run(hidden, *drop_padding(topk_ids, topk_weights, valid), dropping=True)
+
+    def _run_topk_padded(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, valid: Tensor) -> Tensor:
+        """_run_topk on inputs padded past ``valid`` [1] int64 tokens, as _route_and_run_padded."""
+        return self._run(hidden, *drop_padding(topk_ids, topk_weights, valid), dropping=True)
+
     def _weight_tensors(self) -> tuple:
         """Every tensor a forward reads in place (the parameters), for the eager graphs' keys."""
         return tuple(self.parameters())
 
-    def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        out, shared = routed_experts(self.plan, self.dispatcher, self.runner, hidden, topk_ids, topk_weights,
-                                     self.expert_weights(), lambda: self._shared(hidden))
+    def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, dropping: bool = False) -> Tensor:
+        """The layer after routing. dropping: topk_ids [T, K] int32 may hold -1 (a copy to no expert; Plan.bucketed):
+        the dispatcher's dropping form and the separate launches (the one-launch layer takes ids in 0 .. E-1 only)."""
+        dispatcher = self.dispatcher.dropping() if dropping else self.dispatcher
+        out, shared = routed_experts(self.plan, dispatcher, self.runner, hidden, topk_ids, topk_weights,
+                                     self.expert_weights(), lambda: self._shared(hidden), fused=not dropping)
         if shared is not None:
             out = (out.float() + shared).to(self.config.dtype)
         return out
@@ -365,14 +382,14 @@ class MoE(nn.Module):
 
 
 def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                   weights: ExpertWeights, between=None) -> tuple[Tensor, object]:
+                   weights: ExpertWeights, between=None, fused: bool = True) -> tuple[Tensor, object]:
     """The layer after routing -> (out [T, H] layer dtype, between()'s result or None).
 
-    Where the plan allows it (Plan.fused_layer) and the runner's tuned data has a one-launch config for T
-    tokens, the runner runs dispatch, experts and combine together; else dispatch -> experts (in the
+    Where the plan allows it (Plan.fused_layer), ``fused`` is True and the runner's tuned data has a one-launch
+    config for T tokens, the runner runs dispatch, experts and combine together; else dispatch -> experts (in the
     runner's layout) -> combine. between (no arguments): work to overlap with the dispatch exchange (the
     shared experts), called once either way."""
-    fused = runner.fused_config(hidden.shape[0], weights) if plan.fused_layer else None
+    fused = runner.fused_config(hidden.shape[0], weights) if plan.fused_layer and fused else None
     if fused is not None:
         out = runner.run_fused(hidden, topk_ids, topk_weights, weights, fused)
         return out, between() if between else None
@@ -381,6 +398,14 @@ def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, t
     batch, handle = dispatcher.dispatch_wait(pending)
     expert_out = run_in_layout(runner, batch, weights)
     return dispatcher.combine_wait(dispatcher.combine_start(expert_out, handle)), extra
+
+
+def drop_padding(topk_ids: Tensor, topk_weights: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """topk_ids [T, K] int, topk_weights [T, K] float, valid [1] int64 -> (ids [T, K] int32, weights [T, K] float32)
+    with the rows from ``valid`` on routed to no expert: id -1, weight 0 (a dispatcher's dropping form takes them).
+    No host synchronization."""
+    pad = (torch.arange(topk_ids.shape[0], device=topk_ids.device) >= valid)[:, None]
+    return (topk_ids.to(torch.int32).masked_fill(pad, -1), topk_weights.float().masked_fill(pad, 0.0))
 
 
 class _SharedMLP(nn.Module):

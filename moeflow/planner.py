@@ -38,6 +38,9 @@ class Plan:
     # router, dispatcher and runner all declare graph_safe and the layout is native: a call can be captured in a CUDA
     # graph and replayed (moeflow.graphs replays eager calls of small batches from one)
     graph_safe: bool = False
+    # graph-safe, and the dispatcher drops copies routed to no expert (DispatcherCaps.drops_copies): eager calls of
+    # mid-sized batches may be padded to a bucket and replayed (MOEFLOW_EAGER_BUCKETS)
+    bucketed: bool = False
 
     @property
     def converted(self) -> bool:
@@ -228,8 +231,12 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
                   and RUNNERS.get(runner).caps.graph_safe and ROUTERS.get(router).caps.graph_safe)
     if graph_safe:
         reasons += ("CUDA-graph safe: eager calls of small batches replay a captured graph (MOEFLOW_EAGER_GRAPHS)",)
+    bucketed = graph_safe and DISPATCHERS.get(dispatcher).caps.drops_copies
+    if bucketed:
+        reasons += ("eager calls of mid-sized batches may pad to a bucket and replay its graph (MOEFLOW_EAGER_BUCKETS, "
+                    "off by default)",)
     return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router,
-                fused, graph_safe)
+                fused, graph_safe, bucketed)
 
 
 def cell_status(cfg: MoEConfig, env: Environment) -> str:

@@ -12,23 +12,7 @@ from moeflow.config import MoEConfig
 from moeflow.errors import MoeflowError
 from moeflow.graphs import GraphCache, graph_tokens, layout_key
 from moeflow.planner import plan
-
-
-class FakeCapture:
-    """Stands for _Captured on the CPU: counts captures and replays, and replays by calling fn on copies of the
-    inputs made at capture time (so a test sees that the inputs are copied in, as the real one does)."""
-
-    made = []
-
-    def __init__(self, fn, inputs, pool=None):
-        self.fn, self.inputs, self.replays = fn, tuple(x.clone() for x in inputs), 0
-        FakeCapture.made.append(self)
-
-    def __call__(self, inputs):
-        for static, x in zip(self.inputs, inputs):
-            static.copy_(x)
-        self.replays += 1
-        return self.fn(*self.inputs).clone()
+from graph_fakes import FakeCapture
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from ..dispatch import create_dispatcher
 from ..dispatch.gather_sum import gather_sum
 from ..errors import error
 from ..experts import ExpertWeights, create_runner
-from ..graphs import GraphCache
-from ..layer import ID_DTYPES, ID_DTYPES_DESC, check_input, own_precision, routed_experts
+from ..graphs import Bucketed, GraphCache
+from ..layer import ID_DTYPES, ID_DTYPES_DESC, check_input, drop_padding, own_precision, routed_experts
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan
 from ..quant import FP8_DTYPE, create_scheme
@@ -117,8 +117,13 @@ class ExpertsPath:
         if valid_below is None:  # the layer's own path: the one-launch small-batch layer where the plan has it
             run = lambda x, i, w: routed_experts(self.plan, self.dispatcher, self.runner, x, i.to(torch.int32),
                                                  w.float(), weights)[0]
+            padded = None
+            if self.plan.bucketed:  # a bucket's padded form (moeflow.graphs): the padding tokens go to no expert
+                padded = Bucketed(lambda x, i, w, valid: routed_experts(
+                    self.plan, self.dispatcher.dropping(), self.runner, x, *drop_padding(i, w, valid), weights,
+                    fused=False)[0])
             return self._graphs("experts", run, (hidden, topk_ids, topk_weights),
-                                lambda: (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale))
+                                lambda: (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale), padded)
         ids, w = topk_ids.to(torch.int32), topk_weights.float()
         t, k = ids.shape
         flat = ids.reshape(-1)

@@ -98,3 +98,53 @@ def test_experts_path_replays(make_layer, monkeypatch, t):
         assert torch.equal(out, launched(monkeypatch, lambda: path(x, ids.long(), w.bfloat16(), weights)))
         assert torch.equal(out, layer.forward_topk(x, ids.long(), w.bfloat16()))
     assert len(path._graphs) == 1
+
+
+def unbucketed(monkeypatch, fn):
+    """fn() with buckets off: the call launch by launch."""
+    monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "0")
+    try:
+        return fn()
+    finally:
+        monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "256")
+
+
+@pytest.mark.parametrize("scheme,runner", [("none", "triton"), ("fp8-block", "triton"), ("fp8-channel", "triton"),
+                                           ("fp8-tensor", "triton"), ("none", "grouped_mm")])
+def test_bucketed_calls_equal_launched_calls(make_layer, monkeypatch, scheme, runner):
+    """MOEFLOW_EAGER_BUCKETS: calls of 17-256 tokens padded to a power of two replay its bucket's graph. Against the
+    same call launch by launch (whose tuned tiles follow its own token count, so not bit for bit) and the oracle;
+    calls of one bucket, longer then shorter (its padding rows zeroed again), share one graph per entry."""
+    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "16")
+    monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "256")
+    layer = make_layer(**SHAPE, quant=scheme, runner=runner, num_shared_experts=1, shared_intermediate_size=128)
+    assert layer.plan.bucketed
+    tol = rel_tol(scheme, torch.bfloat16)
+    outs = []
+    for t in (100, 70, 17, 256, 128):  # buckets 128, 128, 32, 256, 128
+        x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(t, 16, device="cuda")
+        ids, w = route_for(layer.config, logits, layer.e_score_correction_bias)
+        out, topk = layer(x, logits), layer.forward_topk(x, ids.long(), w)
+        assert out.shape == (t, 256) and torch.equal(out, topk), f"{scheme} {runner} T={t}"
+        assert_close(out, unbucketed(monkeypatch, lambda: layer(x, logits)).float(), tol, f"{scheme} T={t} launched")
+        assert_close(out, layer_oracle(layer, x, ids, w), tol, f"{scheme} T={t}")
+        outs.append((out, out.clone()))
+    assert len(layer._graphs) == 6  # (forward, forward_topk) x buckets 32, 128, 256
+    for out, copy in outs:  # later replays did not overwrite earlier outputs
+        assert torch.equal(out, copy)
+
+
+def test_experts_path_bucketed(make_layer, monkeypatch):
+    monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "256")
+    layer = make_layer(**SHAPE, quant="fp8-block", runner="triton")
+    path = ExpertsPath(layer.config)
+    weights = ExpertWeights(layer.gate_up_proj, layer.down_proj, layer.gate_up_proj_scale_inv,
+                            layer.down_proj_scale_inv)
+    for t in (200, 130):
+        x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+        ids, w = route_for(layer.config, torch.randn(t, 16, device="cuda"), None)
+        out = path(x, ids.long(), w.bfloat16(), weights)
+        assert torch.equal(out, layer.forward_topk(x, ids.long(), w.bfloat16()))
+        assert_close(out, layer_oracle(layer, x, ids, w.bfloat16().float()), rel_tol("fp8-block", torch.bfloat16))
+    assert len(path._graphs) == 1

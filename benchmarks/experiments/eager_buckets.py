@@ -1,0 +1,72 @@
+"""Eager calls past the eager graphs' sizes, launched one by one against padded to a bucket and replayed
+(MOEFLOW_EAGER_BUCKETS, moeflow.graphs' Buckets): does the replay take an eager prefill call off the host's
+launch path, and what does the padding cost the GPU?
+
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD python benchmarks/experiments/eager_buckets.py [OUT_DIR]
+
+Per preset, scheme, T and entry point (MoE.forward with router logits; the ExpertsPath of transformers' "moeflow"
+experts call), MOEFLOW_EAGER_GRAPHS=16, µs per call:
+    launched_*   MOEFLOW_EAGER_BUCKETS=0: the call launch by launch (host_us, eager_us as eager_overhead.py)
+    bucketed_*   MOEFLOW_EAGER_BUCKETS=4096: the call padded to the next power of two and replayed
+    gpu_us       the launched call captured whole as a CUDA graph (the GPU's own time, no padding)
+    first_ms     the bucketed entry's first call (its warm-up run and capture), ms
+    rel_diff     max |bucketed - launched| / max |launched| over the output (tiles follow the token count: not bits)
+    reserved_mb  torch.cuda.memory_reserved() after the case's bucketed calls
+Writes OUT_DIR/eager_buckets.json and prints one line a row.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from eager_overhead import eager_us, gpu_us, host_us, layer_case, layer_inputs, results_header, run_all  # noqa: E402
+
+TOKENS = (24, 100, 300, 512, 1000, 2048, 4096)
+
+
+def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
+    moe, path, weights = layer_case(preset, scheme)
+    os.environ["MOEFLOW_EAGER_GRAPHS"] = "16"
+    rows = []
+    for t in TOKENS:
+        x, logits, ids64, w = layer_inputs(moe, t)
+        entries = {"forward": lambda: moe(x, logits), "experts_path": lambda: path(x, ids64, w, weights)}
+        for name, fn in entries.items():
+            row = dict(preset=preset, scheme=scheme, T=t, entry=name)
+            os.environ["MOEFLOW_EAGER_BUCKETS"] = "0"
+            launched = fn()
+            row["launched_host_us"], row["launched_eager_us"] = host_us(fn), eager_us(fn)
+            os.environ["MOEFLOW_VALIDATE_INPUTS"] = "0"  # graph capture cannot read ids on the host
+            row["gpu_us"] = gpu_us(fn)
+            os.environ["MOEFLOW_VALIDATE_INPUTS"] = "1"
+            os.environ["MOEFLOW_EAGER_BUCKETS"] = "4096"
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            bucketed = fn()
+            torch.cuda.synchronize()
+            row["first_ms"] = (time.perf_counter() - t0) * 1e3
+            row["bucketed_host_us"], row["bucketed_eager_us"] = host_us(fn), eager_us(fn)
+            scale = launched.float().abs().max().clamp(min=1e-30)
+            row["rel_diff"] = float((bucketed.float() - launched.float()).abs().max() / scale)
+            row["reserved_mb"] = torch.cuda.memory_reserved() / 2 ** 20
+            rows.append(row)
+            print(f"{preset:14s} {scheme:9s} T={t:<5d} {name:13s} launched host {row['launched_host_us']:7.1f} "
+                  f"eager {row['launched_eager_us']:7.1f} | bucketed host {row['bucketed_host_us']:7.1f} "
+                  f"eager {row['bucketed_eager_us']:7.1f} | gpu {row['gpu_us']:7.1f} first {row['first_ms']:6.1f} ms "
+                  f"diff {row['rel_diff']:.1e} {row['reserved_mb']:.0f} MB", flush=True)
+    os.environ["MOEFLOW_EAGER_BUCKETS"] = "0"
+    return rows
+
+
+def main() -> int:
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+    os.makedirs(out_dir, exist_ok=True)
+    return run_all(results_header(), run_case, out_dir, "eager_buckets.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
