@@ -17,13 +17,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 SHAPE = dict(num_experts=16, hidden_size=256, intermediate_size=384, top_k=4, dtype=torch.bfloat16, device="cuda")
 
 
-def launched(monkeypatch, fn):
-    """fn() with eager graphs off: the call launch by launch."""
-    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "0")
+def launched(monkeypatch, fn, variable="MOEFLOW_EAGER_GRAPHS", on="16"):
+    """fn() with eager graphs (or, variable="MOEFLOW_EAGER_BUCKETS", their buckets) off: the call launch by launch;
+    the variable is ``on`` again after."""
+    monkeypatch.setenv(variable, "0")
     try:
         return fn()
     finally:
-        monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "16")
+        monkeypatch.setenv(variable, on)
 
 
 @pytest.mark.parametrize("t", [1, 3, 16])
@@ -100,15 +101,6 @@ def test_experts_path_replays(make_layer, monkeypatch, t):
     assert len(path._graphs) == 1
 
 
-def unbucketed(monkeypatch, fn):
-    """fn() with buckets off: the call launch by launch."""
-    monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "0")
-    try:
-        return fn()
-    finally:
-        monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "256")
-
-
 @pytest.mark.parametrize("scheme,runner", [("none", "triton"), ("fp8-block", "triton"), ("fp8-channel", "triton"),
                                            ("fp8-tensor", "triton"), ("none", "grouped_mm")])
 def test_bucketed_calls_equal_launched_calls(make_layer, monkeypatch, scheme, runner):
@@ -127,7 +119,8 @@ def test_bucketed_calls_equal_launched_calls(make_layer, monkeypatch, scheme, ru
         ids, w = route_for(layer.config, logits, layer.e_score_correction_bias)
         out, topk = layer(x, logits), layer.forward_topk(x, ids.long(), w)
         assert out.shape == (t, 256) and torch.equal(out, topk), f"{scheme} {runner} T={t}"
-        assert_close(out, unbucketed(monkeypatch, lambda: layer(x, logits)).float(), tol, f"{scheme} T={t} launched")
+        one_by_one = launched(monkeypatch, lambda: layer(x, logits), "MOEFLOW_EAGER_BUCKETS", "256")
+        assert_close(out, one_by_one.float(), tol, f"{scheme} T={t} launched")
         assert_close(out, layer_oracle(layer, x, ids, w), tol, f"{scheme} T={t}")
         outs.append((out, out.clone()))
     assert len(layer._graphs) == 6  # (forward, forward_topk) x buckets 32, 128, 256
