@@ -118,10 +118,12 @@ def test_bucketed_calls_equal_launched_calls(make_layer, monkeypatch, scheme, ru
         logits = torch.randn(t, 16, device="cuda")
         ids, w = route_for(layer.config, logits, layer.e_score_correction_bias)
         out, topk = layer(x, logits), layer.forward_topk(x, ids.long(), w)
-        assert out.shape == (t, 256) and torch.equal(out, topk), f"{scheme} {runner} T={t}"
+        assert out.shape == topk.shape == (t, 256), f"{scheme} {runner} T={t}"
         one_by_one = launched(monkeypatch, lambda: layer(x, logits), "MOEFLOW_EAGER_BUCKETS", "256")
         assert_close(out, one_by_one.float(), tol, f"{scheme} T={t} launched")
-        assert_close(out, layer_oracle(layer, x, ids, w), tol, f"{scheme} T={t}")
+        ref = layer_oracle(layer, x, ids, w)  # the router's weights may differ from route_for's in the last bit
+        assert_close(out, ref, tol, f"{scheme} T={t}")
+        assert_close(topk, ref, tol, f"{scheme} T={t} forward_topk")
         outs.append((out, out.clone()))
     assert len(layer._graphs) == 6  # (forward, forward_topk) x buckets 32, 128, 256
     for out, copy in outs:  # later replays did not overwrite earlier outputs
