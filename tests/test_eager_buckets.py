@@ -201,6 +201,29 @@ def test_layer_bucketed_calls_equal_unpadded_calls(make_layer, monkeypatch, quan
     assert len(FakeCapture.made) == 4  # (forward, forward_topk) x (32, 64)
 
 
+@pytest.mark.parametrize("routing", [
+    dict(scoring="sigmoid", num_expert_groups=2, topk_groups=1, use_correction_bias=True, routed_scaling_factor=2.5,
+         num_shared_experts=1, shared_intermediate_size=16),  # DeepSeek-V3's kind
+    dict(renormalize=False, num_shared_experts=1, shared_intermediate_size=16, shared_expert_gate=True,
+         activation="gelu_tanh"),  # Qwen2-MoE's kind, another activation
+])
+@pytest.mark.parametrize("runner", ["grouped_mm", "reference"])
+def test_bucketed_calls_of_other_routers_and_runners(make_layer, monkeypatch, routing, runner):
+    """The padding tokens' zero logits route somewhere under every router (grouped, biased, sigmoid) before
+    drop_padding sends them nowhere: the call's rows are still the unpadded call's, to the last bit but for the
+    shared-expert gate, a torch nn.Linear [H, 1] whose CPU matmul rounds the last bit by the row count (seen here:
+    3e-8 at T=40 against 64 rows; the routed experts and the ungated shared experts gave the same bits)."""
+    layer = make_layer(**SHAPE, runner=runner, **routing)
+    bucketing(monkeypatch, layer)
+    for t in (40, 23):
+        x, logits = torch.randn(t, 32), torch.randn(t, 6)
+        out, want = layer(x, logits), unbucketed(monkeypatch, lambda: layer(x, logits))
+        if layer.shared_expert_gate is None:
+            assert torch.equal(out, want), f"T={t}"
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    assert len(FakeCapture.made) == 2  # buckets 64 and 32
+
+
 def test_experts_path_bucketed_calls_equal_unpadded_calls(make_layer, monkeypatch):
     layer = make_layer(**SHAPE, quant="fp8-channel")
     path = ExpertsPath(layer.config)
