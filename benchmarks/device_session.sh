@@ -41,7 +41,8 @@
 #      (test_loader_prefetch_keeps_the_bits): ONLY=ws_prefetch
 #  13. prepared 2026-12-05 (thirteenth session, no GPU lent): eager calls past MOEFLOW_EAGER_GRAPHS padded to a
 #      power-of-two bucket and replayed (MOEFLOW_EAGER_BUCKETS, off by default): the GPU tests of the bucketed calls,
-#      then eager_buckets.py (host and eager µs a call launched against bucketed, T = 24-4096): ONLY=eager_buckets
+#      then eager_buckets.py (host and eager µs a call launched against bucketed, T = 24-4096, and the memory four
+#      layers' bucket graphs hold): ONLY=eager_buckets
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
 # can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
 # tests in 420 s (compiling as it went), so they are three steps now: gpu_tests_triton (test_gpu_triton.py),
@@ -162,7 +163,7 @@ step ws_prefetch_bits 240 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu 
 step eager_buckets_tests 240 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu \
     tests/gpu/test_gpu_eager_graphs.py -k bucketed
 step eager_buckets 300 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/eager_buckets.py "$R/eager_buckets"
-tail -n 44 "$R/eager_buckets.log" >> "$S" 2>/dev/null
+tail -n 50 "$R/eager_buckets.log" >> "$S" 2>/dev/null
 grep -hE "FAILED|Error" "$R"/*tests*.log 2>/dev/null | head -20 >> "$S"
 tar czf "$OUT/results.tgz" -C "$R" .
 bash benchmarks/triton_cache.sh save "$OUT" 2>> "$S"

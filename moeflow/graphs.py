@@ -25,15 +25,8 @@ Costs: the first call of each key runs twice and captures (a few ms); a copy of 
 call; one memory pool a cache, shared by its graphs
 (measured on H200 with a pool for each graph, Qwen3-30B-A3B's shapes: about 8 MB of reserved memory a layer for
 the graphs of T = 1-16).
-Buckets (MOEFLOW_EAGER_BUCKETS, off by default): a call of more tokens than MOEFLOW_EAGER_GRAPHS, up to the
-variable, is padded to a bucket, the next power of two (at most the variable), and replays that bucket's graph, so
-calls of any token count (prefill) share a few graphs. The entry's padded form (Bucketed) takes the inputs padded
-with zero rows and ``valid`` ([1] int64 on the device, the call's own token count), routes the padding tokens to no
-expert (id -1, a plan whose dispatcher drops such copies: Plan.bucketed), and its output's first rows are the
-call's. A call copies its rows into the static inputs, zeroes the rows the previous call wrote past its own, sets
-``valid``, replays, and returns a copy of its rows of the output. Buckets keep their own graphs (MAX_BUCKET_GRAPHS,
-least recently used dropped first). The GPU then also routes, sums and copies the padding rows (at most as many as
-the call's own); the expert GEMMs compute only the call's copies. Not yet measured on a GPU: hence off.
+Buckets (MOEFLOW_EAGER_BUCKETS, off by default): calls past MOEFLOW_EAGER_GRAPHS tokens padded to a power of two
+and replayed from that bucket's graph; moeflow.graph_buckets (their memory: one arena a device and stream).
 Not supported: calls of one layer on two streams at once (as for the one-launch layer's counters).
 """
 from __future__ import annotations
@@ -42,43 +35,25 @@ import contextlib
 import contextvars
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from . import env as moeflow_env
+from . import graph_buckets
+from .graph_buckets import Bucketed, BucketCall, arena_for, arena_key, bucket_of
 
 MAX_GRAPHS = 8  # graphs one cache keeps (one per token count and entry, in practice)
 # set while torch.compile's op runs a layer (moeflow.ops): the compiled model's own CUDA graphs (mode="reduce-overhead")
 # warm up and record in their memory pool, where a graph of ours (its static inputs) would outlive the recording
 _STAND_ASIDE = contextvars.ContextVar("moeflow_eager_graphs_stand_aside", default=False)
 MAX_EVICTIONS = 32  # graphs one cache may drop to make room; past that it captures no new ones (see GraphCache)
-MAX_BUCKET_GRAPHS = 16  # bucket graphs one cache keeps (powers of two from 32 to 4096 are 8 an entry)
 
 
 def graph_tokens() -> int:
     """MOEFLOW_EAGER_GRAPHS as an int >= 0 (MF107 otherwise)."""
     return moeflow_env.EAGER_GRAPHS.get_count()
-
-
-def bucket_of(tokens: int) -> int | None:
-    """The rows a call of ``tokens`` tokens is padded to (module docstring, Buckets): the next power of two, at most
-    MOEFLOW_EAGER_BUCKETS, for MOEFLOW_EAGER_GRAPHS < tokens <= MOEFLOW_EAGER_BUCKETS; else None."""
-    most = moeflow_env.EAGER_BUCKETS.get_count()
-    if not graph_tokens() < tokens <= most:
-        return None
-    return min(1 << (tokens - 1).bit_length(), most)
-
-
-@dataclass(frozen=True)
-class Bucketed:
-    """An entry's padded form: fn(*inputs, valid) -> [rows, ...], the inputs [rows, ...] the call's own rows then
-    zero rows, valid [1] int64 the call's token count; its first rows must be the unpadded call's result (the
-    padding tokens routed to no expert)."""
-
-    fn: Callable[..., Tensor]
 
 
 def layout_key(tensors) -> tuple:
@@ -116,8 +91,9 @@ def standing_aside():
 class _Captured:
     """One captured call: its graph, the static inputs it reads and the output it writes."""
 
-    def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], pool=None):
-        self.inputs = tuple(x.clone() for x in inputs)
+    def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], pool=None, own_inputs: bool = True):
+        """own_inputs: read copies of ``inputs`` (made now), else the tensors themselves (graph_buckets' arenas)."""
+        self.inputs = tuple(x.clone() for x in inputs) if own_inputs else tuple(inputs)
         outputs = []  # the warm-up's output, then the captured call's (the last)
         with torch.cuda.device(inputs[0].device):
             self.graph = capture_graph(lambda: outputs.append(fn(*self.inputs)), pool=pool,
@@ -135,33 +111,6 @@ class _Captured:
         return self.replay().clone()
 
 
-class _BucketCall:
-    """A captured bucket: the padded form captured on the first call's rows padded to ``rows``; later calls of at most
-    ``rows`` tokens copy their rows in (module docstring, Buckets). capture: as GraphCache's."""
-
-    def __init__(self, capture, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], rows: int, pool=None):
-        t = inputs[0].shape[0]
-        padded = []
-        for x in inputs:
-            p = x.new_zeros((rows, *x.shape[1:]))
-            p[:t].copy_(x)
-            padded.append(p)
-        valid = torch.tensor([t], dtype=torch.int64, device=inputs[0].device)
-        self.captured = capture(fn, (*padded, valid), pool)
-        self.written = t  # rows of the static inputs past it are zero
-
-    def __call__(self, inputs: tuple[Tensor, ...]) -> Tensor:
-        t = inputs[0].shape[0]
-        *statics, valid = self.captured.inputs
-        for static, x in zip(statics, inputs):
-            static[:t].copy_(x)
-            if self.written > t:
-                static[t:self.written].zero_()
-        self.written = t
-        valid.fill_(t)
-        return self.captured.replay()[:t].clone()
-
-
 class GraphCache:
     """Per-layer cache of captured calls (module docstring). ``enabled``: the plan is graph-safe (Plan.graph_safe).
     device_type and capture are there for tests: the device type the cache serves, and what captures a call
@@ -175,7 +124,7 @@ class GraphCache:
         self.device_type = device_type
         self._capture = capture
         self._graphs: OrderedDict = OrderedDict()
-        self._buckets: OrderedDict = OrderedDict()  # the bucketed calls' graphs (module docstring, Buckets)
+        self._buckets: OrderedDict = OrderedDict()  # the bucketed calls' graphs (graph_buckets.BucketCall)
         self.evictions = 0  # graphs dropped to make room (past MAX_EVICTIONS no new graph is captured)
         self._pool = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle), made at the first capture
 
@@ -220,13 +169,14 @@ class GraphCache:
             if rows is None or not self._replayable(inputs):
                 return fn(*inputs)
         store = self._graphs if rows is None else self._buckets
-        key = self._key(entry, inputs, weights, rows)
+        arena = None if rows is None else arena_key(inputs[0].device)  # a bucket's graph: its (device, stream)
+        key = self._key(entry, inputs, weights, rows, arena)
         captured = store.pop(key, None)
         if captured is None:
-            if not self._make_room(store, self.max_graphs if rows is None else MAX_BUCKET_GRAPHS):
+            if not self._make_room(store, self.max_graphs if rows is None else graph_buckets.MAX_BUCKET_GRAPHS):
                 return fn(*inputs)
             captured = (self._capture(fn, inputs, self._shared_pool()) if rows is None
-                        else _BucketCall(self._capture, bucketed.fn, inputs, rows, self._shared_pool()))
+                        else BucketCall(self._capture, bucketed.fn, inputs, rows, arena_for(arena)))
         store[key] = captured  # most recently used last
         return captured(inputs)
 
@@ -248,11 +198,12 @@ class GraphCache:
         return True
 
     @staticmethod
-    def _key(entry: str, inputs: tuple[Tensor, ...], weights: Callable[[], tuple], rows: int | None = None) -> tuple:
+    def _key(entry: str, inputs: tuple[Tensor, ...], weights: Callable[[], tuple], rows: int | None = None,
+             arena: tuple | None = None) -> tuple:
         """A graph's key: the entry, the inputs' shapes (rows: a bucket's, in place of the token count), dtypes and
-        devices, the weights' layouts and the forward path's switches."""
+        devices, the weights' layouts, the forward path's switches, and a bucket's arena (graph_buckets.arena_key)."""
         shapes = tuple((tuple(x.shape) if rows is None else (rows, *x.shape[1:]), x.dtype, x.device) for x in inputs)
-        return (entry, shapes, layout_key(weights()), tuple(v.get() for v in moeflow_env.PATH_SWITCHES))
+        return (entry, shapes, layout_key(weights()), tuple(v.get() for v in moeflow_env.PATH_SWITCHES), arena)
 
     def _shared_pool(self):
         """The graphs' memory pool (CUDA), made at the first capture; None for other device types (tests)."""

@@ -30,7 +30,8 @@ from .dispatch import create_dispatcher
 from .distributed import resolve_group
 from .errors import MoeflowError, error
 from .experts import ExpertWeights, create_runner, gated_activation
-from .graphs import Bucketed, GraphCache
+from .graph_buckets import Bucketed
+from .graphs import GraphCache
 from .layouts import run_in_layout
 from .planner import plan as make_plan
 from .quant import create_scheme

@@ -13,7 +13,8 @@ from moeflow.capabilities import Environment
 from moeflow.config import MoEConfig
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import ExpertWeights
-from moeflow.graphs import MAX_BUCKET_GRAPHS, Bucketed, GraphCache, bucket_of
+from moeflow.graph_buckets import MAX_BUCKET_GRAPHS, Bucketed, bucket_of
+from moeflow.graphs import GraphCache
 from moeflow.integrations.path import ExpertsPath
 from moeflow.planner import plan
 from moeflow.quant import create_scheme
@@ -92,7 +93,7 @@ def test_past_the_bound_without_a_padded_form_or_off_runs_eagerly(buckets, monke
 
 
 def test_least_recently_used_bucket_goes_first(buckets, monkeypatch):
-    monkeypatch.setattr("moeflow.graphs.MAX_BUCKET_GRAPHS", 2)
+    monkeypatch.setattr("moeflow.graph_buckets.MAX_BUCKET_GRAPHS", 2)
     seen = []
     for entry in ("a", "b", "a", "c", "a", "b"):  # "b" was dropped for "c" (a used since): captured again
         buckets(entry, lambda x: x * 2, (torch.randn(20, 4),), lambda: (), padded_double(seen))
@@ -101,7 +102,7 @@ def test_least_recently_used_bucket_goes_first(buckets, monkeypatch):
 
 
 def test_bucket_evictions_count_toward_the_cache_stopping_capture(buckets, monkeypatch):
-    monkeypatch.setattr("moeflow.graphs.MAX_BUCKET_GRAPHS", 2)
+    monkeypatch.setattr("moeflow.graph_buckets.MAX_BUCKET_GRAPHS", 2)
     monkeypatch.setattr("moeflow.graphs.MAX_EVICTIONS", 2)
     seen, calls = [], []
     eager = lambda x: calls.append(x.shape[0]) or x * 2
@@ -110,6 +111,63 @@ def test_bucket_evictions_count_toward_the_cache_stopping_capture(buckets, monke
             x = torch.randn(20, 4)
             torch.testing.assert_close(buckets(entry, eager, (x,), lambda: (), padded_double(seen)), x * 2)
     assert len(FakeCapture.made) == 3 and calls == [20, 20] and not buckets.capturing
+
+
+def test_caches_share_their_arena_and_calls_do_not_clobber_each_other(monkeypatch):
+    """Two layers' caches: their bucket graphs read the same static inputs and write the same output (one arena a
+    device and stream), and each call's result is its own (copied out under the arena's lock)."""
+    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "16")
+    monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "256")
+    FakeCapture.made = []
+    a, b = (GraphCache(True, device_type="cpu", capture=FakeCapture) for _ in range(2))
+    seen = []
+    xa, xb = torch.randn(30, 4), torch.randn(20, 4)
+    ya = a("f", lambda x: x * 2, (xa,), lambda: (), padded_double(seen))
+    yb = b("f", lambda x: x * 3, (xb,), lambda: (), Bucketed(lambda x, valid: x * 3))
+    torch.testing.assert_close(ya, xa * 2, rtol=0, atol=0)
+    torch.testing.assert_close(yb, xb * 3, rtol=0, atol=0)
+    first, second = FakeCapture.made
+    assert first.inputs[0] is second.inputs[0] and first.inputs[1] is second.inputs[1]  # hidden and valid
+    assert next(iter(a._buckets.values())).arena is next(iter(b._buckets.values())).arena
+
+
+def test_calls_from_two_threads_keep_their_own_rows(monkeypatch):
+    import threading
+    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "16")
+    monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "256")
+    caches = [GraphCache(True, device_type="cpu", capture=FakeCapture) for _ in range(2)]
+    slow = Bucketed(lambda x, valid: (x.sin() + 1).cos() - x.cos() + x * 2)  # several ops: threads switch between
+    failures = []
+
+    def run(cache, scale):
+        for i in range(150):
+            x = torch.full((17 + i % 15, 64), float(scale * 1000 + i))
+            y = cache("f", lambda x: (x.sin() + 1).cos() - x.cos() + x * 2, (x,), lambda: (), slow)
+            if not torch.equal(y, (x.sin() + 1).cos() - x.cos() + x * 2):
+                failures.append((scale, i))
+
+    threads = [threading.Thread(target=run, args=(c, k + 1)) for k, c in enumerate(caches)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failures
+
+
+def test_an_arena_lives_as_long_as_a_graph_holds_it(monkeypatch):
+    import gc
+
+    from moeflow import graph_buckets
+    monkeypatch.setenv("MOEFLOW_EAGER_GRAPHS", "16")
+    monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "256")
+    gc.collect()
+    before = len(graph_buckets._ARENAS)
+    cache = GraphCache(True, device_type="meta", capture=FakeCapture)  # its own arena: ("meta", None)
+    cache("f", lambda x: x * 2, (torch.empty(20, 4, device="meta"),), lambda: (), Bucketed(lambda x, v: x * 2))
+    assert ("meta", None) in graph_buckets._ARENAS and len(graph_buckets._ARENAS) == before + 1
+    del cache
+    gc.collect()
+    assert ("meta", None) not in graph_buckets._ARENAS
 
 
 # ---------------------------------------------------------------- the local dispatcher's dropping form

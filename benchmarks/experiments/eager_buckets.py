@@ -12,6 +12,9 @@ experts call), MOEFLOW_EAGER_GRAPHS=16, µs per call:
     first_ms     the bucketed entry's first call (its warm-up run and capture), ms
     rel_diff     max |bucketed - launched| / max |launched| over the output (tiles follow the token count: not bits)
     reserved_mb  torch.cuda.memory_reserved() after the case's bucketed calls
+Then, per case, the memory the bucket graphs of several layers hold (graph_buckets: one arena a device and stream, so
+about the largest graph's intermediates, not every layer's): reserved MB before and after a T=4096 bucketed forward of
+each of LAYERS layers, against the same for one layer.
 Writes OUT_DIR/eager_buckets.json and prints one line a row.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from eager_overhead import eager_us, gpu_us, host_us, layer_case, layer_inputs, results_header, run_all  # noqa: E402
 
 TOKENS = (24, 100, 300, 512, 1000, 2048, 4096)
+LAYERS = 4
 
 
 def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
@@ -58,8 +62,35 @@ def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
                   f"eager {row['launched_eager_us']:7.1f} | bucketed host {row['bucketed_host_us']:7.1f} "
                   f"eager {row['bucketed_eager_us']:7.1f} | gpu {row['gpu_us']:7.1f} first {row['first_ms']:6.1f} ms "
                   f"diff {row['rel_diff']:.1e} {row['reserved_mb']:.0f} MB", flush=True)
+    rows.append(layers_memory(preset, scheme))
     os.environ["MOEFLOW_EAGER_BUCKETS"] = "0"
     return rows
+
+
+def layers_memory(preset: str, scheme: str) -> dict:
+    """Reserved MB after building LAYERS layers, then after one bucketed T=4096 forward of the first, then of all (on a
+    stream of their own, so in an arena of their own)."""
+    torch.cuda.empty_cache()
+    moes = [layer_case(preset, scheme)[0] for _ in range(LAYERS)]
+    x, logits, _, _ = layer_inputs(moes[0], 4096)
+    os.environ["MOEFLOW_EAGER_BUCKETS"] = "4096"
+    torch.cuda.synchronize()
+    mb = lambda: torch.cuda.memory_reserved() / 2 ** 20
+    row = dict(preset=preset, scheme=scheme, T=4096, entry=f"memory_{LAYERS}_layers", built_mb=mb())
+    stream = torch.cuda.Stream()  # a stream of its own: a fresh arena, not run_case's
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moes[0](x, logits)
+        torch.cuda.synchronize()
+        row["one_layer_mb"] = mb()
+        for moe in moes[1:]:
+            moe(x, logits)
+        torch.cuda.synchronize()
+    row["all_layers_mb"] = mb()
+    first, others = row["one_layer_mb"] - row["built_mb"], row["all_layers_mb"] - row["one_layer_mb"]
+    print(f"{preset:14s} {scheme:9s} {LAYERS} layers' bucket graphs at T=4096: +{first:.0f} MB for the first, "
+          f"+{others:.0f} MB for the other {LAYERS - 1}", flush=True)
+    return row
 
 
 def main() -> int:

@@ -23,7 +23,8 @@ from ..dispatch import create_dispatcher
 from ..dispatch.gather_sum import gather_sum
 from ..errors import error
 from ..experts import ExpertWeights, create_runner
-from ..graphs import Bucketed, GraphCache
+from ..graph_buckets import Bucketed
+from ..graphs import GraphCache
 from ..layer import ID_DTYPES, ID_DTYPES_DESC, check_input, drop_padding, own_precision, routed_experts
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan

@@ -143,3 +143,18 @@ def test_experts_path_bucketed(make_layer, monkeypatch):
         assert torch.equal(out, layer.forward_topk(x, ids.long(), w.bfloat16()))
         assert_close(out, layer_oracle(layer, x, ids, w.bfloat16().float()), rel_tol("fp8-block", torch.bfloat16))
     assert len(path._graphs) == 1
+
+
+def test_bucketed_layers_share_one_arena(make_layer, monkeypatch):
+    """Two layers' bucket graphs read and write one arena (graph_buckets: one pool, one set of static tensors a device
+    and stream); calls alternating between them, in one bucket and across two, each give their own layer's result."""
+    monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "256")
+    layers = [make_layer(**SHAPE, quant="fp8-block", runner="triton") for _ in range(2)]
+    for t in (100, 120, 60, 128):
+        for layer in layers:
+            x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
+            logits = torch.randn(t, 16, device="cuda")
+            ids, w = route_for(layer.config, logits, None)
+            assert_close(layer(x, logits), layer_oracle(layer, x, ids, w), rel_tol("fp8-block", torch.bfloat16))
+    a, b = (next(iter(layer._graphs._buckets.values())) for layer in layers)
+    assert a.arena is b.arena and a.keys == b.keys
