@@ -127,15 +127,15 @@ class BucketCall:
 
     def __init__(self, capture, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], rows: int, arena: Arena):
         self.arena = arena
-        self.keys = arena.inputs(inputs, rows)
-        statics = tuple(arena.tensor(k) for k in self.keys)
-        valid = arena.valid(inputs[0].device)
-        out = arena.output(statics[0])
+        with arena.lock:  # the arena's tensors are made once, whichever thread comes first
+            self.keys = arena.inputs(inputs, rows)
+            statics = tuple(arena.tensor(k) for k in self.keys)
+            valid = arena.valid(inputs[0].device)
+            out = arena.output(statics[0])
 
-        def into_arena(*args: Tensor) -> Tensor:  # the output copied into the arena's: no pool tensor stays alive
-            return out.copy_(fn(*args))
+            def into_arena(*args: Tensor) -> Tensor:  # the output copied into the arena's: no pool tensor stays alive
+                return out.copy_(fn(*args))
 
-        with arena.lock:
             arena.fill(self.keys, inputs, valid)
             self.captured = capture(into_arena, (*statics, valid), arena.pool, own_inputs=False)
 
