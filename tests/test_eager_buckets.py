@@ -1,8 +1,8 @@
-"""moeflow.graphs' buckets on the CPU (MOEFLOW_EAGER_BUCKETS): which calls pad to which bucket, what the padded form
+"""moeflow.graph_buckets on the CPU (MOEFLOW_EAGER_BUCKETS): which calls pad to which bucket, what the padded form
 sees (the call's rows, then zero rows; valid = its token count), that one graph serves a bucket, and that a layer's
 padded call (the padding tokens routed to no expert, the local dispatcher's dropping form) gives the unpadded call's
-result, for MoE.forward, forward_topk and ExpertsPath. The capture is faked (graph_fakes.FakeCapture); the CUDA
-graphs themselves: tests/gpu/test_gpu_eager_graphs.py."""
+result, for MoE.forward, forward_topk and ExpertsPath; the arena the caches share. The capture is faked
+(graph_fakes.FakeCapture); the CUDA graphs themselves: tests/gpu/test_gpu_eager_graphs.py."""
 import dataclasses
 
 import pytest
