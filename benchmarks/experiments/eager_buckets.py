@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from eager_overhead import eager_us, gpu_us, host_us, layer_case, layer_inputs, results_header, run_all  # noqa: E402
 
-TOKENS = (24, 100, 300, 512, 1000, 2048, 4096)
+TOKENS = (24, 100, 512, 1000, 2048, 4096)
 LAYERS = 4
 
 
