@@ -2,7 +2,8 @@
 (MOEFLOW_EAGER_BUCKETS, moeflow.graphs' Buckets): does the replay take an eager prefill call off the host's
 launch path, and what does the padding cost the GPU?
 
-    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD python benchmarks/experiments/eager_buckets.py [OUT_DIR]
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD [CASES=preset:scheme,...] [TOKENS=24,100,...] \
+        python benchmarks/experiments/eager_buckets.py [OUT_DIR]
 
 Per preset, scheme, T and entry point (MoE.forward with router logits; the ExpertsPath of transformers' "moeflow"
 experts call), MOEFLOW_EAGER_GRAPHS=16, µs per call:
@@ -26,9 +27,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import eager_overhead  # noqa: E402
 from eager_overhead import eager_us, gpu_us, host_us, layer_case, layer_inputs, results_header, run_all  # noqa: E402
 
-TOKENS = (24, 100, 512, 1000, 2048, 4096)
+TOKENS = tuple(int(t) for t in os.environ.get("TOKENS", "24,100,512,1000,2048,4096").split(","))
 LAYERS = 4
 
 
@@ -94,6 +96,8 @@ def layers_memory(preset: str, scheme: str) -> dict:
 
 
 def main() -> int:
+    if os.environ.get("CASES"):  # eager_overhead's cases by default
+        eager_overhead.CASES[:] = [tuple(c.split(":")) for c in os.environ["CASES"].split(",")]
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
     return run_all(results_header(), run_case, out_dir, "eager_buckets.json")
