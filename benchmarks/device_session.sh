@@ -35,12 +35,10 @@
 #  11. x_tma_repeat.py: the gate_up's x_tma and pointer-load forms compared over 200 rounds of varied GPU memory
 #      garbage (run on an H100 at 617a4ac: no mismatch; the test's one failure was its reference running out of
 #      memory, gpu_session_2026-12-05_h100_617a4ac.md): ONLY=x_tma_repeat
-#  12. prepared 2026-12-05 (twelfth session; no GPU was lent after the first two calls): the warp-specialized
-#      loader's L2 prefetch of the weight boxes 8 steps ahead (warp_specialized.PREFETCH_STEPS; 8x4: boxes 4 steps
-#      wide, PREFETCH_WIDTH) against none, each GEMM alone (ws_bounds.py), then its bits on the GPU
-#      (test_loader_prefetch_keeps_the_bits): ONLY=ws_prefetch
-#  13. prepared 2026-12-05 (thirteenth session, no GPU lent): eager calls past MOEFLOW_EAGER_GRAPHS padded to a
-#      power-of-two bucket and replayed (MOEFLOW_EAGER_BUCKETS, off by default): the GPU tests of the bucketed calls,
+#  12. (removed) the warp-specialized loader's L2 prefetch: measured on an H100 on 2026-12-05 (6a059c6), 1.3-2x
+#      slower, and removed (ws_prefetch_2026-12-05_h100_6a059c6.md)
+#  13. eager calls past MOEFLOW_EAGER_GRAPHS padded to a power-of-two bucket and replayed (MOEFLOW_EAGER_BUCKETS;
+#      first run on an H100 on 2026-12-05, eager_buckets_2026-12-05_h100_6a059c6.md): the GPU tests of the bucketed calls,
 #      then eager_buckets.py (host and eager µs a call launched against bucketed, T = 24-4096, and the memory four
 #      layers' bucket graphs hold): ONLY=eager_buckets
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
@@ -147,18 +145,6 @@ tail -n 10 "$R/zero_padding.log" >> "$S" 2>/dev/null
 # test_gpu_triton.py run, then passed alone about 25 times: its two forms, repeated over varied memory garbage
 step x_tma_repeat 240 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/x_tma_repeat.py "$R/x_tma_repeat"
 tail -n 4 "$R/x_tma_repeat.log" >> "$S" 2>/dev/null
-# 12: does an L2 prefetch ahead of the ring raise the weights' HBM stream where SMs share each weight tile (mid T)?
-for spec in "gate_up none qwen3-30b-a3b:4096,mixtral-8x7b:1024 full,loads 0,8,8x4" \
-            "down none qwen3-30b-a3b:4096 full 0,8,8x4" \
-            "gate_up fp8-block qwen3-30b-a3b:4096,qwen3-30b-a3b:16384 full 0,8,8x2" \
-            "down fp8-block qwen3-30b-a3b:4096,deepseek-v3:4096 full 0,8x2"; do
-    set -- $spec
-    step "ws_prefetch_$1_$2" 200 env CUDA_VISIBLE_DEVICES=0 GEMM=$1 SCHEME=$2 FORMS=$4 PREFETCHS=$5 \
-        python benchmarks/experiments/ws_bounds.py "$R/ws_prefetch_$1_$2.json" "$3"
-    tail -n 8 "$R/ws_prefetch_$1_$2.log" >> "$S" 2>/dev/null
-done
-step ws_prefetch_bits 240 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu tests/gpu/test_gpu_warp_specialized.py \
-    -k test_loader_prefetch_keeps_the_bits
 # 13: do bucketed graphs take eager prefill calls off the host's launch path (MOEFLOW_EAGER_BUCKETS)?
 step eager_buckets_tests 240 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu \
     tests/gpu/test_gpu_eager_graphs.py -k bucketed

@@ -437,10 +437,8 @@ def test_wgmma_down_persistent_keeps_its_wgmmas_overlapped():
                              [0] * len(tiles))
 
 
-# the warp-specialized kernel's compile scripts: None without ptxas or Gluon, else ws_compile(...) -> the kernel
-# compiled for sm_90a as launch() specializes it (prefetch, width: PREFETCH_STEPS and the launch's PREFETCH_WIDTH)
-_WS_SCRIPT = r"""
-import importlib.util, json, re, sys, torch
+WS_DOWN_COMPILE = """
+import importlib.util, json, sys, torch
 from moeflow.kernels.registers import gluon_compiled, ptxas_path, ptxas_report
 if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
     print(json.dumps(None)); sys.exit(0)
@@ -448,35 +446,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
 from moeflow.kernels import warp_specialized as ws
-gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"),
-         torch.float8_e4m3fn: (gl.float8e4nv, "")}
-# compiled as the JIT specializes the shipped launches: these are multiples of 16 at every shipped shape
-ALIGNED = ["rw_ptr", "out_ptr", "blk_ptr", "nblk_ptr", "as_ptr", "ws_ptr", "outs_ptr", "N", "K", "stride_out",
-           "stride_wse"]
-
-
-def ws_compile(dtype, gated, bm, bn, bk, stages, u, prefetch=0, width=1):
-    # (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0: not SCALED) -> the compiled kernel
-    t = torch.empty(256, 256, dtype=dtype)
-    gdt, name = gl_of[dtype]
-    desc = lambda rows, cols, lay: mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [rows, cols], lay))
-    swizzled = lambda rows: desc(rows, bk, gl.NVMMASharedLayout.get_default_for([rows, bk], gdt))
-    fn = ws._ws_gemm_kernel
-    out_ty = "*" + (name or ("fp8e4nv" if gated else "bf16"))  # fp8-block: the down's out bf16, the gate_up's fp8
-    w_box = 128 if bn == 256 and u else bn  # the wide fp8-block down loads its 256 weight rows as two 128-row boxes
-    sig = dict(a_desc=swizzled(bm), w_desc=swizzled(w_box), rw_ptr="*fp32", out_ptr=out_ty, blk_ptr="*i32",
-               nblk_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32", outs_ptr="*fp32")
-    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,
-                 LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0, SCALED=u > 0, UNROLL=max(u, 1),
-                 PREFETCH=prefetch, PF_WIDTH=width)
-    if width > 1:  # as launch() builds it: unswizzled, width steps wide
-        sig["pf_desc"] = desc(w_box, bk * width, gl.NVMMASharedLayout(0, 8 * t.element_size(), 2))
-    else:  # launched as None: no parameter
-        const["pf_desc"] = None
-    sig.update({n: "i32" for n in fn.arg_names if n not in sig and n not in const})
-    return gluon_compiled(fn, sig, const, 4, maxnreg=ws.MAXNREG, aligned=ALIGNED)
-"""
-WS_DOWN_COMPILE = _WS_SCRIPT + """
 from moeflow.kernels.configs import _WS_FP8_STAGES, _WS_UNSCALED_STAGES
 out = []
 # (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0: not SCALED)
@@ -502,8 +471,25 @@ limits = [(torch.bfloat16, gated, bm, bn, 64, most, 0) for (gated, bm, bn), most
 limits += [(torch.float8_e4m3fn, gated, bm, bn, 128, most, 8) for (gated, bm, bn), most in _WS_FP8_STAGES.items()]
 jobs += [j for j in limits if j not in jobs]
 past = [(dtype, gated, bm, bn, bk, most + 1, u) for dtype, gated, bm, bn, bk, most, u in limits]
+gl_of = {torch.bfloat16: (gl.bfloat16, "bf16"), torch.float16: (gl.float16, "fp16"),
+         torch.float8_e4m3fn: (gl.float8e4nv, "")}
 for dtype, gated, bm, bn, bk, stages, u in jobs + past:
-    compiled = ws_compile(dtype, gated, bm, bn, bk, stages, u)  # as launched without the loader's prefetch
+    t = torch.empty(256, 256, dtype=dtype)
+    gdt, name = gl_of[dtype]
+    desc = lambda rows: mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [rows, bk],
+                                                     gl.NVMMASharedLayout.get_default_for([rows, bk], gdt)))
+    fn = ws._ws_gemm_kernel
+    out_ty = "*" + (name or ("fp8e4nv" if gated else "bf16"))  # fp8-block: the down's out bf16, the gate_up's fp8
+    w_box = 128 if bn == 256 and u else bn  # the wide fp8-block down loads its 256 weight rows as two 128-row boxes
+    sig = dict(a_desc=desc(bm), w_desc=desc(w_box), rw_ptr="*fp32", out_ptr=out_ty, blk_ptr="*i32",
+               nblk_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32", outs_ptr="*fp32")
+    sig.update({n: "i32" for n in fn.arg_names if n not in sig})
+    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, STAGES=stages, CONSUMER_REGS=ws.CONSUMER_REGS,
+                 LOADER_REGS=ws.LOADER_REGS, GATED=gated, ACT=2 if gated else 0, SCALED=u > 0, UNROLL=max(u, 1))
+    # compiled as the JIT specializes the shipped launches: these are multiples of 16 at every shipped shape
+    aligned = ["rw_ptr", "out_ptr", "blk_ptr", "nblk_ptr", "as_ptr", "ws_ptr", "outs_ptr", "N", "K", "stride_out",
+               "stride_wse"]
+    compiled = gluon_compiled(fn, sig, const, 4, maxnreg=ws.MAXNREG, aligned=aligned)
     if (dtype, gated, bm, bn, bk, stages, u) in past:
         out.append(("past", [gated, bm, bn, stages], compiled.metadata.shared))
     else:
@@ -533,42 +519,6 @@ def test_warp_specialized_gemms_compile_without_spills():
         assert spill == 0 and regs <= 168, (tile, regs, spill)
         assert not [n for n in notes if "C7514" in n or "C7517" in n], notes
     assert sum(kind == "past" for kind, *_ in out) == 12
-
-
-WS_PREFETCH_COMPILE = _WS_SCRIPT + r"""
-out = []
-# (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0), each at a prefetch of 8 steps in w_desc's boxes
-# and in boxes of 256 elements (the second map)
-for dtype, gated, bm, bn, bk, stages, u in ((torch.bfloat16, True, 64, 128, 64, 5, 0),
-                                            (torch.bfloat16, False, 128, 256, 64, 4, 0),
-                                            (torch.float8_e4m3fn, True, 64, 128, 128, 4, 8),
-                                            (torch.float8_e4m3fn, True, 128, 128, 128, 3, 7),
-                                            (torch.float8_e4m3fn, False, 64, 256, 128, 5, 6)):
-    for width in (1, 256 // bk):
-        ptx = ws_compile(dtype, gated, bm, bn, bk, stages, u, prefetch=8, width=width).asm["ptx"]
-        regs, spill, _ = ptxas_report(ptx)
-        maps = re.findall(r"\.param \.align 64 \.b8 _ws_gemm_kernel_param_(\d+)\[128\]", ptx)
-        named = re.findall(r"mov\.b64 tm, _ws_gemm_kernel_param_(\d+);", ptx)
-        out.append(dict(tile=[str(dtype), gated, bm, bn, stages, width], regs=regs, spill=spill, maps=maps,
-                        named=sorted(set(named)), prefetches=ptx.count("cp.async.bulk.prefetch.tensor.2d.L2")))
-print(json.dumps(out))
-"""
-
-
-def test_warp_specialized_prefetch_compiles_and_names_its_maps():
-    """The loader's L2 prefetch (warp_specialized.PREFETCH_STEPS, an experiment off by default) compiled for sm_90a:
-    no spills; its inline PTX names the kernel parameter that is the weight map (w_desc, or pf_desc for wider boxes:
-    a 128-byte tensor-map parameter of the PTX, at the index _PF assumes), one or two prefetches a step (gate and up,
-    or the wide down's two halves)."""
-    out = compile_without_interpreter(WS_PREFETCH_COMPILE)
-    assert len(out) == 10
-    for case in out:
-        assert case["spill"] == 0 and case["regs"] <= 168, case
-        width = case["tile"][-1]
-        want = "5" if width == 1 else "10"
-        assert case["named"] == [want] and want in case["maps"], case
-        two = case["tile"][1] or case["tile"][3] == 256 and "float8" in case["tile"][0]
-        assert case["prefetches"] == (2 if two else 1), case
 
 
 def test_block_table_kernel_compiles():

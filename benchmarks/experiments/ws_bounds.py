@@ -11,12 +11,10 @@ bytes the tiles read (every tile's K steps of activation and weight boxes, paddi
 full times: the rate the SMs draw operands from L2 at.
 
     PYTHONPATH=$PWD [GEMM=gate_up|down] [SCHEME=fp8-block|none] [CFG=bm,bn,bk,group,stages] [GROUP_MS=1,2,8] \
-        [FORMS=full,loads] [PREFETCHS=0,8] python benchmarks/experiments/ws_bounds.py OUT.json preset:T,...
+        [FORMS=full,loads] python benchmarks/experiments/ws_bounds.py OUT.json preset:T,...
 CFG: a warp-specialized tile for every row (else each row's table entry, which must be warp-specialized).
 GROUP_MS: run each row's tile at each of these tile orders (GROUP_M) in turn (not GROUPS, which bash keeps).
 FORMS: the forms to run (default all three).
-PREFETCHS: run each form at each of these loader L2 prefetch distances in K steps (warp_specialized.PREFETCH_STEPS;
-default 0, none), each in its own process; DxW: distance D, boxes W steps wide (PREFETCH_WIDTH), one every W steps.
 """
 import json
 import os
@@ -70,9 +68,8 @@ def _k_loop_quarters(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc0, acc1, 
 @gluon.jit
 def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
             GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-            SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr, PREFETCH: gl.constexpr = 0,
-            PF_WIDTH: gl.constexpr = 1):
-    """math: every step's slot handed to the consumers as soon as it is free, nothing copied (or prefetched)."""
+            SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
+    """math: every step's slot handed to the consumers as soon as it is free, nothing copied into it."""
     (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
      num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
      outs_ptr, stride_outs) = p
@@ -104,8 +101,6 @@ def operand_bytes(layout, cfg, n_out: int, k: int, elem: int, gated: bool) -> in
 def child(form: str, rows: list[str]) -> list[dict]:
     import torch
     _patch(form)
-    pf = os.environ.get("WS_PREFETCH", "0").split("x")
-    ws.PREFETCH_STEPS, ws.PREFETCH_WIDTH = int(pf[0]), int(pf[1]) if len(pf) > 1 else 1
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from dataclasses import replace
     from types import SimpleNamespace
@@ -146,8 +141,7 @@ def _time_form(form, preset, t, shape, w, ins, cfg) -> dict:
     from _gemm_case import gemm_runner
 
     from moeflow.kernels.autotune import graph_time_ms
-    rec = dict(form=form, preset=preset, T=t, gemm=GEMM, scheme=SCHEME, cfg=str(cfg), tile=label(cfg),
-               prefetch=f"{ws.PREFETCH_STEPS}x{ws.PREFETCH_WIDTH}")
+    rec = dict(form=form, preset=preset, T=t, gemm=GEMM, scheme=SCHEME, cfg=str(cfg), tile=label(cfg))
     if not cfg.warp_specialize:
         return dict(rec, error="not warp-specialized")
     run = gemm_runner(GEMM, w, SCHEME)
@@ -173,26 +167,25 @@ def main():
     out_path, rows = sys.argv[1], sys.argv[2]
     res = []
     for form in os.environ.get("FORMS", "full,loads,math").split(","):
-        for pf in os.environ.get("PREFETCHS", "0").split(","):
-            env = {**os.environ, "WS_BOUND_FORM": form, "WS_PREFETCH": pf}
-            p = subprocess.run([sys.executable, __file__, rows], env=env, capture_output=True, text=True)
-            if p.returncode:
-                print(form, pf, "failed:", p.stderr[-2000:], flush=True)
-                continue
-            res += json.loads(p.stdout.strip().splitlines()[-1])
+        p = subprocess.run([sys.executable, __file__, rows], env={**os.environ, "WS_BOUND_FORM": form},
+                           capture_output=True, text=True)
+        if p.returncode:
+            print(form, "failed:", p.stderr[-2000:], flush=True)
+            continue
+        res += json.loads(p.stdout.strip().splitlines()[-1])
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     by = {}
     for r in res:
-        by.setdefault((r["preset"], r["T"], r["cfg"], r["prefetch"]), {})[r["form"]] = r
-    print(f"{'row':28} {'tile':18} {'pf':>4} {'full µs':>9} {'loads µs':>9} {'math µs':>9} {'GB':>7} "
-          f"{'TB/s full':>9} {'TB/s loads':>10}")
-    for (preset, t, cfg, pf), d in by.items():
+        by.setdefault((r["preset"], r["T"], r["cfg"]), {})[r["form"]] = r
+    print(f"{'row':28} {'tile':18} {'full µs':>9} {'loads µs':>9} {'math µs':>9} {'GB':>7} {'TB/s full':>9} "
+          f"{'TB/s loads':>10}")
+    for (preset, t, cfg), d in by.items():
         g = lambda f, k: d.get(f, {}).get(k, "-")
         tile = next(iter(d.values()))["tile"]
-        print(f"{preset + ' ' + GEMM + ' T=' + str(t):28} {tile:18} {pf:>4} {g('full', 'us'):>9} "
-              f"{g('loads', 'us'):>9} {g('math', 'us'):>9} {g('full', 'operand_gb'):>7} "
-              f"{g('full', 'operand_tbs'):>9} {g('loads', 'operand_tbs'):>10}")
+        print(f"{preset + ' ' + GEMM + ' T=' + str(t):28} {tile:18} {g('full', 'us'):>9} {g('loads', 'us'):>9} "
+              f"{g('math', 'us'):>9} {g('full', 'operand_gb'):>7} {g('full', 'operand_tbs'):>9} "
+              f"{g('loads', 'operand_tbs'):>10}")
 
 
 if __name__ == "__main__":

@@ -74,8 +74,6 @@ Mixtral's 16384; the layer 1.04-1.12x at those T but Qwen3's 4096 (a tie). The f
 (benchmarks/results/ws_fp8_coop_down_2026-12-03_h200.md), 128 x 256 at 3 stages: 1.02-1.07x the tables' downs alone
 on Qwen3's T = 16384, Mixtral's T = 4096 and 16384 and DeepSeek-V3's T = 16384, a gain in the layer on Mixtral's
 T = 16384 only (1.01-1.02x). The tuner picks per entry.
-Experiment, off by default (PREFETCH_STEPS, PREFETCH_WIDTH; docs/performance.md, "Prepared on 2026-12-05 (twelfth
-session)"): the loader's L2 prefetch of the weight boxes some steps ahead of the ring, not yet measured on a GPU.
 Imported only when a config asks for it on a CUDA device: CPU runs never load Gluon.
 """
 from __future__ import annotations
@@ -104,8 +102,6 @@ except ImportError:  # pragma: no cover - older triton: usable() says False
 
 MAXNREG = 168  # registers a thread at launch: 12 warps x 168 x 32 fit the SM's 64K
 CONSUMER_REGS, LOADER_REGS = 232, 24  # the default partition (consumer 0) gets 3 * MAXNREG - these = 248
-PREFETCH_STEPS = 0  # the loader's L2 prefetch distance in K steps (0: none; _prefetch_w); experiments set it
-PREFETCH_WIDTH = 1  # K steps a prefetch box spans (1: w_desc's box; W > 1: pf_desc's, every W steps)
 
 
 @triton.jit
@@ -182,36 +178,12 @@ if gluon is not None:
         row_end = gl.load(blk_ptr + 2 * num_blocks + pid_m)
         return row_start, row_end, pid_n, expert * w_rows_per_expert + pid_n * BLOCK_N, expert
 
-    # the L2 prefetch of one weight box (cp.async.bulk.prefetch.tensor, sm_90) through w_desc or pf_desc, the
-    # kernel's parameters 5-9 or 10-14 (a rank-2 Gluon TensorDescriptor is passed as 5: the map, 2 sizes, 2 strides;
-    # a_desc is 0-4): $1 the lane (the first lane acts), $2 the K coordinate, $3 the row, $4 a predicate; Gluon has
-    # no prefetch operation
-    _PF = ("{ .reg .pred pl; .reg .b64 tm; setp.eq.u32 pl, $1, 0; setp.ne.and.u32 pl, $4, 0, pl; "
-           "mov.b64 tm, _ws_gemm_kernel_param_%d; cvta.param.u64 tm, tm; "
-           "@pl cp.async.bulk.prefetch.tensor.2d.L2.global.tile [tm, {$2, $3}]; mov.u32 $0, 0; }")
-    _PREFETCH_W, _PREFETCH_PF = gl.constexpr(_PF % 5), gl.constexpr(_PF % 10)
-
-    @gluon.jit
-    def _prefetch_w(lane, k, row, on, second, TWO: gl.constexpr, WIDTH: gl.constexpr):
-        """Ask the L2 for the weight box at (row, k) of w_desc (WIDTH 1) or pf_desc, and (TWO) the one ``second``
-        rows further, where on holds; nothing waits for it (_PF)."""
-        ASM: gl.constexpr = _PREFETCH_W if WIDTH == 1 else _PREFETCH_PF
-        gl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [lane, k, row, on.to(gl.int32)], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-        if TWO:
-            gl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [lane, k, row + second, on.to(gl.int32)],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-
     @gluon.jit
     def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-                SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr, PREFETCH: gl.constexpr = 0,
-                PF_WIDTH: gl.constexpr = 1):
+                SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
         """The loader warp (module docstring, How); c unused (the workers share a signature). GATED: each step
-        also loads the up rows (N rows after the gate rows) into the slot's second weight buffer. PREFETCH > 0:
-        before each step's copies, an L2 prefetch of the weight boxes PREFETCH steps on (into the program's next
-        tile), so that more distinct weight bytes are in flight from HBM than the ring holds; PF_WIDTH > 1: every
-        PF_WIDTH steps, one prefetch box of PF_WIDTH steps (pf_desc)."""
+        also loads the up rows (N rows after the gate rows) into the slot's second weight buffer."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
          num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
          outs_ptr, stride_outs) = p
@@ -220,20 +192,10 @@ if gluon is not None:
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down: two 128-row halves
         nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED or WIDE else 1) * w_desc.block_type.nbytes
         second: gl.constexpr = BLOCK_N // 2 if WIDE else 0  # WIDE: the second weight buffer's first row, past w_row
-        lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
         for j in range(my_tiles):
             a_row, _, _, w_row, _ = _tile(j, blocks_m, num_pid_n, blk_ptr, num_blocks, num_programs,
                                           w_rows_per_expert, BLOCK_N, GROUP_M)
-            if PREFETCH > 0:  # the next tile's first weight row (past the last tile: clamped, never prefetched)
-                _, _, _, next_row, _ = _tile(gl.minimum(j + 1, my_tiles - 1), blocks_m, num_pid_n, blk_ptr,
-                                             num_blocks, num_programs, w_rows_per_expert, BLOCK_N, GROUP_M)
             for k in range(n):
-                if PREFETCH > 0:
-                    past = (k + PREFETCH >= n).to(gl.int32)  # the step PREFETCH on is in the next tile
-                    kp = k + PREFETCH - n * past
-                    on = (kp < n) & ((past == 0) | (j + 1 < my_tiles)) & (k % PF_WIDTH == 0)
-                    _prefetch_w(lane, kp * BLOCK_K, w_row + (next_row - w_row) * past, on, N if GATED else second,
-                                GATED or WIDE, PF_WIDTH)
                 g = j * n + k
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
@@ -490,14 +452,12 @@ if gluon is not None:
         _consume(p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE)
 
     @gluon.jit(do_not_specialize=["num_blocks", "num_programs", "w_rows_per_expert"])
-    def _ws_gemm_kernel(a_desc, w_desc, pf_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, as_ptr, ws_ptr, num_blocks,
-                        num_programs, N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn, outs_ptr,
-                        stride_outs,
+    def _ws_gemm_kernel(a_desc, w_desc, rw_ptr, out_ptr, blk_ptr, nblk_ptr, as_ptr, ws_ptr, num_blocks, num_programs,
+                        N, K, w_rows_per_expert, stride_out, stride_as, stride_wse, stride_wsn, outs_ptr, stride_outs,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                         GATED: gl.constexpr = False, ACT: gl.constexpr = 0, SCALED: gl.constexpr = False,
-                        UNROLL: gl.constexpr = 1, INTER_DTYPE: gl.constexpr = gl.bfloat16, PREFETCH: gl.constexpr = 0,
-                        PF_WIDTH: gl.constexpr = 1):
+                        UNROLL: gl.constexpr = 1, INTER_DTYPE: gl.constexpr = gl.bfloat16):
         """out [R, N] from a [R, K] (a_desc: TMA descriptor, [BLOCK_M, BLOCK_K] boxes; rows past a block's end are
         read, never stored) and the weight rows [E * W, K] (w_desc, [BLOCK_N, BLOCK_K] boxes; expert e's from
         e * w_rows_per_expert); both zero-fill past K. down: N = H, K = I, W = H, times rw_ptr's routing weight.
@@ -507,8 +467,7 @@ if gluon is not None:
         [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body. GATED and
         SCALED (BLOCK_N 128): out float8_e4m3fn, act(gate) * up rounded to INTER_DTYPE (the layer dtype), then
         quantized in 1x128 groups, their scales into outs_ptr [R, N / 128] float32 (row stride stride_outs); outs_ptr
-        unused otherwise. PREFETCH: _loader's L2 prefetch distance in K steps (0: none); PF_WIDTH > 1: pf_desc (w's
-        rows in boxes PF_WIDTH steps wide) is what it prefetches through, else w_desc (pf_desc None)."""
+        unused otherwise."""
         dtype: gl.constexpr = a_desc.dtype
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256
         WB: gl.constexpr = 2 if GATED or WIDE else 1  # weight buffers a slot (gate and up; WIDE: two 128-row halves)
@@ -532,8 +491,7 @@ if gluon is not None:
                            INTER_DTYPE)),
              (_consumer1, (p, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL,
                            INTER_DTYPE)),
-             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE,
-                        PREFETCH, PF_WIDTH))],
+             (_loader, (p, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, GATED, ACT, SCALED, UNROLL, INTER_DTYPE))],
             [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -585,12 +543,6 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     w_box = bn // 2 if wide else bn
     w_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1], [w_box, bk],
                               smem_layout((w_box, bk), dt))
-    # pf_desc None (a constexpr: no parameter, no second map to encode at launch) unless the prefetch boxes are wider
-    pf_width = max(1, min(PREFETCH_WIDTH, 256 // bk)) if PREFETCH_STEPS else 1  # a TMA box: at most 256 elements
-    pf_desc = None
-    if pf_width > 1:  # an unswizzled map: its boxes go only to the L2
-        pf_desc = TensorDescriptor(w, [e * w_rows if per_expert else w_rows, k], [w.stride(1), 1],
-                                   [w_box, bk * pf_width], gl.NVMMASharedLayout(0, 8 * w.element_size(), 2))
     blk, nblk = block_table(layout, bm)
     programs = min(num_sms(a.device), blk.shape[1] * cdiv(n, bn))
     scaled = a_scale is not None
@@ -598,9 +550,8 @@ def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg,
     as_, ws_ = (a_scale, w_scale) if scaled else (out, out)
     outs = out_scale if out_scale is not None else as_
     _ws_gemm_kernel[(programs,)](
-        a_desc, w_desc, pf_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1],
-        programs, n, k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0,
-        ws_.stride(1) if scaled else 0, outs, outs.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act,
-        SCALED=scaled, UNROLL=unroll(steps, most_unroll) if scaled else 1, INTER_DTYPE=_INTER[dtype],
-        PREFETCH=PREFETCH_STEPS, PF_WIDTH=pf_width, num_warps=4, maxnreg=MAXNREG)
+        a_desc, w_desc, route_w if route_w is not None else out, out, blk, nblk, as_, ws_, blk.shape[1], programs, n,
+        k, per_expert, out.stride(0), as_.stride(0), ws_.stride(0) if scaled else 0, ws_.stride(1) if scaled else 0,
+        outs, outs.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, GATED=gated, ACT=act, SCALED=scaled,
+        UNROLL=unroll(steps, most_unroll) if scaled else 1, INTER_DTYPE=_INTER[dtype], num_warps=4, maxnreg=MAXNREG)

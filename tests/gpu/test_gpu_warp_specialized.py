@@ -9,8 +9,7 @@ into order first) and in order, every activation, the same edge batches and grid
 bit against the Triton kernel, K loops of 1, 3, 6, 7 and 112 steps (every loop-body form), the same edge batches
 and grids, also in the wide 64 x 256 tiles. The fp8-block gate_up: bit for bit against the Triton kernel (fp8
 intermediate and group scales) and, dequantized, against the float64 reference; rows in order and by index, K
-loops of 1-56 steps, the same edge batches and grids. The loader's L2 prefetch (an experiment, off by default): the
-same bits with it as without, in each kind of tile.
+loops of 1-56 steps, the same edge batches and grids.
 Run: pytest -m gpu tests/gpu
 """
 import pytest
@@ -291,38 +290,3 @@ def test_fp8_block_gate_up_where_it_does_not_run():
                               gated=True, w_scale=s)
     layout2, x2, xs2, q2, s2 = gu_operands([9, 2], 256, 192)  # I = 192
     assert not down_ws.usable(x2, xs2, q2, layout2, "fp8-block", cfg, gated=True, w_scale=s2)
-
-
-@pytest.mark.parametrize("prefetch,width", [(3, 1), (8, 1), (4, 4), (16, 2)])
-@pytest.mark.parametrize("what", ["down", "coop_down", "gate_up", "fp8_down", "wide_fp8_down", "fp8_gate_up",
-                                  "coop_fp8_gate_up"])
-def test_loader_prefetch_keeps_the_bits(what, prefetch, width, poison, monkeypatch):
-    """warp_specialized.PREFETCH_STEPS (the loader's L2 prefetch of the weight boxes some steps ahead; an experiment,
-    off by default) and PREFETCH_WIDTH (boxes that many steps wide, through a second map; the launch caps it at 256
-    elements): the same bits as without it, on 3 programs (prefetches into each program's next tile and none past
-    its last), empty experts, rows off the blocks, K loops shorter and longer than the distance."""
-    from moeflow.kernels.gate_up import gate_up
-    from test_gpu_gate_up_wgmma import operands as gu_operands
-    monkeypatch.setattr(down_ws, "num_sms", lambda device: 3)
-    counts = [37, 0, 300, 1, 0, 129, 64, 2]
-    if what in ("down", "coop_down"):
-        cfg = TILES[1] if what == "down" else TILES[4]
-        layout, a, w, rw = operands(counts, 384, 1600)  # 25 K steps
-        run = lambda: down(a, None, w, None, rw, layout, "none", torch.bfloat16, cfg, poison=True)
-    elif what == "gate_up":
-        cfg = GU_TILES[4]
-        layout, x, w13, _ = operands(counts, 384, 640)  # w13 [E, 2I, H]: I 192, H 640 (10 K steps)
-        run = lambda: gate_up(x, None, w13, None, layout, "none", "silu", torch.bfloat16, cfg, poison=True)[0]
-    elif what in ("fp8_down", "wide_fp8_down"):
-        cfg = FP8_TILES[0] if what == "fp8_down" else WIDE_TILES[1]
-        layout, a, a_s, q2, s2, rw = fp8_operands(counts, 512, 2560)  # 20 K steps
-        run = lambda: down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
-    else:
-        cfg = FP8_GU_TILES[1] if what == "fp8_gate_up" else FP8_GU_TILES[4]
-        layout, x, xs, q, s = gu_operands(counts, 1152, 256)  # 9 K steps, 2 column tiles
-        run = lambda: gate_up(x, xs, q, s, layout, "fp8-block", "silu", torch.bfloat16, cfg, poison=True)[0]
-    want = run()
-    monkeypatch.setattr(down_ws, "PREFETCH_STEPS", prefetch)
-    monkeypatch.setattr(down_ws, "PREFETCH_WIDTH", width)
-    got = run()
-    assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
