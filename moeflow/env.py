@@ -132,11 +132,11 @@ EAGER_GRAPHS = EnvVar(
     "decode sizes). CUDA layers whose plan is graph-safe, outside any capture and torch.compile. 0 turns it off.",
     "count")
 EAGER_BUCKETS = EnvVar(
-    "MOEFLOW_EAGER_BUCKETS", "0",
+    "MOEFLOW_EAGER_BUCKETS", "2048",
     "Largest batch (tokens) whose eager call past MOEFLOW_EAGER_GRAPHS is padded to a bucket (the next power of "
     "two, at most this) and replayed from a graph captured for the bucket: its padding tokens route to no expert "
-    "(moeflow.graphs). For eager prefill, whose launches cost the host more than the GPU up to a few thousand "
-    "tokens. Same layers as MOEFLOW_EAGER_GRAPHS, single-process. 0 (the default, until measured on a GPU) is off.",
+    "(moeflow.graph_buckets). For eager prefill, whose launches cost the host more than the GPU up to a few thousand "
+    "tokens. Same layers as MOEFLOW_EAGER_GRAPHS (0 there turns these off too), single-process. 0 turns it off.",
     "count")
 ALLOW_UNVALIDATED_GPU = EnvVar(
     "MOEFLOW_ALLOW_UNVALIDATED_GPU", "0",

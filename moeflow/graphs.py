@@ -25,7 +25,7 @@ Costs: the first call of each key runs twice and captures (a few ms); a copy of 
 call; one memory pool a cache, shared by its graphs
 (measured on H200 with a pool for each graph, Qwen3-30B-A3B's shapes: about 8 MB of reserved memory a layer for
 the graphs of T = 1-16).
-Buckets (MOEFLOW_EAGER_BUCKETS, off by default): calls past MOEFLOW_EAGER_GRAPHS tokens padded to a power of two
+Buckets (MOEFLOW_EAGER_BUCKETS, default 2048): calls past MOEFLOW_EAGER_GRAPHS tokens padded to a power of two
 and replayed from that bucket's graph; moeflow.graph_buckets (their memory: one arena a device and stream).
 Not supported: calls of one layer on two streams at once (as for the one-launch layer's counters).
 """

@@ -233,8 +233,7 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
         reasons += ("CUDA-graph safe: eager calls of small batches replay a captured graph (MOEFLOW_EAGER_GRAPHS)",)
     bucketed = graph_safe and DISPATCHERS.get(dispatcher).caps.drops_copies
     if bucketed:
-        reasons += ("eager calls of mid-sized batches may pad to a bucket and replay its graph (MOEFLOW_EAGER_BUCKETS, "
-                    "off by default)",)
+        reasons += ("eager calls of mid-sized batches pad to a bucket and replay its graph (MOEFLOW_EAGER_BUCKETS)",)
     return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router,
                 fused, graph_safe, bucketed)
 
