@@ -26,6 +26,16 @@ def _seed(request):
     random.seed(seed)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_eager_calls_launch_by_launch(request, monkeypatch):
+    """tests/gpu: eager calls past MOEFLOW_EAGER_GRAPHS run launch by launch (MOEFLOW_EAGER_BUCKETS=0) unless a test
+    sets the variable itself. Those files compare an eager call's bits with the same launches captured in a graph or
+    compiled; a bucketed call is another computation (the bucket's tiles), which tests/gpu/test_gpu_eager_graphs.py
+    checks against the launched calls and the oracle."""
+    if "gpu" in request.node.path.parent.parts[-1:]:
+        monkeypatch.setenv("MOEFLOW_EAGER_BUCKETS", "0")
+
+
 @pytest.fixture
 def poison(monkeypatch):
     empty, empty_like = torch.empty, torch.empty_like
