@@ -134,7 +134,7 @@ class BucketCall:
         with arena.lock:  # the arena's tensors are made once, whichever thread comes first
             self.keys = arena.inputs(inputs, rows)
             statics = tuple(arena.tensor(k) for k in self.keys)
-            valid = arena.valid(inputs[0].device)
+            self.valid = valid = arena.valid(inputs[0].device)
             out = arena.output(statics[0])
 
             def into_arena(*args: Tensor) -> Tensor:  # the output copied into the arena's: no pool tensor stays alive
@@ -146,5 +146,5 @@ class BucketCall:
     def __call__(self, inputs: tuple[Tensor, ...]) -> Tensor:
         t = inputs[0].shape[0]
         with self.arena.lock:
-            self.arena.fill(self.keys, inputs, self.arena.valid(inputs[0].device))
+            self.arena.fill(self.keys, inputs, self.valid)
             return self.captured.replay()[:t].clone()

@@ -357,11 +357,9 @@ class MoE(nn.Module):
         return tuple(self.parameters())
 
     def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, dropping: bool = False) -> Tensor:
-        """The layer after routing. dropping: topk_ids [T, K] int32 may hold -1 (a copy to no expert; Plan.bucketed):
-        the dispatcher's dropping form and the separate launches (the one-launch layer takes ids in 0 .. E-1 only)."""
-        dispatcher = self.dispatcher.dropping() if dropping else self.dispatcher
-        out, shared = routed_experts(self.plan, dispatcher, self.runner, hidden, topk_ids, topk_weights,
-                                     self.expert_weights(), lambda: self._shared(hidden), fused=not dropping)
+        """The layer after routing. dropping: topk_ids [T, K] int32 may hold -1 (routed_experts)."""
+        out, shared = routed_experts(self.plan, self.dispatcher, self.runner, hidden, topk_ids, topk_weights,
+                                     self.expert_weights(), lambda: self._shared(hidden), dropping)
         if shared is not None:
             out = (out.float() + shared).to(self.config.dtype)
         return out
@@ -383,14 +381,17 @@ class MoE(nn.Module):
 
 
 def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                   weights: ExpertWeights, between=None, fused: bool = True) -> tuple[Tensor, object]:
+                   weights: ExpertWeights, between=None, dropping: bool = False) -> tuple[Tensor, object]:
     """The layer after routing -> (out [T, H] layer dtype, between()'s result or None).
 
-    Where the plan allows it (Plan.fused_layer), ``fused`` is True and the runner's tuned data has a one-launch
-    config for T tokens, the runner runs dispatch, experts and combine together; else dispatch -> experts (in the
+    Where the plan allows it (Plan.fused_layer) and the runner's tuned data has a one-launch config for T
+    tokens, the runner runs dispatch, experts and combine together; else dispatch -> experts (in the
     runner's layout) -> combine. between (no arguments): work to overlap with the dispatch exchange (the
-    shared experts), called once either way."""
-    fused = runner.fused_config(hidden.shape[0], weights) if plan.fused_layer and fused else None
+    shared experts), called once either way. dropping: topk_ids may hold -1 (a copy to no expert, Plan.bucketed):
+    the dispatcher's dropping form, and the separate launches (the one-launch layer takes ids in 0 .. E-1 only)."""
+    if dropping:
+        dispatcher = dispatcher.dropping()
+    fused = runner.fused_config(hidden.shape[0], weights) if plan.fused_layer and not dropping else None
     if fused is not None:
         out = runner.run_fused(hidden, topk_ids, topk_weights, weights, fused)
         return out, between() if between else None

@@ -127,16 +127,16 @@ def test_dropping_sort_equals_torch_and_quantizes(monkeypatch, t, k, e, h, schem
     padded to T * K rows) on the Triton sort equals its torch path exactly, and quantizes the tokens bit for bit
     kernels/quant.quantize_activation. The last rows' copies are all dropped (a bucket's padding tokens), more at
     random."""
-    from moeflow.dispatch import expert_sort
+    from moeflow.dispatch import _ep_rows, expert_sort
     from moeflow.kernels.quant import quantize_activation
     ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
     ids[torch.rand(t, k) < 0.3] = -1
     ids[t - t // 3:] = -1
     w = torch.rand(t, k)
     x = (torch.randn(t, h) * torch.rand(t, 1) * 10).half()
-    monkeypatch.setattr(expert_sort, "triton_glue", lambda t: True)  # the CUDA path, here interpreted
+    monkeypatch.setattr(_ep_rows, "triton_glue", lambda t: True)  # the CUDA path (_ep_kernels), here interpreted
     got = expert_sort.sort_dropping(ids, w, e, x, scheme)
-    monkeypatch.setattr(expert_sort, "triton_glue", lambda t: False)
+    monkeypatch.setattr(_ep_rows, "triton_glue", lambda t: False)
     want = expert_sort.sort_dropping(ids, w, e, x, scheme)
     for name, g, ref in zip(("offsets", "counts", "copy_pos", "source", "weights"), got[:5], want[:5], strict=True):
         assert same(g, ref), name

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..capabilities import triton_glue
 from ._ep_reference import sort_copies_by_expert_torch
+from ._ep_rows import _ep_kernels
 
 
 # Which sort a CUDA batch of T*K copies takes (benchmarks/experiments/sort_variants.py on one H200,
@@ -52,12 +53,18 @@ def sort_and_quantize(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, 
     -> (offsets, counts, row_of_copy, source, sorted_weights, hq [T, H] fp8, hs [T, G] float32);
     elsewhere (torch's sort) sort_by_expert's five and (None, None): the runner quantizes.
     hq and hs are bit for bit kernels/quant.quantize_activation(hidden, scheme)."""
-    quantize = (hidden.stride(-1) == 1 and hidden.shape[0] == topk_ids.shape[0]
-                and (scheme != "fp8-tensor" or hidden.numel() <= TENSOR_QUANT_IN_SORT_MAX))
-    out = _triton_sort(topk_ids, topk_weights, num_experts, hidden if quantize else None, scheme)
+    out = _triton_sort(topk_ids, topk_weights, num_experts,
+                       hidden if _sort_quantizes(hidden, topk_ids, scheme) else None, scheme)
     if out is None:
         out = sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
     return out if len(out) == 7 else (*out, None, None)
+
+
+def _sort_quantizes(hidden: Tensor, topk_ids: Tensor, scheme: str) -> bool:
+    """Whether a Triton sort's first launch may quantize hidden [T, H] by ``scheme`` (one of SORT_QUANTIZES): its
+    columns contiguous, a row a token, fp8-tensor only up to TENSOR_QUANT_IN_SORT_MAX elements."""
+    return (hidden.stride(-1) == 1 and hidden.shape[0] == topk_ids.shape[0]
+            and (scheme != "fp8-tensor" or hidden.numel() <= TENSOR_QUANT_IN_SORT_MAX))
 
 
 def _triton_sort(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor | None = None,
@@ -104,15 +111,10 @@ def sort_dropping(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidd
     same launch); torch's otherwise, or past ep_sort.sort_pays (hq = hs = None: the runner quantizes)."""
     t, k = topk_ids.shape
     n = t * k
-    kernels = None
-    if triton_glue(topk_ids) and topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32:
-        try:
-            from ..kernels import ep_sort as kernels
-        except ImportError:  # triton missing
-            kernels = None
+    typed = topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32  # what ep_sort takes
+    kernels = _ep_kernels(topk_ids, "ep_sort") if typed else None
     if kernels is not None and kernels.sort_pays(n, num_experts):
-        quantize = (hidden is not None and scheme in SORT_QUANTIZES and hidden.stride(-1) == 1
-                    and (scheme != "fp8-tensor" or hidden.numel() <= TENSOR_QUANT_IN_SORT_MAX))
+        quantize = hidden is not None and scheme in SORT_QUANTIZES and _sort_quantizes(hidden, topk_ids, scheme)
         source, sorted_w, counts, offsets, copy_pos, *quantized = kernels.sort_copies_by_expert(
             topk_ids, topk_weights, num_experts, n, padded=True, x=hidden if quantize else None, scheme=scheme)
     else:

@@ -67,18 +67,7 @@ class LocalDispatcher(Dispatcher):
             offsets, counts, row_of_copy, source, sorted_w = sort_by_expert(
                 topk_ids, topk_weights, self.config.num_experts, self._expert_bounds(topk_ids))
             hq = hs = None
-        rows = hidden if hq is None else hq
-        batch = ExpertBatch(
-            layout=SORTED,
-            hidden=rows if self.indexed_rows else rows[source],
-            weights=sorted_w,
-            counts=counts,
-            offsets=offsets,
-            source_rows=source if self.indexed_rows else None,
-            hidden_scale=None if hs is None else hs if self.indexed_rows else hs[source],
-            copy_rows=row_of_copy if self.indexed_rows else None,
-        )
-        return batch, LocalHandle(row_of_copy)
+        return self._batch(hidden, hq, hs, source, sorted_w, counts, offsets, row_of_copy), LocalHandle(row_of_copy)
 
     def _dispatch_dropping(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
         """dispatch() where ids may hold -1 (dropping): a padded batch, rows given by index where the plan says so
@@ -86,11 +75,19 @@ class LocalDispatcher(Dispatcher):
         offsets, counts, copy_pos, source, sorted_w, hq, hs = sort_dropping(
             topk_ids, topk_weights, self.config.num_experts, hidden if self._quantize_in_sort else None,
             self.scheme.name)
+        return self._batch(hidden, hq, hs, source, sorted_w, counts, offsets, None), LocalHandle(copy_pos)
+
+    def _batch(self, hidden: Tensor, hq: Tensor | None, hs: Tensor | None, source: Tensor, sorted_w: Tensor,
+               counts: Tensor, offsets: Tensor, row_of_copy: Tensor | None) -> ExpertBatch:
+        """The sorted batch of a sort's outputs: the rows (hq, quantized by the sort, else hidden) by index where the
+        plan says so (with row_of_copy, the runner's scatter map; None for a dropping batch), else copied in order.
+        A dropping batch (self.drops) is padded past offsets[-1]."""
         rows = hidden if hq is None else hq
-        batch = ExpertBatch(layout=SORTED, hidden=rows if self.indexed_rows else rows[source], weights=sorted_w,
-                            counts=counts, offsets=offsets, source_rows=source if self.indexed_rows else None,
-                            hidden_scale=None if hs is None else hs if self.indexed_rows else hs[source], padded=True)
-        return batch, LocalHandle(copy_pos)
+        indexed = self.indexed_rows
+        return ExpertBatch(layout=SORTED, hidden=rows if indexed else rows[source], weights=sorted_w, counts=counts,
+                           offsets=offsets, source_rows=source if indexed else None,
+                           hidden_scale=None if hs is None else hs if indexed else hs[source],
+                           copy_rows=row_of_copy if indexed else None, padded=self.drops)
 
     def _expert_bounds(self, like: Tensor) -> Tensor:
         """[E + 1] = 0..E in ``like``'s dtype and device, made once per (device, dtype) (int32 on the layer's CUDA

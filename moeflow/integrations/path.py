@@ -121,8 +121,7 @@ class ExpertsPath:
             padded = None
             if self.plan.bucketed:  # a bucket's padded form (moeflow.graphs): the padding tokens go to no expert
                 padded = Bucketed(lambda x, i, w, valid: routed_experts(
-                    self.plan, self.dispatcher.dropping(), self.runner, x, *drop_padding(i, w, valid), weights,
-                    fused=False)[0])
+                    self.plan, self.dispatcher, self.runner, x, *drop_padding(i, w, valid), weights, dropping=True)[0])
             return self._graphs("experts", run, (hidden, topk_ids, topk_weights),
                                 lambda: (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale), padded)
         ids, w = topk_ids.to(torch.int32), topk_weights.float()
