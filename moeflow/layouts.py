@@ -45,8 +45,9 @@ class ExpertBatch:
         index (``Plan.indexed_rows``); ``gathered()`` makes the ordinary batch.
     copy_rows: rows by index only, or None: [S, K] int64, the sorted row of each of the K copies of source
         row s (the inverse of ``source_rows``: source_rows[copy_rows[s, k]] == s; every sorted row is one
-        copy). A runner that copies the rows into layout order scatters by it, reading each source row
-        once, instead of gathering by ``source_rows`` (which reads each source row K times).
+        copy, but for a padded batch's padding rows, which no entry names: its dropped copies are -1). A
+        runner that copies the rows into layout order scatters by it, reading each source row once, instead
+        of gathering by ``source_rows`` (which reads each source row K times).
     padded: sorted only. The batch is sized by a bound (alltoall-fixed: no host synchronization):
         rows offsets[-1] .. N-1 are padding (weight 0, a valid source row) that runners skip; their
         output rows are unspecified and nothing reads them. False: offsets[-1] == N.

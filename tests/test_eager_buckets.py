@@ -209,6 +209,10 @@ def test_dropping_dispatch_adds_zero_for_dropped_copies(make_layer, poison, runn
     expected = float64_layer(x, ids, w, layer.gate_up_proj, layer.down_proj)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     assert not layer.dispatcher.drops  # dropping() gave a copy
+    dispatcher.indexed_rows = True  # as create_dispatcher sets it for a runner that reads rows in place (triton)
+    indexed, _ = dispatcher.dispatch(x, ids, w)  # its copy_rows: the runner's row scatter, skipping dropped copies
+    assert torch.equal(indexed.copy_rows, handle.row_of_copy)
+    assert torch.equal(indexed.hidden[indexed.source_rows], batch.hidden)
 
 
 def test_only_the_local_dispatcher_drops_copies():

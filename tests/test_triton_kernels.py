@@ -950,6 +950,45 @@ def test_scatter_rows_equals_gather_rows(dtype, k, copies, g):
     assert none.shape == (0, k)
 
 
+def test_scatter_rows_skips_dropped_copies():
+    """copy_rows of a padded batch (-1: a copy routed to no expert, the local dispatcher's dropping form): the named
+    rows get their source row, nothing is written for a -1 (the rows no entry names keep what they held)."""
+    from moeflow.kernels.quant import scatter_rows
+    s, copies = 7, 3
+    x, xs = torch.randn(s, 40).half(), torch.rand(s, 2)
+    copy_rows = torch.randperm(s * copies).view(s, copies)
+    copy_rows[torch.rand(s, copies) < 0.4] = -1
+    copy_rows[2] = -1  # a padding token: every copy dropped
+    got, got_s = scatter_rows(x, xs, copy_rows)
+    named = copy_rows[copy_rows >= 0]
+    src = torch.arange(s)[:, None].expand(s, copies)[copy_rows >= 0]
+    assert torch.equal(got[named], x[src]) and torch.equal(got_s[named], xs[src])
+
+
+def test_gate_up_of_a_dropping_batch_scatters_its_rows(monkeypatch):
+    """The local dispatcher's dropping batch (ids -1 for the padding tokens of a bucketed call) carries copy_rows: the
+    gate_up's x_tma row copy scatters by it, skipping the dropped copies, and its rows equal the gather's."""
+    from moeflow.dispatch.expert_sort import sort_dropping
+    from moeflow.kernels import quant as quant_mod
+    calls = []
+    for name in ("gather_rows", "scatter_rows"):
+        fn = getattr(quant_mod, name)
+        monkeypatch.setattr(quant_mod, name, lambda *a, _f=fn, _n=name: calls.append(_n) or _f(*a))
+    ids = torch.tensor([[2, 0], [0, 1], [2, 1], [-1, -1], [1, -1], [-1, -1]], dtype=torch.int32)
+    offsets, _, copy_pos, source, _, _, _ = sort_dropping(ids, torch.rand(6, 2), 3)
+    layout = RowLayout(False, offsets, 3, 0, 12)  # 7 copies, 5 padding rows
+    w13 = (torch.randn(3, 128, 64) / 8).half()
+    x = torch.randn(6, 64).half()
+    cfg = kc.GemmConfig(16, 64, 64, x_tma=1)
+    by_gather, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True, source_rows=source)
+    by_scatter, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True,
+                            source_rows=source, copy_rows=copy_pos)
+    assert calls == ["gather_rows", "scatter_rows"]
+    assert torch.equal(by_gather[:7], by_scatter[:7]) and not by_scatter[:7].isnan().any()
+    assert_close(by_scatter[:7], gate_up_torch(x, None, w13, None, layout, "none", "silu", torch.float16, source)[:7],
+                 1e-3, "gate_up, a dropping batch's rows scattered into order")
+
+
 def test_gate_up_rows_in_order_by_scatter(monkeypatch):
     """gate_up with x_tma and copy_rows (the local dispatcher's inverse map) scatters the rows into order:
     the same bits as the gather by source_rows, which it falls back to without copy_rows."""

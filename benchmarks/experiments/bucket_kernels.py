@@ -9,6 +9,8 @@ Per case and T, under torch.profiler (CUDA kernels; the calls launched, not repl
     padded     MoE._route_and_run_padded on the inputs padded to the bucket (the next power of two), as a bucket graph
                runs it, plus the copies graph_buckets.BucketCall adds around it (the inputs into the arena, the output
                into the arena's, the caller's copy of its rows)
+    padded_gather  the same without the dropping batch's copy_rows (as before 2026-12-06): the gate_up's row copy
+               gathers each copy's row where the padded form scatters each token's once
 µs per call of each kernel name (the sum over CALLS calls / CALLS), and each form's total; also each form captured as
 a CUDA graph and replayed (graph_us, what the bucket costs the GPU in the end). Writes OUT_DIR/bucket_kernels.json
 and prints, per case, the kernels whose time differs by more than 1 µs.
@@ -21,6 +23,7 @@ import sys
 from collections import defaultdict
 
 import torch
+from moeflow.dispatch.local import LocalDispatcher
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -66,6 +69,24 @@ def padded_call(moe, x, logits, rows: int):
     return call
 
 
+def without_copy_rows(fn):
+    """fn with the local dispatcher's dropping batches made without copy_rows (the row copy then gathers)."""
+    batch = LocalDispatcher._batch
+
+    def gathering(self, *args):
+        made = batch(self, *args)
+        made.copy_rows = None if self.drops else made.copy_rows
+        return made
+
+    def call():
+        LocalDispatcher._batch = gathering
+        try:
+            return fn()
+        finally:
+            LocalDispatcher._batch = batch
+    return call
+
+
 def run_case(preset: str, scheme: str) -> list[dict]:
     moe, _, _ = layer_case(preset, scheme)
     os.environ["MOEFLOW_VALIDATE_INPUTS"] = "0"  # graph capture cannot read ids on the host
@@ -73,21 +94,25 @@ def run_case(preset: str, scheme: str) -> list[dict]:
     for t in TOKENS:
         x, logits, _, _ = layer_inputs(moe, t)
         bucket = 1 << (t - 1).bit_length()
-        forms = {"launched": lambda: moe._route_and_run(x, logits), "padded": padded_call(moe, x, logits, bucket)}
-        diff = (forms["padded"]().float() - forms["launched"]().float()).abs().max()
-        row = dict(preset=preset, scheme=scheme, T=t, bucket=bucket, max_abs_diff=float(diff))
+        padded = padded_call(moe, x, logits, bucket)
+        forms = {"launched": lambda: moe._route_and_run(x, logits), "padded": padded,
+                 "padded_gather": without_copy_rows(padded)}
+        want = forms["launched"]().float()
+        row = dict(preset=preset, scheme=scheme, T=t, bucket=bucket,
+                   max_abs_diff=max(float((forms[f]().float() - want).abs().max()) for f in ("padded", "padded_gather")))
         for name, fn in forms.items():
             row[f"{name}_kernels"] = kernel_us(fn)
             row[f"{name}_kernel_sum_us"] = sum(row[f"{name}_kernels"].values())
             row[f"{name}_graph_us"] = gpu_us(fn)
         rows.append(row)
-        print(f"\n{preset} {scheme} T={t} (bucket {bucket}): kernels launched {row['launched_kernel_sum_us']:.1f} "
-              f"padded {row['padded_kernel_sum_us']:.1f} µs; graphs launched {row['launched_graph_us']:.1f} "
-              f"padded {row['padded_graph_us']:.1f} µs; max |diff| {row['max_abs_diff']:.2e}", flush=True)
-        a, b = row["launched_kernels"], row["padded_kernels"]
-        for name in sorted(set(a) | set(b), key=lambda n: -abs(b.get(n, 0) - a.get(n, 0))):
-            if abs(b.get(name, 0) - a.get(name, 0)) > 1:
-                print(f"  {a.get(name, 0):8.1f} {b.get(name, 0):8.1f}  {name}", flush=True)
+        print(f"\n{preset} {scheme} T={t} (bucket {bucket}), µs launched / padded / padded_gather: kernels "
+              + " / ".join(f"{row[f + '_kernel_sum_us']:.1f}" for f in forms) + "; graphs "
+              + " / ".join(f"{row[f + '_graph_us']:.1f}" for f in forms) + f"; max |diff| {row['max_abs_diff']:.2e}",
+              flush=True)
+        a, b, c = (row[f + "_kernels"] for f in forms)
+        for name in sorted(set(a) | set(b) | set(c), key=lambda n: -abs(b.get(n, 0) - a.get(n, 0))):
+            if max(abs(b.get(name, 0) - a.get(name, 0)), abs(c.get(name, 0) - a.get(name, 0))) > 1:
+                print(f"  {a.get(name, 0):8.1f} {b.get(name, 0):8.1f} {c.get(name, 0):8.1f}  {name}", flush=True)
     return rows
 
 

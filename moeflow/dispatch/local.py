@@ -70,18 +70,18 @@ class LocalDispatcher(Dispatcher):
         return self._batch(hidden, hq, hs, source, sorted_w, counts, offsets, row_of_copy), LocalHandle(row_of_copy)
 
     def _dispatch_dropping(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
-        """dispatch() where ids may hold -1 (dropping): a padded batch, rows given by index where the plan says so
-        (without copy_rows: the runner's scatter by it needs every row to be a copy)."""
+        """dispatch() where ids may hold -1 (dropping): a padded batch, rows given by index where the plan says so,
+        with copy_pos as its copy_rows (-1 for a dropped copy: the runner's row scatter skips it)."""
         offsets, counts, copy_pos, source, sorted_w, hq, hs = sort_dropping(
             topk_ids, topk_weights, self.config.num_experts, hidden if self._quantize_in_sort else None,
             self.scheme.name)
-        return self._batch(hidden, hq, hs, source, sorted_w, counts, offsets, None), LocalHandle(copy_pos)
+        return self._batch(hidden, hq, hs, source, sorted_w, counts, offsets, copy_pos), LocalHandle(copy_pos)
 
     def _batch(self, hidden: Tensor, hq: Tensor | None, hs: Tensor | None, source: Tensor, sorted_w: Tensor,
-               counts: Tensor, offsets: Tensor, row_of_copy: Tensor | None) -> ExpertBatch:
+               counts: Tensor, offsets: Tensor, row_of_copy: Tensor) -> ExpertBatch:
         """The sorted batch of a sort's outputs: the rows (hq, quantized by the sort, else hidden) by index where the
-        plan says so (with row_of_copy, the runner's scatter map; None for a dropping batch), else copied in order.
-        A dropping batch (self.drops) is padded past offsets[-1]."""
+        plan says so (with row_of_copy, the runner's scatter map), else copied in order. A dropping batch
+        (self.drops) is padded past offsets[-1]."""
         rows = hidden if hq is None else hq
         indexed = self.indexed_rows
         return ExpertBatch(layout=SORTED, hidden=rows if indexed else rows[source], weights=sorted_w, counts=counts,

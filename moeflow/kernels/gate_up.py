@@ -239,8 +239,9 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     narrower BLOCK_N (more programs for small batches) returns inter in the layer dtype and None:
     the caller quantizes it (kernels/quant.quantize_groups).
     source_rows: [R] int64 or None: row r is x[source_rows[r]] (x [S, H], x_scale [S, G]).
-    copy_rows: [S, C] int64 (S * C == R) or None: with source_rows, its inverse (ExpertBatch.copy_rows); a
-    copy of the rows in order is then scattered by it (each source row read once) instead of gathered.
+    copy_rows: [S, C] int64 (S * C == R) or None: with source_rows, its inverse (ExpertBatch.copy_rows, -1 for a
+    padded batch's dropped copies); a copy of the rows in order is then scattered by it (each source row read once)
+    instead of gathered.
     cfg: a GemmConfig (configs.py); with split_k > 1 fp8-block always returns the quantized groups; x_tma
     copies rows given by index into order first, then reads rows in order through TMA.
     poison: fill outputs (and a split K's workspace) with NaN first (tests)."""
@@ -312,7 +313,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
 
 def _rows_in_order(x: Tensor, x_scale: Tensor | None, source_rows: Tensor, copy_rows: Tensor | None):
     """(x[source_rows], x_scale[source_rows]) as contiguous copies in one launch: scattered by copy_rows when
-    it is given and covers the rows (each source row read once), else gathered by source_rows."""
+    it is given and covers the rows (each source row read once; a padded batch's padding rows, which its -1 entries
+    leave unwritten, are rows no GEMM tile stores), else gathered by source_rows."""
     from .quant import gather_rows, scatter_rows
     if copy_rows is not None and copy_rows.dim() == 2 and copy_rows.shape[0] == x.shape[0] \
             and copy_rows.numel() == source_rows.numel():

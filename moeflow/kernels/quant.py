@@ -189,17 +189,19 @@ def _gather_kernel(x_ptr, xs_ptr, src_ptr, out_ptr, outs_ptr, K, G, stride_x, st
 def _scatter_kernel(x_ptr, xs_ptr, dst_ptr, out_ptr, outs_ptr, K, G, stride_x, stride_xs, stride_out, stride_outs,
                     COPIES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
     """Program s: x[s] (bytes; BLOCK_K at a time) and xs[s] (G float32; none when G is 0), read once, are
-    written to rows dst[s, 0 .. COPIES-1] of out and outs."""
+    written to rows dst[s, 0 .. COPIES-1] of out and outs; a dst of -1 (a dropped copy) is skipped."""
     s = tl.program_id(0).to(tl.int64)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_ptr + s * stride_x + cols, mask=cols < K)
         for c in tl.static_range(COPIES):
-            tl.store(out_ptr + tl.load(dst_ptr + s * COPIES + c) * stride_out + cols, v, mask=cols < K)
+            d = tl.load(dst_ptr + s * COPIES + c)
+            tl.store(out_ptr + d * stride_out + cols, v, mask=(cols < K) & (d >= 0))
     g = tl.arange(0, BLOCK_G)
     sv = tl.load(xs_ptr + s * stride_xs + g, mask=g < G)
     for c in tl.static_range(COPIES):
-        tl.store(outs_ptr + tl.load(dst_ptr + s * COPIES + c) * stride_outs + g, sv, mask=g < G)
+        d = tl.load(dst_ptr + s * COPIES + c)
+        tl.store(outs_ptr + d * stride_outs + g, sv, mask=(g < G) & (d >= 0))
 
 
 def scatter_rows(x: Tensor, x_scale: Tensor | None, copy_rows: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -207,7 +209,8 @@ def scatter_rows(x: Tensor, x_scale: Tensor | None, copy_rows: Tensor) -> tuple[
     or None, copy_rows [S, C] int64 (contiguous), a permutation of 0 .. S*C-1: the rows that copy each
     source row -> (out [S*C, K], outs [S*C, G] or None) with out[copy_rows[s, c]] = x[s]: the same result
     as gather_rows(x, x_scale, source_rows) for source_rows[copy_rows[s, c]] = s, but each source row is
-    read once instead of C times."""
+    read once instead of C times. A copy_rows entry of -1 is a dropped copy (a padded batch's, ExpertBatch.copy_rows):
+    nothing is written for it, and the rows no entry names are left unwritten."""
     copies = copy_rows.shape[1]
     out, outs, args, consts = _row_copy(x, x_scale, x.shape[0] * copies)
     if args:
