@@ -71,8 +71,9 @@ class DispatcherCaps:
     # dispatch and combine can be captured in a CUDA graph and replayed by this process alone (RunnerCaps.graph_safe;
     # an expert-parallel exchange needs every rank to replay in step, so none declares it)
     graph_safe: bool = False
-    # ``dropping()`` gives it for calls whose topk_ids may hold -1, a copy routed to no expert (the padding tokens of
-    # moeflow.graphs' bucketed calls): its batches are then padded (ExpertBatch.padded), and such a copy adds zero
+    # ``dropping(valid)`` gives it for calls whose topk_ids may hold -1, a copy routed to no expert, or whose rows from
+    # valid[0] on are padding (moeflow.graph_buckets' bucketed calls): its batches are then padded
+    # (ExpertBatch.padded), and such a copy adds zero
     drops_copies: bool = False
 
 

@@ -346,20 +346,20 @@ class MoE(nn.Module):
         """_route_and_run on inputs padded with zero rows past ``valid`` [1] int64 tokens: those route to no expert
         (moeflow.graphs, Buckets)."""
         topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)
-        return self._run(hidden, *drop_padding(topk_ids, topk_weights, valid), dropping=True)
+        return self._run(hidden, topk_ids, topk_weights, valid)
 
     def _run_topk_padded(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, valid: Tensor) -> Tensor:
         """_run_topk on inputs padded past ``valid`` [1] int64 tokens, as _route_and_run_padded."""
-        return self._run(hidden, *drop_padding(topk_ids, topk_weights, valid), dropping=True)
+        return self._run(hidden, topk_ids.to(torch.int32), topk_weights.float(), valid)
 
     def _weight_tensors(self) -> tuple:
         """Every tensor a forward reads in place (the parameters), for the eager graphs' keys."""
         return tuple(self.parameters())
 
-    def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, dropping: bool = False) -> Tensor:
-        """The layer after routing. dropping: topk_ids [T, K] int32 may hold -1 (routed_experts)."""
+    def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, valid: Tensor | None = None) -> Tensor:
+        """The layer after routing. valid: a bucketed call's token count, the rows past it padding (routed_experts)."""
         out, shared = routed_experts(self.plan, self.dispatcher, self.runner, hidden, topk_ids, topk_weights,
-                                     self.expert_weights(), lambda: self._shared(hidden), dropping)
+                                     self.expert_weights(), lambda: self._shared(hidden), valid)
         if shared is not None:
             out = (out.float() + shared).to(self.config.dtype)
         return out
@@ -381,17 +381,18 @@ class MoE(nn.Module):
 
 
 def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                   weights: ExpertWeights, between=None, dropping: bool = False) -> tuple[Tensor, object]:
+                   weights: ExpertWeights, between=None, valid: Tensor | None = None) -> tuple[Tensor, object]:
     """The layer after routing -> (out [T, H] layer dtype, between()'s result or None).
 
     Where the plan allows it (Plan.fused_layer) and the runner's tuned data has a one-launch config for T
     tokens, the runner runs dispatch, experts and combine together; else dispatch -> experts (in the
     runner's layout) -> combine. between (no arguments): work to overlap with the dispatch exchange (the
-    shared experts), called once either way. dropping: topk_ids may hold -1 (a copy to no expert, Plan.bucketed):
-    the dispatcher's dropping form, and the separate launches (the one-launch layer takes ids in 0 .. E-1 only)."""
-    if dropping:
-        dispatcher = dispatcher.dropping()
-    fused = runner.fused_config(hidden.shape[0], weights) if plan.fused_layer and not dropping else None
+    shared experts), called once either way. valid: [1] int64 on the device, or None: the inputs of a bucketed call
+    (moeflow.graph_buckets, Plan.bucketed), whose rows from valid[0] on are padding: their copies go to no expert in the
+    dispatcher's dropping form, and the separate launches run (the one-launch layer routes every row)."""
+    if valid is not None:
+        dispatcher = dispatcher.dropping(valid)
+    fused = runner.fused_config(hidden.shape[0], weights) if plan.fused_layer and valid is None else None
     if fused is not None:
         out = runner.run_fused(hidden, topk_ids, topk_weights, weights, fused)
         return out, between() if between else None
@@ -400,14 +401,6 @@ def routed_experts(plan, dispatcher, runner, hidden: Tensor, topk_ids: Tensor, t
     batch, handle = dispatcher.dispatch_wait(pending)
     expert_out = run_in_layout(runner, batch, weights)
     return dispatcher.combine_wait(dispatcher.combine_start(expert_out, handle)), extra
-
-
-def drop_padding(topk_ids: Tensor, topk_weights: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """topk_ids [T, K] int, topk_weights [T, K] float, valid [1] int64 -> (ids [T, K] int32, weights [T, K] float32)
-    with the rows from ``valid`` on routed to no expert: id -1, weight 0 (a dispatcher's dropping form takes them).
-    No host synchronization."""
-    pad = (torch.arange(topk_ids.shape[0], device=topk_ids.device) >= valid)[:, None]
-    return (topk_ids.to(torch.int32).masked_fill(pad, -1), topk_weights.float().masked_fill(pad, 0.0))
 
 
 class _SharedMLP(nn.Module):

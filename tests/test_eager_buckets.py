@@ -272,7 +272,7 @@ def test_layer_bucketed_calls_equal_unpadded_calls(make_layer, monkeypatch, quan
 @pytest.mark.parametrize("runner", ["grouped_mm", "reference"])
 def test_bucketed_calls_of_other_routers_and_runners(make_layer, monkeypatch, routing, runner):
     """The padding tokens' zero logits route somewhere under every router (grouped, biased, sigmoid) before
-    drop_padding sends them nowhere: the call's rows are still the unpadded call's, to the last bit but for the
+    the dropping sort sends them nowhere: the call's rows are still the unpadded call's, to the last bit but for the
     shared-expert gate, a torch nn.Linear [H, 1] whose CPU matmul rounds the last bit by the row count (seen here:
     3e-8 at T=40 against 64 rows; the routed experts and the ungated shared experts gave the same bits)."""
     layer = make_layer(**SHAPE, runner=runner, **routing)

@@ -155,6 +155,12 @@ out["segment_place"] = compile_for_hopper(_segment_place_kernel, ints(_segment_p
 out["segment_place scanned"] = compile_for_hopper(_segment_place_kernel, ints(_segment_place_kernel, place_ptrs),
                                                   dict(TOP_K=8, SEG=256, BINS=512, S_POW2=512, SCANNED=True),
                                                   num_warps=4)
+# the local dispatcher's dropping form for bucketed calls: the rows from valid[0] on routed to no expert
+out["segment_hist valid quant_x=3"] = compile_for_hopper(_segment_hist_kernel, ints(_segment_hist_kernel, dict(
+    ids_ptr="*i32", hist_ptr="*i32", valid_ptr="*i64", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32")),
+    dict(TOP_K=8, SEG=1024, BINS=256, QUANT_X=3, BLOCK_H=1024, VALID=True), num_warps=4)
+out["segment_place valid"] = compile_for_hopper(_segment_place_kernel, ints(_segment_place_kernel, dict(
+    place_ptrs, valid_ptr="*i64")), dict(TOP_K=8, SEG=1024, BINS=256, S_POW2=32, VALID=True), num_warps=4)
 out["segment_scan"] = compile_for_hopper(_segment_scan_kernel, ints(_segment_scan_kernel, dict(
     hist_ptr="*i32", before_ptr="*i32", totals_ptr="*i32")), dict(BINS=512, KB=16, S_POW2=512), num_warps=16)
 from moeflow.kernels.ep_sort import _whole_sort_kernel
@@ -162,6 +168,9 @@ out["whole_sort quant_x=3"] = compile_for_hopper(_whole_sort_kernel, ints(_whole
     ids_ptr="*i32", w_ptr="*fp32", counts_ptr="*i32", offsets_ptr="*i64", source_ptr="*i64", sorted_w_ptr="*fp32",
     pos_ptr="*i64", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32")),
     dict(TOP_K=8, SEG=256, BINS=512, QUANT_X=3, BLOCK_H=1024), num_warps=4)
+out["whole_sort valid"] = compile_for_hopper(_whole_sort_kernel, ints(_whole_sort_kernel, dict(
+    ids_ptr="*i32", w_ptr="*fp32", counts_ptr="*i32", offsets_ptr="*i64", source_ptr="*i64", sorted_w_ptr="*fp32",
+    pos_ptr="*i64", valid_ptr="*i64")), dict(TOP_K=8, SEG=256, BINS=256, VALID=True), num_warps=4)
 from moeflow.kernels.ep_rows import _blank_rows_kernel
 for table in (False, True):
     out[f"blank_rows table={table}"] = compile_for_hopper(_blank_rows_kernel, ints(_blank_rows_kernel, dict(
@@ -180,7 +189,7 @@ print(json.dumps(out))
 
 def test_every_kernel_compiles_for_sm90():
     usage = compile_without_interpreter(COMPILE_ALL)
-    assert len(usage) == 60
+    assert len(usage) == 63
     for name, (regs, spill) in usage.items():
         assert 0 < regs <= 255, name
         if name.startswith("route"):  # a warp (or threads) per token's row: its scores stay in registers

@@ -122,25 +122,33 @@ def test_local_sort_by_segments_quantizes_the_tokens(t, k, e, h, scheme, form, p
 
 @pytest.mark.parametrize("t,k,e,h,scheme", [(40, 8, 16, 384, "fp8-block"), (33, 4, 8, 200, "fp8-channel"),
                                              (24, 8, 16, 640, "fp8-tensor"), (70, 2, 8, 128, "none")])
-def test_dropping_sort_equals_torch_and_quantizes(monkeypatch, t, k, e, h, scheme, form, poison_empty):
+@pytest.mark.parametrize("by_valid", [False, True])
+def test_dropping_sort_equals_torch_and_quantizes(monkeypatch, t, k, e, h, scheme, form, poison_empty, by_valid):
     """The local dispatcher's dropping form (dispatch/expert_sort.sort_dropping: ids of -1 go to no expert, the batch
     padded to T * K rows) on the Triton sort equals its torch path exactly, and quantizes the tokens bit for bit
-    kernels/quant.quantize_activation. The last rows' copies are all dropped (a bucket's padding tokens), more at
-    random."""
+    kernels/quant.quantize_activation. The last rows' copies are all dropped (a bucket's padding tokens): their ids
+    -1, or by_valid their ids real and the rows past ``valid`` (the sort then reads them as -1); more at random."""
     from moeflow.dispatch import _ep_rows, expert_sort
     from moeflow.kernels.quant import quantize_activation
     ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
     ids[torch.rand(t, k) < 0.3] = -1
-    ids[t - t // 3:] = -1
+    dropped = ids.clone()
+    dropped[t - t // 3:] = -1
+    valid = torch.tensor([t - t // 3]) if by_valid else None
+    if not by_valid:
+        ids = dropped
     w = torch.rand(t, k)
     x = (torch.randn(t, h) * torch.rand(t, 1) * 10).half()
     monkeypatch.setattr(_ep_rows, "triton_glue", lambda t: True)  # the CUDA path (_ep_kernels), here interpreted
-    got = expert_sort.sort_dropping(ids, w, e, x, scheme)
+    got = expert_sort.sort_dropping(ids, w, e, x, scheme, valid)
     monkeypatch.setattr(_ep_rows, "triton_glue", lambda t: False)
-    want = expert_sort.sort_dropping(ids, w, e, x, scheme)
+    want = expert_sort.sort_dropping(ids, w, e, x, scheme, valid)
     for name, g, ref in zip(("offsets", "counts", "copy_pos", "source", "weights"), got[:5], want[:5], strict=True):
         assert same(g, ref), name
-    assert int(got[0][-1]) == int((ids >= 0).sum()) and torch.equal(got[2] < 0, ids < 0)
+    for name, g, ref in zip(("offsets", "counts", "copy_pos", "source", "weights"), got[:5],
+                            expert_sort.sort_dropping(dropped, w, e)[:5], strict=True):
+        assert same(g, ref), f"{name}: rows past valid are not the rows of ids -1"
+    assert int(got[0][-1]) == int((dropped >= 0).sum()) and torch.equal(got[2] < 0, dropped < 0)
     assert want[5] is None and want[6] is None  # torch's sort: the runner quantizes
     if scheme == "none":
         assert got[5] is None and got[6] is None

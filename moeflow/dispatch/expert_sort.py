@@ -101,9 +101,10 @@ def sort_by_segments(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, h
 
 
 def sort_dropping(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor | None = None,
-                  scheme: str = "none"):
-    """Token copies grouped by expert where a copy may go to no expert (id -1: the padding tokens of moeflow.graphs'
-    bucketed calls). topk_ids [T, K] int32 (ids in -1 .. E-1), topk_weights [T, K] float32
+                  scheme: str = "none", valid: Tensor | None = None):
+    """Token copies grouped by expert where a copy may go to no expert (id -1), and with valid [1] int64 every copy of
+    the rows from valid[0] on (the padding tokens of moeflow.graph_buckets' bucketed calls, whatever their ids).
+    topk_ids [T, K] int32 (ids in -1 .. E-1), topk_weights [T, K] float32
     -> (offsets [E + 1] int64, counts [E] int32, copy_pos [T, K] int64: the sorted row of each copy, -1 for a dropped
     one, source [T*K] int64, sorted_weights [T*K] float32, hq, hs): rows offsets[E] .. T*K-1 are padding (source 0,
     weight 0: ExpertBatch.padded). On CUDA kernels/ep_sort's sort, the expert-parallel dispatchers' (with hidden
@@ -116,8 +117,11 @@ def sort_dropping(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidd
     if kernels is not None and kernels.sort_pays(n, num_experts):
         quantize = hidden is not None and scheme in SORT_QUANTIZES and _sort_quantizes(hidden, topk_ids, scheme)
         source, sorted_w, counts, offsets, copy_pos, *quantized = kernels.sort_copies_by_expert(
-            topk_ids, topk_weights, num_experts, n, padded=True, x=hidden if quantize else None, scheme=scheme)
+            topk_ids, topk_weights, num_experts, n, padded=True, x=hidden if quantize else None, scheme=scheme,
+            valid=valid)
     else:
+        if valid is not None:  # the padding rows' copies to no expert, as the Triton sort reads them
+            topk_ids = topk_ids.masked_fill((torch.arange(t, device=topk_ids.device) >= valid)[:, None], -1)
         source, sorted_w, counts, offsets, copy_pos = sort_copies_by_expert_torch(topk_ids, topk_weights,
                                                                                   num_experts, n)
         quantized = []

@@ -6,8 +6,9 @@ fp8-tensor batches too, up to expert_sort.TENSOR_QUANT_IN_SORT_MAX elements.
 Combine is the weighted sum of each token's K copies (weights already applied by the runner),
 accumulated in float32 in k order, so results are deterministic. No host
 synchronization anywhere: with a graph-safe runner the whole layer is CUDA-graph capturable.
-``dropping()``: the same dispatcher for calls whose ids may hold -1 (a copy routed to no expert; moeflow.graphs pads
-bucketed calls so): kernels/ep_sort's sort, the expert-parallel dispatchers', makes a padded batch.
+``dropping(valid)``: the same dispatcher for calls whose ids may hold -1 (a copy routed to no expert), or whose rows
+from valid[0] on are padding (moeflow.graph_buckets' bucketed calls): kernels/ep_sort's sort, the expert-parallel
+dispatchers', makes a padded batch, reading the padding rows as ids -1 in its own launches.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class LocalDispatcher(Dispatcher):
                           note="single process: sort copies by expert", indexed_rows=True, fusable=True,
                           graph_safe=True, drops_copies=True)
     drops = False  # dropping(): ids may hold -1
+    valid: Tensor | None = None  # dropping(valid): [1] int64, the rows from valid[0] on are padding
 
     def __init__(self, config, scheme, process_group=None):
         super().__init__(config, scheme, process_group)
@@ -50,11 +52,13 @@ class LocalDispatcher(Dispatcher):
         if config.device.type == "cuda":  # made now, not at the first call: as TritonRunner's counters (moeflow.ops)
             self._expert_bounds(torch.empty(0, dtype=torch.int32, device=config.device))
 
-    def dropping(self) -> "LocalDispatcher":
+    def dropping(self, valid: Tensor | None = None) -> "LocalDispatcher":
         """This dispatcher for calls whose topk_ids [T, K] int32 may hold -1, a copy routed to no expert: it adds zero
-        to its token's sum, and the batch has T*K rows, those past offsets[-1] padding (ExpertBatch.padded)."""
+        to its token's sum, and the batch has T*K rows, those past offsets[-1] padding (ExpertBatch.padded).
+        valid: [1] int64 on the device, or None: every copy of the rows from valid[0] on goes to no expert too (a
+        bucketed call's padding tokens; their ids and weights are not read)."""
         new = copy.copy(self)
-        new.drops = True
+        new.drops, new.valid = True, valid
         return new
 
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor):
@@ -74,7 +78,7 @@ class LocalDispatcher(Dispatcher):
         with copy_pos as its copy_rows (-1 for a dropped copy: the runner's row scatter skips it)."""
         offsets, counts, copy_pos, source, sorted_w, hq, hs = sort_dropping(
             topk_ids, topk_weights, self.config.num_experts, hidden if self._quantize_in_sort else None,
-            self.scheme.name)
+            self.scheme.name, self.valid)
         return self._batch(hidden, hq, hs, source, sorted_w, counts, offsets, copy_pos), LocalHandle(copy_pos)
 
     def _batch(self, hidden: Tensor, hq: Tensor | None, hs: Tensor | None, source: Tensor, sorted_w: Tensor,

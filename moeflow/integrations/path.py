@@ -25,7 +25,7 @@ from ..errors import error
 from ..experts import ExpertWeights, create_runner
 from ..graph_buckets import Bucketed
 from ..graphs import GraphCache
-from ..layer import ID_DTYPES, ID_DTYPES_DESC, check_input, drop_padding, own_precision, routed_experts
+from ..layer import ID_DTYPES, ID_DTYPES_DESC, check_input, own_precision, routed_experts
 from ..layouts import run_in_layout
 from ..planner import plan as make_plan
 from ..quant import FP8_DTYPE, create_scheme
@@ -121,7 +121,7 @@ class ExpertsPath:
             padded = None
             if self.plan.bucketed:  # a bucket's padded form (moeflow.graphs): the padding tokens go to no expert
                 padded = Bucketed(lambda x, i, w, valid: routed_experts(
-                    self.plan, self.dispatcher, self.runner, x, *drop_padding(i, w, valid), weights, dropping=True)[0])
+                    self.plan, self.dispatcher, self.runner, x, i.to(torch.int32), w.float(), weights, valid=valid)[0])
             return self._graphs("experts", run, (hidden, topk_ids, topk_weights),
                                 lambda: (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale), padded)
         ids, w = topk_ids.to(torch.int32), topk_weights.float()

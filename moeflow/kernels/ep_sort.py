@@ -36,25 +36,30 @@ from .common import cdiv, next_pow2, pdl, pdl_start
 
 
 @triton.jit
-def _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K: tl.constexpr, SEG: tl.constexpr):
-    """The ids of segment s's copies j = s * SEG .. (copy j: row j // TOP_K, column j % TOP_K), -1 past num_copies."""
+def _segment_ids(ids_ptr, s, num_copies, stride_ids, valid_ptr, TOP_K: tl.constexpr, SEG: tl.constexpr,
+                 VALID: tl.constexpr):
+    """The ids of segment s's copies j = s * SEG .. (copy j: row j // TOP_K, column j % TOP_K), -1 past num_copies
+    and, VALID, for the rows from valid_ptr[0] (int64) on (a padded call's padding tokens: routed to no expert)."""
     j = s.to(tl.int64) * SEG + tl.arange(0, SEG)
-    return tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=j < num_copies, other=-1)
+    ok = j < num_copies
+    if VALID:
+        ok = ok & (j // TOP_K < tl.load(valid_ptr))
+    return tl.load(ids_ptr + (j // TOP_K) * stride_ids + j % TOP_K, mask=ok, other=-1)
 
 
 @triton.jit
-def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num_segs,
+def _segment_hist_kernel(ids_ptr, hist_ptr, num_copies, e_local, stride_ids, num_segs, valid_ptr,
                          x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
                          TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, QUANT_X: tl.constexpr = 0,
                          BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, QROWS: tl.constexpr = 1,
-                         PDL: tl.constexpr = False):
+                         VALID: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program s < num_segs: hist[s, key] over the copies of segment s (key: the id, E_local where it
     is < 0). Programs past them (QUANT_X, the local dispatcher's FP8 layers): part s - num_segs of the
     tokens' quantization (align.quantize_token_part)."""
     pdl_start(PDL)
     s = tl.program_id(0)
     if s < num_segs:
-        ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K, SEG)
+        ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, valid_ptr, TOP_K, SEG, VALID)
         ok = s.to(tl.int64) * SEG + tl.arange(0, SEG) < num_copies
         key = tl.where(ids >= 0, ids, e_local)
         tl.store(hist_ptr + s * BINS + tl.arange(0, BINS), tl.histogram(key, BINS, mask=ok))
@@ -80,7 +85,8 @@ def _segment_scan_kernel(hist_ptr, before_ptr, totals_ptr, num_segs, BINS: tl.co
 
 @triton.jit
 def _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, s, mine, total, before,
-           num_copies, n, e_local, stride_ids, stride_w, TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr):
+           num_copies, n, e_local, stride_ids, stride_w, valid_ptr, TOP_K: tl.constexpr, SEG: tl.constexpr,
+           BINS: tl.constexpr, VALID: tl.constexpr):
     """Segment s's copies sorted by (key, j) in registers and placed: copy i of the sorted segment goes to
     offsets[key] + before[key] + (i - first index of key in the segment); mine, total, before [BINS] int64: the
     segment's, all segments' and earlier segments' copies of each key. Segment 0 also writes offsets and counts.
@@ -93,7 +99,7 @@ def _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, po
         tl.store(counts_ptr + bins, total.to(tl.int32), mask=bins < e_local)
     lane = tl.arange(0, SEG)
     ok = s.to(tl.int64) * SEG + lane < num_copies
-    ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K, SEG)
+    ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, valid_ptr, TOP_K, SEG, VALID)
     key = tl.where(ok, tl.where(ids >= 0, ids, e_local), BINS)  # lanes past the end sort last
     order = tl.sort(key * SEG + lane, 0)  # by key, then copy order: stable
     skey = order // SEG
@@ -109,9 +115,9 @@ def _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, po
 
 @triton.jit
 def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr,
-                          before_ptr, totals_ptr, num_copies, n, e_local, num_segs, stride_ids, stride_w,
+                          before_ptr, totals_ptr, num_copies, n, e_local, num_segs, stride_ids, stride_w, valid_ptr,
                           TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, S_POW2: tl.constexpr,
-                          SCANNED: tl.constexpr = False, PDL: tl.constexpr = False):
+                          SCANNED: tl.constexpr = False, VALID: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program s: its copies placed (_place). The counts of earlier segments come from the whole histogram table
     (S_POW2 rows), or SCANNED from _segment_scan_kernel's before and totals (one row each; before_ptr, totals_ptr
     unused otherwise)."""
@@ -128,27 +134,28 @@ def _segment_place_kernel(ids_ptr, w_ptr, hist_ptr, counts_ptr, offsets_ptr, sou
         total = tl.sum(table, axis=0).to(tl.int64)  # [BINS] copies of each key
         before = tl.sum(tl.where((segs < s)[:, None], table, 0), axis=0).to(tl.int64)
     _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, s, mine, total, before,
-           num_copies, n, e_local, stride_ids, stride_w, TOP_K, SEG, BINS)
+           num_copies, n, e_local, stride_ids, stride_w, valid_ptr, TOP_K, SEG, BINS, VALID)
 
 
 @triton.jit
 def _whole_sort_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, num_copies, n,
-                       e_local, stride_ids, stride_w,
+                       e_local, stride_ids, stride_w, valid_ptr,
                        x_ptr, xq_ptr, xs_ptr, H, stride_x, stride_xq, stride_xs, num_tokens,
                        TOP_K: tl.constexpr, SEG: tl.constexpr, BINS: tl.constexpr, QUANT_X: tl.constexpr = 0,
                        BLOCK_H: tl.constexpr = 128, ROUND_IN_FP32: tl.constexpr = False, QROWS: tl.constexpr = 1,
-                       PDL: tl.constexpr = False):
+                       VALID: tl.constexpr = False, PDL: tl.constexpr = False):
     """One launch (whole_sort): program 0 sorts every copy as one segment of SEG >= num_copies, its histogram taken
     in registers; programs past it (QUANT_X) quantize part pid - 1 of the tokens (align.quantize_token_part)."""
     pdl_start(PDL)
     s = tl.program_id(0)
     if s == 0:
-        ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, TOP_K, SEG)
+        ids = _segment_ids(ids_ptr, s, num_copies, stride_ids, valid_ptr, TOP_K, SEG, VALID)
         key = tl.where(ids >= 0, ids, e_local)
         ok = tl.arange(0, SEG) < num_copies
         mine = tl.histogram(key, BINS, mask=ok).to(tl.int64)
         _place(ids_ptr, w_ptr, counts_ptr, offsets_ptr, source_ptr, sorted_w_ptr, pos_ptr, s, mine, mine,
-               tl.zeros((BINS,), dtype=tl.int64), num_copies, n, e_local, stride_ids, stride_w, TOP_K, SEG, BINS)
+               tl.zeros((BINS,), dtype=tl.int64), num_copies, n, e_local, stride_ids, stride_w, valid_ptr, TOP_K, SEG,
+               BINS, VALID)
     else:
         quantize_token_part(x_ptr, xq_ptr, xs_ptr, s - 1, H, stride_x, stride_xq, stride_xs, num_tokens,
                             QUANT_X, BLOCK_H, ROUND_IN_FP32, QROWS)
@@ -202,7 +209,8 @@ def _whole_warps(seg: int) -> int:
 
 
 def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, padded: bool = False,
-                          x: Tensor | None = None, scheme: str = "none") -> tuple[Tensor, ...]:
+                          x: Tensor | None = None, scheme: str = "none", valid: Tensor | None = None
+                          ) -> tuple[Tensor, ...]:
     """ids [R, K] int32 (may be a strided view: row stride != K, columns contiguous): local expert of
     each copy, or -1 where the copy is not for this rank; weights [R, K] float32 (same kind of view);
     n: the number of copies with ids >= 0 (known on the host), or with ``padded`` an upper bound of
@@ -217,6 +225,8 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     x [R, H] (layer dtype, unit column stride) with scheme "fp8-tensor", "fp8-channel" or "fp8-block": the first
     launch also quantizes the tokens, and the tuple gains (xq [R, H] float8_e4m3fn, xs [R, G]
     float32), bit for bit kernels/quant.quantize_activation(x, scheme) (the local dispatcher).
+    valid: [1] int64 on the device, or None: the copies of rows valid[0] .. R-1 are sorted as ids -1 (a bucketed call's
+    padding tokens, moeflow.graph_buckets; the local dispatcher's dropping form), without reading those ids.
     """
     if ids.dim() != 2 or ids.shape != weights.shape or any(t.shape[1] > 1 and t.stride(1) != 1 for t in (ids, weights)):
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [R, K] views "
@@ -236,18 +246,21 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
     offsets = torch.empty(e_local + 1, dtype=torch.int64, device=dev)
     copy_pos = torch.empty(copies, dtype=torch.int64, device=dev)
     parts, quant_args, quant_consts, quantized = token_quant_launch(x, scheme, r, counts)
+    valid_arg, has_valid = (valid, True) if valid is not None else (ids, False)  # ids: a pointer never read
     if whole_sort(copies):
         whole = max(16, next_pow2(copies))
         _whole_sort_kernel[(1 + parts,)](ids, weights, counts, offsets, source, sorted_w, copy_pos, copies, n, e_local,
-                                         ids.stride(0), weights.stride(0), *quant_args, TOP_K=k, SEG=whole, BINS=bins,
-                                         **quant_consts, num_warps=_whole_warps(whole), **pdl(dev))
+                                         ids.stride(0), weights.stride(0), valid_arg, *quant_args, TOP_K=k, SEG=whole,
+                                         BINS=bins, **quant_consts, VALID=has_valid, num_warps=_whole_warps(whole),
+                                         **pdl(dev))
         return (source, sorted_w, counts, offsets, copy_pos, *quantized)
     seg, scanned = segment_size(copies, bins)
     segs = max(1, cdiv(copies, seg))
     warps = min(16, max(4, seg // 256))  # the in-register sort: 8192 copies spill at 8 warps (ptxas)
     hist = torch.empty((segs, bins), dtype=torch.int32, device=dev)
-    _segment_hist_kernel[(segs + parts,)](ids, hist, copies, e_local, ids.stride(0), segs, *quant_args,
-                                          TOP_K=k, SEG=seg, BINS=bins, **quant_consts, num_warps=warps, **pdl(dev))
+    _segment_hist_kernel[(segs + parts,)](ids, hist, copies, e_local, ids.stride(0), segs, valid_arg, *quant_args,
+                                          TOP_K=k, SEG=seg, BINS=bins, **quant_consts, VALID=has_valid,
+                                          num_warps=warps, **pdl(dev))
     s_pow2 = next_pow2(segs)
     before, totals = hist, hist  # unused by the one-table form
     if scanned:
@@ -258,7 +271,7 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
         _segment_scan_kernel[(bins // kb,)](hist, before, totals, segs, BINS=bins, KB=kb, S_POW2=s_pow2,
                                             num_warps=scan_warps, **pdl(dev))
     _segment_place_kernel[(segs,)](ids, weights, hist, counts, offsets, source, sorted_w, copy_pos, before, totals,
-                                   copies, n, e_local, segs, ids.stride(0), weights.stride(0),
-                                   TOP_K=k, SEG=seg, BINS=bins, S_POW2=s_pow2, SCANNED=scanned, num_warps=warps,
-                                   **pdl(dev))
+                                   copies, n, e_local, segs, ids.stride(0), weights.stride(0), valid_arg,
+                                   TOP_K=k, SEG=seg, BINS=bins, S_POW2=s_pow2, SCANNED=scanned, VALID=has_valid,
+                                   num_warps=warps, **pdl(dev))
     return (source, sorted_w, counts, offsets, copy_pos, *quantized)
