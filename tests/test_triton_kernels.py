@@ -965,51 +965,36 @@ def test_scatter_rows_skips_dropped_copies():
     assert torch.equal(got[named], x[src]) and torch.equal(got_s[named], xs[src])
 
 
-def test_gate_up_of_a_dropping_batch_scatters_its_rows(monkeypatch):
-    """The local dispatcher's dropping batch (ids -1 for the padding tokens of a bucketed call) carries copy_rows: the
-    gate_up's x_tma row copy scatters by it, skipping the dropped copies, and its rows equal the gather's."""
+@pytest.mark.parametrize("dropping", [False, True])
+def test_gate_up_rows_in_order_by_scatter(monkeypatch, dropping):
+    """gate_up with x_tma and copy_rows (the local dispatcher's inverse map) scatters the rows into order:
+    the same bits as the gather by source_rows, which it falls back to without copy_rows. dropping: the dispatcher's
+    dropping batch (ids -1, as a bucketed call's padding tokens), whose copy_rows holds -1 for the dropped copies and
+    whose padding rows past offsets[-1] the scatter leaves unwritten (no tile stores them)."""
     from moeflow.dispatch.expert_sort import sort_dropping
     from moeflow.kernels import quant as quant_mod
     calls = []
     for name in ("gather_rows", "scatter_rows"):
         fn = getattr(quant_mod, name)
         monkeypatch.setattr(quant_mod, name, lambda *a, _f=fn, _n=name: calls.append(_n) or _f(*a))
-    ids = torch.tensor([[2, 0], [0, 1], [2, 1], [-1, -1], [1, -1], [-1, -1]], dtype=torch.int32)
-    offsets, _, copy_pos, source, _, _, _ = sort_dropping(ids, torch.rand(6, 2), 3)
-    layout = RowLayout(False, offsets, 3, 0, 12)  # 7 copies, 5 padding rows
+    ids = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2], [1, 0], [1, 2]], dtype=torch.int32)
+    if dropping:
+        ids[3:] = torch.tensor([[-1, -1], [1, -1], [-1, -1]], dtype=torch.int32)
+        offsets, _, row_of_copy, source, _, _, _ = sort_dropping(ids, torch.rand(6, 2), 3)
+    else:
+        offsets, _, row_of_copy, source, _ = sort_by_expert_torch(ids, torch.rand(6, 2), 3)
+    layout = RowLayout(False, offsets, 3, 0, 12)
+    n = int(offsets[-1])  # 7 copies and 5 padding rows where dropping
     w13 = (torch.randn(3, 128, 64) / 8).half()
     x = torch.randn(6, 64).half()
     cfg = kc.GemmConfig(16, 64, 64, x_tma=1)
     by_gather, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True, source_rows=source)
     by_scatter, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True,
-                            source_rows=source, copy_rows=copy_pos)
-    assert calls == ["gather_rows", "scatter_rows"]
-    assert torch.equal(by_gather[:7], by_scatter[:7]) and not by_scatter[:7].isnan().any()
-    assert_close(by_scatter[:7], gate_up_torch(x, None, w13, None, layout, "none", "silu", torch.float16, source)[:7],
-                 1e-3, "gate_up, a dropping batch's rows scattered into order")
-
-
-def test_gate_up_rows_in_order_by_scatter(monkeypatch):
-    """gate_up with x_tma and copy_rows (the local dispatcher's inverse map) scatters the rows into order:
-    the same bits as the gather by source_rows, which it falls back to without copy_rows."""
-    from moeflow.kernels import quant as quant_mod
-    calls = []
-    for name in ("gather_rows", "scatter_rows"):
-        fn = getattr(quant_mod, name)
-        monkeypatch.setattr(quant_mod, name, lambda *a, _f=fn, _n=name: calls.append(_n) or _f(*a))
-    ids = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2], [1, 0]], dtype=torch.int32)
-    offsets, counts, row_of_copy, source, _ = sort_by_expert_torch(ids, torch.rand(5, 2), 3)
-    layout = RowLayout(False, offsets, 3, 0, 10)
-    w13 = (torch.randn(3, 128, 64) / 8).half()
-    x = torch.randn(5, 64).half()
-    cfg = kc.GemmConfig(16, 64, 64, x_tma=1)
-    by_gather, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True, source_rows=source)
-    by_scatter, _ = gate_up(x, None, w13, None, layout, "none", "silu", torch.float16, cfg, poison=True,
                             source_rows=source, copy_rows=row_of_copy)
-    assert calls == ["gather_rows", "scatter_rows"]
-    assert torch.equal(by_gather, by_scatter)
-    assert_close(by_scatter, gate_up_torch(x, None, w13, None, layout, "none", "silu", torch.float16, source), 1e-3,
-                 "gate_up, rows scattered into order")
+    assert calls == ["gather_rows", "scatter_rows"] and n == (7 if dropping else 12)
+    assert torch.equal(by_gather[:n], by_scatter[:n]) and not by_scatter[:n].isnan().any()
+    assert_close(by_scatter[:n], gate_up_torch(x, None, w13, None, layout, "none", "silu", torch.float16, source)[:n],
+                 1e-3, "gate_up, rows scattered into order")
 
 
 @pytest.mark.parametrize("scheme, h, quantized", [("fp8-tensor", 2048, True), ("fp8-tensor", 2049, False),
