@@ -5,8 +5,9 @@ keeps them (its bucket store) beside the graphs of exact small shapes.
 
 The padded form of an entry (Bucketed) takes the inputs padded with zero rows and ``valid`` ([1] int64 on the
 device, the call's own token count), routes the padding tokens to no expert (a plan whose dispatcher drops such
-copies, Plan.bucketed: its sort reads the rows from valid on as ids -1), and its output's first rows are the call's. The expert GEMMs compute only the call's
-copies; the routing, sort, shared experts and top-k sum also see the padding rows (at most as many as the call's own).
+copies, Plan.bucketed: its sort reads the rows from valid on as ids -1), and its output's first rows are the call's.
+The expert GEMMs compute only the call's copies; the routing, sort, shared experts and top-k sum also see the padding
+rows (at most as many as the call's own).
 
 Memory: every bucket graph of a process on one (device, stream) shares one Arena: one memory pool, one static tensor
 per (input position, bucket rows, trailing shape, dtype), one output tensor per (rows, trailing shape, dtype), and
