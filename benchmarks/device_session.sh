@@ -41,6 +41,9 @@
 #      first run on an H100 on 2026-12-05, eager_buckets_2026-12-05_h100_6a059c6.md): the GPU tests of the bucketed calls,
 #      then eager_buckets.py (host and eager µs a call launched against bucketed, T = 24-4096, and the memory four
 #      layers' bucket graphs hold): ONLY=eager_buckets
+#  14. the kernels a bucketed call adds over the launched one (bucket_kernels.py: Qwen3 bf16 and fp8-block, T = 512
+#      and 4096, with the old row gather for comparison), after the two cost cuts of 2026-12-06 that no GPU has run
+#      yet; the bucketed GPU tests first: ONLY=bucket_kernels
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
 # can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
 # tests in 420 s (compiling as it went), so they are three steps now: gpu_tests_triton (test_gpu_triton.py),
@@ -150,6 +153,12 @@ step eager_buckets_tests 240 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m g
     tests/gpu/test_gpu_eager_graphs.py -k bucketed
 step eager_buckets 300 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/eager_buckets.py "$R/eager_buckets"
 tail -n 50 "$R/eager_buckets.log" >> "$S" 2>/dev/null
+# 14: what a bucketed call adds on the GPU, kernel by kernel
+step bucket_kernels_tests 240 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu \
+    tests/gpu/test_gpu_eager_graphs.py -k bucketed
+step bucket_kernels 300 env CUDA_VISIBLE_DEVICES=0 CASES=qwen3-30b-a3b:none,qwen3-30b-a3b:fp8-block TOKENS=512,4096 \
+    python benchmarks/experiments/bucket_kernels.py "$R/bucket_kernels"
+tail -n 60 "$R/bucket_kernels.log" >> "$S" 2>/dev/null
 grep -hE "FAILED|Error" "$R"/*tests*.log 2>/dev/null | head -20 >> "$S"
 tar czf "$OUT/results.tgz" -C "$R" .
 bash benchmarks/triton_cache.sh save "$OUT" 2>> "$S"
