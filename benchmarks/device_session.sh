@@ -42,8 +42,8 @@
 #      then eager_buckets.py (host and eager µs a call launched against bucketed, T = 24-4096, and the memory four
 #      layers' bucket graphs hold): ONLY=eager_buckets
 #  14. the kernels a bucketed call adds over the launched one (bucket_kernels.py: Qwen3 bf16 and fp8-block, T = 512
-#      and 4096, with the old row gather for comparison), after the two cost cuts of 2026-12-06 that no GPU has run
-#      yet; the bucketed GPU tests first: ONLY=bucket_kernels
+#      and 4096, with the old row gather for comparison; first run on an H100 on 2026-12-06,
+#      gpu_session_2026-12-06_h100_7f4a2c2.md); the bucketed GPU tests first: ONLY=bucket_kernels
 # ONLY=<regex> runs only the steps whose names match (gpu_tests alone took 394 s on 2026-12-01, so a second call
 # can skip it: ONLY='layer_bench$|moeflow_bench'). On 2026-12-03 a fresh machine ran 123 of the single-GPU suites'
 # tests in 420 s (compiling as it went), so they are three steps now: gpu_tests_triton (test_gpu_triton.py),
