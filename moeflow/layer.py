@@ -295,7 +295,7 @@ class MoE(nn.Module):
                                 dtype_ok=lambda d: d.is_floating_point, dtype_desc="a floating dtype")
             with own_precision(hidden_states):
                 return self._graphs("forward", self._route_and_run, (hidden_states, router_logits),
-                                    self._weight_tensors, self._bucketed(self._route_and_run_padded))
+                                    self._weight_tensors, self._bucketed(self._route_and_run))
 
     def _forward_topk_eager(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """forward_topk() outside torch.compile's tracing (as _forward_eager)."""
@@ -313,7 +313,7 @@ class MoE(nn.Module):
                         _check_ids(topk_ids, cfg.num_experts)
             with own_precision(hidden_states):
                 return self._graphs("forward_topk", self._run_topk, (hidden_states, topk_ids, topk_weights),
-                                    self._weight_tensors, self._bucketed(self._run_topk_padded))
+                                    self._weight_tensors, self._bucketed(self._run_topk))
 
     @contextlib.contextmanager
     def _refusal_takes_part(self):
@@ -331,26 +331,19 @@ class MoE(nn.Module):
                           torch.empty(0, k, dtype=torch.float32, device=cfg.device))
             raise
 
-    def _route_and_run(self, hidden: Tensor, router_logits: Tensor) -> Tensor:
-        topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)
-        return self._run(hidden, topk_ids, topk_weights)
-
-    def _run_topk(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        return self._run(hidden, topk_ids.to(torch.int32), topk_weights.float())
-
-    def _bucketed(self, fn) -> Bucketed | None:
-        """fn as the eager graphs' padded form of an entry where the plan allows buckets (Plan.bucketed), else None."""
-        return Bucketed(fn) if self.plan.bucketed else None
-
-    def _route_and_run_padded(self, hidden: Tensor, router_logits: Tensor, valid: Tensor) -> Tensor:
-        """_route_and_run on inputs padded with zero rows past ``valid`` [1] int64 tokens: those route to no expert
-        (moeflow.graphs, Buckets)."""
+    def _route_and_run(self, hidden: Tensor, router_logits: Tensor, valid: Tensor | None = None) -> Tensor:
+        """Route, then _run. valid: as _run's (a bucket's inputs padded with zero rows past valid[0] tokens)."""
         topk_ids, topk_weights = self.router(router_logits, self.e_score_correction_bias)
         return self._run(hidden, topk_ids, topk_weights, valid)
 
-    def _run_topk_padded(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, valid: Tensor) -> Tensor:
-        """_run_topk on inputs padded past ``valid`` [1] int64 tokens, as _route_and_run_padded."""
+    def _run_topk(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, valid: Tensor | None = None) -> Tensor:
+        """_run on the caller's routing, in the dtypes the dispatchers take. valid: as _run's."""
         return self._run(hidden, topk_ids.to(torch.int32), topk_weights.float(), valid)
+
+    def _bucketed(self, fn) -> Bucketed | None:
+        """fn (an entry taking ``valid`` last) as the eager graphs' padded form where the plan allows buckets
+        (Plan.bucketed), else None."""
+        return Bucketed(fn) if self.plan.bucketed else None
 
     def _weight_tensors(self) -> tuple:
         """Every tensor a forward reads in place (the parameters), for the eager graphs' keys."""

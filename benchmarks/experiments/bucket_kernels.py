@@ -6,9 +6,9 @@ launched one by one does not: the kernels of each, side by side.
 
 Per case and T, under torch.profiler (CUDA kernels; the calls launched, not replayed, so that every kernel is seen):
     launched   MoE._route_and_run(x, logits): the layer's eager call, launch by launch
-    padded     MoE._route_and_run_padded on the inputs padded to the bucket (the next power of two), as a bucket graph
-               runs it, plus the copies graph_buckets.BucketCall adds around it (the inputs into the arena, the output
-               into the arena's, the caller's copy of its rows)
+    padded     MoE._route_and_run with valid, on the inputs padded to the bucket (the next power of two), as a
+               bucket graph runs it, plus the copies graph_buckets.BucketCall adds around it (the inputs into the
+               arena, the output into the arena's, the caller's copy of its rows)
     padded_gather  the same without the dropping batch's copy_rows (as before 2026-12-06): the gate_up's row copy
                gathers each copy's row where the padded form scatters each token's once
 µs per call of each kernel name (the sum over CALLS calls / CALLS), and each form's total; also each form captured as
@@ -64,7 +64,7 @@ def padded_call(moe, x, logits, rows: int):
         xs[:t].copy_(x)
         ls[:t].copy_(logits)
         valid.fill_(t)
-        out.copy_(moe._route_and_run_padded(xs, ls, valid))
+        out.copy_(moe._route_and_run(xs, ls, valid))
         return out[:t].clone()
     return call
 

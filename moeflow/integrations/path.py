@@ -116,12 +116,10 @@ class ExpertsPath:
     def _call_once(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                    valid_below: int | None) -> Tensor:
         if valid_below is None:  # the layer's own path: the one-launch small-batch layer where the plan has it
-            run = lambda x, i, w: routed_experts(self.plan, self.dispatcher, self.runner, x, i.to(torch.int32),
-                                                 w.float(), weights)[0]
-            padded = None
-            if self.plan.bucketed:  # a bucket's padded form (moeflow.graphs): the padding tokens go to no expert
-                padded = Bucketed(lambda x, i, w, valid: routed_experts(
-                    self.plan, self.dispatcher, self.runner, x, i.to(torch.int32), w.float(), weights, valid=valid)[0])
+            def run(x, i, w, valid=None):  # valid: a bucket's padded form (moeflow.graph_buckets)
+                return routed_experts(self.plan, self.dispatcher, self.runner, x, i.to(torch.int32), w.float(),
+                                      weights, valid=valid)[0]
+            padded = Bucketed(run) if self.plan.bucketed else None  # the padding tokens go to no expert
             return self._graphs("experts", run, (hidden, topk_ids, topk_weights),
                                 lambda: (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale), padded)
         ids, w = topk_ids.to(torch.int32), topk_weights.float()
