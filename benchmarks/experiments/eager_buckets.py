@@ -70,14 +70,17 @@ def run_case(preset: str, scheme: str, out_dir: str) -> list[dict]:
 
 
 def layers_memory(preset: str, scheme: str) -> dict:
-    """Reserved MB after building LAYERS layers, then after one bucketed T=4096 forward of the first, then of all (on a
-    stream of their own, so in an arena of their own)."""
+    """Reserved MB (after emptying the allocator's cache) after building LAYERS layers, then after one bucketed T=4096
+    forward of the first, then of all (on a stream of their own, so in an arena of their own)."""
     torch.cuda.empty_cache()
     moes = [layer_case(preset, scheme)[0] for _ in range(LAYERS)]
     x, logits, _, _ = layer_inputs(moes[0], 4096)
     os.environ["MOEFLOW_EAGER_BUCKETS"] = "4096"
     torch.cuda.synchronize()
-    mb = lambda: torch.cuda.memory_reserved() / 2 ** 20
+    def mb() -> float:  # memory held, the allocator's free cache dropped first: a graph capture empties that cache
+        torch.cuda.empty_cache()  # itself (torch.cuda.graph), which read as -1448 MB for Mixtral on 2026-12-06
+        return torch.cuda.memory_reserved() / 2 ** 20
+
     row = dict(preset=preset, scheme=scheme, T=4096, entry=f"memory_{LAYERS}_layers", built_mb=mb())
     stream = torch.cuda.Stream()  # a stream of its own: a fresh arena, not run_case's
     stream.wait_stream(torch.cuda.current_stream())
