@@ -149,13 +149,13 @@ tail -n 10 "$R/zero_padding.log" >> "$S" 2>/dev/null
 step x_tma_repeat 240 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/x_tma_repeat.py "$R/x_tma_repeat"
 tail -n 4 "$R/x_tma_repeat.log" >> "$S" 2>/dev/null
 # 13: do bucketed graphs take eager prefill calls off the host's launch path (MOEFLOW_EAGER_BUCKETS)?
-step eager_buckets_tests 240 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu \
-    tests/gpu/test_gpu_eager_graphs.py -k bucketed
+# the bucketed calls' GPU tests, run first by steps 13 and 14
+BUCKETED_TESTS=(env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu tests/gpu/test_gpu_eager_graphs.py -k bucketed)
+step eager_buckets_tests 240 "${BUCKETED_TESTS[@]}"
 step eager_buckets 300 env CUDA_VISIBLE_DEVICES=0 python benchmarks/experiments/eager_buckets.py "$R/eager_buckets"
 tail -n 50 "$R/eager_buckets.log" >> "$S" 2>/dev/null
 # 14: what a bucketed call adds on the GPU, kernel by kernel
-step bucket_kernels_tests 240 env CUDA_VISIBLE_DEVICES=0 python -m pytest -v -m gpu \
-    tests/gpu/test_gpu_eager_graphs.py -k bucketed
+step bucket_kernels_tests 240 "${BUCKETED_TESTS[@]}"
 step bucket_kernels 300 env CUDA_VISIBLE_DEVICES=0 CASES=qwen3-30b-a3b:none,qwen3-30b-a3b:fp8-block TOKENS=512,4096 \
     python benchmarks/experiments/bucket_kernels.py "$R/bucket_kernels"
 tail -n 60 "$R/bucket_kernels.log" >> "$S" 2>/dev/null
