@@ -10,7 +10,7 @@ Per preset, scheme (none = bf16, fp8-channel, fp8-block), runner and T:
                 cannot be captured: then "-" and the eager time counts)
     layer_clean_us  the same graph, median of 100 replays, each after a 1 GiB read instead of do_bench's
                 256 MB zeroing: the L2 holds clean lines, so the layer writes back nobody's dirty data
-                (do_bench's flush costs a row 3-9 µs of write-back: benchmarks/results/t1_bounds_*.md)
+                (do_bench's flush cost the H200 rows up to T=128 3-9 µs of write-back)
     experts_us  the runner alone on a ready batch;  graph_us: the same replayed as a CUDA graph (T <= 128); both
                 the separate launches (a batch the one-launch small-batch layer takes has no such stage)
     tflops, gbs, roof_pct  FLOPs and bytes (experts actually hit x 3HI weights + activations in/out)
@@ -38,7 +38,7 @@ from moeflow.benchmark import (Ceilings, clean_graph_us, format_target_summary, 
 from moeflow.capabilities import Environment
 from moeflow.dispatch import create_dispatcher
 from moeflow.experts import create_runner
-from moeflow.kernels.autotune import Shape, expanded_weights, precompile, random_batch, random_weights
+from moeflow.tune.autotune import Shape, expanded_weights, precompile, random_batch, random_weights
 from moeflow.layer import routed_experts
 from moeflow.planner import check_runner
 from moeflow.planner import plan as make_plan

@@ -1,16 +1,25 @@
-"""The benchmark and experiment scripts (benchmarks/, run on a GPU through the device tool) still name what
-moeflow has: every `from moeflow... import name` in them resolves. They run only on a GPU, so a renamed
-helper would otherwise break them unseen until a device call (9d6da12 renamed autotune._runner; eight scripts
-still imported it). Also the CPU-checkable helper an experiment's reading rests on (zero_padding's aligned rows)."""
+"""The maintained benchmark scripts (benchmarks/: bench_layer.py, bench_ep.py, bench_hf.py, compare_runs.py and
+gpu_run.sh) run only on a GPU machine, so a renamed helper or a broken option would otherwise go unseen until then:
+every `from moeflow... import name` in them resolves, each Python script parses its options (--help), and
+gpu_run.sh parses, selects its steps by name and leaves its output as the GPU machine can return it."""
 import ast
 import importlib
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
+import tarfile
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "benchmarks").rglob("*.py"))
+GPU_RUN = ROOT / "benchmarks" / "gpu_run.sh"
+
+
+def test_only_the_maintained_scripts_are_left():
+    assert [p.name for p in SCRIPTS] == ["bench_ep.py", "bench_hf.py", "bench_layer.py", "compare_runs.py"]
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -25,74 +34,39 @@ def test_script_imports_resolve(path):
     assert not missing, f"{path.name} imports names moeflow no longer has: {missing}"
 
 
-@pytest.mark.parametrize("scheme", ["none", "fp8-block"])
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_zero_padding_aligned_rows_keep_each_experts_row_blocks(scheme, block_m, monkeypatch):
-    """benchmarks/experiments/zero_padding.py times the GEMMs on a layout whose experts start on row-block boundaries,
-    the gaps zero rows: it must keep every expert's row blocks (their count, each real row's place in its block) and
-    give the same outputs on the real rows (the torch references here; the GPU script checks the kernels' bits)."""
+@pytest.mark.parametrize("script,options", [
+    ("bench_layer.py", ["--presets", "--schemes", "--runners", "--tokens", "--out", "--deadline-s"]),
+    ("bench_ep.py", ["--tokens", "--skip", "--profile", "--small", "--out"]),
+    ("bench_hf.py", ["--impls", "--prefill", "--decode", "--commit", "--small", "--out"]),
+])
+def test_script_parses_its_options(script, options):
+    """--help imports the script (moeflow, torch; transformers for bench_hf) and exits before any GPU work."""
     pytest.importorskip("triton")
-    import torch
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "experiments"))  # restored after, with what it adds
-    from zero_padding import aligned_rows
-
-    from moeflow.kernels.autotune import Shape, random_batch, random_weights
-    from moeflow.kernels.common import RowLayout
-    from moeflow.kernels.down import down_torch
-    from moeflow.kernels.gate_up import gate_up_torch
-    from moeflow.kernels.warp_specialized import block_table_torch
-    from moeflow.quant import create_scheme
-    shape = Shape(5, 256, 128, 2, scheme)  # E, H, I, K: 5 experts, 37 tokens -> 74 rows, counts 0 to ~30
-    batch = random_batch(shape, 37, "cpu", seed=3)
-    lay, w = RowLayout.of(batch), random_weights(shape, "cpu")
-    x, xs = batch.hidden, None
-    if scheme == "fp8-block":
-        x, xs = create_scheme(scheme).quantize_activation(x)
-    x2, xs2, lay2, rw2, dest = aligned_rows(x, xs, lay, batch.weights, block_m)
-    off, off2 = lay.meta, lay2.meta
-    assert bool((off2 % block_m == 0).all()) and lay2.rows == int(off2[-1])
-    assert torch.equal(block_table_torch(lay2, block_m)[1], block_table_torch(lay, block_m)[1])
-    e = torch.searchsorted(off[1:], torch.arange(int(off[-1])), right=True)
-    assert torch.equal((dest - off2[e]) % block_m, (torch.arange(int(off[-1])) - off[e]) % block_m)
-    gaps = torch.ones(lay2.rows, dtype=torch.bool)
-    gaps[dest] = False
-    assert not bool(rw2[gaps].any()) and torch.equal(rw2[dest], batch.weights)
-    assert not bool(x2[gaps].float().any())
-    want = gate_up_torch(x, xs, w.w13, w.w13_scale, lay, scheme, "silu", torch.float32)
-    got = gate_up_torch(x2, xs2, w.w13, w.w13_scale, lay2, scheme, "silu", torch.float32)
-    assert torch.equal(got[dest], want) and not bool(got[gaps].any())
-    want = down_torch(want, None, w.w2, w.w2_scale, batch.weights, lay, scheme, torch.float32)
-    got = down_torch(got, None, w.w2, w.w2_scale, rw2, lay2, scheme, torch.float32)
-    assert torch.equal(got[dest], want) and not bool(got[gaps].any())
+    if script == "bench_hf.py":
+        pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert all(o in done.stdout for o in options), done.stdout
 
 
-def test_target_gaps_bounds_hold_for_every_measured_row(monkeypatch):
-    """benchmarks/experiments/target_gaps.py bounds each T <= 128 row's % of roofline by its fixed costs (the empty
-    graph replay, the flush's write-back) at the fastest streaming of the run's T = 16 and 128 rows. Those rows keep
-    under their bounds by construction; the T = 1 rows do not set the rate, and none of any committed run may beat its
-    bound, or the model behind docs/performance.md's "What each missed target would take" is wrong. Its list of
-    missed rows is the run's rows under 60% or over their anchor, and no other."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "experiments"))
-    import glob
-    import math
-    import os
+def test_gpu_run_parses():
+    subprocess.run(["bash", "-n", str(GPU_RUN)], check=True)
 
-    import target_gaps as tg
-    runs = sorted(glob.glob(os.path.join(tg.RESULTS, "triton_2026-12-0*_h200_*_bench.csv")))
-    assert runs
-    for path in runs:
-        run = tg.read_run(path)
-        if not all(k in run for k in [("qwen3-30b-a3b", "fp8-block", 1), ("deepseek-v3", "none", 128)]):
-            continue
-        stream, bounds = tg.fixed_bounds(run)
-        assert 1.0 <= stream < 1.2, path  # reads beat the read+write copy ceiling a little, not by 20%
-        assert bounds and all(b["pct"] <= b["bound"] + 1e-6 for b in bounds), path
-        assert all(b["bound"] <= b["bound_hint"] + 1e-9 <= b["bound_clean"] + 2e-9 for b in bounds), path
-    run = tg.read_run(os.path.join(tg.RESULTS, tg.RUN))
-    g = tg.geomean_need(run, tg.fixed_bounds(run)[1])  # the capped rows at their bounds and the rest at the need: 85%
-    total = sum(math.log(v) for v in g["capped"].values()) + g["rest"] * math.log(g["rest_need"])
-    assert g["capped"] and abs(total / (len(g["capped"]) + g["rest"]) - math.log(85.0)) < 1e-9
-    want = {k for k, r in run.items() if r["floor_us"] / r["layer_graph_us"] < 0.6
-            or (r["anchor_us"] is not None and r["layer_graph_us"] > r["anchor_us"])}
-    assert {(m["preset"], m["scheme"], m["T"]) for m in tg.missed(run, tg.spread())} == want
+
+def test_gpu_run_without_selected_steps_leaves_returnable_output(tmp_path):
+    """With no step selected (ONLY matches none), the script still writes its summary, the packed results and the
+    Triton cache's parts under $OUT: at most 8 files, none named with '=' or ','."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), ONLY="^no-such-step$", MOEFLOW_COMMIT="abc1234",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    done = subprocess.run(["bash", str(GPU_RUN)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = sorted(p.name for p in out.iterdir())
+    assert "results.tgz" in names and "summary.txt" in names and len(names) <= 8, names
+    assert not any("=" in n or "," in n for n in names), names
+    summary = (out / "summary.txt").read_text()
+    assert summary.startswith("commit abc1234, ") and "skipped" not in summary
+    with tarfile.open(out / "results.tgz") as tar:
+        assert "./summary.txt" in tar.getnames()
