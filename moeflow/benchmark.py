@@ -1,19 +1,12 @@
-"""Benchmark helpers: timing, FLOP and byte counts, the roofline of one MoE layer (PERF.md's method).
+"""Benchmark helpers: timing, FLOP and byte counts, the roofline of one MoE layer.
 
-    FLOPs  = 2 · T · K · 3 · H · I                    (gate_up GEMM [H→2I] + down GEMM [I→H])
+    FLOPs = 2 · T · K · 3 · H · I                    (gate_up GEMM [H→2I] + down GEMM [I→H])
     bytes ≥ hit · 3 · H · I · bytes_per_weight + T · H · 2 · bytes_per_act
-    hit    = the distinct experts the routing touched (counted by the benchmarks, as PERF.md asks), or where not
-             counted their expectation under random routing, E · (1 − (1 − K/E)^T)
-    floor  = max(FLOPs / matrix peak, bytes / memory bandwidth), with the peaks and the bandwidth measured in the same
-             run on a GPU (``measure_ceilings``)
+    hit   = the distinct experts the routing touched, or their expectation E · (1 − (1 − K/E)^T) under random routing
+    floor = max(FLOPs / matrix peak, bytes / memory bandwidth), the ceilings measured in the same run (measure_ceilings)
 
-Timing: ``time_fn`` (host-timed, synchronized calls: any device), ``graph_us`` (CUDA: the calls captured once as a
-CUDA graph and replayed with the L2 flushed, triton's do_bench median: PERF.md's method) and ``clean_graph_us``
-(the same graph, each replay after a 1 GiB read instead of do_bench's zeroing, which leaves dirty lines the timed
-replay must write back: 3-9 µs a layer on H200, benchmarks/results/t1_bounds_2026-12-01_h200.md).
-
-Accuracy: ``relative_error`` (‖got − want‖ / ‖want‖ in float64) and ``poisoned_allocations`` (a call whose fresh
-buffers are poisoned, so an element it never writes shows as NaN instead of stale memory).
+Timing: time_fn (host-timed, synchronized calls: any device), graph_us and clean_graph_us (CUDA: replays of one
+captured graph). Accuracy: relative_error, poisoned_allocations (an element a call never writes shows as NaN).
 """
 from __future__ import annotations
 
@@ -31,8 +24,8 @@ from .graphs import standing_aside
 
 @dataclass(frozen=True)
 class Ceilings:
-    """Peak rates used for '% of roofline'. Defaults: PERF.md's measurements on the lent H200
-    (2026-11-30); re-measure in the same run when quoting ratios (benchmarks/ scripts do)."""
+    """Peak rates used for '% of roofline' (FLOP/s, bytes/s). Defaults: an H200's dense bf16 and e4m3 matmul rates
+    and device-copy bandwidth; quote ratios against ceilings measured in the same run (measure_ceilings)."""
 
     bf16_flops: float = 700e12
     fp8_flops: float = 1265e12
@@ -40,7 +33,7 @@ class Ceilings:
 
 
 def measure_ceilings(device: torch.device) -> Ceilings:
-    """PERF.md's ceilings, measured on this CUDA device (do_bench medians, about 2 s): the bandwidth is 2 GiB over a
+    """The ceilings of this CUDA device (do_bench medians, about 2 s): the bandwidth is 2 GiB over a
     1 GiB device-to-device copy's time (read + write); each matrix peak is 2 · 8192³ FLOPs over an 8192² matmul's
     time, bf16 (``x @ x``) and e4m3 (``torch._scaled_mm``). fp8_flops is nan on a GPU without fp8 matmuls."""
     from triton.testing import do_bench
@@ -83,7 +76,7 @@ def roofline_seconds(cfg: MoEConfig, tokens: int, ceilings: Ceilings = Ceilings(
 
 
 def floor_seconds(flops: float, nbytes: float, fp8: bool, ceilings: Ceilings) -> float:
-    """PERF.md's floor: max(FLOPs / the matrix peak (fp8 or bf16), bytes / the bandwidth)."""
+    """The roofline floor in seconds: max(FLOPs / the matrix peak (fp8 or bf16), bytes / the bandwidth)."""
     return max(flops / (ceilings.fp8_flops if fp8 else ceilings.bf16_flops), nbytes / ceilings.bandwidth)
 
 
@@ -131,11 +124,11 @@ def poisoned_allocations():
 
 
 def graph_us(fn, rep_ms: float = 50) -> float:
-    """fn (no arguments, CUDA work) captured as a CUDA graph -> median µs of its replays, L2 flushed before each
-    (triton.testing.do_bench). Raises RuntimeError where fn cannot be captured (it synchronizes with the host)."""
+    """fn (no arguments, CUDA work) captured as a CUDA graph -> median µs of its replays, L2 flushed (zeroed) before
+    each (triton.testing.do_bench). Raises RuntimeError where fn cannot be captured (it synchronizes with the host)."""
     from triton.testing import do_bench
 
-    from .kernels.autotune import capture_graph
+    from .graphs import capture_graph
     return do_bench(capture_graph(fn, warmups=2).replay, warmup=10, rep=rep_ms, return_mode="median") * 1e3
 
 
@@ -144,8 +137,9 @@ _CLEAN: list = []  # the 1 GiB buffer clean_graph_us reads, made once
 
 def clean_graph_us(fn, reps: int = 100) -> float:
     """fn captured as a CUDA graph -> median µs of ``reps`` replays, each after reading 1 GiB (the L2 then holds
-    clean lines: unlike do_bench's zeroing, nothing is left for the timed replay to write back)."""
-    from .kernels.autotune import capture_graph
+    clean lines: unlike do_bench's zeroing, which leaves dirty lines, nothing is left for the timed replay to write
+    back, a few µs of a small layer's time)."""
+    from .graphs import capture_graph
     if not _CLEAN:
         _CLEAN.append(torch.ones(1 << 27, dtype=torch.int64, device="cuda"))
     return timed_after_us(capture_graph(fn, warmups=2).replay, _CLEAN[0].amax, reps)
@@ -188,12 +182,13 @@ def plot_panels(plt, panels: list[tuple[str, dict, list]], path: str) -> None:
     plt.close(fig)
 
 
-# PERF.md's targets for the 36 rows: geometric mean, floor of every row, the anchors, DeepSeek-V3 fp8-block at T=16384.
+# the layer benchmark's targets (% of roofline): geometric mean over the rows, floor of every row, DeepSeek-V3
+# fp8-block at T=16384 (TFLOP/s); rows with an anchor time must also be at least as fast as it
 TARGET_GEOMEAN_PCT, TARGET_ROW_PCT, TARGET_DSV3_TFLOPS = 85.0, 60.0, 700.0
 
 
 def target_summary(rows: list[dict], time_key: str = "layer_graph_us") -> dict:
-    """PERF.md's four target lines over measured rows (benchmarks/bench_layer.py's: preset, scheme, T, floor_us,
+    """The four target lines (TARGET_*, the anchors) over measured rows (bench_layer.py's: preset, scheme, T, floor_us,
     tflops, anchor_us, and the time columns), timed by ``time_key`` (layer_graph_us: do_bench; layer_clean_us:
     the clean flush). Rows without that time are left out. tflops is rescaled from the row's headline time
     (layer_graph_us, else layer_us) to ``time_key``'s.
@@ -233,7 +228,7 @@ def rebased_rows(rows: list[dict], ceilings: dict) -> list[dict]:
 
 
 def format_target_summary(s: dict, label: str) -> str:
-    """target_summary's dict as four lines against PERF.md's targets."""
+    """target_summary's dict as four lines against the targets (TARGET_*, the anchors)."""
     g = f"{s['geomean_pct']:.1f}%" if s["geomean_pct"] is not None else "-"
     tf = f"{s['dsv3_fp8_block_tflops']:.0f} TFLOP/s" if s["dsv3_fp8_block_tflops"] is not None else "- (row not run)"
     return "\n".join([

@@ -1,19 +1,6 @@
-"""Expert parallelism on torch.distributed: the group, its timeout, and the agreement of ranks.
-
-* :func:`resolve_group` — ``process_group=None`` means the default group once torch.distributed
-  is initialized (so ``torchrun`` + ``MoE(...)`` is expert-parallel with no extra argument);
-  a group of size 1 (``dist.new_group([rank])``) keeps a layer local inside a distributed job.
-* :func:`init_distributed` — ``init_process_group`` the way moeflow wants it: the collective
-  timeout from ``MOEFLOW_DIST_TIMEOUT_S`` and ``device_id=`` for NCCL (without it a ``barrier()``
-  was seen to hang on 2×H200).
-* :func:`wait` — every collective moeflow starts is ``async_op=True`` and ends here. Where the host
-  has to wait anyway (CPU tensors; the counts of an all-to-all; construction) it waits at most
-  ``MOEFLOW_DIST_TIMEOUT_S`` and raises MF502, or MF505 when the backend reports a failure. On
-  CUDA, where the host must not block (low-latency dispatch, CUDA graphs), only the current stream
-  waits; a stopped rank is then caught by the NCCL watchdog at the group's own timeout, which
-  :func:`init_distributed` sets from the same variable.
-* :func:`check_agreement` — all ranks exchange their layer description at construction and raise
-  MF501 naming the first field that differs (every rank raises, so no rank is left waiting).
+"""Expert parallelism on torch.distributed: the group (resolve_group, init_distributed), its timeout
+(MOEFLOW_DIST_TIMEOUT_S: wait, collective), and the agreement of ranks at construction (check_agreement).
+Every collective moeflow starts is ``async_op=True`` and ends in :func:`wait`.
 """
 from __future__ import annotations
 
@@ -41,7 +28,9 @@ def all_gather_start(out: Tensor, t: Tensor, group):
 
 def resolve_group(process_group):
     """The group expert parallelism runs on: ``process_group`` itself, else the default group when
-    torch.distributed is initialized, else None (one process)."""
+    torch.distributed is initialized (so ``torchrun`` + ``MoE(...)`` is expert-parallel with no extra argument),
+    else None (one process). A group of size 1 (``dist.new_group([rank])``) keeps a layer local inside a
+    distributed job."""
     if process_group is not None:
         return process_group
     if dist.is_available() and dist.is_initialized():
@@ -57,7 +46,8 @@ def init_distributed(backend: str | None = None, device: torch.device | None = N
     """Initialize the default group from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ...).
 
     backend: "nccl" when CUDA is available, else "gloo". Returns this rank's device
-    (``cuda:LOCAL_RANK`` for NCCL, made current; ``cpu`` for gloo).
+    (``cuda:LOCAL_RANK`` for NCCL, made current; ``cpu`` for gloo). The collective timeout comes from
+    ``MOEFLOW_DIST_TIMEOUT_S``; NCCL gets ``device_id=`` (without it a ``barrier()`` can hang).
     """
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if device is None:
@@ -96,8 +86,10 @@ def wait(work, what: str, group, device: torch.device, host: bool = False) -> No
     """Finish an ``async_op=True`` collective.
 
     CPU: the host waits up to MOEFLOW_DIST_TIMEOUT_S (MF502 after). CUDA with ``host=False``: the
-    current stream waits for the collective, the host does not. CUDA with ``host=True``: the host
-    polls the collective until it completes or the timeout passes (MF502).
+    current stream waits for the collective, the host does not (low-latency dispatch, CUDA graphs); a stopped
+    rank is then caught by the NCCL watchdog at the group's own timeout, which init_distributed sets from the
+    same variable. CUDA with ``host=True``: the host polls the collective until it completes or the timeout
+    passes (MF502). A backend failure raises MF505 (collective).
     """
     seconds = timeout_s()
     with collective(what, group):
@@ -137,7 +129,8 @@ def all_gather_json(value, group, what: str, device: torch.device) -> list:
 
 
 def check_agreement(fields: dict, group, device: torch.device) -> None:
-    """Raise MF501 on every rank when the ranks' ``fields`` (JSON-able values) differ (all_gather_json)."""
+    """Raise MF501 on every rank, naming the first field that differs, when the ranks' ``fields`` (JSON-able
+    values) differ (all_gather_json): every rank raises, so no rank is left waiting."""
     rank = dist.get_rank(group)
     everyone = all_gather_json(fields, group, "the expert-parallel configuration check", device)
     ours = everyone[rank]

@@ -2,8 +2,7 @@
 
 Read them through the functions below (evaluated at call time, so tests can monkeypatch os.environ).
 Inside ``with env.one_reading():`` (a layer's eager call) each variable is read from os.environ once and its value
-kept until the outermost block ends: a call read its switches some 23 times, 1.4 µs each on the CI machine's CPU
-(benchmarks/results/host_cost_2026-12-03_h200.md).
+kept until the outermost block ends, since a call reads its switches many times over.
 ``moeflow env`` prints the table.
 """
 from __future__ import annotations
@@ -118,13 +117,13 @@ TRITON_PDL = EnvVar(
 TRITON_FUSED = EnvVar(
     "MOEFLOW_TRITON_FUSED", "1",
     "Triton runner, single-process layers: run a small batch's dispatch, experts and combine in one launch where "
-    "the tuned table (or the T=1 default, none and fp8-block) gives tiles for it (kernels/fused_layer.py). Set 0 "
+    "the tuned table (or the T=1 default, none and fp8-block) gives tiles for it (kernels/gemm/fused_layer.py). Set 0 "
     "for the separate launches (sort, gate_up, down, top-k sum) at every batch size (comparisons, debugging).")
 TRITON_PAIR_TILES = EnvVar(
     "MOEFLOW_TRITON_PAIR_TILES", "1",
     "Triton runner, the Gluon fp8-block gate_up at 128-row tiles: a row block of at most 64 rows (an expert's "
     "part-filled last one) runs as one program over two column tiles instead of two programs over half-empty "
-    "tiles (kernels/gate_up_wgmma.py). Set 0 to run every block as a 128-row tile (comparisons, debugging).")
+    "tiles (kernels/gemm/gate_up_wgmma.py). Set 0 to run every block as a 128-row tile (comparisons, debugging).")
 EAGER_GRAPHS = EnvVar(
     "MOEFLOW_EAGER_GRAPHS", "16",
     "Largest batch (tokens) whose eager layer call is replayed from a CUDA graph captured for its shape "

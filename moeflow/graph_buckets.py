@@ -1,27 +1,11 @@
 """Bucketed eager graphs (MOEFLOW_EAGER_BUCKETS, default 2048): an eager call of more tokens than
-MOEFLOW_EAGER_GRAPHS, up to the variable, is padded to a bucket, the next power of two (at most the variable), and
-replays that bucket's graph, so calls of any token count (prefill) share a few graphs. moeflow.graphs.GraphCache
-keeps them (its bucket store) beside the graphs of exact small shapes.
+MOEFLOW_EAGER_GRAPHS, up to that variable, is padded to a bucket (bucket_of: the next power of two) and replays that
+bucket's graph, so calls of any token count (prefill) share a few graphs, kept by moeflow.graphs.GraphCache beside
+the graphs of exact small shapes.
 
-The padded form of an entry (Bucketed) takes the inputs padded with zero rows and ``valid`` ([1] int64 on the
-device, the call's own token count), routes the padding tokens to no expert (a plan whose dispatcher drops such
-copies, Plan.bucketed: its sort reads the rows from valid on as ids -1), and its output's first rows are the call's.
-The expert GEMMs compute only the call's copies; the routing, sort, shared experts and top-k sum also see the padding
-rows (at most as many as the call's own).
-
-Memory: every bucket graph of a process on one (device, stream) shares one Arena: one memory pool, one static tensor
-per (input position, bucket rows, trailing shape, dtype), one output tensor per (rows, trailing shape, dtype), and
-``valid``. A graph copies its output into the arena's at its end, so it keeps no tensor of the pool alive, and the
-pool holds about the intermediates of the largest graph, not those of every layer's: a model of 48 layers would
-otherwise hold 48 layers' intermediates of the largest bucket (about 200-300 MB each for Qwen3-30B-A3B at 4096 tokens,
-an estimate from its buffer sizes). A call copies its rows into the arena's inputs and zeroes the rows a previous
-call wrote past its own, sets ``valid``, replays, and returns a copy of its rows of the output, all under the arena's
-lock, so that calls from two threads on one stream do not interleave; a call on another stream uses that stream's
-arena (and captures its own graph).
-Measured on an H100 (benchmarks/results/eager_buckets_2026-12-05_h100_6a059c6.md): a bucketed call costs the host
-about 100 µs at any T, against 380-700 launched; eager loops of host-bound calls (Qwen3 fp8-block) ran 1.25-2.3x
-faster, GPU-bound ones 0-7% slower (14% for Qwen3 bf16 at 4096 tokens: hence the default of 2048); transformers'
-eager prefill of 1x512 tokens 1.5x.
+Bucketed: an entry's padded form. Arena: what every bucket graph on one (device, stream) shares. BucketCall: one
+bucket's captured call. A bucketed call costs the host one replay at any T; the padding (up to as many rows as the
+call's own) costs GPU time, which outweighs that saving on GPU-bound calls past the default of 2048 tokens.
 """
 from __future__ import annotations
 
@@ -52,8 +36,10 @@ def bucket_of(tokens: int) -> int | None:
 @dataclass(frozen=True)
 class Bucketed:
     """An entry's padded form: fn(*inputs, valid) -> the first input's shape and dtype ([rows, H]), the inputs
-    [rows, ...] the call's own rows then zero rows, valid [1] int64 the call's token count; its first rows must be the
-    unpadded call's result (the padding tokens routed to no expert)."""
+    [rows, ...] the call's own rows then zero rows, valid [1] int64 on the device, the call's token count; its first
+    rows must be the unpadded call's result. The padding tokens are routed to no expert: the plan's dispatcher drops
+    their copies (Plan.bucketed: its sort reads the rows from valid on as ids -1), so the expert GEMMs compute only
+    the call's copies, while the routing, sort, shared experts and top-k sum also see the padding rows."""
 
     fn: Callable[..., Tensor]
 
@@ -76,7 +62,13 @@ def arena_for(key: tuple) -> "Arena":
 
 
 class Arena:
-    """What every bucket graph on one (device, stream) shares (module docstring, Memory)."""
+    """What every bucket graph of a process on one (device, stream) shares: one memory pool, one static tensor per
+    (input position, bucket rows, trailing shape, dtype), one output tensor per (rows, trailing shape, dtype), and
+    ``valid``. A graph copies its output into the arena's at its end, so it keeps no tensor of the pool alive and the
+    pool holds about the intermediates of the largest graph, not those of every layer's (a model of 48 layers would
+    otherwise hold 48 layers' intermediates of the largest bucket). A call copies its rows into the arena's inputs,
+    zeroes the rows a previous call wrote past its own, sets ``valid``, replays and copies out its rows, all under
+    ``lock``, so that calls from two threads on one stream do not interleave; another stream has its own arena."""
 
     def __init__(self, device_type: str):
         self.pool = torch.cuda.graph_pool_handle() if device_type == "cuda" else None

@@ -1,33 +1,11 @@
 """Eager calls replayed from CUDA graphs: a layer called outside any capture, at a small batch, runs as one graph
-replay instead of its launches one by one.
+replay instead of its launches one by one (issued eagerly, they cost the host more than the GPU needs at decode
+sizes; a replay costs the host one call whatever the launches).
 
-Why: issuing a layer's launches eagerly costs the host more than the GPU needs at decode sizes. On the lent H200's
-host, an eager MoE.forward took 180 µs of host time at T=1 (GPU 24-33 µs) and 420-500 µs at T=16 (GPU 117-194 µs),
-Qwen3-30B-A3B's shapes (benchmarks/results/eager_graphs_2026-12-02_h200.md): a model run eagerly, as
-transformers' generate runs it, waits on the host. A replay costs the host one call whatever the launches.
-How: GraphCache keeps one graph per (entry, input shapes and dtypes, weights' addresses and layouts, the forward
-path's environment switches): on the first call of a key, the call runs once eagerly on a side stream (compiles,
-allocations), then is captured reading static copies of its inputs; each call then copies its inputs into those,
-replays, and returns a copy of the graph's output (the next replay overwrites the graph's own). At most MAX_GRAPHS
-graphs a cache, least recently used dropped first; a cache that has dropped MAX_EVICTIONS graphs (calls cycling
-through more shapes than it keeps, each paying a capture) stops capturing: new shapes then run launch by launch,
-with one warning. The graphs read the weights where they were at capture: a key
-holds each weight's address, shape, strides and dtype, so weights loaded in place (load_weights) are read anew, and
-weights moved or replaced give a new graph.
-When: MOEFLOW_EAGER_GRAPHS (default 16) is the largest token count replayed; the plan must be graph-safe
-(Plan.graph_safe: every stage declares it); inputs on CUDA; not while a stream captures (the caller's own graph
-then records the launches themselves), nor inside a compiled model (torch.compile's tracing, and its op at run time:
-moeflow.ops; mode="reduce-overhead" gives the compiled model CUDA graphs of its own), nor with inputs that require
-grad.
-Measured there: replayed calls are GPU-bound from T = 4 (eager loop 9-14 µs a call over the graph's own GPU time),
-against 2-7x over it launch by launch; at T = 1, 47-85 µs a call against 130-300.
-Costs: the first call of each key runs twice and captures (a few ms); a copy of each input and of the output a
-call; one memory pool a cache, shared by its graphs
-(measured on H200 with a pool for each graph, Qwen3-30B-A3B's shapes: about 8 MB of reserved memory a layer for
-the graphs of T = 1-16).
-Buckets (MOEFLOW_EAGER_BUCKETS, default 2048): calls past MOEFLOW_EAGER_GRAPHS tokens padded to a power of two
-and replayed from that bucket's graph; moeflow.graph_buckets (their memory: one arena a device and stream).
-Not supported: calls of one layer on two streams at once (as for the one-launch layer's counters).
+GraphCache (one a layer) keeps a graph per entry, input shapes and dtypes, weights' layouts and path switches.
+Calls of up to MOEFLOW_EAGER_GRAPHS (default 16) tokens replay a graph of their exact shape; larger ones, up to
+MOEFLOW_EAGER_BUCKETS, a padded bucket's (moeflow.graph_buckets). capture_graph is the capture the tuner and the
+benchmarks share too. Not supported: calls of one layer on two streams at once.
 """
 from __future__ import annotations
 
@@ -112,11 +90,19 @@ class _Captured:
 
 
 class GraphCache:
-    """Per-layer cache of captured calls (module docstring). ``enabled``: the plan is graph-safe (Plan.graph_safe).
-    device_type and capture are there for tests: the device type the cache serves, and what captures a call
-    (``capture(fn, inputs, pool)`` -> a callable taking the inputs). The cache's graphs share one memory pool: they
-    replay one at a time on the caller's stream, and each output is copied out at once, so one graph's intermediates
-    may take another's (a layer's graphs then hold about the memory of its largest one)."""
+    """Per-layer cache of captured calls. ``enabled``: the plan is graph-safe (Plan.graph_safe).
+
+    A key's first call runs once eagerly on a side stream (compiles, allocations), then is captured reading static
+    copies of its inputs (so it runs twice); each later call copies its inputs into those, replays, and returns a
+    copy of the graph's output (the next replay overwrites the graph's own). The graphs read the weights where they
+    were at capture: the key holds each weight's address, shape, strides and dtype, so weights loaded in place
+    (load_weights) are read anew and weights moved or replaced give a new graph. At most ``max_graphs`` graphs, least
+    recently used dropped first; once MAX_EVICTIONS were dropped (calls cycling through more shapes than it keeps,
+    each paying a capture) the cache stops capturing and new shapes run launch by launch, with one warning.
+    The cache's graphs share one memory pool: they replay one at a time on the caller's stream, and each output is
+    copied out at once, so one graph's intermediates may take another's (a layer's graphs then hold about the memory
+    of its largest one). device_type and capture are there for tests: the device type the cache serves, and what
+    captures a call (``capture(fn, inputs, pool)`` -> a callable taking the inputs)."""
 
     def __init__(self, enabled: bool, max_graphs: int = MAX_GRAPHS, device_type: str = "cuda", capture=_Captured):
         self.enabled = enabled
@@ -143,8 +129,10 @@ class GraphCache:
         return self.evictions < MAX_EVICTIONS
 
     def usable(self, inputs: tuple[Tensor, ...]) -> bool:
-        """Whether a call on ``inputs`` (the first one [T, ...]) is replayed from a graph of its own shape (module
-        docstring, When)."""
+        """Whether a call on ``inputs`` (the first one [T, ...]) is replayed from a graph of its own shape: 0 < T <=
+        MOEFLOW_EAGER_GRAPHS, a graph-safe plan, inputs on the cache's device type, and none of: a stream capturing
+        (the caller's own graph then records the launches), torch.compile tracing or its op running (standing_aside;
+        mode="reduce-overhead" gives the compiled model graphs of its own), inputs that require grad."""
         return 0 < inputs[0].shape[0] <= graph_tokens() and self._replayable(inputs)
 
     def _replayable(self, inputs: tuple[Tensor, ...]) -> bool:

@@ -1,4 +1,5 @@
-"""moeflow.MoE: the MoE layer as an nn.Module.
+"""moeflow.MoE: the MoE layer as an nn.Module. Every backend is chosen by the planner when the layer is built
+(``layer.plan``); nothing in the forward path branches on backend names.
 
     hidden [T, H], router_logits [T, E]
       -> route     : topk_ids [T, K] int32, topk_weights [T, K] float32      (routing/)
@@ -6,9 +7,6 @@
       -> experts   : w * down(act(gate(x)) * up(x)) per copy                (experts/)
       -> combine   : sum of the K copies on the token's rank -> [T, H]      (dispatch/)
       (+ shared experts on every token)
-
-Every backend is chosen by the planner when the layer is built (``layer.plan``); nothing in the
-forward path branches on backend names.
 """
 from __future__ import annotations
 
@@ -254,7 +252,7 @@ class MoE(nn.Module):
                 dst_scale.data[e:e + 1].copy_(scale)
 
     def load_weights(self, state: dict[str, Tensor], strict: bool = True) -> None:
-        """Load Hugging Face names and layouts (see ``moeflow.weights``)."""
+        """Load Hugging Face names and layouts (``moeflow.weights.load_layer_weights`` lists them)."""
         load_layer_weights(self, state, strict)
 
     def expert_weights(self) -> ExpertWeights:
@@ -420,7 +418,8 @@ def _built(config: MoEConfig, process_group) -> dict:
     environment = Environment.detect(config.device, _world_size(process_group))
     plan = make_plan(config, environment)
     scheme = create_scheme(plan.scheme)
-    dispatcher = create_dispatcher(plan.dispatcher, config, scheme, process_group, indexed_rows=plan.indexed_rows)
+    dispatcher = create_dispatcher(plan.dispatcher, config, scheme, process_group, indexed_rows=plan.indexed_rows,
+                                   planned=plan)
     return dict(config=config, environment=environment, plan=plan, scheme=scheme,
                 router=create_router(config, plan.router), dispatcher=dispatcher,
                 runner=create_runner(plan.runner, config, scheme), local_experts=dispatcher.local_experts,

@@ -1,18 +1,13 @@
-"""The layout contract: how a dispatcher hands token copies to an expert runner.
+"""The layout contract: how a dispatcher hands token copies to an expert runner (ExpertBatch).
 
-Two layouts, both carried by :class:`ExpertBatch`:
+* ``sorted`` — the copies for this rank's experts, grouped by local expert, contiguous: ``hidden [N, H]`` with
+  ``offsets [E_local + 1]`` (copies of local expert e are rows ``offsets[e]:offsets[e+1]``). What grouped GEMMs
+  and high-throughput all-to-all want.
+* ``masked`` — a fixed-capacity slab per local expert: ``hidden [E_local, C, H]`` with ``counts [E_local]``; slot
+  (e, c) is valid iff c < counts[e]. What low-latency, CUDA-graph friendly dispatch wants (no data-dependent shapes).
 
-* ``sorted`` — the token copies for this rank's experts, grouped by local expert, contiguous:
-  ``hidden [N, H]`` with ``offsets [E_local + 1]`` (copies of local expert e are rows
-  ``offsets[e]:offsets[e+1]``). What grouped GEMMs and high-throughput all-to-all want.
-* ``masked`` — a fixed-capacity slab per local expert: ``hidden [E_local, C, H]`` with
-  ``counts [E_local]``; slot (e, c) is valid iff c < counts[e]. What low-latency, CUDA-graph
-  friendly dispatch wants (no data-dependent shapes).
-
-A runner declares which layouts it consumes; :func:`run_in_layout` converts when it does not,
-so every (dispatcher, runner) pair composes. Conversions return the index that maps results back.
-Runner output has the layout of its input, the layer dtype, and every row already multiplied by
-its routing weight; empty masked slots are zero.
+Runner output has the layout of its input, the layer dtype, and every row already multiplied by its routing
+weight; empty masked slots are zero. :func:`run_in_layout` converts for a runner that does not consume a layout.
 """
 from __future__ import annotations
 
@@ -179,7 +174,8 @@ def run_in_layout(runner, batch: ExpertBatch, weights) -> Tensor:
     """Run ``runner`` on ``batch``, converting the layout when the runner does not consume it.
 
     Returns the output in ``batch.layout``. The native path is an optimization; the converted
-    path is always correct. A batch given by index reaches only runners that read rows by index.
+    path is always correct, so every (dispatcher, runner) pair composes (conversions return the index that
+    maps results back). A batch given by index reaches only runners that read rows by index.
     """
     if batch.layout in runner.caps.layouts:
         if batch.source_rows is not None and not runner.caps.indexed_rows:

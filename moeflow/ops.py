@@ -1,51 +1,12 @@
 """The layer's forward as a torch custom op, so that torch.compile compiles models that hold moeflow layers.
 
-Why: torch.compile's tracer (dynamo) cannot follow a layer's forward. The forward is planner data, Triton
-launches with host-side config lookups and eager-graph caches. Traced directly, it failed: on CPU in grouped_mm's
-fake kernel, which refuses float32 (tests/test_compile.py has the model that showed it). A model holding a
-moeflow layer could not be compiled, which is how serving engines and transformers' static-cache generation run
-models.
-How: while torch.compile traces (torch.compiler.is_compiling()), MoE.forward / forward_topk, transformers'
-"moeflow" experts and ExpertsPath call ``torch.ops.moeflow.layer(hidden, routing, owner, anchor, weights)`` instead:
-
-    hidden [T, H] float, routing: [router_logits [T, E]] or [topk_ids [T, K], topk_weights [T, K]] (ExpertsPath:
-    then the caller's weights w13, w2 and their scales), owner: the key of the owner's class and eager function
-    (op_key), anchor: the owner's anchor [1] int64 (which owner of that class), weights: the owner's parameters that
-    require grad, with grad mode on (else empty; read by autograd only) -> [T, H], hidden's dtype, a new contiguous
-    tensor
-
-The op's fake implementation gives that shape, so the compiled graph holds one opaque node per layer. At run time
-the op calls the owner's eager function, launch by launch: the layer's own eager graphs (moeflow.graphs) stand
-aside, since mode="reduce-overhead" warms up and records in a memory pool that a graph of theirs would outlive. A
-compiled model without CUDA graphs (the default mode) therefore pays each launch's host cost, as an eager model with
-MOEFLOW_EAGER_GRAPHS=0 does, and the op's own Python dispatch on top: 90-150 µs more a layer call than eager on the
-lent H200's host, with no synchronization (benchmarks/results/compile_2026-12-03_h200.md). The input checks run in
-the eager function too: dynamo cannot build moeflow's coded errors, so a bad input raises its code when the
-compiled graph runs, not when it is traced.
-Owners: an owner is registered outside tracing (register: a layer or an ExpertsPath when it is built or copied, a
-transformers experts module when its path is planned), under the key of its class and eager function, held weakly,
-and given an anchor: [1] int64 holding a serial of its own, a non-persistent buffer of a module (so it moves with it;
-for an ExpertsPath, of a holder module, so that dynamo takes it as a static input, which CUDA graph trees never
-copy). The traced graph holds the key as a constant and the anchor as an input, and at run time the op finds the
-owner whose anchor it was given: by address, or, given a copy of an anchor outside graph capture, by its serial.
-Why not the owner's id in the key (as until 2026-12-05): dynamo then guarded each compiled frame on the layer's
-identity, so a model's layers compiled one by one (regional compilation: block.compile() for each decoder block)
-recompiled the same code for every layer, and past dynamo's recompile limit (8) ran the rest eagerly. A copy of a
-layer has its own anchor and serial; an op whose anchor names no live owner (an exported graph run in another
-process, a deleted layer) raises MF306. Tracing reads the owner's graph safety from its registrations (REGISTERED),
-which copies do not inherit. An owner not registered yet (a transformers
-experts module never called before the model was compiled, or a copy of one) runs its eager function outside the
-graph: the compiled model is right but broken into pieces around each such call, and stays so. Planning the experts
-before compiling (moeflow.integrations.hf.prepare_experts, or one eager call) registers them and avoids the breaks.
-CUDA graphs: torch.compile(mode="reduce-overhead") records the op's launches in its own graphs. A plan that is not
-graph-safe (Plan.graph_safe False: the reference runner, the expert-parallel dispatchers, their host
-synchronization) calls ``torch.ops.moeflow.layer_host_sync`` instead, the same op tagged
-torch.Tag.cudagraph_unsafe. Inductor then keeps that op out of its CUDA graphs.
-Not supported: gradients (moeflow is for inference). With grad mode on, the owner's parameters that require grad
-are inputs of the op too (``weights``), and the op's backward is one op, refuse_gradient, whose fake gives the
-gradients' shapes (so the compile succeeds and the forward computes, as an eager call) and which raises MF307 when
-a backward runs, as an eager call's backward does. Nor torch.export of a model for use in another process (the op
-finds its layer among this process's).
+dynamo cannot trace the forward (planner data, Triton launches, host-side config lookups, eager-graph caches), so
+while torch.compile traces, MoE.forward / forward_topk, transformers' "moeflow" experts and ExpertsPath go through
+``call``: one opaque node a layer, ``torch.ops.moeflow.layer`` (graph-safe plans) or ``layer_host_sync`` (tagged
+cudagraph_unsafe: plans that synchronize with the host), whose fake gives the output's shape. At run time the op
+finds its owner by an anchor tensor (register) and runs the owner's eager function launch by launch. Inference
+only: a backward through the op, or through an eager call whose inputs require grad, raises MF307. Not supported:
+torch.export of a model for use in another process (the op finds its owner among this process's).
 """
 from __future__ import annotations
 
@@ -96,12 +57,14 @@ class _AnchorHolder(torch.nn.Module):
 
 def op_key(owner, fn: Callable) -> str:
     """The key the op names ``fn(owner, hidden, *routing)`` by: the owner's class and fn's name. Instances share it
-    (so a model's layers compiled one by one share their compiled code); the op finds its owner by the anchor."""
+    and the op finds its owner by the anchor, because a key naming the owner would make dynamo guard each compiled
+    frame on the layer's identity: layers compiled one by one (block.compile() for each decoder block) would each
+    recompile the same code, and past dynamo's recompile limit (8) run eagerly."""
     return type(owner).__name__ + "." + fn.__name__
 
 
 def anchor_of(owner) -> Tensor:
-    """The owner's anchor [1] int64 (module docstring, Owners)."""
+    """The owner's anchor [1] int64 (register)."""
     holder = owner if isinstance(owner, torch.nn.Module) else owner.__dict__[HOLDER]
     return getattr(holder, ANCHOR)
 
@@ -125,9 +88,16 @@ def _give_anchor(owner, device) -> None:
 
 
 def register(owner, fn: Callable, graph_safe: bool, device) -> None:
-    """Make ``fn(owner, hidden, *routing)`` callable by the op (outside tracing). graph_safe: the owner's
-    Plan.graph_safe. Gives the owner its anchor on ``device`` where it has none of its own (a non-persistent buffer
-    of a module, which moves with it; of a holder module for other owners). The entry goes when the owner does."""
+    """Make ``fn(owner, hidden, *routing)`` callable by the op (outside tracing): a layer or an ExpertsPath when it
+    is built or copied, a transformers experts module when its path is planned. graph_safe: the owner's
+    Plan.graph_safe, read when tracing picks the op (call). The owner is held weakly under op_key(owner, fn); the
+    entry goes when the owner does.
+
+    Anchor: [1] int64 on ``device`` holding a serial of the owner's own, a non-persistent buffer of the owner (so it
+    moves with it) or, for an owner that is not a module, of a holder module (dynamo takes module tensors as static
+    inputs, which CUDA graph trees never copy). The traced graph holds the key as a constant and the anchor as an
+    input; at run time the op finds the owner by the anchor's address, or outside graph capture by its serial. A
+    copy of an owner gets its own serial here."""
     ref = _SERIALS.get(owner.__dict__.get(SERIAL))
     if ref is None or ref() is not owner:  # no anchor yet, or a copy's
         _give_anchor(owner, device)
@@ -166,7 +136,9 @@ def _resolve(key: str, anchor: Tensor):
 
 def _run(hidden: Tensor, routing: list[Tensor], owner: str, anchor: Tensor, weights: list[Tensor]) -> Tensor:
     """The op at run time: the eager function of the owner registered under ``owner`` whose anchor is ``anchor``, on
-    hidden and routing (``weights`` are inputs for autograd's sake only: the owner reads its own)."""
+    hidden and routing (``weights`` are inputs for autograd's sake only: the owner reads its own). MF306 where the
+    anchor names no live owner (a deleted layer, a graph exported to another process). The layer's own eager graphs
+    stand aside: mode="reduce-overhead" records in a memory pool that a graph of theirs would outlive."""
     target = _resolve(owner, anchor)
     if target is None:
         raise error("MF306", owner=owner)
@@ -244,10 +216,17 @@ def prepare_tracing() -> None:
 
 
 def call(owner, fn: Callable, hidden: Tensor, routing: tuple[Tensor, ...], weights: Callable = tuple) -> Tensor:
-    """fn(owner, hidden, *routing) as one op of the traced graph (module docstring): the graph-safe op or the one
-    tagged cudagraph_unsafe, as registered; run outside the graph where the owner is not registered. ``weights()``:
+    """fn(owner, hidden, *routing) as one op of the traced graph: ``layer`` or, for a plan that is not graph-safe,
+    ``layer_host_sync`` (tagged cudagraph_unsafe, so inductor keeps it out of its CUDA graphs), as registered.
+
+    hidden [T, H] float; routing: (router_logits [T, E],) or (topk_ids [T, K], topk_weights [T, K]) (ExpertsPath:
+    then the caller's w13, w2 and their scales) -> [T, H], hidden's dtype, a new contiguous tensor. ``weights()``:
     the owner's parameters, which it reads itself (called with grad mode on only); those that require grad become
-    inputs of the op, so that a backward reaches the op's (MF307) where they alone require grad."""
+    inputs of the op, so that a backward reaches the op's (MF307) where they alone require grad.
+    An owner not registered yet (a transformers experts module never called before compiling, or a copy of one)
+    runs outside the graph, which breaks the compiled graph around each such call; prepare_experts (or one eager
+    call) before compiling registers it. Without CUDA graphs (torch.compile's default mode) the compiled layer pays
+    each launch's host cost, as an eager call with MOEFLOW_EAGER_GRAPHS=0 does, plus the op's own dispatch."""
     safe = owner.__dict__.get(REGISTERED, {}).get(fn.__name__)
     if safe is None:  # run outside the graph (not disabled at import: that would import dynamo)
         run = _DISABLED[0] if _DISABLED else torch.compiler.disable(_unregistered, reason=_UNREGISTERED_REASON)

@@ -12,6 +12,10 @@ import zlib
 import pytest
 import torch
 
+# first: on a machine without a GPU, Triton's interpreter must be chosen before any test module (tests/gpu/ included,
+# which are collected but skipped there) imports moeflow.kernels, since @triton.jit reads it when a kernel is defined
+import triton_interp  # noqa: F401,I001
+
 from moeflow import MoE
 
 # The suite's tensors are tiny: intra-op threads only add OpenMP hand-offs, which on a loaded

@@ -36,8 +36,8 @@ def check_fused(scheme, dtype, t, e, h, i, k, cfg, one_expert=None, activation="
     """fused_layer at these sizes with FusedConfig ``cfg`` (fitted here): shape and dtype, the same bits on every
     one of ``repeats`` launches, the counters left zero, close to fused_layer_torch (TIGHT) and to the oracle
     (the scheme's tolerance) -> the output."""
-    from moeflow.kernels.configs import fit_fused
-    from moeflow.kernels.fused_layer import counters_size, fused_layer, fused_layer_torch
+    from moeflow.kernels.gemm.tiles import fit_fused
+    from moeflow.kernels.gemm.fused_layer import counters_size, fused_layer, fused_layer_torch
     from moeflow.quant import create_scheme
     w13, s13, w2, s2 = weights(scheme, dtype, e, h, i, device)
     x = torch.randn(t, h, device=device).to(dtype)

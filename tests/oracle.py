@@ -71,7 +71,7 @@ def assert_close(out, ref, tol, what=""):
 def replayed(fn):
     """fn()'s output (a tensor) from a CUDA graph: a warm-up call outside the capture, the capture, then the
     captured output poisoned with NaN and the graph replayed (every element must be rewritten)."""
-    from moeflow.kernels.autotune import capture_graph
+    from moeflow.graphs import capture_graph
     outs = []
     graph = capture_graph(lambda: outs.append(fn()))
     outs[-1].fill_(float("nan"))

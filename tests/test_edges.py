@@ -124,7 +124,6 @@ def test_autocast_leaves_the_layer_in_its_own_precision(make_layer, scheme, runn
     """Under torch.autocast an fp32 layer computes as without it, bit for bit, through forward, forward_topk and
     transformers' experts path: the layer's numerics contract holds in every runner (the reference runner's matmuls
     had followed autocast into bf16 / fp16, 1e-2 off the oracle, where grouped_mm's did not)."""
-    from moeflow.experts import ExpertWeights
     from moeflow.integrations.path import ExpertsPath
     layer = make_layer(num_experts=8, hidden_size=128, intermediate_size=128, top_k=2, dtype=torch.float32,
                        quant=scheme, runner=runner)

@@ -106,7 +106,7 @@ def kernels_on_cpu():
 
     def kernels(t, module="ep_rows"):
         used.append(module)
-        return importlib.import_module(f"moeflow.kernels.{module}")
+        return importlib.import_module(f"moeflow.kernels.rows.{module}")
 
     _ep_rows._ep_kernels = kernels
     try:

@@ -15,8 +15,9 @@ from triton_interp import SKIP_REASON
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 if SKIP_REASON is None:
-    from moeflow.kernels.configs import FusedConfig, GemmConfig, MoEKernelConfig, fit_fused
-    from moeflow.kernels.fused_layer import FUSED_SCHEMES, counters_size, fused_layer, fused_layer_torch
+    from moeflow.kernels.configs import FusedConfig, GemmConfig, MoEKernelConfig
+    from moeflow.kernels.gemm.tiles import fit_fused
+    from moeflow.kernels.gemm.fused_layer import FUSED_SCHEMES, counters_size, fused_layer, fused_layer_torch
     from fused_cases import check_fused as check, routing, weights
 
 from moeflow import MoEConfig
@@ -144,7 +145,7 @@ def test_fused_launch_switched_off(monkeypatch):
 def test_default_tiles_fuse_one_token_of_the_measured_schemes():
     """Without a tuned file the one launch runs at T=1 for none and fp8-block (measured faster on H200), not for
     fp8-channel (measured no faster: a tuned entry may set it) nor fp8-tensor (the kernel has no such scheme)."""
-    from moeflow.kernels.configs import default_config
+    from moeflow.kernels.gemm.tiles import default_config
     for scheme, fused in (("none", True), ("fp8-block", True), ("fp8-channel", False), ("fp8-tensor", False)):
         assert (default_config(1, 8, 128, scheme).fused is not None) == fused, scheme
         assert default_config(2, 8, 128, scheme).fused is None

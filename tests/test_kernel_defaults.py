@@ -7,7 +7,9 @@ import math
 import pytest
 
 from moeflow.kernels import configs as kc
-from moeflow.kernels.sm90_defaults import RULES, sm90_gemm_configs
+
+from moeflow.kernels.gemm import tiles
+from moeflow.kernels.gemm.sm90_tiles import RULES, sm90_gemm_configs
 from moeflow.presets import PRESETS
 
 HOPPER = (9, 0)
@@ -36,12 +38,12 @@ def test_hopper_tiles_survive_fit(scheme, e, h, i, k):
         m = t * k / e
         gate_up, down = sm90_gemm_configs(m, scheme, h, i)
         for cfg, pair, n in ((gate_up, True, i), (down, False, h)):
-            got = kc.fit(cfg, fused_pair=pair, scheme=scheme, elem_bytes=nbytes, n_size=n)
+            got = tiles.fit(cfg, fused_pair=pair, scheme=scheme, elem_bytes=nbytes, n_size=n)
             assert got.warp_specialize == cfg.warp_specialize, (t, cfg)
             assert bool(got.scale_overlap) == bool(cfg.scale_overlap), (t, cfg)
             assert got.num_stages == cfg.num_stages and got.block_m == cfg.block_m, (t, cfg)
         if scheme == "fp8-block":
-            assert kc.fit(gate_up, fused_pair=True, scheme=scheme, elem_bytes=1, n_size=i).block_n % 128 == 0
+            assert tiles.fit(gate_up, fused_pair=True, scheme=scheme, elem_bytes=1, n_size=i).block_n % 128 == 0
 
 
 def test_hopper_rules_follow_rows_per_expert_and_shape():
@@ -73,15 +75,15 @@ def test_default_config_takes_the_hopper_rules_on_hopper_only():
     """capability (9, x) with the shape given -> the Hopper rules; no capability (the interpreter), another
     architecture, or no shape -> the generic defaults; the one-token one-launch tiles either way."""
     for t in (1, 64, 4096):
-        hopper = kc.default_config(t, 8, 128, "fp8-block", hidden=2048, inter=768, capability=HOPPER)
+        hopper = tiles.default_config(t, 8, 128, "fp8-block", hidden=2048, inter=768, capability=HOPPER)
         assert (hopper.gate_up, hopper.down) == sm90_gemm_configs(t * 8 / 128, "fp8-block", 2048, 768)
-        generic = kc.default_config(t, 8, 128, "fp8-block")
+        generic = tiles.default_config(t, 8, 128, "fp8-block")
         for other in (dict(hidden=2048, inter=768), dict(hidden=2048, inter=768, capability=(10, 0)),
                       dict(capability=HOPPER)):
-            assert kc.default_config(t, 8, 128, "fp8-block", **other) == generic
+            assert tiles.default_config(t, 8, 128, "fp8-block", **other) == generic
         assert (hopper.fused is not None) == (generic.fused is not None) == (t == 1)
-    assert kc.default_config(4096, 8, 128, "none", hidden=2048, inter=768, capability=(9, 0)).gate_up.warp_specialize
-    assert not kc.default_config(4096, 8, 128, "none").gate_up.warp_specialize
+    assert tiles.default_config(4096, 8, 128, "none", hidden=2048, inter=768, capability=(9, 0)).gate_up.warp_specialize
+    assert not tiles.default_config(4096, 8, 128, "none").gate_up.warp_specialize
 
 
 def _table(path, device, capability, entry):

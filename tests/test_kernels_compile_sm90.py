@@ -37,12 +37,12 @@ COMPILE_ALL = r'''
 import json, sys, torch
 import triton.language as tl
 from moeflow.kernels.configs import GemmConfig
-from moeflow.kernels.registers import compile_for_hopper, ptxas_path, register_usage
+from moeflow.tune.registers import compile_for_hopper, ptxas_path, register_usage
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
-from moeflow.kernels.align import _align_kernel, _sort_copies_kernel
-from moeflow.kernels.quant import _quant_kernel, _row_amax_kernel
-from moeflow.kernels.reduce import _moe_sum_kernel
+from moeflow.kernels.rows.align import _align_kernel, _sort_copies_kernel
+from moeflow.kernels.rows.quant import _quant_kernel, _row_amax_kernel
+from moeflow.kernels.rows.reduce import _moe_sum_kernel
 out = {}
 small, big = GemmConfig(16, 64, 128, 1, 4, 3), GemmConfig(64, 128, 128, 8, 8, 3)
 gemms = [  # (kernel, scheme, dtype, config, tma, extra constexprs)
@@ -72,19 +72,19 @@ for grouped, fold in ((True, 0), (False, 0), (False, 1024)):
     out[f"quant grouped={grouped} amax_rows={fold}"] = compile_for_hopper(_quant_kernel, ints(_quant_kernel, dict(
         x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", amax_ptr="*fp32")),
         dict(BLOCK_R=16, BLOCK_K=128 if grouped else 512, GROUPED=grouped, ROUND_IN_FP32=False, AMAX_ROWS=fold))
-from moeflow.kernels.gate_up import _gate_up_split_sum_kernel
+from moeflow.kernels.gemm.gate_up import _gate_up_split_sum_kernel
 for q in (0, 2, 3):
     out[f"gate_up_split_sum quant={q}"] = compile_for_hopper(_gate_up_split_sum_kernel, ints(_gate_up_split_sum_kernel, dict(
         part_ptr="*fp32", out_ptr="*fp8e4nv" if q == 3 else "*bf16", outs_ptr="*fp32", amax_ptr="*fp32", meta_ptr="*i64")),
         dict(QUANT=q, ACT=0, INTER_DTYPE=tl.bfloat16, MASKED=False, SPLIT_K=4, BLOCK_I=128 if q == 3 else 1024,
              ROUND_IN_FP32=False))
-from moeflow.kernels.down import _split_sum_kernel
+from moeflow.kernels.gemm.down import _split_sum_kernel
 out["split_sum"] = compile_for_hopper(_split_sum_kernel, ints(_split_sum_kernel, dict(
     part_ptr="*fp32", out_ptr="*bf16")), dict(SPLIT_K=4, BLOCK_H=1024))
 for table in (False, True):
     out[f"moe_sum table={table}"] = compile_for_hopper(_moe_sum_kernel, ints(_moe_sum_kernel, dict(
         y_ptr="*bf16", row_ptr="*i64", out_ptr="*bf16", table_ptr="*i64")), dict(TOP_K=8, BLOCK_H=1024, TABLE=table))
-from moeflow.kernels.peer import _barrier_kernel
+from moeflow.kernels.rows.peer import _barrier_kernel
 out["peer barrier"] = compile_for_hopper(_barrier_kernel, ints(_barrier_kernel, dict(
     pads_ptr="*i64", epoch_ptr="*i64", status_ptr="*i64", limit="i64")), dict(CLOCK=True), num_warps=1)
 for masked in (False, True):
@@ -103,8 +103,8 @@ out["sort_copies quant_x=1 num_tokens=1"] = compile_for_hopper(_sort_copies_kern
     ids_ptr="*i32", w_ptr="*fp32", offsets_ptr="*i64", counts_ptr="*i32", row_ptr="*i64", source_ptr="*i64",
     sorted_w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32")),
     dict(TOP_K=8, BLOCK_I=64, BLOCK_J=64, BLOCK_E=64, QUANT_X=1, BLOCK_H=1024, num_tokens=1))
-from moeflow.kernels.route import _route_kernel
-from moeflow.kernels.route import launch_shape
+from moeflow.kernels.routing.route import _route_kernel
+from moeflow.kernels.routing.route import launch_shape
 # Qwen3, DeepSeek-V3, Mixtral, wide, and sigmoid without a bias (its choice the logits)
 for grouped, e_pow2, k, sigmoid in ((1, 128, 8, 0), (8, 256, 8, 1), (1, 8, 2, 0), (1, 1024, 8, 0), (1, 64, 4, 1)):
     block_t, warps = launch_shape(e_pow2)
@@ -112,7 +112,7 @@ for grouped, e_pow2, k, sigmoid in ((1, 128, 8, 0), (8, 256, 8, 1), (1, 8, 2, 0)
         _route_kernel, dict(logits_ptr="*bf16", bias_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32", scale="fp32")),
         dict(K=k, K_POW2=k, E_POW2=e_pow2, SIGMOID=bool(sigmoid), RENORM=True, HAS_BIAS=grouped > 1, GROUPS=grouped,
              TOPK_GROUPS=min(grouped, 4), BLOCK_T=block_t), num_warps=warps)
-from moeflow.kernels.route_stream import _route_stream_kernel, stream_shape
+from moeflow.kernels.routing.route_stream import _route_stream_kernel, stream_shape
 for grouped, e_pow2, scoring in ((1, 128, "softmax"), (8, 256, "sigmoid"), (1, 128, "softmax-sum")):
     lanes, warps = stream_shape(16384, e_pow2, grouped)  # Qwen3, DeepSeek-V3, a softmax needing its row's sum
     out[f"route_stream groups={grouped} E={e_pow2} {scoring}"] = compile_for_hopper(
@@ -120,7 +120,7 @@ for grouped, e_pow2, scoring in ((1, 128, "softmax"), (8, 256, "sigmoid"), (1, 1
                                                               w_ptr="*fp32", scale="fp32")),
         dict(K=8, E_POW2=e_pow2, SIGMOID=grouped > 1, RENORM=scoring != "softmax-sum", HAS_BIAS=grouped > 1,
              GROUPS=grouped, TOPK_GROUPS=min(grouped, 4), LANES=lanes, BLOCK_T=32 * warps // lanes), num_warps=warps)
-from moeflow.kernels.ep_rows import _copy_slots_kernel, _pack_rows_kernel, _scatter_rows_kernel
+from moeflow.kernels.rows.ep_rows import _copy_slots_kernel, _pack_rows_kernel, _scatter_rows_kernel
 for groups in (56, 0):  # fp8-block payload (scales), layer-dtype payload; the second through a table (p2p)
     out[f"pack_rows groups={groups}"] = compile_for_hopper(_pack_rows_kernel, ints(_pack_rows_kernel, dict(
         tokens_ptr="*i64", tscale_ptr="*fp32", ids_ptr="*i32", w_ptr="*fp32", dest_ptr="*i64", rank_ptr="*i64",
@@ -132,13 +132,13 @@ for groups in (56, 0):  # fp8-block payload (scales), layer-dtype payload; the s
         slot_ptr="*i64", w_ptr="*fp32", scale_ptr="*fp32", hidden_ptr="*i64", w_slab_ptr="*fp32",
         scale_slab_ptr="*fp32", hidden_slab_ptr="*i64")),
         dict(TOP_K=8, GROUPS=groups, BLOCK_K=8, BLOCK_G=64 if groups else 1, BLOCK_W=1024))
-from moeflow.kernels.ep_rows import _rank_count_kernel, _rank_rows_kernel
+from moeflow.kernels.rows.ep_rows import _rank_count_kernel, _rank_rows_kernel
 out["rank_count"] = compile_for_hopper(_rank_count_kernel, ints(_rank_count_kernel, dict(
     ids_ptr="*i32", rank_ptr="*i64", table_ptr="*i64")), dict(TOP_K=8, BLOCK_T=512, W_POW2=2))
 out["rank_rows"] = compile_for_hopper(_rank_rows_kernel, ints(_rank_rows_kernel, dict(
     ids_ptr="*i32", rank_ptr="*i64", table_ptr="*i64", counts_ptr="*i64", home_ptr="*i64")),
     dict(TOP_K=8, BLOCK_T=512, W_POW2=2, B_POW2=32))
-from moeflow.kernels.ep_sort import _segment_hist_kernel, _segment_place_kernel, _segment_scan_kernel
+from moeflow.kernels.rows.ep_sort import _segment_hist_kernel, _segment_place_kernel, _segment_scan_kernel
 out["segment_hist"] = compile_for_hopper(_segment_hist_kernel, ints(_segment_hist_kernel, dict(
     ids_ptr="*i32", hist_ptr="*i32")), dict(TOP_K=8, SEG=8192, BINS=512), num_warps=16)
 for qx in (1, 3):
@@ -163,7 +163,7 @@ out["segment_place valid"] = compile_for_hopper(_segment_place_kernel, ints(_seg
     place_ptrs, valid_ptr="*i64")), dict(TOP_K=8, SEG=1024, BINS=256, S_POW2=32, VALID=True), num_warps=4)
 out["segment_scan"] = compile_for_hopper(_segment_scan_kernel, ints(_segment_scan_kernel, dict(
     hist_ptr="*i32", before_ptr="*i32", totals_ptr="*i32")), dict(BINS=512, KB=16, S_POW2=512), num_warps=16)
-from moeflow.kernels.ep_sort import _whole_sort_kernel
+from moeflow.kernels.rows.ep_sort import _whole_sort_kernel
 out["whole_sort quant_x=3"] = compile_for_hopper(_whole_sort_kernel, ints(_whole_sort_kernel, dict(
     ids_ptr="*i32", w_ptr="*fp32", counts_ptr="*i32", offsets_ptr="*i64", source_ptr="*i64", sorted_w_ptr="*fp32",
     pos_ptr="*i64", x_ptr="*bf16", xq_ptr="*fp8e4nv", xs_ptr="*fp32")),
@@ -171,13 +171,13 @@ out["whole_sort quant_x=3"] = compile_for_hopper(_whole_sort_kernel, ints(_whole
 out["whole_sort valid"] = compile_for_hopper(_whole_sort_kernel, ints(_whole_sort_kernel, dict(
     ids_ptr="*i32", w_ptr="*fp32", counts_ptr="*i32", offsets_ptr="*i64", source_ptr="*i64", sorted_w_ptr="*fp32",
     pos_ptr="*i64", valid_ptr="*i64")), dict(TOP_K=8, SEG=256, BINS=256, VALID=True), num_warps=4)
-from moeflow.kernels.ep_rows import _blank_rows_kernel
+from moeflow.kernels.rows.ep_rows import _blank_rows_kernel
 for table in (False, True):
     out[f"blank_rows table={table}"] = compile_for_hopper(_blank_rows_kernel, ints(_blank_rows_kernel, dict(
         buf_ptr="*i32", blank_ptr="*i32", counts_ptr="*i64", table_ptr="*i64")), dict(BLOCK_R=16, BLOCK_W=256, TABLE=table))
 out["copy_slots"] = compile_for_hopper(_copy_slots_kernel, ints(_copy_slots_kernel, dict(
     experts_ptr="*i64", slot_ptr="*i64", counts_ptr="*i32", w_slab_ptr="*fp32")), dict(BLOCK=1024))
-from moeflow.kernels.quant import _gather_kernel, _scatter_kernel
+from moeflow.kernels.rows.quant import _gather_kernel, _scatter_kernel
 out["gather_rows"] = compile_for_hopper(_gather_kernel, ints(_gather_kernel, dict(
     x_ptr="*u8", xs_ptr="*fp32", src_ptr="*i64", out_ptr="*u8", outs_ptr="*fp32")), dict(BLOCK_K=8192, BLOCK_G=64))
 out["scatter_rows"] = compile_for_hopper(_scatter_kernel, ints(_scatter_kernel, dict(
@@ -202,9 +202,8 @@ def test_every_kernel_compiles_for_sm90():
 
 CASES = [  # (kernel, scheme, (block_m, block_n, block_k, group_m, warps, stages), most registers, most spill bytes)
     ("gate_up", "fp8-block", (64, 128, 128, 8, 8, 4), 200, 0),
-    # the tile the H200 tables pick at large T: 20 bytes since each K step loads the next step's
-    # scales (4 before; 284 when each step's weight scale was a per-column vector). Measured faster
-    # with them: DeepSeek-V3 T=16384 gate_up 9155 -> 8736 us (benchmarks/results/scale_prefetch_*)
+    # the tile the H200 tables pick at large T: 20 bytes since each K step loads the next step's scales, which
+    # measured faster than the spill-free form (docs/performance.md)
     ("gate_up", "fp8-block", (128, 128, 128, 8, 8, 3), 255, 24),
     ("gate_up", "none", (128, 128, 64, 8, 8, 3), 255, 0),
     # token rows through TMA (GemmConfig.x_tma): no row addresses to hold, 172 registers instead of 255
@@ -219,7 +218,7 @@ CASES = [  # (kernel, scheme, (block_m, block_n, block_k, group_m, warps, stages
 LARGE_TILES = """
 import json, sys, torch
 from moeflow.kernels.configs import GemmConfig
-from moeflow.kernels.registers import ptxas_path, register_usage
+from moeflow.tune.registers import ptxas_path, register_usage
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
 cases = json.loads(sys.argv[1])
@@ -238,7 +237,7 @@ def test_large_tiles_fit_in_registers():
 FUSED = """
 import json, sys, torch
 from moeflow.kernels.configs import FusedConfig
-from moeflow.kernels.registers import fused_layer_usage, ptxas_path
+from moeflow.tune.registers import fused_layer_usage, ptxas_path
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
 dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -268,13 +267,13 @@ def test_fused_layer_compiles_for_sm90():
 
 GLUON_COMPILE = """
 import importlib, importlib.util, json, sys, torch
-from moeflow.kernels.registers import compile_gluon_for_hopper, gluon_ptx, ptxas_path
+from moeflow.tune.registers import compile_gluon_for_hopper, gluon_ptx, ptxas_path
 if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
     print(json.dumps(None)); sys.exit(0)
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
-from moeflow.kernels.down_wgmma import unroll
+from moeflow.kernels.gemm.down_wgmma import unroll
 kernel = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
 fp8 = torch.empty(2, 256, 256, dtype=torch.float8_e4m3fn)
 out = []
@@ -321,7 +320,7 @@ def test_wgmma_down_keeps_its_wgmmas_overlapped():
     injects waits (C7517), and the tiles the tuner offers fit in registers. UNROLL 1 is the serial form.
     The tile the H200 tables pick (128x128, 8 warps, 4 stages, 8 steps a body) spills 32-44 bytes and is
     still the fastest measured: 1.25x the Triton kernel on Mixtral T=16384, against 1.19x for 4 steps a
-    body, which does not spill (benchmarks/results/wgmma_unroll_*)."""
+    body, which does not spill."""
     tiles = [(128, 128, 8, 4, 8, False), (128, 128, 8, 4, 8, True), (128, 128, 8, 3, 8, False), (64, 128, 4, 4, 6, True),
              (64, 64, 4, 3, 2, False), (128, 128, 8, 4, 1, False)]
     ptrs = dict(as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16", meta_ptr="*i64")
@@ -329,7 +328,7 @@ def test_wgmma_down_keeps_its_wgmmas_overlapped():
                  const=dict(E_POW2=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, STAGES=stages, UNROLL=unroll,
                             COALESCED_STORE=coalesced))
             for bm, bn, warps, stages, unroll, coalesced in tiles]
-    assert_wgmmas_overlapped("moeflow.kernels.down_wgmma._down_wgmma_kernel", jobs, [48, 48, 0, 0, 0, 0])
+    assert_wgmmas_overlapped("moeflow.kernels.gemm.down_wgmma._down_wgmma_kernel", jobs, [48, 48, 0, 0, 0, 0])
 
 
 # the Gluon gate_up's parameters that are multiples of 16 at every shipped shape (the JIT specializes them so)
@@ -357,7 +356,7 @@ def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
             for bm, warps, stages, steps, pairs in tiles]
     # pair tiles at 3 stages spilled 48-116 bytes until a step's gate and up tiles came in one copy, on barriers of
     # their own (test_wgmma_refills_take_one_cta_barrier): 254 registers, none spilled since
-    assert_wgmmas_overlapped("moeflow.kernels.gate_up_wgmma._gate_up_wgmma_kernel", jobs, [0] * len(jobs))
+    assert_wgmmas_overlapped("moeflow.kernels.gemm.gate_up_wgmma._gate_up_wgmma_kernel", jobs, [0] * len(jobs))
 
 
 def refill_barriers(ptx: str) -> tuple[int, int]:
@@ -395,9 +394,9 @@ def test_wgmma_refills_take_one_cta_barrier():
                 ptrs=dict(as_ptr="*fp32", ws_ptr="*fp32", rw_ptr="*fp32", out_ptr="*bf16", meta_ptr="*i64"),
                 const=dict(E_POW2=8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=4, UNROLL=8,
                            COALESCED_STORE=False))
-    for kernel, job in (("moeflow.kernels.gate_up_wgmma._gate_up_wgmma_kernel", gate_up),
-                        ("moeflow.kernels.down_wgmma._down_wgmma_kernel", down),
-                        ("moeflow.kernels.down_wgmma_persistent._down_wgmma_persistent_kernel", down)):
+    for kernel, job in (("moeflow.kernels.gemm.gate_up_wgmma._gate_up_wgmma_kernel", gate_up),
+                        ("moeflow.kernels.gemm.down_wgmma._down_wgmma_kernel", down),
+                        ("moeflow.kernels.gemm.down_wgmma_persistent._down_wgmma_persistent_kernel", down)):
         ptx = compile_without_interpreter(GLUON_COMPILE, *kernel.rsplit(".", 1), json.dumps([job]))[0]
         refills, most = refill_barriers(ptx)
         assert refills >= 8 and most <= 1, (kernel, refills, most)
@@ -407,7 +406,7 @@ WEIGHT_PLANES = """
 import importlib.util, json, sys, torch
 if importlib.util.find_spec("triton.experimental.gluon") is None:
     print(json.dumps(None)); sys.exit(0)
-from moeflow.kernels import gate_up_wgmma
+from moeflow.kernels.gemm import gate_up_wgmma
 from moeflow.kernels.common import expert_rows
 e, i, h = 3, 384, 256
 w13 = torch.randint(0, 256, (e, 2 * i, h), dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -442,20 +441,20 @@ def test_wgmma_down_persistent_keeps_its_wgmmas_overlapped():
                  const=dict(E_POW2=128, BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, STAGES=stages, UNROLL=unroll,
                             COALESCED_STORE=coalesced))
             for bm, warps, stages, unroll, coalesced in tiles]
-    assert_wgmmas_overlapped("moeflow.kernels.down_wgmma_persistent._down_wgmma_persistent_kernel", jobs,
+    assert_wgmmas_overlapped("moeflow.kernels.gemm.down_wgmma_persistent._down_wgmma_persistent_kernel", jobs,
                              [0] * len(tiles))
 
 
 WS_DOWN_COMPILE = """
 import importlib.util, json, sys, torch
-from moeflow.kernels.registers import gluon_compiled, ptxas_path, ptxas_report
+from moeflow.tune.registers import gluon_compiled, ptxas_path, ptxas_report
 if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
     print(json.dumps(None)); sys.exit(0)
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
-from moeflow.kernels import warp_specialized as ws
-from moeflow.kernels.configs import _WS_FP8_STAGES, _WS_UNSCALED_STAGES
+from moeflow.kernels.gemm import warp_specialized as ws
+from moeflow.kernels.gemm.tiles import _WS_FP8_STAGES, _WS_UNSCALED_STAGES
 out = []
 # (dtype, gated, BLOCK_M, BLOCK_N, BLOCK_K, stages, UNROLL or 0: not SCALED)
 jobs = [(torch.bfloat16, gated, 128, 64 if gated else 128, 64, stages, 0)
@@ -517,10 +516,10 @@ def test_warp_specialized_gemms_compile_without_spills():
     neither serializes the wgmmas (C7514) nor injects waits (C7517). Every tile's program fits the SM's shared memory
     (227 KB, the compiler's scratch included), and configs.ws_fits' tiles one stage past their most do not:
     the stage limits there are shared memory's."""
-    from moeflow.kernels.registers import SM90_SHARED_BYTES
+    from moeflow.tune.registers import SM90_SHARED_BYTES
     out = compile_without_interpreter(WS_DOWN_COMPILE)
     for kind, tile, shared, *report in out:
-        if kind == "past":  # configs._WS_UNSCALED_STAGES and _WS_FP8_STAGES: one stage more would not launch
+        if kind == "past":  # tiles._WS_UNSCALED_STAGES and _WS_FP8_STAGES: one stage more would not launch
             assert shared > SM90_SHARED_BYTES, (tile, shared)
             continue
         regs, spill, notes = report
@@ -533,10 +532,10 @@ def test_warp_specialized_gemms_compile_without_spills():
 def test_block_table_kernel_compiles():
     out = compile_without_interpreter(r"""
 import json, sys
-from moeflow.kernels.registers import compile_for_hopper, ptxas_path
+from moeflow.tune.registers import compile_for_hopper, ptxas_path
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
-from moeflow.kernels.warp_specialized import _block_table_kernel as k
+from moeflow.kernels.gemm.warp_specialized import _block_table_kernel as k
 sig = {n: "i32" for n in k.arg_names}
 sig.update(meta_ptr="*i64", blk_ptr="*i32", nblk_ptr="*i32")
 print(json.dumps(compile_for_hopper(k, sig, dict(BLOCK_M=128, E_POW2=256, PDL=True))))
@@ -547,10 +546,10 @@ print(json.dumps(compile_for_hopper(k, sig, dict(BLOCK_M=128, E_POW2=256, PDL=Tr
 EPILOGUE_OPS = r'''
 import json, sys, torch
 from moeflow.kernels.configs import GemmConfig
-from moeflow.kernels.registers import _compile_ptx, divisible, gemm_ptx, ptxas_path
+from moeflow.tune.registers import _compile_ptx, divisible, gemm_ptx, ptxas_path
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
-from moeflow.kernels.quant import _quant_kernel
+from moeflow.kernels.rows.quant import _quant_kernel
 ops = json.loads(sys.argv[1])
 out = []  # (what, most divisions a thread may take, counts)
 for scheme, cfg in (("fp8-block", GemmConfig(128, 128, 128, 8, 8, 3)), ("none", GemmConfig(128, 128, 64, 8, 8, 3))):
@@ -577,14 +576,14 @@ def test_epilogues_divide_once_a_row_or_group():
     epilogues (Triton fp8-block and bf16, Gluon fp8-block) no div.full.f32 (tl.sigmoid's, or Triton's `/`), and
     div.rn.f32 at most a sixteenth of a thread's 64 outputs there (they take 2), and at most 2 of a thread's 16 in
     the quantization launches (they take 1), compiled as the JIT specializes them on aligned tensors. A division an
-    element was a third of the Gluon gate_up's epilogue (benchmarks/results/fp8_recip_quant_2026-12-02_h200.md)."""
+    element was a third of the Gluon gate_up's epilogue."""
     ops = ["div.rn.f32", "div.full.f32"]
     found = compile_without_interpreter(EPILOGUE_OPS, json.dumps(ops))
     gluon = dict(descs=gate_up_descs(128, True), warps=8, unroll=[16, 8, 3], count=ops,
                  aligned=GATE_UP_ALIGNED,
                  ptrs=dict(xs_ptr="*fp32", ws_ptr="*fp32", out_ptr="*fp8e4nv", outs_ptr="*fp32", meta_ptr="*i64"),
                  const=dict(ACT=0, INTER_DTYPE="bfloat16", E_POW2=8, BLOCK_M=128, GROUP_M=8, STAGES=3, PAIRS=True))
-    counts = compile_without_interpreter(GLUON_COMPILE, "moeflow.kernels.gate_up_wgmma", "_gate_up_wgmma_kernel",
+    counts = compile_without_interpreter(GLUON_COMPILE, "moeflow.kernels.gemm.gate_up_wgmma", "_gate_up_wgmma_kernel",
                                          json.dumps([gluon]))
     found.append(("gluon gate_up fp8-block", 2 * (128 * 128 // 256 // 16), counts[0]))  # full and pair tiles
     for what, most, n in found:
@@ -595,7 +594,7 @@ def test_epilogues_divide_once_a_row_or_group():
 SWAPPED_MMAS = r'''
 import json, re, sys, torch
 from moeflow.kernels.configs import GemmConfig
-from moeflow.kernels.registers import gemm_ptx, ptxas_path, ptxas_report
+from moeflow.tune.registers import gemm_ptx, ptxas_path, ptxas_report
 if ptxas_path() is None:
     print(json.dumps(None)); sys.exit(0)
 out = {}
@@ -627,55 +626,3 @@ def test_swapped_tiles_run_wgmma_from_shared_memory():
             assert not got["wgmma"] and got["mma_sync"] > 0, (name, got)
             assert ("fp8" not in name) or got["fp8_to_f16"] > 0, (name, got)
 
-
-# the probes' compile scripts: None without ptxas or Gluon, else benchmarks/experiments on the path
-_PROBE_SCRIPT = r"""
-import importlib.util, json, os, sys
-from moeflow.kernels.registers import ptxas_path
-if ptxas_path() is None or importlib.util.find_spec("triton.experimental.gluon") is None:
-    print(json.dumps(None)); sys.exit(0)
-sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "experiments"))
-"""
-MULTICAST_PROBE_COMPILE = _PROBE_SCRIPT + r"""
-import multicast_probe as mp
-print(json.dumps([mp.compile_summary(case, form, image) for case in mp.CASES for form in mp.FORMS
-                  for image in (False, True)]))
-"""
-
-
-def test_multicast_probe_compiles():
-    """benchmarks/experiments/multicast_probe.py (kernels/cluster_ptx.py's inline PTX, which ptxas checks here)
-    compiled for sm_90a, each tile in each form, timed and imaged: 8 warps (two warpgroups, no idle warp to miss a
-    cluster barrier), no spills, within the SM's shared memory; the multicast form alone has the multicast copy and
-    the remote arrival; the cluster forms pass 4 cluster barriers (two in each partition), the own form none."""
-    from moeflow.kernels.registers import SM90_SHARED_BYTES
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    found = compile_without_interpreter(MULTICAST_PROBE_COMPILE, root)
-    assert len(found) == 5 * 3 * 2
-    for case in found:
-        assert case["spill"] == 0 and case["warps"] == 8, case
-        assert case["shared"] <= SM90_SHARED_BYTES, case
-        mc = case["form"] == "multicast"
-        assert (case["multicast"], case["remote"]) == ((1, 1) if mc else (0, 0)), case
-        assert case["cluster_barriers"] == (0 if case["form"] == "own" else 4), case
-
-
-LOADS_PROBE_COMPILE = _PROBE_SCRIPT + r"""
-import loads_probe as lp, multicast_probe as mp
-runs = list(dict.fromkeys((case, form) for case, _, form in lp.runs()))  # the sizes do not change the kernel
-print(json.dumps([mp.compile_summary(case, form, image) for case, form in runs for image in (False, True)]))
-"""
-
-
-def test_loads_probe_compiles():
-    """benchmarks/experiments/loads_probe.py's box shapes and ring depths (multicast_probe's kernel) compile for
-    sm_90a in the forms it runs them in (own; own-split, own-cols, the own-g<G> orders and the row copies for some),
-    timed and imaged: no spills, within the SM's shared memory, no cluster PTX."""
-    from moeflow.kernels.registers import SM90_SHARED_BYTES
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    found = compile_without_interpreter(LOADS_PROBE_COMPILE, root)
-    assert len(found) == (18 + 4 + 5 + 12 + 16) * 2  # own; own-split, own-cols; the own-g<G> orders; row copies
-    for case in found:
-        assert case["spill"] == 0 and case["warps"] == 8, case
-        assert case["shared"] <= SM90_SHARED_BYTES, case
-        assert (case["multicast"], case["remote"], case["cluster_barriers"]) == (0, 0, 0), case

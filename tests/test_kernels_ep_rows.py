@@ -11,7 +11,7 @@ from triton_interp import SKIP_REASON
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 if SKIP_REASON is None:
-    from moeflow.kernels.ep_rows import blank_rows, masked_scatter, pack_rows, rank_rows
+    from moeflow.kernels.rows.ep_rows import blank_rows, masked_scatter, pack_rows, rank_rows
 
 from moeflow.dispatch._ep_reference import blank_rows_torch, masked_batch_torch, pack_rows_torch, rank_rows_torch
 from moeflow.dispatch._ep_rows import RowCodec

@@ -13,7 +13,7 @@ from triton_interp import SKIP_REASON
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 if SKIP_REASON is None:
-    from moeflow.kernels.ep_sort import sort_copies_by_expert
+    from moeflow.kernels.rows.ep_sort import sort_copies_by_expert
 
 from moeflow.dispatch._ep_reference import sort_copies_by_expert_torch as sorted_batch_torch  # the torch reference
 
@@ -45,7 +45,7 @@ def received(r, k, e_local, case):
 @pytest.fixture(params=["whole", "segments"])
 def form(request, monkeypatch):
     """The sort's form under test: "whole" (one program, the default up to _WHOLE_COPIES) or "segments"."""
-    from moeflow.kernels import ep_sort
+    from moeflow.kernels.rows import ep_sort
     monkeypatch.setattr(ep_sort, "_WHOLE_COPIES", 1 << 20 if request.param == "whole" else 0)
     return request.param
 
@@ -53,7 +53,7 @@ def form(request, monkeypatch):
 @pytest.fixture
 def segments(monkeypatch):
     """The segment launches at every size (no whole sort)."""
-    from moeflow.kernels import ep_sort
+    from moeflow.kernels.rows import ep_sort
     monkeypatch.setattr(ep_sort, "_WHOLE_COPIES", 0)
 
 
@@ -108,7 +108,7 @@ def test_local_sort_by_segments_quantizes_the_tokens(t, k, e, h, scheme, form, p
     """The segment sort with the tokens: its histogram launch also quantizes them (extra programs),
     bit for bit kernels/quant.quantize_activation; the sort's five outputs unchanged."""
     from moeflow.dispatch.expert_sort import sort_by_segments
-    from moeflow.kernels.quant import quantize_activation
+    from moeflow.kernels.rows.quant import quantize_activation
     ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
     w = torch.rand(t, k)
     x = (torch.randn(t, h) * torch.rand(t, 1) * 10).half()
@@ -129,7 +129,7 @@ def test_dropping_sort_equals_torch_and_quantizes(monkeypatch, t, k, e, h, schem
     kernels/quant.quantize_activation. The last rows' copies are all dropped (a bucket's padding tokens): their ids
     -1, or by_valid their ids real and the rows past ``valid`` (the sort then reads them as -1); more at random."""
     from moeflow.dispatch import _ep_rows, expert_sort
-    from moeflow.kernels.quant import quantize_activation
+    from moeflow.kernels.rows.quant import quantize_activation
     ids = torch.rand(t, e).argsort(dim=1)[:, :k].to(torch.int32)
     ids[torch.rand(t, k) < 0.3] = -1
     dropped = ids.clone()
@@ -163,8 +163,8 @@ def test_sorts_quantize_several_tokens_a_part(monkeypatch, h, scheme, poison_emp
     a part-filled last one): the segment sort's and the one-launch sort's tokens bit for bit
     kernels/quant.quantize_activation's."""
     from moeflow.dispatch.expert_sort import sort_by_segments
-    from moeflow.kernels import align
-    from moeflow.kernels.quant import quantize_activation
+    from moeflow.kernels.rows import align
+    from moeflow.kernels.rows.quant import quantize_activation
     monkeypatch.setattr(align, "_QUANT_PARTS", 4)
     t, k, e = 37, 4, 16
     assert align.quant_rows(t, 2, 1024) == 8 and align.quant_rows(t, 1, 512) == 8  # 5 parts of 8 tokens
@@ -180,7 +180,7 @@ def test_sorts_quantize_several_tokens_a_part(monkeypatch, h, scheme, poison_emp
 def test_quant_rows_keeps_parts_few_and_enough():
     """align.quant_rows: one token a part for small batches; up to 8192 elements a part past _QUANT_PARTS parts
     (Qwen3's H = 2048 in two parts of 1024 columns: T = 16384 takes 8 tokens a part, 4096 parts)."""
-    from moeflow.kernels.align import quant_rows
+    from moeflow.kernels.rows.align import quant_rows
     assert quant_rows(1, 2, 1024) == 1 and quant_rows(512, 2, 1024) == 1 and quant_rows(1024, 2, 1024) == 2
     assert quant_rows(16384, 2, 1024) == 8 and quant_rows(4096, 7, 1024) == 8 and quant_rows(4096, 1, 256) == 4
 
@@ -188,7 +188,7 @@ def test_quant_rows_keeps_parts_few_and_enough():
 def test_sort_by_segment_many_segments(monkeypatch, segments, poison_empty):
     """A small histogram table forces many short segments (1200 copies, 8 bins: segments of 256):
     the prefix sums across segments carry the order."""
-    from moeflow.kernels import ep_sort
+    from moeflow.kernels.rows import ep_sort
     monkeypatch.setattr(ep_sort, "_SEGMENT_TABLE", 64)
     for case in ("random", "one expert"):
         ids, weights = received(300, 4, 6, case)
@@ -207,7 +207,7 @@ def test_sort_copies_scanned(r, k, e_local, case, monkeypatch, segments, poison_
     one-table form) with segments of 64 copies and scan programs of at most 256 cells (1200 copies: 19 segments, a part-filled last
     one; 776 copies over 64 bins: 13 segments, scanned in four blocks of 16 keys), bit for bit the torch
     reference."""
-    from moeflow.kernels import ep_sort
+    from moeflow.kernels.rows import ep_sort
     monkeypatch.setattr(ep_sort, "_TABLE_SEG", 0)
     monkeypatch.setattr(ep_sort, "_SCAN_SEG", 64)
     monkeypatch.setattr(ep_sort, "_SCAN_CELLS", 256)
@@ -223,7 +223,7 @@ def test_sort_copies_scanned(r, k, e_local, case, monkeypatch, segments, poison_
 def test_segment_size():
     """Two launches while the whole table fits every place program at segments of 512 copies or fewer, else three
     with 256-copy segments (more where one key's column of segments would pass _SCAN_CELLS)."""
-    from moeflow.kernels.ep_sort import segment_size, sort_pays
+    from moeflow.kernels.rows.ep_sort import segment_size, sort_pays
     assert segment_size(0, 16) == (256, False)
     assert segment_size(8192, 256) == (256, False)  # Qwen3 T=1024: 32 segments x 256 bins
     assert segment_size(16384, 256) == (512, False)  # Qwen3 T=2048
@@ -237,7 +237,7 @@ def test_segment_size():
 def test_whole_sort_threshold():
     """One program sorts up to _WHOLE_COPIES copies (the local dispatcher's T=16 at top-8, Mixtral's T=128 at top-2:
     256), the segment launches beyond (Qwen3's T=128: 1024 copies)."""
-    from moeflow.kernels.ep_sort import _WHOLE_COPIES, whole_sort
+    from moeflow.kernels.rows.ep_sort import _WHOLE_COPIES, whole_sort
     assert whole_sort(0) and whole_sort(256) and whole_sort(_WHOLE_COPIES) and not whole_sort(_WHOLE_COPIES + 1)
     assert not whole_sort(1024)
 

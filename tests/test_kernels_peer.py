@@ -10,8 +10,8 @@ from triton_interp import SKIP_REASON
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 if SKIP_REASON is None:
-    from moeflow.kernels.peer import barrier
-    from moeflow.kernels.reduce import moe_sum, moe_sum_to
+    from moeflow.kernels.rows.peer import barrier
+    from moeflow.kernels.rows.reduce import moe_sum, moe_sum_to
 
 
 def addresses(ts):

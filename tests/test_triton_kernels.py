@@ -12,13 +12,14 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 
 if SKIP_REASON is None:
     from moeflow.kernels import configs as kc
+    from moeflow.kernels.gemm import tiles
     from moeflow.dispatch.expert_sort import sort_by_expert_torch
-    from moeflow.kernels.align import align_blocks, align_blocks_torch, sort_copies
+    from moeflow.kernels.rows.align import align_blocks, align_blocks_torch, sort_copies
     from moeflow.kernels.common import RowLayout, rows_operand, weight_operand
-    from moeflow.kernels.down import down, down_torch
-    from moeflow.kernels.gate_up import gate_up, gate_up_torch
-    from moeflow.kernels.quant import gather_rows, quantize_activation, quantize_rows, quantize_rows_torch
-    from moeflow.kernels.reduce import moe_sum, moe_sum_torch
+    from moeflow.kernels.gemm.down import down, down_torch
+    from moeflow.kernels.gemm.gate_up import gate_up, gate_up_torch
+    from moeflow.kernels.rows.quant import gather_rows, quantize_activation, quantize_rows, quantize_rows_torch
+    from moeflow.kernels.rows.reduce import moe_sum, moe_sum_torch
     from moeflow.layouts import offsets_from_counts
     from moeflow.quant import create_scheme
     from moeflow.quant.base import amax_to_scale, to_fp8 as to_fp8_reference
@@ -101,7 +102,7 @@ def test_sort_copies_quantizes_the_tokens(t, k, e, h, scheme):
     with pytest.raises(ValueError, match="scheme"):
         sort_copies(ids, w, e, x, "none")  # nothing to quantize
     from moeflow.dispatch.expert_sort import SORT_QUANTIZES
-    from moeflow.kernels.align import SORT_QUANT_CODES
+    from moeflow.kernels.rows.align import SORT_QUANT_CODES
     assert set(SORT_QUANTIZES) == set(SORT_QUANT_CODES)  # the dispatcher's list is the kernels' own
 
 
@@ -189,7 +190,7 @@ def test_quantize_rows_amax_paths(scheme, masked, one_step, fold_rows, monkeypat
     """The row amax in one load per row or in a K loop (quant.ROW_AMAX_ONE_STEP), and fp8-tensor's tensor amax
     taken by the quantization's programs or by a torch max first (quant.AMAX_FOLD_ROWS): the scheme's bytes and
     scales on every valid row, rows of odd count and width (H = 300: a partial last step), empty slots left out."""
-    from moeflow.kernels import quant as quant_mod
+    from moeflow.kernels.rows import quant as quant_mod
     monkeypatch.setattr(quant_mod, "ROW_AMAX_ONE_STEP", one_step)
     monkeypatch.setattr(quant_mod, "AMAX_FOLD_ROWS", fold_rows)
     check_quantize_rows(scheme, masked_layout([3, 0, 6], 7) if masked else sorted_layout([3, 0, 6, 1]), 300)
@@ -201,7 +202,7 @@ def test_tuner_gemm_inputs(scheme, indexed):
     """What `moeflow tune` (and the GEMM experiments) feed gate_up: one batch per tuner routing, every copy of the
     T tokens sorted by expert; by index: the T tokens quantized once, in order: the T * top_k rows quantized per
     row; both the scheme's bytes and scales (quantize_rows_torch), none: the rows themselves and no scale."""
-    from moeflow.kernels import autotune
+    from moeflow.tune import autotune
     shape = autotune.Shape(5, 256, 128, 2, scheme, torch.float16)
     routings = autotune.tuner_routings(shape, 3, "cpu")
     assert len(routings) == autotune.batches_for(3)
@@ -244,7 +245,7 @@ def test_gate_up_rows_through_tma(scheme, dtype, split, monkeypatch):
     descriptor (blocks whose rows end mid-box, an empty expert, H off the K tile); the same bits as the
     pointer loads, and the reference's values. A masked layout and MOEFLOW_TRITON_TMA=0 fall back to
     pointer loads."""
-    from moeflow.kernels import gate_up as gate_up_mod
+    from moeflow.kernels.gemm import gate_up as gate_up_mod
     seen = []
     kernel = gate_up_mod._gate_up_kernel
     monkeypatch.setattr(gate_up_mod, "_gate_up_kernel", type("Spy", (), {
@@ -300,7 +301,7 @@ def test_fp8_block_gate_up_narrow_tiles(poison_empty):
     """fp8-block gate_up with BLOCK_N < 128 (decode: more programs): the layer dtype out, no
     scales, equal to the reference within the dtype's rounding; quantized by quantize_groups it
     matches the fused epilogue's bits (the same rounding of the same values)."""
-    from moeflow.kernels.quant import quantize_groups
+    from moeflow.kernels.rows.quant import quantize_groups
     sch = create_scheme("fp8-block")
     layout = sorted_layout([4, 0, 19])
     e, h, i = 3, 128, 256
@@ -342,7 +343,7 @@ def test_down_persistent_equals_per_tile(scheme, dtype, programs_per_sm, poison_
     """The persistent down (programs loop over the tiles of the real row blocks) writes the same
     bits as one program per tile: empty experts, a block split over 3 experts' rows, tiles that
     outnumber the programs (1 SM here: 1 or 3 programs), partial N tiles (H = 200)."""
-    from moeflow.kernels import down as down_mod
+    from moeflow.kernels.gemm import down as down_mod
     grids = []
     kernel = down_mod._down_persistent_kernel
     monkeypatch.setattr(down_mod, "_down_persistent_kernel",
@@ -396,7 +397,7 @@ def test_gate_up_and_down_kernels(scheme, dtype, tma, monkeypatch):
 def _gemms_float64(xq, xs, q13, s13, q2, s2, route_w, layout, scheme, a, a_s):
     """float64 references of gate_up (act(gate) * up, before the layer-dtype rounding) and of down on the input the
     kernel got (a, a_s: gate_up's output, quantized by the scheme), per valid row; empty masked slots 0."""
-    from moeflow.kernels.gate_up import _expert_of_row
+    from moeflow.kernels.gemm.gate_up import _expert_of_row
     sch = create_scheme(scheme)
     xf = (sch.dequantize_activation(xq, xs) if xs is not None else xq.float()).double()
     af = (sch.dequantize_activation(a, a_s) if a_s is not None else a.float()).double()
@@ -431,7 +432,7 @@ def test_swapped_tiles(scheme, dtype, bm, bn, tma, masked, monkeypatch):
     q2, s2 = sch.quantize_weight((torch.randn(e, h, i) / i ** 0.5).to(dtype))
     xq, xs = sch.quantize_activation(torch.randn(layout.rows, h).to(dtype))
     route_w = torch.rand(layout.rows)
-    gu = kc.fit(kc.GemmConfig(bm, bn, bk, swap_ab=1), fused_pair=True, scheme=scheme, elem_bytes=1, n_size=i)
+    gu = tiles.fit(kc.GemmConfig(bm, bn, bk, swap_ab=1), fused_pair=True, scheme=scheme, elem_bytes=1, n_size=i)
     assert gu.swap_ab == 1 and gu.block_n == bn
     inter, extra = gate_up(xq, xs, q13, s13, layout, scheme, "silu", dtype, gu, poison=True)
     valid = layout.valid_rows() if masked else torch.ones(layout.rows, dtype=torch.bool)
@@ -533,7 +534,7 @@ def test_gate_up_split_k(scheme, dtype, h, tma, split, monkeypatch):
         ref = gate_up_torch(xq, xs, q13, s13, layout, scheme, "silu", dtype, src)
         if scheme == "fp8-block":  # quantized here at BLOCK_N 32 (the one-launch form leaves that to quantize_groups)
             assert got.dtype == torch.float8_e4m3fn and one_extra is None
-            from moeflow.kernels.quant import quantize_groups
+            from moeflow.kernels.rows.quant import quantize_groups
             deq = sch.dequantize_activation(got, extra)[valid]
             assert_close(deq, ref[valid], 5e-2, "gate_up split K, fp8-block output")
             q, qs = quantize_groups(one)
@@ -694,12 +695,12 @@ def test_fit_brings_oversized_tiles_within_budget():
     """Tiles no tuner writes (a hand-edited file): the accumulators are held to 256 float32 registers a thread and
     one stage to the shared-memory budget; the one launch's stages likewise. The tuner's candidates and the shipped
     tables are left as they were (tests/test_kernel_defaults.py, test_tune_fused.py)."""
-    g = kc.fit(kc.GemmConfig(256, 256, 256, 1, 4, 8), fused_pair=True, scheme="none", elem_bytes=4, n_size=1024)
+    g = tiles.fit(kc.GemmConfig(256, 256, 256, 1, 4, 8), fused_pair=True, scheme="none", elem_bytes=4, n_size=1024)
     assert 2 * g.block_m * g.block_n <= 256 * 32 * 4 and min(g.block_m, g.block_n) >= 16
     assert g.num_stages * (g.block_m * g.block_k + 2 * g.block_k * g.block_n) * 4 <= 200 * 1024
-    d = kc.fit(kc.GemmConfig(256, 256, 256, 1, 8, 8), fused_pair=False, scheme="none", elem_bytes=2, n_size=1024)
+    d = tiles.fit(kc.GemmConfig(256, 256, 256, 1, 8, 8), fused_pair=False, scheme="none", elem_bytes=2, n_size=1024)
     assert (d.block_m, d.block_n) == (256, 256) and (d.block_m * d.block_k + d.block_k * d.block_n) * 2 <= 200 * 1024
-    f = kc.fit_fused(kc.FusedConfig(256, 256, 256, 256, 8, 8), "none")
+    f = tiles.fit_fused(kc.FusedConfig(256, 256, 256, 256, 8, 8), "none")
     assert f.num_stages * 2 * f.block_n1 * f.block_k1 * 2 <= 200 * 1024 and f.block_n2 * f.block_k2 * 2 <= 200 * 1024
     assert f.block_n1 >= 16 and f.block_k1 >= 16
 
@@ -708,18 +709,18 @@ def test_fit_rules():
     """fp8-block: BLOCK_K divides 128; gate_up BLOCK_N of 128 or more is 128 (or 256 when I allows),
     narrower ones stay (the groups are then quantized by a separate kernel); shared memory bounded
     by lowering stages; minimum dot tiles."""
-    g = kc.fit(kc.GemmConfig(8, 64, 256, 1, 4, 6), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=384)
+    g = tiles.fit(kc.GemmConfig(8, 64, 256, 1, 4, 6), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=384)
     assert (g.block_m, g.block_n, g.block_k) == (16, 64, 128)
-    g = kc.fit(kc.GemmConfig(8, 192, 256, 1, 4, 6), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=384)
+    g = tiles.fit(kc.GemmConfig(8, 192, 256, 1, 4, 6), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=384)
     assert (g.block_m, g.block_n, g.block_k) == (16, 128, 128)
     for t in (1, 64, 4096):  # the defaults keep the fused epilogue (what they were measured with)
-        assert kc.default_config(t, 8, 8, "fp8-block").gate_up.block_n >= 128
-    assert kc.fit(kc.GemmConfig(64, 256, 128), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=512).block_n == 256
-    big = kc.fit(kc.GemmConfig(128, 256, 128, 8, 8, 5), fused_pair=True, scheme="none", elem_bytes=4, n_size=512)
+        assert tiles.default_config(t, 8, 8, "fp8-block").gate_up.block_n >= 128
+    assert tiles.fit(kc.GemmConfig(64, 256, 128), fused_pair=True, scheme="fp8-block", elem_bytes=1, n_size=512).block_n == 256
+    big = tiles.fit(kc.GemmConfig(128, 256, 128, 8, 8, 5), fused_pair=True, scheme="none", elem_bytes=4, n_size=512)
     assert big.num_stages * (128 * 128 + 2 * 128 * 256) * 4 <= 200 * 1024 or big.num_stages == 1
-    assert kc.fit(kc.GemmConfig(16, 16, 16), fused_pair=False, scheme="fp8-tensor", elem_bytes=1, n_size=64).block_k == 32
+    assert tiles.fit(kc.GemmConfig(16, 16, 16), fused_pair=False, scheme="fp8-tensor", elem_bytes=1, n_size=64).block_k == 32
     # the Gluon down (kernels/down_wgmma.py): only fp8-block down tiles it runs keep scale_overlap; JSON true is 1
-    so = lambda cfg, **kw: kc.fit(cfg, **{**dict(fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=4096), **kw}).scale_overlap
+    so = lambda cfg, **kw: tiles.fit(cfg, **{**dict(fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=4096), **kw}).scale_overlap
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2)) == 2
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=True)) == 1
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), scheme="fp8-channel") == 0
@@ -750,7 +751,7 @@ ROUTING = {  # name: MoEConfig routing fields (E=64, K=6)
 def test_route_kernel_matches_the_torch_router(case, t):
     """The one-launch router: the same expert ids (in order) and weights as routing/torch_topk.py."""
     from moeflow import MoEConfig
-    from moeflow.kernels.route import route
+    from moeflow.kernels.routing.route import route
     from moeflow.routing import create_router
     fields = ROUTING[case]
     cfg = MoEConfig(num_experts=64, hidden_size=16, intermediate_size=16, top_k=6, **fields)
@@ -769,7 +770,7 @@ def test_route_kernel_rows_per_program(e, k, bias):
     past T; a row of exactly tied scores picks the lowest ids in order (torch.topk's order among
     ties is unspecified, so that row is compared with torch by its weights alone)."""
     from moeflow import MoEConfig
-    from moeflow.kernels.route import route
+    from moeflow.kernels.routing.route import route
     from moeflow.routing import create_router
     cfg = MoEConfig(num_experts=e, hidden_size=16, intermediate_size=16, top_k=k, scoring="sigmoid" if bias else "softmax",
                     use_correction_bias=bias)
@@ -792,8 +793,8 @@ def test_route_stream_kernel_matches_the_torch_router(case, lanes):
     routing/torch_topk.py, a last block past T, and a row of exact ties picking the lowest ids in order; softmax
     with groups runs kernels/route.py instead (streams())."""
     from moeflow import MoEConfig
-    from moeflow.kernels.route import route
-    from moeflow.kernels.route_stream import streams
+    from moeflow.kernels.routing.route import route
+    from moeflow.kernels.routing.route_stream import streams
     from moeflow.routing import create_router
     fields = ROUTING[case]
     cfg = MoEConfig(num_experts=64, hidden_size=16, intermediate_size=16, top_k=6, **fields)
@@ -820,8 +821,8 @@ def test_large_batch_of_two_expert_groups_routes_with_the_one_warp_kernel():
     at T >= 2048 route() had picked the streaming kernel, whose lanes load 4 columns of one group, and raised an
     uncoded ValueError at the first large batch; it runs the one-warp kernel there, with the torch router's ids."""
     from moeflow import MoEConfig
-    from moeflow.kernels.route import route
-    from moeflow.kernels.route_stream import stream_pays
+    from moeflow.kernels.routing.route import route
+    from moeflow.kernels.routing.route_stream import stream_pays
     from moeflow.routing import create_router
     assert stream_pays(2048, 64) and not stream_pays(2048, 64, 32)
     cfg = MoEConfig(num_experts=64, hidden_size=16, intermediate_size=16, top_k=8, scoring="sigmoid",
@@ -839,7 +840,7 @@ def test_sigmoid_routers_agree_where_the_scores_saturate(renormalize):
     the logits do not. The torch router, kernels/route.py and the streaming kernel all pick the largest logits (the
     warp-a-token kernel had ranked the tied scores and picked the lowest ids: other experts, at full weight)."""
     from moeflow import MoEConfig
-    from moeflow.kernels.route import route
+    from moeflow.kernels.routing.route import route
     from moeflow.routing import create_router
     cfg = MoEConfig(num_experts=16, hidden_size=16, intermediate_size=16, top_k=3, scoring="sigmoid",
                     renormalize=renormalize)
@@ -859,7 +860,7 @@ def test_route_stream_kernel_odd_shapes(e, k, lanes, t):
     """The streaming kernel past a part-filled last chunk (E not a multiple of 4 * lanes), one token, and 8
     threads a token."""
     from moeflow import MoEConfig
-    from moeflow.kernels.route import route
+    from moeflow.kernels.routing.route import route
     from moeflow.routing import create_router
     for scoring, renorm in (("softmax", True), ("softmax", False), ("sigmoid", True)):
         cfg = MoEConfig(num_experts=e, hidden_size=16, intermediate_size=16, top_k=k, scoring=scoring,
@@ -877,7 +878,7 @@ def test_tune_merge_keeps_other_token_counts(monkeypatch, tmp_path):
     import argparse
 
     from moeflow.cli import tune as tune_cli
-    from moeflow.kernels import autotune
+    from moeflow.tune import autotune
     a, b, c = (kc.MoEKernelConfig(kc.GemmConfig(bm, 64, 128), kc.GemmConfig(bm, 64, 128)) for bm in (16, 32, 64))
     name = kc.file_name("GPU X", 8, 32, 64, "none")
     kc.write_table(tmp_path / name, {}, {1: a, 4096: b}, {"1": {"gate_up": 1.0, "down": 2.0}})
@@ -906,7 +907,7 @@ def test_tune_times_gate_up_rows_as_the_layer_feeds_them(monkeypatch, tmp_path):
     import argparse
 
     from moeflow.cli import tune as tune_cli
-    from moeflow.kernels import autotune
+    from moeflow.tune import autotune
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
@@ -934,7 +935,7 @@ def test_tune_times_gate_up_rows_as_the_layer_feeds_them(monkeypatch, tmp_path):
 def test_scatter_rows_equals_gather_rows(dtype, k, copies, g):
     """The row copy from the inverse map (each source row read once) equals the gather by source rows, every
     element written (outputs start as garbage: torch.empty), scales included; a source with no rows."""
-    from moeflow.kernels.quant import scatter_rows
+    from moeflow.kernels.rows.quant import scatter_rows
     s = 9
     x = torch.randn(s, k).to(dtype)
     xs = torch.rand(s, g) if g else None
@@ -953,7 +954,7 @@ def test_scatter_rows_equals_gather_rows(dtype, k, copies, g):
 def test_scatter_rows_skips_dropped_copies():
     """copy_rows of a padded batch (-1: a copy routed to no expert, the local dispatcher's dropping form): the named
     rows get their source row, nothing is written for a -1 (the rows no entry names keep what they held)."""
-    from moeflow.kernels.quant import scatter_rows
+    from moeflow.kernels.rows.quant import scatter_rows
     s, copies = 7, 3
     x, xs = torch.randn(s, 40).half(), torch.rand(s, 2)
     copy_rows = torch.randperm(s * copies).view(s, copies)
@@ -972,7 +973,7 @@ def test_gate_up_rows_in_order_by_scatter(monkeypatch, dropping):
     dropping batch (ids -1, as a bucketed call's padding tokens), whose copy_rows holds -1 for the dropped copies and
     whose padding rows past offsets[-1] the scatter leaves unwritten (no tile stores them)."""
     from moeflow.dispatch.expert_sort import sort_dropping
-    from moeflow.kernels import quant as quant_mod
+    from moeflow.kernels.rows import quant as quant_mod
     calls = []
     for name in ("gather_rows", "scatter_rows"):
         fn = getattr(quant_mod, name)

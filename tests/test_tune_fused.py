@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
-from moeflow.kernels import autotune, tune_fused
+from moeflow.tune import autotune
+from moeflow.tune import fused as tune_fused
 from moeflow.kernels import configs as kc
+from moeflow.kernels.gemm import tiles
 
 QWEN3 = dict(num_experts=128, hidden=2048, inter=768, top_k=8)
 
@@ -19,7 +21,7 @@ def test_fused_candidates_are_valid_tiles(scheme):
     BLOCK_N dividing 128 (one weight-scale block and one activation group a step)."""
     got = tune_fused.fused_candidates(autotune.Shape(scheme=scheme, **QWEN3), 1)
     assert got and len(set(got)) == len(got)
-    assert all(isinstance(c, kc.FusedConfig) and kc.fit_fused(c, scheme) == c for c in got)
+    assert all(isinstance(c, kc.FusedConfig) and tiles.fit_fused(c, scheme) == c for c in got)
     if scheme == "fp8-block":
         assert all(c.block_k1 == c.block_k2 == 128 and 128 % c.block_n1 == 0 and 128 % c.block_n2 == 0 for c in got)
     assert tune_fused.fused_candidates(autotune.Shape(scheme=scheme, **QWEN3), 16) == got  # the same set at every T
@@ -125,7 +127,7 @@ def test_fp8_block_candidates_keep_the_gluon_gate_up_where_offered(preset, token
     """The Gluon gate_up tiles each family offers (scale_overlap, and the warp-specialized ones) survive fit() (a tile
     it cannot run would come back with the flag 0 and silently time the Triton kernel twice), and every candidate is
     a fitted tile."""
-    from moeflow.kernels.configs import fit
+    from moeflow.kernels.gemm.tiles import fit
     from moeflow.presets import PRESETS
     p = PRESETS[preset]
     shape = autotune.Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], "fp8-block")
@@ -154,7 +156,7 @@ def test_bf16_candidates_keep_every_warp_specialized_tile(preset, tokens):
     """bf16: the tuner offers the warp-specialized tiles by turns (128 x 64 and 64 x 128 gate_up, 128 x 128 down) and
     COOP (128 x 128 gate_up, 128 x 256 down) in the middle and large families, and fit() keeps every one (a tile it
     cannot run would come back with the flag 0 and time the Triton kernel instead)."""
-    from moeflow.kernels.configs import fit
+    from moeflow.kernels.gemm.tiles import fit
     from moeflow.presets import PRESETS
     p = PRESETS[preset]
     shape = autotune.Shape(p["num_experts"], p["hidden_size"], p["intermediate_size"], p["top_k"], "none")
@@ -183,7 +185,6 @@ def test_layer_times_checks_each_tile_set_poisoned(monkeypatch):
     """The tuner's check of a one-launch tile set runs it with its fresh buffers NaN-poisoned (a launch reusing the
     memory of the candidate before could leave an unwritten element holding a right value), the timed runs without;
     a NaN left is an error no limit passes."""
-    from moeflow.kernels import autotune as at
     calls = []
 
     class Runner:
@@ -205,7 +206,8 @@ def test_layer_times_checks_each_tile_set_poisoned(monkeypatch):
         def combine(self, out, handle):
             return out
 
-    monkeypatch.setattr(at, "graph_time_ms", lambda fns, rep_ms: [f() for f in fns] and 1.0)
+    from moeflow.tune import timing
+    monkeypatch.setattr(timing, "graph_time_ms", lambda fns, rep_ms: [f() for f in fns] and 1.0)
     x = torch.randn(3, 8)
     routing = (x, torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2))
     tiles = [kc.FusedConfig(block_n1=32), kc.FusedConfig(block_n1=64)]

@@ -9,21 +9,21 @@ import torch
 from triton_interp import SKIP_REASON
 
 from moeflow.errors import MoeflowError
-from moeflow.kernels import verify
+from moeflow.tune import verify
 
 interp = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 SCHEMES = ["none", "fp8-tensor", "fp8-channel", "fp8-block"]
 
 
 def _shape(scheme):
-    from moeflow.kernels import autotune
+    from moeflow.tune import autotune
     return autotune.Shape(6, 256, 128, 2, scheme, torch.float16)
 
 
 def _setup(scheme, tokens=7):
     """(shape, weights, (check_gate_up, check_down), the first gemm_inputs tuple, the down's inputs from it)."""
-    from moeflow.kernels import autotune
-    from moeflow.kernels.quant import down_input
+    from moeflow.tune import autotune
+    from moeflow.kernels.rows.quant import down_input
     shape = _shape(scheme)
     weights = autotune.random_weights(shape, "cpu")
     checks = autotune.gemm_checks(shape, weights)
@@ -52,7 +52,7 @@ def test_the_kernels_pass_their_check(scheme):
 def _faulty(monkeypatch, module, name, fault):
     """Replace kernels/<module>.<name> by the torch reference beside it with ``fault`` applied to its output."""
     import importlib
-    mod = importlib.import_module(f"moeflow.kernels.{module}")
+    mod = importlib.import_module(f"moeflow.kernels.gemm.{module}")
     ref = getattr(mod, f"{name}_torch")
 
     def run(*args, poison=False, source_rows=None, **kw):
@@ -94,7 +94,7 @@ FAULTS = {
 def test_wrong_outputs_are_refused(monkeypatch, scheme, fault, gemm):
     """A GEMM that writes the reference's values passes; one with a fault planted fails its check (error over the
     limit, or not finite)."""
-    from moeflow.kernels import autotune
+    from moeflow.tune import autotune
     shape, weights, _, inp, down_in, gu, dn = _setup(scheme, tokens=9)
     _faulty(monkeypatch, gemm, gemm, FAULTS[fault])
     check_gu, check_dn = autotune.gemm_checks(shape, weights)  # made after the patch: they import the kernels
@@ -109,7 +109,7 @@ def test_wrong_outputs_are_refused(monkeypatch, scheme, fault, gemm):
 def test_a_wrong_expert_is_refused():
     """Rows multiplied by a neighbouring expert's weights (a block table off by one) are far outside the limit."""
     from moeflow.kernels.common import RowLayout
-    from moeflow.kernels.down import down_torch
+    from moeflow.kernels.gemm.down import down_torch
     shape, weights, _, inp, (a, a_s, rw, layout), _, _ = _setup("none", tokens=9)
     shifted = RowLayout(False, torch.cat([layout.meta[:1], layout.meta[:-1]]), layout.num_experts, 0, layout.rows)
     out = down_torch(a, a_s, weights.w2, weights.w2_scale, rw, shifted, "none", shape.dtype)
@@ -120,7 +120,7 @@ def test_a_wrong_expert_is_refused():
 def test_fastest_correct_falls_back_and_reports():
     """The fastest passing candidate wins; faster ones that failed are listed (error rounded, None for NaN or
     inf); none passing raises MF607 naming the GEMM, T and the refused."""
-    from moeflow.kernels.autotune import _fastest_correct
+    from moeflow.tune.autotune import _fastest_correct
     from moeflow.kernels.configs import GemmConfig
     cfgs = [GemmConfig(16, bn, 128, 1, 4, 3) for bn in (32, 64, 128, 256)]
     ms = [0.4, 0.1, 0.3, 0.2]  # fastest first: 64, 256, 128, 32
@@ -138,7 +138,7 @@ def test_fastest_correct_falls_back_and_reports():
 
 def test_refused_notes_name_a_loadable_config():
     """The "refused" notes tune() stores hold a GemmConfig's fields, which load back into the same config."""
-    from moeflow.kernels.autotune import _fastest_correct
+    from moeflow.tune.autotune import _fastest_correct
     from moeflow.kernels.configs import GemmConfig
     bad = replace(GemmConfig(64, 128, 128, 8, 4, 4), warp_specialize=1)
     good = GemmConfig(128, 128, 128, 8, 8, 3)
@@ -151,7 +151,7 @@ def test_refused_notes_name_a_loadable_config():
 def test_fp8_group_outputs_are_checked_against_the_same_quantization():
     """gate_up's fp8-block groups: the reference's own groups pass at ~0 error (the reference is quantized the same
     way), a scale off by 2 in one row's group, or a group's bytes from another row, does not."""
-    from moeflow.kernels.gate_up import gate_up_torch
+    from moeflow.kernels.gemm.gate_up import gate_up_torch
     from moeflow.quant import create_scheme
     shape, weights, _, (batch, layout, xq, xs), _, _, _ = _setup("fp8-block", tokens=9)
     ref = gate_up_torch(xq, xs, weights.w13, weights.w13_scale, layout, "fp8-block", "silu", shape.dtype)
@@ -176,7 +176,7 @@ def test_gathered_amax_is_checked(scheme):
     """fp8-tensor / fp8-channel gate_up also returns the amax of |inter| it gathered (atomic max), which sets the down
     input's scale: the kernel's passes; one row's (or the tensor's) amax off, or left at zero, is refused."""
     shape, weights, (check_gu, _), inp, _, gu, _ = _setup(scheme, tokens=9)
-    from moeflow.kernels.gate_up import gate_up
+    from moeflow.kernels.gemm.gate_up import gate_up
     batch, layout, xq, xs = inp
     inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale, layout, scheme, "silu", shape.dtype, gu[0])
 
@@ -195,7 +195,7 @@ def test_gathered_amax_is_checked(scheme):
 def test_random_weights_in_chunks_of_any_size_are_the_same(scheme):
     """random_weights draws and quantizes at most chunk_bytes of high-precision weight at a time (Mixtral's 8 experts
     at once held 12 GB of FP8 temporaries); on the CPU's serial generator the chunking changes no bit."""
-    from moeflow.kernels import autotune
+    from moeflow.tune import autotune
     shape = _shape(scheme)
     whole = autotune.random_weights(shape, "cpu")
     one = autotune.random_weights(shape, "cpu", chunk_bytes=1)  # one expert at a time

@@ -10,8 +10,9 @@ pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)
 
 if SKIP_REASON is None:
     from moeflow.kernels import configs as kc
+    from moeflow.kernels.gemm import tiles
     from moeflow.kernels.common import RowLayout
-    from moeflow.kernels.warp_specialized import block_table, block_table_torch
+    from moeflow.kernels.gemm.warp_specialized import block_table, block_table_torch
     from moeflow.layouts import offsets_from_counts
 
 
@@ -37,7 +38,7 @@ def test_block_table_matches_reference(counts, block_m):
 
 
 def test_fit_keeps_warp_specialize_where_the_kernel_runs():
-    ws = lambda cfg, **kw: kc.fit(cfg, **{**dict(fused_pair=False, scheme="none", elem_bytes=2, n_size=2048), **kw})
+    ws = lambda cfg, **kw: tiles.fit(cfg, **{**dict(fused_pair=False, scheme="none", elem_bytes=2, n_size=2048), **kw})
     cfg = kc.GemmConfig(128, 128, 64, 8, 4, 6, warp_specialize=1)
     assert ws(cfg).warp_specialize == 1 and ws(cfg).num_stages == 6  # 6 x 32 KB fits the shared-memory budget
     assert ws(cfg, elem_bytes=4).warp_specialize == 0  # float32 layers
@@ -52,22 +53,22 @@ def test_fit_keeps_warp_specialize_where_the_kernel_runs():
     assert gu8.warp_specialize == 1 and gu8.num_stages == 5  # 8 stages clamped to the 200 KB budget
     assert ws(kc.GemmConfig(128, 64, 128, 8, 4, 4, warp_specialize=1), fused_pair=True, scheme="fp8-block",
               elem_bytes=1, n_size=768).warp_specialize == 0  # 64 columns: half a group
-    assert not kc.ws_fits(kc.GemmConfig(64, 128, 128, 8, 4, 6, warp_specialize=1), True, "fp8-block")  # 240 KB
-    assert kc.ws_fits(kc.GemmConfig(64, 128, 128, 8, 4, 2, warp_specialize=1), True, "fp8-block")
+    assert not tiles.ws_fits(kc.GemmConfig(64, 128, 128, 8, 4, 6, warp_specialize=1), True, "fp8-block")  # 240 KB
+    assert tiles.ws_fits(kc.GemmConfig(64, 128, 128, 8, 4, 2, warp_specialize=1), True, "fp8-block")
     # 128 x 128 (COOP: the two consumers 64 rows each), at most 4 stages of 48 KB
     coop = ws(kc.GemmConfig(128, 128, 128, 16, 4, 6, warp_specialize=1), fused_pair=True, scheme="fp8-block",
               elem_bytes=1, n_size=2048)
     assert (coop.block_m, coop.warp_specialize, coop.num_stages) == (128, 1, 4)
-    assert not kc.ws_fits(kc.GemmConfig(128, 128, 128, 8, 4, 5, warp_specialize=1), True, "fp8-block")
+    assert not tiles.ws_fits(kc.GemmConfig(128, 128, 128, 8, 4, 5, warp_specialize=1), True, "fp8-block")
     # the wide fp8-block down: 64 x 256 in quarters, at most 5 stages of 40 KB; not for the gate_up
     wide = ws(kc.GemmConfig(64, 256, 128, 8, 4, 7, warp_specialize=1), scheme="fp8-block", elem_bytes=1)
     assert (wide.block_n, wide.warp_specialize, wide.num_stages) == (256, 1, 5)
-    assert not kc.ws_fits(kc.GemmConfig(64, 256, 128, 8, 4, 4, warp_specialize=1), True, "fp8-block")
+    assert not tiles.ws_fits(kc.GemmConfig(64, 256, 128, 8, 4, 4, warp_specialize=1), True, "fp8-block")
     # and 128 x 256 shared by the two consumers (COOP, 64 rows each), at most 4 stages of 48 KB (213 KB compiled)
     wide_coop = ws(kc.GemmConfig(128, 256, 128, 16, 4, 6, warp_specialize=1), scheme="fp8-block", elem_bytes=1)
     assert (wide_coop.block_m, wide_coop.block_n, wide_coop.warp_specialize, wide_coop.num_stages) == (128, 256, 1, 4)
-    assert not kc.ws_fits(kc.GemmConfig(128, 256, 128, 8, 4, 5, warp_specialize=1), False, "fp8-block")
-    assert not kc.ws_fits(kc.GemmConfig(128, 256, 128, 8, 4, 4, warp_specialize=1), True, "fp8-block")
+    assert not tiles.ws_fits(kc.GemmConfig(128, 256, 128, 8, 4, 5, warp_specialize=1), False, "fp8-block")
+    assert not tiles.ws_fits(kc.GemmConfig(128, 256, 128, 8, 4, 4, warp_specialize=1), True, "fp8-block")
     assert ws(kc.GemmConfig(128, 128, 128, 8, 4, 4, warp_specialize=1), scheme="fp8-block",
               elem_bytes=1).warp_specialize == 0  # 128 x 128: three tiles of 128 registers
     assert ws(cfg, fused_pair=True).num_stages == 4  # as a gate_up tile: COOP (below), 48 KB stages
@@ -79,13 +80,13 @@ def test_fit_keeps_warp_specialize_where_the_kernel_runs():
     for tile, gated in (((128, 256), False), ((128, 128), True)):
         cp = ws(kc.GemmConfig(*tile, 64, 8, 4, 4, warp_specialize=1), fused_pair=gated, n_size=768)
         assert (cp.block_m, cp.block_n, cp.warp_specialize, cp.num_stages) == (*tile, 1, 4)
-        assert not kc.ws_fits(kc.GemmConfig(*tile, 64, 8, 4, 5, warp_specialize=1), gated)
+        assert not tiles.ws_fits(kc.GemmConfig(*tile, 64, 8, 4, 5, warp_specialize=1), gated)
     # and 64-row tiles a consumer, by turns: the 64 x 256 down at most 4 stages of 40 KB, the 64 x 128 gate_up 5
-    assert kc.ws_fits(kc.GemmConfig(64, 256, 64, 8, 4, 4, warp_specialize=1), False)
-    assert not kc.ws_fits(kc.GemmConfig(64, 256, 64, 8, 4, 5, warp_specialize=1), False)  # 238 KB with its epilogue
-    assert kc.ws_fits(kc.GemmConfig(64, 128, 64, 8, 4, 5, warp_specialize=1), True)
-    assert not kc.ws_fits(kc.GemmConfig(64, 128, 64, 8, 4, 4, warp_specialize=1), False)  # not a down tile
-    assert not kc.ws_fits(kc.GemmConfig(128, 256, 64, 8, 4, 4, warp_specialize=1), True)  # 512 accumulator columns
+    assert tiles.ws_fits(kc.GemmConfig(64, 256, 64, 8, 4, 4, warp_specialize=1), False)
+    assert not tiles.ws_fits(kc.GemmConfig(64, 256, 64, 8, 4, 5, warp_specialize=1), False)  # 238 KB with its epilogue
+    assert tiles.ws_fits(kc.GemmConfig(64, 128, 64, 8, 4, 5, warp_specialize=1), True)
+    assert not tiles.ws_fits(kc.GemmConfig(64, 128, 64, 8, 4, 4, warp_specialize=1), False)  # not a down tile
+    assert not tiles.ws_fits(kc.GemmConfig(128, 256, 64, 8, 4, 4, warp_specialize=1), True)  # 512 accumulator columns
     assert ws(kc.GemmConfig(128, 128, 64, 8, 8, 4, warp_specialize=1)).warp_specialize == 0  # a consumer is 4 warps
     assert ws(kc.GemmConfig(128, 128, 64, 8, 4, 4, split_k=2, warp_specialize=1)).warp_specialize == 0
     assert ws(kc.GemmConfig(128, 128, 64, 8, 4, 4, warp_specialize=True)).warp_specialize == 1  # JSON true

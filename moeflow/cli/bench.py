@@ -1,18 +1,13 @@
 """`moeflow bench` — the main job: build a layer for a preset, check every valid runner against
 the reference runner on the same weights and inputs, print latency, TFLOP/s, GB/s and error per runner and T
 (on CUDA also % of roofline), with a progress bar; --json / --csv write the rows, --png plots time against T per
-runner (on CUDA with the roofline floor).
+runner (on CUDA with the roofline floor). On a CPU-only machine the defaults finish in seconds.
 
-Roofline (PERF.md's method, moeflow.benchmark): GB/s and the floor count the experts the routing of each row's
-tokens touched ("experts_hit"), and on CUDA the floor divides by this GPU's ceilings, measured at the start of the run
-(moeflow.benchmark.measure_ceilings, printed above the table); "floor_us" and "pct_roofline" are in each row.
-
-Error: the first call's output against the reference runner's, relative (moeflow.benchmark.relative_error), the
-call's buffers poisoned (moeflow.benchmark.poisoned_allocations); over WRONG_REL_ERR the row is "wrong".
-Timing: on CUDA the layer is captured as one CUDA graph and replayed with the L2 flushed (PERF.md's method,
-moeflow.benchmark.graph_us); a layer whose call cannot be captured (its runner synchronizes with the host) is
-timed eagerly, and the row says which ("timing"). On the CPU, synchronized host timing.
-On a CPU-only machine the defaults (preset "small", all schemes) finish in seconds.
+Roofline (moeflow.benchmark): the experts each row's routing touched ("experts_hit") against this GPU's ceilings,
+measured at the start of the run; "floor_us" and "pct_roofline" are in each row. Error: relative to the reference
+runner's output, the call's buffers poisoned; over WRONG_REL_ERR the row is "wrong". Timing: on CUDA replays of one
+CUDA graph with the L2 flushed, eager where the runner synchronizes with the host (the row's "timing"); on the CPU
+synchronized host timing.
 """
 from __future__ import annotations
 
@@ -168,7 +163,8 @@ def _measure(layer: MoE, x, logits, want, ceilings: Ceilings | None = None) -> d
         with poisoned_allocations():  # an element the layer never writes is NaN, not another runner's stale output
             err = relative_error(layer(x, logits), want)
         seconds, timing = _time(layer, x, logits)
-        hit = int(layer.router(logits, layer.e_score_correction_bias)[0].unique().numel())  # PERF.md: routed, counted
+        # the experts this routing touched, counted (not their expectation under random routing)
+        hit = int(layer.router(logits, layer.e_score_correction_bias)[0].unique().numel())
     oracle = layer.plan.runner == "reference"  # the comparand itself: no error to report
     row = dict(quant=cfg.quant, runner=layer.plan.runner, dtype=str(cfg.dtype).removeprefix("torch."), T=t,
                us=seconds * 1e6, tflops=layer_flops(cfg, t) / seconds / 1e12,
@@ -192,7 +188,8 @@ def accuracy_status(rel_err: float) -> str:
 
 
 def _time(layer: MoE, x, logits) -> tuple[float, str]:
-    """-> (seconds a call of the layer takes, "graph" or "eager"): module docstring."""
+    """-> (seconds a call of the layer takes, "graph": on CUDA, replays of one captured graph with the L2 flushed
+    (graph_us), or "eager": synchronized host timing, where the call cannot be captured or off CUDA)."""
     def call():
         with torch.no_grad():
             return layer(x, logits)

@@ -3,16 +3,11 @@ file the "triton" runner looks up (moeflow/kernels/configs.py names and reads it
 
     moeflow tune --preset deepseek-v3 --quant fp8-block --out ./configs
     moeflow tune --preset deepseek-v3 --quant fp8-block --tokens 4096,16384 --merge --out ./configs
-                                          # re-tune two token counts of an existing file, keep the rest
     MOEFLOW_KERNEL_CONFIG_DIR=./configs python app.py      # the runner finds the file there
 
-Per token count: the gate_up and down GEMM configs; for a single-process layer (every expert local) of a scheme
-the one-launch layer runs (none, fp8-channel, fp8-block) at T <= 16 also its tiles (kernels/fused_layer.py),
-recorded only where the whole layer after routing measured faster in one launch than in the separate launches
-(--no-fused: not searched).
-Before a GEMM config is recorded, the fastest is rerun with its outputs poisoned and held to a float64 reference,
-expert by expert (kernels/verify.py); a wrong one is logged, listed under the file's measured_us as "refused", and the
-next fastest takes its place (MF607 if none is right).
+Per token count: the gate_up and down GEMM configs, each checked against a float64 reference before it is recorded
+(run), and for a single-process layer of none, fp8-channel or fp8-block at T <= 16 the one-launch layer's tiles
+(kernels/gemm/fused_layer.py), where that launch is faster than the separate ones (--no-fused: not searched).
 """
 from __future__ import annotations
 
@@ -41,13 +36,17 @@ def add_parser(sub) -> None:
                    help="keep the entries an existing file in --out has for the token counts not tuned now, and "
                         "a re-tuned entry's one-launch tiles where this run does not search them")
     p.add_argument("--no-fused", action="store_true",
-                   help="do not search the one-launch small-batch layer's tiles (kernels/fused_layer.py; by default "
-                        "searched for a single-process layer of scheme none (a bf16 / fp16 layer), fp8-channel or "
-                        "fp8-block, T <= 16: kernels/tune_fused.fused_candidates)")
+                   help="do not search the one-launch small-batch layer's tiles (kernels/gemm/fused_layer.py; "
+                        "by default searched for a single-process layer of scheme none (a bf16 / fp16 layer), "
+                        "fp8-channel or fp8-block, T <= 16: moeflow/tune/fused.fused_candidates)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    """Tune args' shape at each of --tokens and write the table (after every T, so a stopped search keeps what it
+    found). Before a GEMM config is recorded, the fastest is rerun with its outputs poisoned and held to a float64
+    reference, expert by expert (moeflow/tune/verify.py); a wrong one is logged, listed under the file's measured_us
+    as "refused", and the next fastest takes its place (MF607 if none is right). MF604 without CUDA or triton."""
     from .. import env as moeflow_env
     from ..capabilities import Environment
     if not torch.cuda.is_available():
@@ -58,8 +57,8 @@ def run(args) -> int:
     import triton
 
     from ..kernels import configs as kc
-    from ..kernels.autotune import Shape, tune
-    from ..kernels.tune_fused import fused_searched
+    from ..tune.autotune import Shape, tune
+    from ..tune.fused import fused_searched
 
     cfg = config_from_args(args, device="cuda")
     e = args.local_experts or cfg.num_experts

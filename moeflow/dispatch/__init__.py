@@ -24,9 +24,11 @@ for _cls in (AllToAllDispatcher, AllGatherDispatcher, LowLatencyDispatcher, AllT
     DISPATCHERS.register(_cls)
 
 
-def create_dispatcher(name, config, scheme, process_group=None, indexed_rows: bool = False) -> Dispatcher:
-    """indexed_rows: hand sorted rows by index (Plan.indexed_rows; only where caps.indexed_rows)."""
-    d = DISPATCHERS.get(name)(config, scheme, process_group)
+def create_dispatcher(name, config, scheme, process_group=None, indexed_rows: bool = False,
+                      planned=None) -> Dispatcher:
+    """indexed_rows: hand sorted rows by index (Plan.indexed_rows; only where caps.indexed_rows). planned: the
+    layer's Plan, which expert-parallel dispatchers check all ranks agree on."""
+    d = DISPATCHERS.get(name)(config, scheme, process_group, planned=planned)
     d.indexed_rows = indexed_rows and d.caps.indexed_rows
     return d
 

@@ -1,19 +1,5 @@
-"""What the expert-parallel dispatchers share: the group, the expert placement, the payload, and
-the start / wait halves of dispatch and combine.
-
-Halves (DeepEP's dispatch_a / dispatch_b style)::
-
-    pending = d.dispatch_start(hidden, topk_ids, topk_weights)  # pack, launch the collective
-    shared = shared_experts(hidden)                               # overlaps the transfer
-    batch, handle = d.dispatch_wait(pending)                      # finish, build the ExpertBatch
-    out = runner(batch)
-    pending = d.combine_start(out, handle)                         # partial sums, launch
-    ...                                                            # more overlapped work
-    y = d.combine_wait(pending)                                    # [T, H]
-
-``dispatch`` / ``combine`` are the two halves back to back. On CUDA the collectives run on NCCL's
-stream, so work queued between start and wait runs concurrently with them; on CPU (gloo) they run
-in gloo's threads. Pending objects and handles are opaque: pass them back unchanged, once.
+"""What the expert-parallel dispatchers share: the group, the expert placement (expert_placement), the payload
+(FP8 or the layer dtype, below), and the start / wait halves of dispatch and combine (ExpertParallelDispatcher).
 """
 from __future__ import annotations
 
@@ -24,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..capabilities import Environment
 from ..config import PAYLOADS, MoEConfig
 from ..distributed import check_agreement, comm_device, resolve_group
 from ..errors import MoeflowError, error
@@ -69,14 +54,29 @@ class ExpertParallelDispatcher(Dispatcher):
     Construction is collective: every rank of the group must build the layer, in the same order.
     It checks the ranks agree (MF501, MF502 if one never comes) and the placement (MF504).
 
+    Halves (DeepEP's dispatch_a / dispatch_b style)::
+
+        pending = d.dispatch_start(hidden, topk_ids, topk_weights)  # pack, launch the collective
+        shared = shared_experts(hidden)                               # overlaps the transfer
+        batch, handle = d.dispatch_wait(pending)                      # finish, build the ExpertBatch
+        out = runner(batch)
+        pending = d.combine_start(out, handle)                         # partial sums, launch
+        ...                                                            # more overlapped work
+        y = d.combine_wait(pending)                                    # [T, H]
+
+    ``dispatch`` / ``combine`` are the two halves back to back. On CUDA the collectives run on NCCL's
+    stream, so work queued between start and wait runs concurrently with them; on CPU (gloo) they run
+    in gloo's threads. Pending objects and handles are opaque: pass them back unchanged, once.
+
     expert_rank: [E] int64, rank owning each expert. expert_local: [E] int64, its local id there.
     _copy_table: [E + 1] int64, entry e + 1 = local id of expert e here, or E_local (entry 0: id -1).
     """
 
-    def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None, payload: str | None = None):
+    def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None, payload: str | None = None,
+                 planned=None):
         payload = config.dispatch_payload if payload is None else payload
         group = resolve_group(process_group)
-        super().__init__(config, scheme, group)
+        super().__init__(config, scheme, group, planned)
         if group is None or dist.get_world_size(group) < 2:
             raise error("MF208", name=self.name, why="needs an expert-parallel group of 2 or more ranks", valid=["local"])
         if payload not in PAYLOADS:
@@ -116,7 +116,7 @@ class ExpertParallelDispatcher(Dispatcher):
         """A new dispatcher of the same kind and group with another payload mode (collective: every
         rank must call it). ``moe.dispatcher = moe.dispatcher.with_payload("fp8")``. The new one keeps this one's
         settings made after construction (rows by index as planned for the runner, the combine's pieces)."""
-        new = type(self)(self.config, self.scheme, self.process_group, payload=payload)
+        new = type(self)(self.config, self.scheme, self.process_group, payload=payload, planned=self.planned)
         for setting in ("indexed_rows", "combine_chunks"):
             if hasattr(self, setting):
                 setattr(new, setting, getattr(self, setting))
@@ -124,18 +124,14 @@ class ExpertParallelDispatcher(Dispatcher):
 
     def _description(self) -> dict:
         """What ranks must agree on: the configuration, the planned backends, the group size, the payload."""
-        from ..planner import plan  # the planner imports this package
-
         fields = self.config.to_dict()
         try:  # the placement each rank resolves: None and the same contiguous blocks written out agree
             fields["placement"] = list(expert_placement(self.config, dist.get_world_size(self.process_group)))
         except MoeflowError:  # an invalid one (MF504, raised after the ranks agree) is compared as given
             pass
-        try:
-            p = plan(self.config, Environment.detect(self.config.device, dist.get_world_size(self.process_group)))
+        p = self.planned  # the layer's plan; a dispatcher built outside a layer has none to compare
+        if p is not None:
             fields.update({"plan.scheme": p.scheme, "plan.runner": p.runner, "plan.dispatcher": p.dispatcher})
-        except MoeflowError as exc:  # built directly, outside a layer: the plan is only informative
-            fields["plan"] = exc.code
         fields.update({"world_size": dist.get_world_size(self.process_group), "dispatcher.class": self.name,
                        "dispatcher.payload": self.payload})
         return fields

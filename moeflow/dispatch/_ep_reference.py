@@ -1,6 +1,6 @@
-"""The torch code of the expert-parallel row kernels (kernels/ep_rows.py, kernels/ep_sort.py): their
+"""The torch code of the expert-parallel row kernels (kernels/rows/ep_rows.py, kernels/rows/ep_sort.py): their
 references in the tests, and the dispatchers' path off CUDA or without triton. Same arguments and
-the same values as the kernels; packed rows as dispatch/_ep_rows.py describes them.
+the same values as the kernels; packed rows as _ep_rows.RowCodec describes them.
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from torch import Tensor
 from ..layouts import MASKED, ExpertBatch, offsets_from_counts
 
 if TYPE_CHECKING:
-    from ._ep_rows import RowCodec, Rows
+    from .packed import Rows
 
 
 def pack_rows_torch(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor,
                     dest_pos: Tensor, expert_rank: Tensor | None = None, expert_local: Tensor | None = None,
                     pad_from: int | None = None) -> None:
-    """Torch reference of kernels/ep_rows.pack_rows (same arguments; it reads the number of
+    """Torch reference of kernels/rows/ep_rows.pack_rows (same arguments; it reads the number of
     (token, destination) pairs on the host): rows of ``out`` named by dest_pos [T, D] get token t,
     its scale and its routing (remapped to destination d's local ids when expert_rank / expert_local
     [E] are given); rows pad_from.. get ids -1, weights 0."""
@@ -56,7 +56,7 @@ def rank_rows_torch(topk_ids: Tensor, expert_rank: Tensor, world: int, block: in
 
 def sort_copies_by_expert_torch(ids: Tensor, weights: Tensor, e_local: int,
                                 n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Torch reference of kernels/ep_sort.sort_copies_by_expert: ids [R, K] (local ids, -1: not
+    """Torch reference of kernels/rows/ep_sort.sort_copies_by_expert: ids [R, K] (local ids, -1: not
     here), weights [R, K] float32 -> (source [n] int64 row of each sorted copy, sorted weights [n],
     counts [E_local] int32, offsets [E_local + 1] int64, copy_pos [R * K] int64, -1 if not here).
     n may exceed the copies here (an upper bound, alltoall-fixed): positions past them get source 0
@@ -75,7 +75,7 @@ def sort_copies_by_expert_torch(ids: Tensor, weights: Tensor, e_local: int,
 
 
 def blank_rows_torch(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor) -> None:
-    """Reference of kernels/ep_rows.blank_rows: rows d*C + counts[d] .. of each block d of
+    """Reference of kernels/rows/ep_rows.blank_rows: rows d*C + counts[d] .. of each block d of
     buf [W * C, row_bytes] become ``blank`` [row_bytes], in place (no host synchronization)."""
     world = counts.shape[0]
     blocks = buf.view(world, capacity, -1)
@@ -83,13 +83,14 @@ def blank_rows_torch(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor) 
     blocks.copy_(torch.where(unused[..., None], blank, blocks))
 
 
-def masked_batch_torch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int,
+def masked_batch_torch(codec, rows: Rows, experts: Tensor, e_local: int,
                        capacity: int) -> tuple[ExpertBatch, Tensor]:
-    """masked_batch in torch ops (the reference of kernels/ep_rows.masked_scatter)."""
+    """masked_batch in torch ops (the reference of kernels/rows/ep_rows.masked_scatter); codec: the _ep_rows.RowCodec
+    the rows were packed with."""
     k, dev = codec.top_k, experts.device
     # position of each copy among its expert's copies, in row order: a running count per expert
     # ([E_local+1, R*K] int32, a few MB at decode sizes) instead of a sort. The scan runs along the
-    # last dim: along dim 0 torch scans each column serially (~0.5 ms on H200).
+    # last dim: along dim 0 torch scans each column serially.
     running = (torch.arange(e_local + 1, device=dev)[:, None] == experts[None, :]).to(torch.int32).cumsum(1)
     pos = running.gather(0, experts[None, :]).squeeze(0) - 1
     counts = running[:e_local, -1].to(torch.int32)

@@ -1,24 +1,11 @@
-"""Packed token rows and the batch builders shared by the expert-parallel dispatchers.
-
-One packed row (uint8 [row_bytes]) carries everything a rank needs about one token:
-
-    ids      int32   [K]   expert ids (global or local, as the dispatcher says); -1: none / padding
-    weights  float32 [K]   routing weights (0 where ids is -1)
-    scale    float32 [G]   payload scales when the payload is FP8 (G = 0 for a layer-dtype payload)
-    hidden   [H]           the token, in the payload dtype (layer dtype or float8_e4m3fn)
-    padding up to a multiple of 16 bytes (NCCL likes 16-byte aligned rows; hidden starts 16-aligned)
-
-so one collective per direction moves tokens, routing and scales together: the ~40 µs latency floor
-of an NCCL call (PERF.md) is paid once per dispatch, not three times. Token bytes move as "words"
-(int64 when the row's token bytes allow, else narrower): torch's index kernels move one element
-per thread, and on 2×H200 gathering 117 MB of rows as uint8 took ~1 ms, 8x the bytes' worth.
-Words are viewed back as the payload dtype at the end (``as_payload``).
+"""Packed token rows (RowCodec, Rows) and the batch builders (sorted_batch, masked_batch) shared by the
+expert-parallel dispatchers: a packed row carries one token with its routing and scales, so that one collective
+per direction moves all three.
 """
 from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -26,27 +13,23 @@ from torch import Tensor
 from ..capabilities import triton_glue
 from ..layouts import MASKED, SORTED, ExpertBatch
 from ..quant import QuantScheme
-from ._ep_reference import (blank_rows_torch, masked_batch_torch, pack_rows_torch, rank_rows_torch,
-                            sort_copies_by_expert_torch)
+from ._ep_reference import (
+    blank_rows_torch,
+    masked_batch_torch,
+    pack_rows_torch,
+    rank_rows_torch,
+    sort_copies_by_expert_torch,
+)
+from .packed import Rows
 
 _ALIGN = 16
-
-
-@dataclass
-class Rows:
-    """Views into a packed buffer of R rows."""
-
-    ids: Tensor  # [R, K] int32
-    weights: Tensor  # [R, K] float32
-    scale: Tensor | None  # [R, G] float32
-    hidden: Tensor  # [R, token_bytes / word size] words (see RowCodec.word)
 
 
 def _quantize(scheme: QuantScheme, x: Tensor) -> tuple[Tensor, Tensor]:
     """scheme.quantize_activation(x), through the Triton kernel on CUDA when triton is present."""
     if triton_glue(x) and x.shape[0]:
         try:
-            from ..kernels.quant import quantize_activation
+            from ..kernels.rows.quant import quantize_activation
         except ImportError:  # triton missing: the scheme's torch code below
             pass
         else:
@@ -55,12 +38,12 @@ def _quantize(scheme: QuantScheme, x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _ep_kernels(t: Tensor, module: str = "ep_rows"):
-    """moeflow.kernels.<module> (ep_rows, ep_sort) when ``t`` is on CUDA and triton imports, else
+    """moeflow.kernels.rows.<module> (ep_rows, ep_sort, reduce) when ``t`` is on CUDA and triton imports, else
     None (the torch code)."""
     if not triton_glue(t):
         return None
     try:
-        return importlib.import_module(f"moeflow.kernels.{module}")
+        return importlib.import_module(f"moeflow.kernels.rows.{module}")
     except ImportError:
         return None
 
@@ -70,14 +53,26 @@ def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int, block: int = 0)
     (counts [W, 2] int64: rows and copies for each rank, home [T, W] int64: row of token t in the
     send buffer for rank r, grouped by destination with tokens ascending, -1 where not sent).
     block > 0: the rows for rank r start at r * block (fixed blocks), else after those of ranks < r.
-    Two Triton launches on CUDA (kernels/ep_rows.rank_rows), rank_rows_torch otherwise."""
+    Two Triton launches on CUDA (kernels/rows/ep_rows.rank_rows), rank_rows_torch otherwise."""
     kernels = _ep_kernels(topk_ids)
     return (rank_rows_torch if kernels is None else kernels.rank_rows)(topk_ids, expert_rank, world, block)
 
 
 class RowCodec:
     """Packs (payload, routing) rows. ``payload``: a quant scheme whose ``quantize_activation``
-    compresses the token (FP8 payload), or None to send the layer dtype."""
+    compresses the token (FP8 payload), or None to send the layer dtype.
+
+    One packed row (uint8 [row_bytes]) carries everything a rank needs about one token:
+
+        ids      int32   [K]   expert ids (global or local, as the dispatcher says); -1: none / padding
+        weights  float32 [K]   routing weights (0 where ids is -1)
+        scale    float32 [G]   payload scales when the payload is FP8 (G = 0 for a layer-dtype payload)
+        hidden   [H]           the token, in the payload dtype (layer dtype or float8_e4m3fn)
+        padding up to a multiple of 16 bytes (NCCL likes 16-byte aligned rows; hidden starts 16-aligned)
+
+    so the latency floor of an NCCL call (~40 µs) is paid once per dispatch, not three times. Token bytes
+    move as ``word``s (int64 when the row's token bytes allow, else narrower), since torch's index kernels
+    move one element per thread; ``as_payload`` views them back as the payload dtype."""
 
     def __init__(self, hidden_size: int, top_k: int, dtype: torch.dtype, payload: QuantScheme | None):
         self.hidden_size, self.top_k, self.payload = hidden_size, top_k, payload
@@ -112,7 +107,7 @@ class RowCodec:
         dest_pos [T, D] int64: token t goes to row dest_pos[t, d] for each d where it is >= 0, with
         the ids of rank d's experts as local ids (``expert_local``, where ``expert_rank`` is d)
         and -1 / weight 0 for the others; rows no pair names stay unwritten.
-        One Triton launch on CUDA (kernels/ep_rows.pack_rows), torch otherwise; the same bytes.
+        One Triton launch on CUDA (kernels/rows/ep_rows.pack_rows), torch otherwise; the same bytes.
         """
         buf = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=tokens.device)
         t = ids.shape[0]
@@ -130,8 +125,8 @@ class RowCodec:
         """``pack``'s rows stored elsewhere (peer-to-peer dispatch, CUDA): destination d's rows start at
         address table[d] ([D] int64) and dest_pos [T, D] counts rows from there (negative: not sent);
         template: any uint8 [*, row_bytes] buffer of this codec (its row layout). One Triton launch
-        (kernels/ep_rows.pack_rows with a table)."""
-        from ..kernels.ep_rows import pack_rows
+        (kernels/rows/ep_rows.pack_rows with a table)."""
+        from ..kernels.rows.ep_rows import pack_rows
 
         pack_rows(self.unpack(template), tokens, scale, ids.to(torch.int32), weights.float(), dest_pos, expert_rank,
                   expert_local, table=table)
@@ -161,7 +156,7 @@ def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: boo
     """The copies of received ``rows`` for this rank (``ids`` [R, K] int32, default rows.ids: local
     expert ids, -1 for copies not here; ``n`` of them are here) as a sorted-layout batch: grouped by
     expert, in row order within one. Two Triton launches on CUDA where they beat torch's sort
-    (kernels/ep_sort.sort_pays), torch ops otherwise.
+    (kernels/rows/ep_sort.sort_pays), torch ops otherwise.
 
     indexed: the batch names its rows (``source_rows`` [n] into the R received rows, which it
     holds as strided views of the receive buffer) instead of copying one row per copy
@@ -192,10 +187,10 @@ def sorted_batch(codec: RowCodec, rows: Rows, n: int, e_local: int, indexed: boo
 def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor, table: Tensor | None = None) -> None:
     """Rows counts[d] .. C-1 of each block d of buf [W * C, row_bytes] become ``blank``
     (RowCodec.blank_row), in place, without a host synchronization: one Triton launch on CUDA
-    (kernels/ep_rows.blank_rows), blank_rows_torch otherwise. table [W] int64 (peer-to-peer, CUDA):
+    (kernels/rows/ep_rows.blank_rows), blank_rows_torch otherwise. table [W] int64 (peer-to-peer, CUDA):
     block d is the C rows from address table[d] (buf gives the row size)."""
     if table is not None:
-        from ..kernels.ep_rows import blank_rows as blank_rows_kernel
+        from ..kernels.rows.ep_rows import blank_rows as blank_rows_kernel
 
         blank_rows_kernel(buf, counts, capacity, blank, table=table)
         return
@@ -211,7 +206,7 @@ def masked_batch(codec: RowCodec, rows: Rows, experts: Tensor, e_local: int, cap
     The caller guarantees no expert receives more than ``capacity`` copies. Empty slots of
     ``hidden`` hold unspecified bytes (zeroing E_local·capacity·H bytes would cost more than the
     dispatch); ``weights`` is 0 there and ``counts`` says which slots are valid.
-    Two Triton launches on CUDA (kernels/ep_rows.masked_scatter), masked_batch_torch otherwise.
+    Two Triton launches on CUDA (kernels/rows/ep_rows.masked_scatter), masked_batch_torch otherwise.
     """
     kernels = _ep_kernels(experts)
     if kernels is None:

@@ -1,16 +1,7 @@
-"""Buffers every rank of a group maps, and a barrier over them: the transport of the peer-to-peer
-dispatcher (alltoall_p2p.py).
-
-Each named buffer exists once per rank at the same size, and every rank maps all of them:
-  CUDA: torch symmetric memory (NVLink / PCIe peer access, one node);
-  CPU: files in /dev/shm (or the temp folder) that every rank maps (one node); the files are
-    unlinked once all ranks have mapped them.
-``table(name, rows)`` gives the addresses a kernel stores through to reach block ``rank`` (``rows``
-rows long) of that buffer on every rank; ``blocks(name, rows)`` gives the same blocks as tensors.
-``barrier()``: CUDA: kernels/peer.barrier on this rank's stream (no host synchronization,
-capturable); a peer that does not answer within MOEFLOW_DIST_TIMEOUT_S ends the wait and leaves a
-flag in pinned host memory that ``check()`` turns into MF502 without a device synchronization.
-CPU: gloo's monitored barrier (MF502 after the same timeout).
+"""Buffers every rank of a group maps, and a barrier over them: the transport of the peer-to-peer dispatcher
+(alltoall_p2p.py). PeerBuffers: each named buffer exists once per rank at the same size, and every rank maps all
+of them: on CUDA torch symmetric memory (NVLink / PCIe peer access, one node); on CPU files in /dev/shm (or the
+temp folder) that every rank maps (one node), unlinked once all ranks have mapped them.
 """
 from __future__ import annotations
 
@@ -97,7 +88,7 @@ class PeerBuffers:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            from ..kernels.peer import barrier  # a Triton kernel: without triton, refused here (MF507)
+            from ..kernels.rows.peer import barrier  # a Triton kernel: without triton, refused here (MF507)
 
             self._barrier_kernel = barrier
             for key, (shape, dtype) in {**buffers, "_pads": ((self.world,), torch.int64)}.items():
@@ -186,7 +177,10 @@ class PeerBuffers:
 
     def barrier(self) -> None:
         """Return (CUDA: the stream waits) once every rank has entered this round; the stores each
-        rank made before it are then visible to all."""
+        rank made before it are then visible to all. CUDA: kernels/rows/peer.barrier on the current stream (no
+        host synchronization, capturable); a peer that does not answer within MOEFLOW_DIST_TIMEOUT_S ends the
+        wait and leaves a flag in pinned host memory that ``check()`` turns into MF502. CPU: gloo's monitored
+        barrier (MF502 after the same timeout)."""
         if self.device.type != "cuda":
             self._cpu_barrier()
             return

@@ -1,15 +1,7 @@
-"""dispatcher="allgather": every rank receives every token with its routing, computes the copies
-for its own experts, and the outputs are reduce-scattered back. Sorted layout.
-
-dispatch: token counts are all-gathered (the host reads them), every rank's packed rows (padded to
-the largest count, T_max) are all-gathered: [W * T_max] rows; the copies for this rank's experts
-are sorted by local expert (one more host read: their number).
-combine: per gathered row, the partial sum of this rank's copies (float32, stored in the layer dtype);
-the reduce-scatter is an all_to_all_single of those rows followed by a float32 sum on the home
-rank — the same bytes as a ring reduce-scatter, one rounding to the layer dtype fewer than NCCL's
-reduce_scatter in bf16, and deterministic.
-
-Simple and robust; moves every token to every rank, so it suits small W or small batches.
+"""dispatcher="allgather": every rank receives every token with its routing, computes the copies for its own
+experts, and the outputs are reduce-scattered back (AllGatherDispatcher). Sorted layout; two host reads a dispatch
+(the token counts, the copies here). Simple and robust; moves every token to every rank, so it suits small W or
+small batches.
 """
 from __future__ import annotations
 
@@ -45,6 +37,14 @@ class _Pending:
 
 
 class AllGatherDispatcher(ExpertParallelDispatcher):
+    """dispatch: token counts are all-gathered (the host reads them), every rank's packed rows (padded to the
+    largest count, T_max) are all-gathered: [W * T_max] rows; the copies for this rank's experts are sorted by
+    local expert (one more host read: their number).
+    combine: per gathered row, the partial sum of this rank's copies (float32, stored in the layer dtype); the
+    reduce-scatter is an all_to_all_single of those rows followed by a float32 sum on the home rank: the same
+    bytes as a ring reduce-scatter, one rounding to the layer dtype fewer than NCCL's reduce_scatter in bf16, and
+    deterministic."""
+
     name = "allgather"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=20,
                           note="all-gather tokens + routing, reduce-scatter outputs")

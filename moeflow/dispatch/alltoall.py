@@ -1,19 +1,8 @@
-"""dispatcher="alltoall": high-throughput expert parallelism (prefill), sorted layout.
-
-dispatch:
-  1. each token goes once to every rank owning one of its K experts, with its routing for that
-     rank's experts only (local ids, -1 for the others) — one packed row (see _ep_rows);
-  2. per destination rank, (rows, copies) counts are exchanged (a small all-to-all; the host reads
-     them: this dispatcher synchronizes once per dispatch, like every variable-size all-to-all);
-  3. one all_to_all_single moves the rows; the receiver sorts the copies by local expert. With
-     rows by index (Plan.indexed_rows: the triton runner) the batch names the received rows
-     instead of copying one row per copy.
-combine: each rank sums, per received row, the outputs of that row's copies (float32), sends the
-rows back in the layer dtype (one all_to_all_single), and the token's home rank adds the partial
-sums of the ranks it went to (float32, then the layer dtype). Both sums are ``gather_sum``: one
-read of each row, a fixed order, deterministic.
-
+"""dispatcher="alltoall": high-throughput expert parallelism (prefill), sorted layout (AllToAllDispatcher). Each
+token goes once to every rank owning one of its K experts, as one packed row (_ep_rows); a counts exchange that
+the host reads (one host synchronization a dispatch), then one all_to_all_single per direction.
 Payload: the layer dtype, or FP8 with its scales (``MoEConfig.dispatch_payload``, see _ep_base).
+AllToAllHandle is shared with alltoall-fixed and alltoall-p2p.
 """
 from __future__ import annotations
 
@@ -54,6 +43,19 @@ class _Pending:
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher):
+    """dispatch:
+      1. each token goes once to every rank owning one of its K experts, with its routing for that
+         rank's experts only (local ids, -1 for the others): one packed row (see _ep_rows);
+      2. per destination rank, (rows, copies) counts are exchanged (a small all-to-all; the host reads
+         them: this dispatcher synchronizes once per dispatch, like every variable-size all-to-all);
+      3. one all_to_all_single moves the rows; the receiver sorts the copies by local expert. With
+         rows by index (Plan.indexed_rows: the triton runner) the batch names the received rows
+         instead of copying one row per copy.
+    combine: each rank sums, per received row, the outputs of that row's copies (float32), sends the
+    rows back in the layer dtype (one all_to_all_single), and the token's home rank adds the partial
+    sums of the ranks it went to (float32, then the layer dtype). Both sums are ``gather_sum``: one
+    read of each row, a fixed order, deterministic."""
+
     name = "alltoall"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=30,
                           note="counts exchange + one all_to_all_single per direction; FP8 payload optional",

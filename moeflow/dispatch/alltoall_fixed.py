@@ -1,31 +1,12 @@
-"""dispatcher="alltoall-fixed": alltoall in blocks of a fixed size: no host synchronization, so a
-prefill-sized dispatch → experts → combine can be captured in a CUDA graph, and the host never
-waits for the device in the middle of a forward. Sorted layout, rows by index for the triton runner.
+"""dispatcher="alltoall-fixed": alltoall in blocks of a fixed size (C_rank = ``max_tokens_per_rank`` rows for every
+rank pair, whatever the routing): no host synchronization, so a prefill-sized dispatch → experts → combine can be
+captured in a CUDA graph, and the host never waits for the device in the middle of a forward. Sorted layout, rows
+by index for the triton runner; payload: the layer dtype or FP8, as alltoall (AllToAllFixedDispatcher).
 
-Every rank pair exchanges one block of C_rank = ``max_tokens_per_rank`` rows, whatever the routing:
-  dispatch: the rows of alltoall (each token once per destination rank, with that rank's local
-    ids; grouped by destination, tokens ascending) are written to block d of a [W, C_rank] send
-    buffer; the unused tail of each block becomes blank rows (ids -1, zeros), so no count has to
-    travel: one all_to_all_single of equal splits moves tokens, routing and the block's size. The
-    receiver sorts the copies of its W·C_rank rows by local expert into a batch of
-    W·C_rank·min(K, E_local) rows, an upper bound of the copies it can get: rows past offsets[-1]
-    are padding (weight 0) that the runners skip.
-  combine: as alltoall (partial sums per received row, sent back, the home rank adds its ranks'
-    sums), optionally in ``combine_chunks`` pieces: the partial sums of rows c·L .. (c+1)·L - 1 of
-    every block (L = C_rank / pieces) in their own all_to_all_single, meant to overlap the sum of
-    piece c with the transfer of piece c - 1 (the home rank's receive buffer is then piece-major;
-    the slot of each (token, rank) is remapped once per dispatch). Measured slower on 2×H200, so
-    one piece by default (COMBINE_CHUNKS).
-
-What it costs against alltoall: the all-to-all moves W·C_rank rows per rank whatever T and the
-routing are. With few ranks and top-k routing almost every token goes to every rank (2 ranks, top-8
-of 256 experts: 99.6%), so at T = C_rank the bytes are alltoall's; with many ranks or T well below
-C_rank the blocks are mostly blank. The batch, the expert outputs and the GEMM grid are sized by the
-upper bound (up to ~2x alltoall's at 2 ranks and top-8).
-
-Capacity: a rank given T > C_rank tokens takes part with its first C_rank (its peers' results stay
-correct) and raises MF503 at combine_wait, as lowlatency does (the peers cannot learn of a
-fallback without a synchronization). Payload: the layer dtype or FP8, as alltoall.
+What it costs against alltoall: W·C_rank rows move per rank whatever T and the routing are. With few ranks and
+top-k routing almost every token goes to every rank (2 ranks, top-8 of 256 experts: 99.6%), so at T = C_rank the
+bytes are alltoall's; with many ranks or T well below C_rank the blocks are mostly blank. The batch, the expert
+outputs and the GEMM grid are sized by the upper bound of the copies (up to ~2x alltoall's at 2 ranks and top-8).
 """
 from __future__ import annotations
 
@@ -57,13 +38,30 @@ def combine_pieces(capacity: int, most: int) -> int:
     return next(c for c in range(max(1, min(most, capacity)), 0, -1) if capacity % c == 0)
 
 
-# Pieces of the combine. One: on 2×H200 more pieces made it slower, not faster (bench_ep's sweep,
-# graph replay at 4096 tokens/rank, H=7168, top-8: 421 / 443 / 463 / 559 µs for 1 / 2 / 4 / 8; the
-# sums did not overlap the transfers: benchmarks/results/ep_2026-11-30_2xh200.md, run 10).
+# The most pieces the combine is sent in, by default. One: more pieces did not overlap the sums with the transfers,
+# so each extra all-to-all only added its latency.
 COMBINE_CHUNKS = 1
 
 
 class AllToAllFixedDispatcher(AllToAllDispatcher):
+    """Every rank pair exchanges one block of C_rank = ``max_tokens_per_rank`` rows, whatever the routing:
+      dispatch: the rows of alltoall (each token once per destination rank, with that rank's local
+        ids; grouped by destination, tokens ascending) are written to block d of a [W, C_rank] send
+        buffer; the unused tail of each block becomes blank rows (ids -1, zeros), so no count has to
+        travel: one all_to_all_single of equal splits moves tokens, routing and the block's size. The
+        receiver sorts the copies of its W·C_rank rows by local expert into a batch of
+        W·C_rank·min(K, E_local) rows, an upper bound of the copies it can get: rows past offsets[-1]
+        are padding (weight 0) that the runners skip.
+      combine: as alltoall (partial sums per received row, sent back, the home rank adds its ranks'
+        sums), optionally in ``combine_chunks`` pieces: the partial sums of rows c·L .. (c+1)·L - 1 of
+        every block (L = C_rank / pieces) in their own all_to_all_single, meant to overlap the sum of
+        piece c with the transfer of piece c - 1 (the home rank's receive buffer is then piece-major;
+        the slot of each (token, rank) is remapped once per dispatch). One piece by default (COMBINE_CHUNKS).
+
+    Capacity: a rank given T > C_rank tokens takes part with its first C_rank (its peers' results stay
+    correct) and raises MF503 at combine_wait, as lowlatency does (the peers cannot learn of a
+    fallback without a synchronization)."""
+
     name = "alltoall-fixed"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=5,
                           note="alltoall in fixed blocks of max_tokens_per_rank rows: no host sync, CUDA-graph "
@@ -106,7 +104,7 @@ class AllToAllFixedDispatcher(AllToAllDispatcher):
         pos = handle.copy_pos.view(w, cap, k)
         back = expert_out.new_empty(w * cap, expert_out.shape[1])  # piece-major (chunk_major)
         works = []
-        for c in range(handle.pieces):  # meant to sum piece c while piece c - 1 travels (module docstring)
+        for c in range(handle.pieces):  # meant to sum piece c while piece c - 1 travels (class docstring)
             partial = gather_sum(expert_out, pos[:, c * length:(c + 1) * length].reshape(-1, k))
             with collective("alltoall-fixed combine", self.process_group):
                 works.append(dist.all_to_all_single(back[c * w * length:(c + 1) * w * length], partial,

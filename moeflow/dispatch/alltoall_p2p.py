@@ -1,38 +1,9 @@
-"""dispatcher="alltoall-p2p": alltoall-fixed's blocks, stored by moeflow's own kernels straight into
-the peers' GPU memory (one node; torch symmetric memory over NVLink / PCIe peer access): no NCCL
-call, no send buffer, no host synchronization; dispatch and combine capture in CUDA graphs.
-On CPU (gloo groups of one node) the buffers are shared files and the barrier is gloo's: the same
-dispatcher, tested in CI; there the rows are packed by torch and copied into the peers' blocks.
-
-Buffers, mapped by every rank at the construction of the first layer that needs them and shared by the layers of
-the same group, device and sizes (PeerBuffers.shared: the layers run one at a time) (C = max_tokens_per_rank, W ranks):
-  rows [W·C, row_bytes] uint8: block s holds the packed rows rank s sent here (alltoall-fixed's
-    layout: its tokens for this rank, tokens ascending, then blank rows);
-  sums [W·C, H] layer dtype: block s holds the partial sums rank s computed for this rank's tokens.
-dispatch: barrier (every rank is done with its rows buffer: the last dispatch's experts read it) →
-  one pack launch stores each token's row for rank d into block ``rank`` of d's rows buffer (each
-  token read once; the stores to peers cross the link) → the tail of each of those blocks blanked →
-  barrier (every rank's rows have landed) → the receiver sorts its copies as alltoall-fixed does.
-combine: barrier (every rank is done with its sums buffer) → one top-k-sum launch stores the partial
-  sums of the rows from rank s into block ``rank`` of s's sums buffer → barrier → the home rank
-  adds its ranks' partial sums (gather_sum), as alltoall-fixed.
-What it saves against alltoall-fixed (CUDA): the send buffer (the pack writes straight to its
-destinations), the blank rows' round trip, NCCL's own copies, and the serial partial sums before
-the transfer (the sums are the transfer). The barrier is one kernel of one program (~4 µs on 2×H200).
-
-The halves: on CUDA ``dispatch_start`` / ``combine_start`` queue the transfer (barriers, stores) on
-the transport's own stream and return; work queued before the wait half (the layer's shared experts)
-runs beside it, sharing the SMs; the wait half makes the current stream wait for it. One batch at a
-time per set of buffers: each dispatch_start and combine_start refills them (numbered: rows_epoch,
-sums_epoch), so a batch whose rows or partial sums a later start refilled, of this layer or another
-sharing the buffers, is MF509 where it is next used (dispatch_wait, combine_start, combine_wait): two
-micro-batches overlapped need alltoall-fixed or alltoall, whose buffers are per call. Nothing is held
-between calls: a dispatch repeated without its combine (benchmarks) or a call that raised leaves no
-state behind. The barriers at the start of each half make the next batch safe, whichever layer sends it.
-A rank that never arrives: on CUDA the barrier stops waiting after MOEFLOW_DIST_TIMEOUT_S and the
-next eager call raises MF502 (dispatch_start, combine_wait); on CPU gloo's barrier raises it at once.
-Buffers that cannot be mapped (ranks on several nodes, no peer access): MF507 at construction.
-Capacity: as alltoall-fixed (MF503).
+"""dispatcher="alltoall-p2p": alltoall-fixed's blocks, stored by moeflow's own kernels straight into the peers' GPU
+memory (one node; torch symmetric memory over NVLink / PCIe peer access): no NCCL call, no send buffer, no host
+synchronization; dispatch and combine capture in CUDA graphs. On CPU (gloo groups of one node) the buffers are
+shared files and the barrier is gloo's: the same dispatcher, tested in CI; there torch packs the rows and copies
+them into the peers' blocks. PeerAllToAllDispatcher (its transport: _peer.PeerBuffers): one batch at a time per
+set of buffers (MF509), MF507 where the buffers cannot be mapped, capacity as alltoall-fixed (MF503).
 """
 from __future__ import annotations
 
@@ -55,6 +26,36 @@ _WITHOUT_PEER_MEMORY = ["alltoall-fixed", "alltoall"]
 
 
 class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
+    """Buffers, mapped by every rank at the construction of the first layer that needs them and shared by the
+    layers of the same group, device and sizes (PeerBuffers.shared: the layers run one at a time)
+    (C = max_tokens_per_rank, W ranks):
+      rows [W·C, row_bytes] uint8: block s holds the packed rows rank s sent here (alltoall-fixed's
+        layout: its tokens for this rank, tokens ascending, then blank rows);
+      sums [W·C, H] layer dtype: block s holds the partial sums rank s computed for this rank's tokens.
+    dispatch: barrier (every rank is done with its rows buffer: the last dispatch's experts read it) →
+      one pack launch stores each token's row for rank d into block ``rank`` of d's rows buffer (each
+      token read once; the stores to peers cross the link) → the tail of each of those blocks blanked →
+      barrier (every rank's rows have landed) → the receiver sorts its copies as alltoall-fixed does.
+    combine: barrier (every rank is done with its sums buffer) → one top-k-sum launch stores the partial
+      sums of the rows from rank s into block ``rank`` of s's sums buffer → barrier → the home rank
+      adds its ranks' partial sums (gather_sum), as alltoall-fixed.
+    What it saves against alltoall-fixed (CUDA): the send buffer (the pack writes straight to its
+    destinations), the blank rows' round trip, NCCL's own copies, and the serial partial sums before
+    the transfer (the sums are the transfer). The barrier is one kernel of one program.
+
+    The halves: on CUDA ``dispatch_start`` / ``combine_start`` queue the transfer (barriers, stores) on
+    the transport's own stream and return; work queued before the wait half (the layer's shared experts)
+    runs beside it, sharing the SMs; the wait half makes the current stream wait for it. One batch at a
+    time per set of buffers: each dispatch_start and combine_start refills them (numbered: rows_epoch,
+    sums_epoch), so a batch whose rows or partial sums a later start refilled, of this layer or another
+    sharing the buffers, is MF509 where it is next used (dispatch_wait, combine_start, combine_wait): two
+    micro-batches overlapped need alltoall-fixed or alltoall, whose buffers are per call. Nothing is held
+    between calls: a dispatch repeated without its combine or a call that raised leaves no state behind.
+    The barriers at the start of each half make the next batch safe, whichever layer sends it.
+    A rank that never arrives: on CUDA the barrier stops waiting after MOEFLOW_DIST_TIMEOUT_S and the
+    next eager call raises MF502 (dispatch_start, combine_wait); on CPU gloo's barrier raises it at once.
+    Buffers that cannot be mapped (ranks on several nodes, no peer access): MF507 at construction."""
+
     name = "alltoall-p2p"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=4,
                           note="alltoall-fixed's blocks stored straight into the peers' memory (one node; CUDA: "

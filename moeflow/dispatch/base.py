@@ -5,12 +5,7 @@
     combine(expert_out in that layout, handle) -> [T, H] layer dtype
         (the sum over the K weighted copies of each token, on the token's own rank)
 
-The handle is the dispatcher's own record of where each row came from; callers pass it back
-unchanged. Each call also comes in two halves, start / wait (DeepEP's dispatch_a/b style), so
-other work overlaps the communication: the layer computes shared experts between
-``dispatch_start`` and ``dispatch_wait``. Expert-parallel dispatchers implement the halves (and
-dispatch = wait(start)); one-process dispatchers keep the defaults below, which do all the work
-in ``*_start``.
+Each call also comes in two halves, start / wait, so that other work overlaps the communication (Dispatcher).
 """
 from __future__ import annotations
 
@@ -26,16 +21,27 @@ from ..quant import QuantScheme
 
 
 class Dispatcher(ABC):
+    """Base of the dispatchers (module docstring: dispatch, combine).
+
+    The handle is the dispatcher's own record of where each row came from; callers pass it back
+    unchanged. Each call also comes in two halves, start / wait (DeepEP's dispatch_a/b style), so
+    other work overlaps the communication: the layer computes shared experts between
+    ``dispatch_start`` and ``dispatch_wait``. Expert-parallel dispatchers implement the halves (and
+    dispatch = wait(start)); one-process dispatchers keep the defaults below, which do all the work
+    in ``*_start``."""
+
     name: ClassVar[str]
     caps: ClassVar[DispatcherCaps]
     # set by create_dispatcher from the plan: hand sorted rows by index (ExpertBatch.source_rows)
     # because the runner reads them in place; only dispatchers whose caps say indexed_rows honour it
     indexed_rows: bool = False
 
-    def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None):
+    def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None, planned=None):
+        """planned: the layer's Plan (planner.Plan) when a layer builds the dispatcher, else None."""
         self.config = config
         self.scheme = scheme
         self.process_group = process_group
+        self.planned = planned
 
     @property
     def local_experts(self) -> list[int]:

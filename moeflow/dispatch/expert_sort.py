@@ -18,15 +18,12 @@ from ._ep_reference import sort_copies_by_expert_torch
 from ._ep_rows import _ep_kernels
 
 
-# Which sort a CUDA batch of T*K copies takes (benchmarks/experiments/sort_variants.py on one H200,
-# benchmarks/results/sort_variants_2026-11-30_h200_323572f.json, sort_variants_2026-12-01_h200_1c1c8bc.json and
-# sort_variants_2026-12-03_h200_*.json, µs per call in a CUDA graph): int32 ids and float32 weights (the layer's) up to
-# ep_sort._WHOLE_COPIES in one program of kernels/ep_sort (1.4-3.3 at 32-256 copies, where the comparison sort below
-# takes 2.0-5.5); other dtypes, up to ONE_LAUNCH_COPIES, the one-launch comparison sort (kernels/align: 2.1-2.8 at
-# 32-128 copies, where the segment sort takes 3.7-5.6; 12 vs 5.6 at 1024); then kernels/ep_sort's segment
-# sort while ep_sort.sort_pays (up to 524288 copies: 3-38 µs where torch takes 16-91); torch's radix sort beyond.
+# Which sort a CUDA batch of T*K copies takes, the fastest of each range: int32 ids and float32 weights (the
+# layer's) up to ep_sort._WHOLE_COPIES in one program of kernels/rows/ep_sort (whole_sort); other dtypes, up to
+# ONE_LAUNCH_COPIES, the one-launch comparison sort (kernels/rows/align.sort_copies; past this size the segment
+# sort is faster); then kernels/rows/ep_sort's segment sort while ep_sort.sort_pays; torch's radix sort beyond.
 ONE_LAUNCH_COPIES = 128
-# schemes sort_and_quantize quantizes tokens for: kernels/align.SORT_QUANT_CODES' keys, named here without
+# schemes sort_and_quantize quantizes tokens for: kernels/rows/align.SORT_QUANT_CODES' keys, named here without
 # importing triton (tests/test_triton_kernels.py checks they agree)
 SORT_QUANTIZES = ("fp8-tensor", "fp8-channel", "fp8-block")
 # fp8-tensor's one scale is the amax of the whole batch, which each of the sort's quantizing programs takes
@@ -36,10 +33,10 @@ TENSOR_QUANT_IN_SORT_MAX = 32768
 
 
 def sort_by_expert(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, bounds: Tensor | None = None):
-    """On CUDA: the smallest batches in one Triton launch (kernels/ep_sort's whole sort, or for ids and weights not
-    int32 / float32 kernels/align.sort_copies), larger ones in two or three (kernels/ep_sort's segment sort), instead
-    of a sort, a searchsorted and four index kernels; torch otherwise (the same values; thresholds above).
-    bounds: 0 .. E in topk_ids' dtype and device, when the caller keeps one (torch path)."""
+    """On CUDA: the smallest batches in one Triton launch (kernels/rows/ep_sort's whole sort, or for ids and weights
+    not int32 / float32 kernels/rows/align.sort_copies), larger ones in two or three (kernels/rows/ep_sort's segment
+    sort), instead of a sort, a searchsorted and four index kernels; torch otherwise (the same values;
+    thresholds above). bounds: 0 .. E in topk_ids' dtype and device, when the caller keeps one (torch path)."""
     out = _triton_sort(topk_ids, topk_weights, num_experts)
     return out if out is not None else sort_by_expert_torch(topk_ids, topk_weights, num_experts, bounds)
 
@@ -52,7 +49,7 @@ def sort_and_quantize(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, 
     runner's quantization launches leave the layer's serial chain
     -> (offsets, counts, row_of_copy, source, sorted_weights, hq [T, H] fp8, hs [T, G] float32);
     elsewhere (torch's sort) sort_by_expert's five and (None, None): the runner quantizes.
-    hq and hs are bit for bit kernels/quant.quantize_activation(hidden, scheme)."""
+    hq and hs are bit for bit kernels/rows/quant.quantize_activation(hidden, scheme)."""
     out = _triton_sort(topk_ids, topk_weights, num_experts,
                        hidden if _sort_quantizes(hidden, topk_ids, scheme) else None, scheme)
     if out is None:
@@ -75,8 +72,8 @@ def _triton_sort(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidde
     if not triton_glue(topk_ids):  # not CUDA, or a GPU the kernels were not checked on
         return None
     try:
-        from ..kernels.align import sort_copies
-        from ..kernels.ep_sort import sort_pays, whole_sort
+        from ..kernels.rows.align import sort_copies
+        from ..kernels.rows.ep_sort import sort_pays, whole_sort
     except ImportError:  # triton missing
         return None
     n = topk_ids.numel()
@@ -92,9 +89,9 @@ def _triton_sort(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidde
 
 def sort_by_segments(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidden: Tensor | None = None,
                      scheme: str = "none"):
-    """sort_by_expert through kernels/ep_sort.sort_copies_by_expert (topk_ids int32, topk_weights
+    """sort_by_expert through kernels/rows/ep_sort.sort_copies_by_expert (topk_ids int32, topk_weights
     float32; needs triton); with hidden, also (hq, hs) as sort_and_quantize."""
-    from ..kernels.ep_sort import sort_copies_by_expert
+    from ..kernels.rows.ep_sort import sort_copies_by_expert
     source, sorted_w, counts, offsets, copy_pos, *quantized = sort_copies_by_expert(
         topk_ids, topk_weights, num_experts, topk_ids.numel(), x=hidden, scheme=scheme)
     return (offsets, counts, copy_pos.view(topk_ids.shape), source, sorted_w, *quantized)
@@ -107,7 +104,7 @@ def sort_dropping(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, hidd
     topk_ids [T, K] int32 (ids in -1 .. E-1), topk_weights [T, K] float32
     -> (offsets [E + 1] int64, counts [E] int32, copy_pos [T, K] int64: the sorted row of each copy, -1 for a dropped
     one, source [T*K] int64, sorted_weights [T*K] float32, hq, hs): rows offsets[E] .. T*K-1 are padding (source 0,
-    weight 0: ExpertBatch.padded). On CUDA kernels/ep_sort's sort, the expert-parallel dispatchers' (with hidden
+    weight 0: ExpertBatch.padded). On CUDA kernels/rows/ep_sort's sort, the expert-parallel dispatchers' (with hidden
     [T, H] and a scheme of SORT_QUANTIZES, as sort_and_quantize: hq [T, H] fp8 and hs [T, G] float32 from the
     same launch); torch's otherwise, or past ep_sort.sort_pays (hq = hs = None: the runner quantizes)."""
     t, k = topk_ids.shape

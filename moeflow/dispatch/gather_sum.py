@@ -12,11 +12,11 @@ def gather_sum(src: Tensor, index: Tensor) -> Tensor:
     in j order, returned in src.dtype. src [M, H], index [R, J] int64 -> [R, H].
 
     Reads each indexed row once: the combine's reduction without a float32 copy of src. On CUDA it
-    is the Triton kernel moeflow.kernels.reduce.moe_sum when present; torch otherwise.
+    is the Triton kernel moeflow.kernels.rows.reduce.moe_sum when present; torch otherwise.
     """
     if triton_glue(src):  # CUDA, on a GPU the kernel was checked on
         try:
-            from ..kernels.reduce import moe_sum
+            from ..kernels.rows.reduce import moe_sum
         except ImportError:  # triton (or the kernel module) missing: torch below
             pass
         else:

@@ -1,14 +1,8 @@
-"""dispatcher="local": one process, all experts here. Permute token copies by expert (sorted
-layout; by index when the plan says the runner reads rows in place: no permuted copy). CUDA batches
-of an fp8-channel / fp8-block layer that a Triton sort takes travel as FP8 (ExpertBatch.hidden_scale),
-quantized by the sort's first launch (expert_sort.sort_and_quantize), the bits the runner would make;
-fp8-tensor batches too, up to expert_sort.TENSOR_QUANT_IN_SORT_MAX elements.
-Combine is the weighted sum of each token's K copies (weights already applied by the runner),
-accumulated in float32 in k order, so results are deterministic. No host
-synchronization anywhere: with a graph-safe runner the whole layer is CUDA-graph capturable.
-``dropping(valid)``: the same dispatcher for calls whose ids may hold -1 (a copy routed to no expert), or whose rows
-from valid[0] on are padding (moeflow.graph_buckets' bucketed calls): kernels/ep_sort's sort, the expert-parallel
-dispatchers', makes a padded batch, reading the padding rows as ids -1 in its own launches.
+"""dispatcher="local": one process, all experts here (LocalDispatcher). Permute token copies by expert (sorted
+layout; by index when the plan says the runner reads rows in place: no permuted copy). Combine is the weighted sum
+of each token's K copies (weights already applied by the runner), accumulated in float32 in k order, so results
+are deterministic. No host synchronization anywhere: with a graph-safe runner the whole layer is CUDA-graph
+capturable. ``dropping(valid)``: the same dispatcher for ids that may hold -1 and for padded (bucketed) calls.
 """
 from __future__ import annotations
 
@@ -32,6 +26,10 @@ class LocalHandle:
 
 
 class LocalDispatcher(Dispatcher):
+    """CUDA batches of an fp8-channel / fp8-block layer that a Triton sort takes travel as FP8
+    (ExpertBatch.hidden_scale), quantized by the sort's first launch (expert_sort.sort_and_quantize), the bits
+    the runner would make; fp8-tensor batches too, up to expert_sort.TENSOR_QUANT_IN_SORT_MAX elements."""
+
     name = "local"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=False, priority=10,
                           note="single process: sort copies by expert", indexed_rows=True, fusable=True,
@@ -39,8 +37,8 @@ class LocalDispatcher(Dispatcher):
     drops = False  # dropping(): ids may hold -1
     valid: Tensor | None = None  # dropping(valid): [1] int64, the rows from valid[0] on are padding
 
-    def __init__(self, config, scheme, process_group=None):
-        super().__init__(config, scheme, process_group)
+    def __init__(self, config, scheme, process_group=None, planned=None):
+        super().__init__(config, scheme, process_group, planned)
         if config.placement is not None and any(config.placement):  # one process: rank 0 holds every expert
             raise error("MF504", why=f"names rank {max(config.placement)}, but this layer runs in one process (world "
                                      "size 1: torch.distributed is not initialized, or its group has one rank)")
@@ -56,7 +54,9 @@ class LocalDispatcher(Dispatcher):
         """This dispatcher for calls whose topk_ids [T, K] int32 may hold -1, a copy routed to no expert: it adds zero
         to its token's sum, and the batch has T*K rows, those past offsets[-1] padding (ExpertBatch.padded).
         valid: [1] int64 on the device, or None: every copy of the rows from valid[0] on goes to no expert too (a
-        bucketed call's padding tokens; their ids and weights are not read)."""
+        bucketed call's padding tokens, moeflow.graph_buckets; their ids and weights are not read). On CUDA the sort is
+        kernels/rows/ep_sort's, the expert-parallel dispatchers', reading the padding rows as ids -1 in its own
+        launches (expert_sort.sort_dropping)."""
         new = copy.copy(self)
         new.drops, new.valid = True, valid
         return new

@@ -2,23 +2,9 @@
 no host synchronization — a whole dispatch → experts → combine can be captured in a CUDA graph
 (given a runner that consumes the masked layout without reading counts on the host).
 
-Buffers are sized by ``max_tokens_per_rank`` (C_rank) once, so every collective has a fixed shape:
-  dispatch: each rank packs its T <= C_rank tokens into C_rank rows (global ids, weights, FP8 scales,
-    token; padding rows carry id -1) and one all-gather gives every rank all W·C_rank
-    rows. Each rank scatters the copies for its experts into a slab [E_local, W·C_rank, H]: an
-    expert can receive at most one copy of each token of each rank, so a slab never overflows.
-  combine: per gathered row, the sum of its copies here (float32 → layer dtype), one
-    all_to_all_single of [W, C_rank, H] sends each rank its rows back, the home rank sums W blocks.
-With FP8 payload the dispatch moves 1 byte per hidden value; combine moves the layer dtype (bf16).
-
-Capacity overflow (T > max_tokens_per_rank on a rank) is never dropped silently. It is known on
-the host without a sync (T is a shape), but raising at once would leave the other ranks waiting in
-the collective. So the overflowing rank still takes part in dispatch and combine with its first
-C_rank tokens — the other ranks' outputs stay correct and the group stays usable — and
-``combine_wait`` then raises MF503 on that rank (the end of the layer's forward). We raise rather
-than falling back to alltoall because a fallback changes the collectives one rank issues, which
-the other ranks cannot know without a synchronization. Fix: raise max_tokens_per_rank, or use
-dispatcher="alltoall" for batches of unbounded size.
+Buffers are sized by ``max_tokens_per_rank`` (C_rank) once, so every collective has a fixed shape: one
+all-gather of W·C_rank packed rows, one all_to_all_single of [W, C_rank, H] back (LowLatencyDispatcher).
+A rank given more than C_rank tokens raises MF503 at combine_wait, never dropping them silently.
 """
 from __future__ import annotations
 
@@ -53,6 +39,23 @@ class _Pending:
 
 
 class LowLatencyDispatcher(ExpertParallelDispatcher):
+    """dispatch: each rank packs its T <= C_rank tokens into C_rank rows (global ids, weights, FP8 scales,
+    token; padding rows carry id -1) and one all-gather gives every rank all W·C_rank rows. Each rank
+    scatters the copies for its experts into a slab [E_local, W·C_rank, H]: an expert can receive at most
+    one copy of each token of each rank, so a slab never overflows.
+    combine: per gathered row, the sum of its copies here (float32 → layer dtype), one all_to_all_single
+    of [W, C_rank, H] sends each rank its rows back, the home rank sums W blocks.
+    With FP8 payload the dispatch moves 1 byte per hidden value; combine moves the layer dtype (bf16).
+
+    Capacity overflow (T > max_tokens_per_rank on a rank) is never dropped silently. It is known on
+    the host without a sync (T is a shape), but raising at once would leave the other ranks waiting in
+    the collective. So the overflowing rank still takes part in dispatch and combine with its first
+    C_rank tokens — the other ranks' outputs stay correct and the group stays usable — and
+    ``combine_wait`` then raises MF503 on that rank (the end of the layer's forward). It raises rather
+    than falling back to alltoall because a fallback changes the collectives one rank issues, which
+    the other ranks cannot know without a synchronization. Fix: raise max_tokens_per_rank, or use
+    dispatcher="alltoall" for batches of unbounded size."""
+
     name = "lowlatency"
     caps = DispatcherCaps(layout=MASKED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=10,
                           note="fixed buffers (max_tokens_per_rank), masked layout, no host sync, CUDA-graph capturable")

@@ -1,16 +1,13 @@
-"""runner="triton": fused Triton MoE kernels on CUDA, sorted and masked layouts natively.
+"""runner="triton": fused Triton MoE kernels on CUDA, sorted and masked layouts natively (TritonRunner).
 
     batch (sorted [N, H] + offsets, or masked [E, C, H] + counts), layer dtype or FP8 payload
-      -> [quantize x]      kernels/quant.py   (FP8 schemes, unless the dispatcher sent FP8)
-      -> gate_up + act     kernels/gate_up.py (block alignment in-kernel; FP8-block output quant fused)
-      -> [quantize inter]  kernels/quant.py   (fp8-tensor / fp8-channel, from the amax gate_up wrote)
-      -> down + route w    kernels/down.py    -> [N, H] / [E, C, H] layer dtype
-Small single-process batches, where the tuned table says so (MoEKernelConfig.fused): route's ids and weights
-straight into kernels/fused_layer.py, one launch for the local dispatcher's sort, both GEMMs and its top-k sum.
-No host synchronization and no data-dependent shape anywhere: a call can be captured in a CUDA
-graph (the decode path). Kernel configs come from tuned JSON files (kernels/configs.py).
-This module imports triton lazily: the registry lists the runner where triton is absent and
-the planner refuses it there (MF205).
+      -> [quantize x]      kernels/rows/quant.py   (FP8 schemes, unless the dispatcher sent FP8)
+      -> gate_up + act     kernels/gemm/gate_up.py (block alignment in-kernel; FP8-block output quant fused)
+      -> [quantize inter]  kernels/rows/quant.py   (fp8-tensor / fp8-channel, from the amax gate_up wrote)
+      -> down + route w    kernels/gemm/down.py    -> [N, H] / [E, C, H] layer dtype
+No host synchronization and no data-dependent shape: a call can be captured in a CUDA graph (the decode path);
+small single-process batches may run as one launch (run_fused). Kernel configs: tuned JSON files
+(kernels/configs.py). triton is imported lazily: where it is absent the planner refuses the runner (MF205).
 """
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ from ..layouts import MASKED, SORTED, ExpertBatch
 from .base import ExpertRunner, ExpertWeights, empty_output
 
 _FP8 = frozenset({"fp8-tensor", "fp8-channel", "fp8-block"})
-# kernels/fused_layer.FUSED_SCHEMES, named here without importing triton (tests/test_fused_layer.py checks they agree)
+# kernels/gemm/fused_layer.FUSED_SCHEMES, named here without importing triton (tests/test_fused_layer.py checks they agree)
 _FUSED = frozenset({"none", "fp8-channel", "fp8-block"})
 FUSED_MAX_TOKENS = 64  # the one-launch layer's largest batch (it sizes the layer's counters)
 
@@ -35,7 +32,7 @@ class TritonRunner(ExpertRunner):
         support=(
             # Only what was run is declared: every cell the planner accepts is tested. Nothing
             # Hopper-only is needed for plain tl.dot (sm_80) or FP8 dots (sm_89), but both were
-            # validated on sm_90 (H200) alone; declare older or newer GPUs once they have been run
+            # validated on sm_90 alone; declare older or newer GPUs once they have been run
             # (max_cc: Blackwell has no wgmma, and sm_120 a third of the shared memory the tiles plan for).
             Support("cuda", frozenset({"none"}), ALL_FLOAT, min_cc=(9, 0), max_cc=(9, 0)),
             Support("cuda", _FP8, ALL_FLOAT, min_cc=(9, 0), max_cc=(9, 0)),
@@ -70,9 +67,9 @@ class TritonRunner(ExpertRunner):
         parameters are; an expert dimension of stride 0 is fine).
         """
         from ..kernels.common import RowLayout, unit_stride_rows
-        from ..kernels.down import down
-        from ..kernels.gate_up import gate_up
-        from ..kernels.quant import down_input, quantize_activation, quantize_rows
+        from ..kernels.gemm.down import down
+        from ..kernels.gemm.gate_up import gate_up
+        from ..kernels.rows.quant import down_input, quantize_activation, quantize_rows
         config, scheme = self.config, self.scheme
         h = config.hidden_size
         layout = RowLayout.of(batch)
@@ -103,6 +100,7 @@ class TritonRunner(ExpertRunner):
         for sorted batches, the capacity C for masked ones (tokens a rank may send).
         """
         from ..kernels import configs as kc
+        from ..kernels.gemm import tiles
         cfg = self.config
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
         tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.num_rows // cfg.top_k, 1)
@@ -111,27 +109,29 @@ class TritonRunner(ExpertRunner):
             chosen = self._entry(tokens, weights, batch.hidden.device)
             nbytes = 1 if self.scheme.quantized else cfg.dtype.itemsize
             self._fitted[key] = kc.MoEKernelConfig(
-                kc.fit(chosen.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
-                kc.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
+                tiles.fit(chosen.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
+                tiles.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
         return self._fitted[key]
 
     def fused_config(self, tokens: int, weights: ExpertWeights):
         """The tuned entry's FusedConfig for ``tokens`` (fitted), or None: no fused entry, an empty batch, more
         than FUSED_MAX_TOKENS tokens, or MOEFLOW_TRITON_FUSED=0."""
-        from ..kernels import configs as kc
+        from ..kernels.gemm import tiles
         if not 0 < tokens <= FUSED_MAX_TOKENS or not moeflow_env.TRITON_FUSED.get_bool():
             return None
         key = ("fused", tokens, weights.w13.shape[0])
         if key not in self._fitted:
             chosen = self._entry(tokens, weights, weights.w13.device).fused
-            self._fitted[key] = None if chosen is None else kc.fit_fused(chosen, self.scheme.name)
+            self._fitted[key] = None if chosen is None else tiles.fit_fused(chosen, self.scheme.name)
         return self._fitted[key]
 
     def run_fused(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
                   fused_config) -> Tensor:
-        """The whole layer after routing in one launch (kernels/fused_layer.py) -> [T, H] layer dtype."""
+        """The whole layer after routing in one launch (kernels/gemm/fused_layer.py) -> [T, H] layer dtype: for
+        small single-process batches where the tuned table says so (MoEKernelConfig.fused), route's ids and weights
+        go straight into one launch for the local dispatcher's sort, both GEMMs and its top-k sum."""
         from ..kernels.common import unit_stride_rows
-        from ..kernels.fused_layer import fused_layer
+        from ..kernels.gemm.fused_layer import fused_layer
         cfg = self.config
         return fused_layer(unit_stride_rows(hidden), topk_ids.to(torch.int32).contiguous(),
                            topk_weights.float().contiguous(), weights.w13, weights.w13_scale, weights.w2,
@@ -147,7 +147,7 @@ class TritonRunner(ExpertRunner):
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._sync:
             from ..kernels.configs import FusedConfig
-            from ..kernels.fused_layer import counters_size
+            from ..kernels.gemm.fused_layer import counters_size
             cfg = self.config
             most = FusedConfig(block_n1=16, block_n2=16, split1=2, split2=2)  # the narrowest tiles, split
             n = counters_size(FUSED_MAX_TOKENS, cfg.top_k, cfg.hidden_size, cfg.intermediate_size, most)
@@ -156,12 +156,34 @@ class TritonRunner(ExpertRunner):
 
     def _entry(self, tokens: int, weights: ExpertWeights, device: torch.device):
         """The tuned table's entry nearest ``tokens`` (the table read once), or the documented defaults."""
-        from ..kernels import configs as kc
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
+        return self._entry_for(tokens, e, i, h, device)
+
+    def _entry_for(self, tokens: int, e: int, i: int, h: int, device: torch.device):
+        from ..kernels import configs as kc
+        from ..kernels.gemm import tiles
         cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if self._table is None:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             self._table = kc.find_table(name, e, i, h, self.scheme.name, capability=cc) or {}
         if self._table:
             return kc.nearest(self._table, tokens)
-        return kc.default_config(tokens, self.config.top_k, e, self.scheme.name, hidden=h, inter=i, capability=cc)
+        return tiles.default_config(tokens, self.config.top_k, e, self.scheme.name, hidden=h, inter=i, capability=cc)
+
+    def describe_kernels(self, tokens: int, local_experts: int, masked: bool, fused: bool) -> str:
+        """What a call of ``tokens`` tokens runs, in words (`moeflow check`): the one-launch layer (``fused``: the plan
+        allows it) or each GEMM's kernel (kernels/gemm/choice.py) and tile, for operands laid out as the layer's."""
+        from ..kernels.gemm import choice, tiles
+        cfg = self.config
+        i, h = cfg.intermediate_size, cfg.hidden_size
+        entry = self._entry_for(tokens, local_experts, i, h, cfg.device)
+        if fused and entry.fused is not None and 0 < tokens <= FUSED_MAX_TOKENS and moeflow_env.TRITON_FUSED.get_bool():
+            f = tiles.fit_fused(entry.fused, self.scheme.name)
+            return f"one launch (fused layer) {f.block_n1}/{f.block_n2}-wide tiles, split {f.split1}/{f.split2}"
+        nbytes = 1 if self.scheme.quantized else cfg.dtype.itemsize
+        gate_up = tiles.fit(entry.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i)
+        down = tiles.fit(entry.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h)
+        rows = tokens if masked else tokens * cfg.top_k
+        c_gate_up, c_down = choice.describe(gate_up, down, scheme=self.scheme.name, dtype=cfg.dtype, hidden=h, inter=i,
+                                            rows=rows, masked=masked, device=cfg.device)
+        return f"gate_up {choice.tile_text(gate_up, c_gate_up)}; down {choice.tile_text(down, c_down)}"

@@ -4,11 +4,8 @@
   the experts implementation "moeflow", whole-block replacement, FP8 checkpoints.
 * ``moeflow.integrations.path`` — moeflow's planned dispatcher + runner on weights the caller owns.
 
-``install_import_hooks()`` runs once on ``import moeflow``. Importing transformers' experts modules
-costs seconds, so nothing is imported here: when ``transformers.integrations.moe`` or
-``transformers.integrations.finegrained_fp8`` is (or already was) imported, moeflow registers its
-experts implementation with the interface defined there. After ``import moeflow``,
-``from_pretrained(..., experts_implementation="moeflow")`` therefore works with no other call.
+``install_import_hooks()`` runs once on ``import moeflow``, so that afterwards
+``from_pretrained(..., experts_implementation="moeflow")`` works with no other call.
 """
 from __future__ import annotations
 
@@ -69,6 +66,9 @@ _FINDER = _Finder()
 def install_import_hooks() -> None:
     """Register with transformers' experts interfaces now if they are imported, else when they are.
 
+    Importing transformers' experts modules costs seconds, so nothing is imported here: when
+    ``transformers.integrations.moe`` or ``transformers.integrations.finegrained_fp8`` is (or already was)
+    imported, moeflow registers its experts implementation with the interface defined there.
     Idempotent; costs nothing when transformers is never imported.
     """
     for name in _WATCHED:

@@ -1,9 +1,8 @@
 """ExpertsPath: moeflow's planned dispatcher + expert runner, run on weights the caller owns.
 
-``moeflow.MoE`` owns its parameters; a model library that already holds the expert weights (a
-transformers experts module) should not copy them into a second set. An ExpertsPath is planned
-from a :class:`MoEConfig` exactly like a layer (same planner, same coded refusals, at
-construction) and is then called with the weights as :class:`ExpertWeights` views:
+``moeflow.MoE`` owns its parameters; a model library that already holds the expert weights (a transformers experts
+module) should not copy them into a second set. An ExpertsPath is planned from a :class:`MoEConfig` exactly like a
+layer (same planner, same coded refusals, at construction), then called with the weights as ExpertWeights views:
 
     path = ExpertsPath(MoEConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, dtype=...))
     y = path(hidden [T, H], topk_ids [T, K] int, topk_weights [T, K] float, ExpertWeights(w13, w2))  # -> [T, H]
@@ -41,7 +40,7 @@ class ExpertsPath:
         self.plan = make_plan(config, Environment.detect(config.device))
         self.scheme = create_scheme(self.plan.scheme)
         self.dispatcher = create_dispatcher(self.plan.dispatcher, config, self.scheme,
-                                            indexed_rows=self.plan.indexed_rows)
+                                            indexed_rows=self.plan.indexed_rows, planned=self.plan)
         self.runner = create_runner(self.plan.runner, config, self.scheme)
         self._graphs = GraphCache(self.plan.graph_safe)  # eager calls of small batches replayed (moeflow.graphs)
         # torch.compile's op runs it (moeflow.ops)

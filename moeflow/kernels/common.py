@@ -27,8 +27,8 @@ ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) on the host. triton.cdiv, a constexpr function in triton 3.6, costs 2-3.5 µs of Python a call on
-    the CI machine's CPU, and a layer call made some 25 of them (benchmarks/results/host_cost_2026-12-03_h200.md)."""
+    """ceil(a / b) on the host. Not triton.cdiv: a constexpr function, whose Python call cost adds up over the
+    dozens of calls a layer launch makes."""
     return (a + b - 1) // b
 
 
@@ -145,9 +145,9 @@ def grouped_tile(pid, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 # Compiled kernels take the sigmoid from the GPU's approximate exp2 and reciprocal, flushing subnormals
-# (libdevice's fast_expf and fast_dividef: 4 instructions an element). tl.sigmoid's exp and division keep subnormals,
-# at about 14 (a range test and fix-up around each MUFU; sm_90a SASS of the fp8-block gate_up's epilogue). Triton
-# decides at decoration time whether a kernel runs in its CPU interpreter, which has no libdevice; so is this.
+# (libdevice's fast_expf and fast_dividef: about 4 instructions an element against tl.sigmoid's 14, whose exp and
+# division keep subnormals). Triton decides at decoration time whether a kernel runs in its CPU interpreter, which
+# has no libdevice; so is this.
 _FAST_SIGMOID = tl.constexpr(not moeflow_env.TRITON_INTERPRET.get_bool())
 _SUBNORMAL_RCP = tl.constexpr(2.0 ** 126)  # 1 / y is subnormal from here
 
@@ -165,7 +165,7 @@ def sigmoid(x):
 @triton.jit
 def newton_rcp(y):
     """1 / y from the GPU's approximate reciprocal (fast_dividef) and one Newton step in FMAs, no branch: the IEEE
-    result for y in [1, 2**126) on H200 (exact_sigmoid); 0 from 2**126, NaN at infinity. Compiled kernels only."""
+    result for y in [1, 2**126); 0 from 2**126 (where 1 / y is subnormal), NaN at infinity. Compiled kernels only."""
     q = libdevice.fast_dividef(1.0, y)
     return tl.fma(q, tl.fma(-y, q, 1.0), q)
 
@@ -173,15 +173,12 @@ def newton_rcp(y):
 @triton.jit
 def exact_sigmoid(x):
     """torch.sigmoid's float32 bits on CUDA wherever they are normal: 1 / (1 + exp(-x)) with CUDA's expf
-    (libdevice.exp), as torch's kernel computes it, and the reciprocal from the GPU's approximate one plus a Newton
-    step in FMAs. On H200, against an IEEE division over every float32 y in [1, 2**128), that reciprocal differed in
-    as many y as [2**126, 2**128) holds, less one (there 1 / y is subnormal and the approximation gives 0); on a grid
-    of 60 million sigmoid inputs it differed exactly where y >= 2**126. There (x below about -87.3) this gives 0.
+    (libdevice.exp), as torch's kernel computes it, and the reciprocal from newton_rcp, which equals the IEEE
+    division for y = 1 + exp(-x) < 2**126. From there (x below about -87.3, where torch's result is subnormal)
+    this gives 0.
     The routers rank sigmoid(x) + bias on it, so they pick torch's experts wherever the float32 choices do not tie
-    exactly. On H200 (benchmarks/results/sigmoid_bits_2026-12-03_h200.md) an IEEE division (div_rn) gave torch's
-    bits too, but cost DeepSeek-V3's routing 0.4 µs at T = 1 and 4-6 µs at T = 4096-16384; the Newton step (timed
-    without the select for subnormals) ran as fast as tl.sigmoid. tl.sigmoid differs from torch in 36% of randn * 4,
-    by up to 15 ulps.
+    exactly (tl.sigmoid differs from torch by up to 15 ulps). Newton step, not div_rn: the same bits, at
+    tl.sigmoid's cost.
     The interpreter (no libdevice): tl.sigmoid."""
     if _FAST_SIGMOID:  # compiled
         y = 1.0 + libdevice.exp(-x)
@@ -287,8 +284,8 @@ def split_steps(k_size, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 @triton.jit
 def scale_block(cols, n):
     """128x128 weight-scale block row of each output column (n columns in all), clamped per block.
-    Not cols % n: that would hide from Triton that 128 columns share one scale, and it cost the
-    fp8-block K loops ~70 registers per thread (ptxas sm_90a, tests/test_kernels_compile_sm90.py)."""
+    Not cols % n: that would hide from Triton that 128 columns share one scale, costing the
+    fp8-block K loops some 70 registers per thread (tests/test_kernels_compile_sm90.py guards it)."""
     return tl.minimum(cols // 128, (n - 1) // 128)
 
 
@@ -304,8 +301,8 @@ def to_fp8(x, scale, ROUND_IN_FP32: tl.constexpr):
     """Saturating quantize x * (1 / scale) (float32) to float8e4nv, as quant/base.to_fp8.
 
     scale: broadcastable to x, one value a row or group (pass it unbroadcast: the reciprocal is then taken once a
-    row, in IEEE rounding as torch's, and each element costs one multiply; an IEEE division an element was about a
-    dozen instructions and a third of the fp8 gate_up epilogue's, sm_90a SASS).
+    row, in IEEE rounding as torch's, and each element costs one multiply instead of an IEEE division's dozen
+    instructions).
 
     ROUND_IN_FP32 (set under TRITON_INTERPRET only): the interpreter's own float32 -> fp8 cast
     drops the mantissa carry (31.4 becomes 16), so round to e4m3's 3 mantissa bits here first,
@@ -435,8 +432,8 @@ def pdl(device: torch.device, early_start: bool = True) -> dict:
     early_start}, on for CUDA devices of compute capability >= 9.0 unless MOEFLOW_TRITON_PDL=0
     (never in the interpreter). early_start=False (the GEMMs) keeps the griddepcontrol code, so the
     kernel still lets the next one launch early, but launches the kernel itself plainly: started
-    early, a weight-streaming GEMM's programs landed on whichever SMs the kernel before freed first,
-    unevenly, and ran up to 1.4x slower (Mixtral fp8-block T=1, benchmarks/results/pdl_*.md)."""
+    early, a weight-streaming GEMM's programs land on whichever SMs the kernel before frees first,
+    unevenly, and run slower."""
     on = (device.type == "cuda" and not interpreting() and moeflow_env.TRITON_PDL.get_bool()
           and _cuda_properties(device).major >= 9)
     return {"PDL": on, "launch_pdl": on and early_start}
@@ -458,7 +455,7 @@ def interpreting() -> bool:
 
 
 # ---------------------------------------------------------------- routing: top-k keys
-NEG_INF = tl.constexpr(float("-inf"))  # the routers' masked choice (kernels/route.py, route_stream.py)
+NEG_INF = tl.constexpr(float("-inf"))  # the routers' masked choice (kernels/routing/route.py, route_stream.py)
 
 
 @triton.jit

@@ -1,16 +1,7 @@
-"""The quantization-scheme interface.
+"""The quantization-scheme interface (QuantScheme) and the FP8 helpers the schemes share (amax_to_scale, to_fp8).
 
-Scale convention (all schemes): a scale is the *dequantization multiplier*, float32:
-``real ≈ float(q) * scale``. This is exactly Hugging Face's ``*_scale_inv`` tensors (DeepSeek-V3's
-``weight_scale_inv``), so checkpoints load without inversion. Quantization multiplies by the scale's
-reciprocal and saturates to ±448 (FP8 e4m3fn's largest finite value): an overflow never becomes NaN.
-Scales are amax · (1/448) over their group (a group of all zeros gets a tiny positive scale, so it
-quantizes to zeros instead of NaN).
-
-Weights are [E, N, K] (N output rows, K the reduction dim: gate_up_proj [E, 2I, H],
-down_proj [E, H, I]). Activations are [M, K] rows; their scales are always [M, G] float32 so that
-they travel with their rows through permutations and all-to-all: G = 1 for per-tensor and
-per-token schemes, G = ceil(K / 128) for 1x128 groups.
+A scale is the *dequantization multiplier*, float32: ``real ≈ float(q) * scale``, as Hugging Face's
+``*_scale_inv`` tensors, so checkpoints load without inversion (QuantScheme has the shapes).
 """
 from __future__ import annotations
 
@@ -54,6 +45,20 @@ def to_fp8(x: Tensor, scale: Tensor) -> Tensor:
 
 
 class QuantScheme(ABC):
+    """A quantization scheme of expert weights and activations.
+
+    Scale convention (all schemes): a scale is the *dequantization multiplier*, float32:
+    ``real ≈ float(q) * scale``. This is exactly Hugging Face's ``*_scale_inv`` tensors (DeepSeek-V3's
+    ``weight_scale_inv``), so checkpoints load without inversion. Quantization multiplies by the scale's
+    reciprocal and saturates to ±448 (FP8 e4m3fn's largest finite value): an overflow never becomes NaN.
+    Scales are amax · (1/448) over their group (a group of all zeros gets a tiny positive scale, so it
+    quantizes to zeros instead of NaN).
+
+    Weights are [E, N, K] (N output rows, K the reduction dim: gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]). Activations are [M, K] rows; their scales are always [M, G] float32 so that
+    they travel with their rows through permutations and all-to-all: G = 1 for per-tensor and
+    per-token schemes, G = ceil(K / 128) for 1x128 groups."""
+
     name: ClassVar[str]
     quantized: ClassVar[bool] = True
     caps: ClassVar[SchemeCaps] = SchemeCaps()

@@ -40,7 +40,7 @@ class TorchTopK(Router):
         so the top-k logits pick the same experts as the top-k scores; the renormalized softmax
         of the K picked is the softmax over their logits alone. Same values to fp32 rounding.
         Where float32 sigmoids saturate (1.0 from a logit of about 16.6) the scores tie and the logits
-        still order the experts: the Triton routers rank the logits there too (kernels/route.py)."""
+        still order the experts: the Triton routers rank the logits there too (kernels/routing/route.py)."""
         cfg = self.config
         vals, ids = torch.topk(logits, cfg.top_k, dim=-1, sorted=True)
         if cfg.scoring == "softmax":

@@ -1,12 +1,9 @@
 """router="triton": the whole routing of routing/torch_topk.py in one Triton launch on CUDA
-(kernels/route.py): scores, grouped selection with the correction bias, top-k, renormalization and
+(kernels/routing/route.py): scores, grouped selection with the correction bias, top-k, renormalization and
 scaling. The same expert ids as the torch router on CUDA (its sigmoid has torch's float32 bits:
 kernels/common.exact_sigmoid; rows whose choices tie exactly may order or pick them differently) and weights
-to float32 rounding. Batches of 2048 tokens or more of 64-256 experts run kernels/route_stream.py.
-
-At decode sizes the torch router is ~10 small kernels; measured on one H200 (whole layer as a
-CUDA graph, benchmarks/results/branches_2026-11-30_h200_95ead73.md) the one launch saves 7-43 µs
-per layer at T <= 128.
+to float32 rounding. Batches of 2048 tokens or more of 64-256 experts run kernels/routing/route_stream.py.
+Why: at decode sizes the torch router is ~10 small kernels, whose launches dominate the routing's time.
 """
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ class TritonTopK(Router):
                       graph_safe=True, validated_cc=(GLUE_VALIDATED_CC, GLUE_VALIDATED_CC))  # sm_90 only
 
     def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
-        from ..kernels.route import route
+        from ..kernels.routing.route import route
         cfg = self.config
         return route(router_logits, correction_bias, cfg.top_k, cfg.scoring, cfg.renormalize,
                      cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)

@@ -1,74 +1,50 @@
 """Search kernel configs for one shape on the current GPU (behind `moeflow tune`).
 
-For each token count T: sorted batches of T * top_k copies with uniform random routing and random
-weights (never zeros), then every gate_up candidate and every down candidate is timed alone, the
-fastest of each wins. gate_up reads its rows as the layer that uses the table feeds them
-(``indexed_rows``): by index for a single-process layer (the local dispatcher's plan: the Triton kernel
-gathers them itself, the Gluon fp8-block kernel first copies them, and that copy is timed with it), in
-order under expert parallelism (received batches arrive sorted). Timing replays a CUDA graph of the GEMM launched back to back on
-``batches_for(T)`` batches of different routing (median over replays, divided by the launches),
-as the layer runs them: from a graph, weights cold (the batches route to different experts; for
-small T no expert's weights stay in L2 from the launch before). Host-side launch time is not in it;
-with a plain event-timed launch it was: at T=1 it measured 46-93 us against the 10-22 us the
-kernels take inside the layer's graph, so decode configs were picked on noise.
-Small single-process batches (kernels/tune_fused.py: T <= FUSED_TUNE_MAX_TOKENS, rows by index, a scheme
-kernels/fused_layer.py runs): then the whole layer after routing is also timed both ways on the same routings, the
-separate launches with the chosen gate_up and down against each one-launch tile set; the entry gets the fastest
-tile set only where it beat the separate launches.
-Candidates are compiled first in parallel worker processes (Triton's on-disk cache is shared),
-so compilation does not serialize the search.
+For each token count T (tune()): every gate_up and every down candidate (candidates()) is timed alone on sorted
+batches of T * top_k copies with uniform random routing, and the fastest whose output passes tune/verify.py wins.
+Timing (graph_time_ms) replays a CUDA graph of the GEMM launched back to back on batches_for(T) batches of
+different routing, as the layer runs them: from a graph (no host launch time), weights cold. Small single-process
+batches (tune/fused.py) also time the one-launch layer against the separate launches.
+Candidates are compiled first in parallel worker processes (precompile; Triton's on-disk cache is shared).
 """
 from __future__ import annotations
 
 import math
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from ..errors import error
-from ..graphs import capture_graph
+from ..kernels.configs import FusedConfig, GemmConfig, MoEKernelConfig
+from ..kernels.gemm.tiles import fit
 from ..layouts import SORTED, ExpertBatch
 from ..quant import FP8_DTYPE, create_scheme
 from . import verify
-from .configs import FusedConfig, GemmConfig, MoEKernelConfig, fit
-from .tune_fused import FUSED_MAX_REL_ERR, fused_candidates, fused_searched, layer_times, pick_fused, usable
+from .fused import (
+    FUSED_MAX_REL_ERR,
+    fused_candidates,
+    fused_searched,
+    layer_times,
+    pick_fused,
+    usable,
+)
+from .timing import Shape, graph_time_ms
 
-
-@dataclass(frozen=True)
-class Shape:
-    num_experts: int  # local experts
-    hidden: int  # H
-    inter: int  # I
-    top_k: int
-    scheme: str
-    dtype: torch.dtype = torch.bfloat16
-
-
-# the warp-specialized fp8-block down (kernels/warp_specialized.py): 64 x 128 tiles; 5-7 stages, none a divisor of
-# the K-loop bodies of 6 or 8 steps (4 and 8 stages measured 1.1-1.4x slower than 6 at DeepSeek-V3's and Mixtral's
-# 16-step and 112-step loops: benchmarks/results/ws_fp8_down_*)
-# and its wide 64 x 256 tiles in quarters (3-5 stages of 40 KB): 1.03-1.14x the 64 x 128 tile on Qwen3's and
-# DeepSeek-V3's shapes at T = 4096-16384, slower at T = 1024 (benchmarks/results/wide_down_2026-12-03_h200.md)
+# the warp-specialized fp8-block down (gemm/warp_specialized.py): 64 x 128 tiles, 5-7 stages (4 and 8 run slower);
+# and its wide 64 x 256 tiles in quarters (4-5 stages of 40 KB), for large T
 WS_FP8_DOWN = ([GemmConfig(64, 128, 128, 8, 4, s, warp_specialize=1) for s in (5, 6, 7)]
                + [GemmConfig(64, 256, 128, g, 4, s, warp_specialize=1) for g, s in ((8, 4), (8, 5), (16, 4))])
-# the warp-specialized fp8-block gate_up: 64 x 128 tiles, 3-5 stages of 40 KB; 1.03-1.15x the shipped gate_up on
-# Qwen3's shape at T = 1024-16384, 0.8-0.99x on Mixtral's and DeepSeek-V3's (benchmarks/results/ws_fp8_gate_up_*)
+# the warp-specialized fp8-block gate_up: 64 x 128 tiles, 4-5 stages of 40 KB (it pays on short K loops; longer
+# ones favour the per-tile Gluon kernel's 128-row tiles)
 WS_FP8_GATE_UP = [GemmConfig(64, 128, 128, g, 4, s, warp_specialize=1) for g, s in ((8, 4), (16, 4), (8, 5))]
-# its 128 x 128 tiles shared by the two consumers (COOP), 3 stages: 1.06-1.08x the 64-row form on Qwen3's shape at
-# T = 8192-16384, slower at T <= 4096 and on DeepSeek-V3's shape; Mixtral's T = 16384 a tie
-# (benchmarks/results/ws_coop_gate_up_*)
+# its 128 x 128 tiles shared by the two consumers (COOP), 3 stages: for many rows an expert (large T)
 WS_FP8_GATE_UP_COOP = [GemmConfig(128, 128, 128, g, 4, 3, warp_specialize=1) for g in (8, 16)]
-# the wide down at 128 x 256 shared by the two consumers (COOP), 3 stages: 1.02x the shipped downs on Mixtral's shape
-# at T = 4096-16384 and 1.07x on Qwen3's T = 16384 alone, a tie in the layer; 4 stages ran slower on Mixtral's shape
-# (benchmarks/results/ws_fp8_coop_down_2026-12-03_h200.md)
+# the wide down at 128 x 256 shared by the two consumers (COOP), 3 stages (4 run slower): for large T
 WS_FP8_DOWN_COOP = [GemmConfig(128, 256, 128, g, 4, 3, warp_specialize=1) for g in (8, 16)]
 # bf16 / fp16 (BLOCK_K 64): the tiles a consumer by turns, 128 x 64 gate_up and 128 x 128 down, 5-6 stages; the
 # 64 x 128 gate_up by turns (5 stages) and the COOP tiles of 256 accumulator columns (the two consumers 64 rows each:
-# the 128 x 128 gate_up, the 128 x 256 down), 3-4 stages of 48 KB. Alone, against the tables they replaced: the
-# gate_up 1.05-1.31x on all three shapes at T = 1024-8192 (not Qwen3's T = 16384), the COOP down 1.04-1.17x on
-# DeepSeek-V3's T >= 4096 and Mixtral's T = 16384 (benchmarks/results/ws_bf16_coop_2026-12-03_h200.md)
+# the 128 x 128 gate_up, the 128 x 256 down), 3-4 stages of 48 KB
 WS_BF16_GATE_UP = ([GemmConfig(128, 64, 64, 8, 4, s, warp_specialize=1) for s in (5, 6)]
                    + [GemmConfig(64, 128, 64, 8, 4, 5, warp_specialize=1)]
                    + [GemmConfig(128, 128, 64, g, 4, s, warp_specialize=1) for g, s in ((8, 3), (8, 4), (16, 4))])
@@ -109,15 +85,14 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
         swapped = [GemmConfig(bm, bn, 128, 4, 4, s, swap_ab=1) for bm, bn, s in
                    ((32, 64, 4), (32, 128, 3), (32, 128, 4), (16, 128, 4))]
         gu, dn = gu + _precise(swapped, shape.scheme), dn + _precise(swapped, shape.scheme)
-        if shape.scheme == "fp8-block":  # the persistent Gluon down (kernels/down_wgmma_persistent.py)
+        if shape.scheme == "fp8-block":  # the persistent Gluon down (gemm/down_wgmma_persistent.py)
             dn.append(GemmConfig(64, 128, 128, 4, 4, 4, 2, scale_overlap=2))
             dn += WS_FP8_DOWN
-            # the Gluon gate_up at 64 rows (kernels/gate_up_wgmma.py): 1.02-1.10x the best Triton tile on DeepSeek-V3
-            # T = 1024-2048 and Mixtral T = 256, 0.85-0.99x on Qwen3 T = 512-1024 and Mixtral T = 128
-            # (benchmarks/results/mid_gate_up_2026-12-01_h200_38078a8.md)
+            # the Gluon gate_up at 64 rows (gemm/gate_up_wgmma.py): faster than the Triton tiles on some shapes,
+            # slower on others
             gu += [GemmConfig(64, 128, 128, g, 4, s, scale_overlap=1) for g, s in ((4, 4), (8, 4), (8, 5))]
             gu += WS_FP8_GATE_UP
-        if shape.scheme == "none":  # the warp-specialized Gluon kernels (kernels/warp_specialized.py)
+        if shape.scheme == "none":  # the warp-specialized Gluon kernels (gemm/warp_specialized.py)
             gu += WS_BF16_GATE_UP
             dn += WS_BF16_DOWN
     else:  # registers: gate_up holds two accumulators, so its big tiles need 8 warps (ptxas: no spills)
@@ -129,9 +104,9 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
                (128, 64, bk, 4, 4, 0), (64, 128, bk, 4, 4, 2), (128, 128, bk, 8, 4 if bk == 64 else 3, 1))]
         if shape.scheme == "none":  # token rows through TMA: a gathered copy first, 172 registers instead of 255
             gu += [GemmConfig(128, 128, 64, 8, 8, s, x_tma=1) for s in (3, 4)]
-            gu += WS_BF16_GATE_UP  # kernels/warp_specialized.py
+            gu += WS_BF16_GATE_UP  # gemm/warp_specialized.py
             dn += WS_BF16_DOWN
-        if shape.scheme == "fp8-block":  # the Gluon K loops that overlap the scaling (kernels/*_wgmma.py)
+        if shape.scheme == "fp8-block":  # the Gluon K loops that overlap the scaling (gemm/*_wgmma.py)
             gu += [GemmConfig(128, 128, 128, 8, 8, s, scale_overlap=1) for s in (3, 4)] + WS_FP8_GATE_UP
             gu += WS_FP8_GATE_UP_COOP
             dn += [GemmConfig(bm, 128, 128, 8, w, s, p, scale_overlap=so) for bm, w, s, p, so in
@@ -155,10 +130,9 @@ def _precise(swapped: list[GemmConfig], scheme: str) -> list[GemmConfig]:
     """The swapped candidates the tuner may time for ``scheme``: none for fp8-tensor and fp8-channel. A swapped fp8
     tile is an fp8 wgmma, whose accumulator keeps fewer bits than float32; fp8-block adds each 128-deep step's
     product into a float32 sum, but the per-tensor and per-channel schemes accumulate their whole K loop inside the
-    wgmma. Measured on H200 (benchmarks/results/swap_tiles_2026-12-03_h200_6f8497e.md): gate_up's error against
-    float64 rose 1.65e-3 -> 2.1e-3 (Qwen3, K = 2048) and 2.55e-3 (Mixtral, K = 4096) for fp8-tensor, and did not move
-    for fp8-block (1.665e-3 -> 1.676e-3), for layer gains of 0-1% on those rows. The unswapped 16-row tiles they
-    would replace run mma.sync on operands converted to fp16, with float32 sums."""
+    wgmma: swapped, fp8-tensor's gate_up error against float64 grows noticeably (fp8-block's does not), for layer
+    gains of a percent at most. The unswapped 16-row tiles they would replace run mma.sync on operands converted to
+    fp16, with float32 sums."""
     return [] if scheme in ("fp8-tensor", "fp8-channel") else swapped
 
 
@@ -166,7 +140,7 @@ def random_weights(shape: Shape, device, seed: int = 0, chunk: int = 8, chunk_by
     """ExpertWeights of random values (uniform ±1/sqrt(fan_in), as MoE.reset_parameters), quantized
     by the scheme a few experts at a time: at most ``chunk``, and at most ``chunk_bytes`` of high-precision draw
     (FP8 quantization makes several float32 copies of what it is given: whole-tensor quantization of DeepSeek-V3's
-    experts would need ~100 GB of temporaries, and 8 of Mixtral's, all of them, 12 GB)."""
+    experts would need ~100 GB of temporaries)."""
     from ..experts.base import ExpertWeights
     gen = torch.Generator(device=device).manual_seed(seed)
     sch = create_scheme(shape.scheme)
@@ -201,7 +175,9 @@ def sorted_batch(shape: Shape, x, topk_ids, topk_weights, indexed: bool = False)
     """The sorted batch of a routing's T * top_k copies (x [T, H], topk_ids [T, top_k], topk_weights [T, top_k]);
     indexed: its rows given by index (hidden the T tokens, source_rows [T * top_k], copy_rows [T, top_k]), as the
     local dispatcher hands them."""
-    from ..dispatch.expert_sort import sort_by_expert_torch  # the local dispatcher's sort, in torch
+    from ..dispatch.expert_sort import (
+        sort_by_expert_torch,  # the local dispatcher's sort, in torch
+    )
     offsets, counts, copy_rows, source, sorted_w = sort_by_expert_torch(topk_ids, topk_weights, shape.num_experts)
     if indexed:
         return ExpertBatch(SORTED, x, sorted_w, counts, offsets, source_rows=source, copy_rows=copy_rows)
@@ -222,8 +198,8 @@ def gemm_inputs(shape: Shape, routings: list, indexed_rows: bool) -> list:
     """Per routing (random_routing's triple), what tune() feeds gate_up: (ExpertBatch, RowLayout, x [R or T, H] as
     the scheme quantizes it, its scale or None). indexed_rows: the batch's rows by index and the tokens quantized
     once (the local sort's launch does it in the layer), else rows in order, quantized per row."""
-    from .common import RowLayout
-    from .quant import quantize_activation, quantize_rows
+    from ..kernels.common import RowLayout
+    from ..kernels.rows.quant import quantize_activation, quantize_rows
     inputs = []
     for r in routings:
         batch = sorted_batch(shape, *r, indexed=indexed_rows)
@@ -297,28 +273,6 @@ def batches_for(tokens: int) -> int:
     return 8 if tokens <= 128 else 4 if tokens <= 1024 else 1
 
 
-def graph_time_ms(calls, rep_ms: float, min_replays: int = 5, max_replays: int = 500) -> float:
-    """Median time (ms) per call of ``calls`` (zero-argument callables), captured back to back into
-    one CUDA graph and replayed: enough replays to fill ~rep_ms, at least min_replays."""
-    graph = capture_graph(lambda: [c() for c in calls])
-    graph.replay()
-    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    first.record()
-    graph.replay()
-    last.record()
-    torch.cuda.synchronize()
-    n = max(min_replays, min(max_replays, int(rep_ms / max(first.elapsed_time(last), 1e-3))))
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for a, b in ev:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) for a, b in ev)
-    del graph
-    return times[n // 2] / len(calls)
-
-
 def covering_pairs(gate_up_cfgs: list[GemmConfig], down_cfgs: list[GemmConfig]) -> list[MoEKernelConfig]:
     """Pairs of the two GEMMs' candidates in which each candidate of either appears at least once (precompile's jobs:
     one layer run compiles both of a pair's kernels)."""
@@ -331,9 +285,9 @@ def gemm_runners(shape: Shape, weights):
     run_gate_up(cfg, (batch, layout, x, x scale)) (gemm_inputs' tuple; rows by index where the batch has them) -> what
     the down takes: (inter, extra), for fp8-block its 1x128 groups quantized (narrow tiles add the separate group
     quantization, as the runner does); run_down(cfg, a, a_scale, route_w, layout) -> out [R, H]."""
-    from .down import down
-    from .gate_up import gate_up
-    from .quant import down_input
+    from ..kernels.gemm.down import down
+    from ..kernels.gemm.gate_up import gate_up
+    from ..kernels.rows.quant import down_input
 
     def run_gate_up(c, inp):
         batch, layout, xq, xs = inp
@@ -349,10 +303,10 @@ def gemm_runners(shape: Shape, weights):
 
 def gemm_checks(shape: Shape, weights):
     """(check_gate_up, check_down): gemm_runners' two GEMMs run once more with their outputs poisoned, against the
-    reference (kernels/verify.py) -> relative error.
+    reference (tune/verify.py) -> relative error.
     check_gate_up(cfg, gemm_inputs' tuple), check_down(cfg, a, a_scale, route_w, layout), sorted batches."""
-    from .down import down
-    from .gate_up import gate_up
+    from ..kernels.gemm.down import down
+    from ..kernels.gemm.gate_up import gate_up
 
     def check_gate_up(c, inp):
         batch, layout, xq, xs = inp
@@ -389,9 +343,17 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
          indexed_rows: bool = False, fused: bool = True):
     """-> ({T: MoEKernelConfig}, {T: {"gate_up": us, "down": us[, "layer_separate": us, "layer_fused": us]}}) for
     the current GPU (module docstring). on_result(table, measured) is called after each T (so a stopped search
-    keeps what it found). indexed_rows: gate_up reads its rows by index (a single-process layer), else in order.
-    fused: also time the one-launch layer where fused_searched (the two layer figures are measured there only)."""
-    from .quant import down_input
+    keeps what it found). indexed_rows: gate_up reads its rows as the layer that uses the table feeds them: by index
+    for a single-process layer (the local dispatcher's plan: the Triton kernel gathers them itself, the Gluon
+    fp8-block kernel first copies them, and that copy is timed with it), else in order (expert parallelism:
+    received batches arrive sorted). Times: the median over graph replays divided by the launches, weights cold
+    (the batches route to different experts, so for small T no expert's weights stay in L2 from the launch
+    before); host launch time left out, which at small T would swamp the kernels' and pick decode configs on noise.
+    fused: also time the one-launch layer where fused_searched (T <= FUSED_TUNE_MAX_TOKENS, rows by index, a scheme
+    gemm/fused_layer.py runs): the whole layer after routing on the same routings, the separate launches with the
+    chosen gate_up and down against each one-launch tile set; the entry gets the fastest tile set only where it
+    beat the separate launches (the two layer figures are measured there only)."""
+    from ..kernels.rows.quant import down_input
     dev = torch.device("cuda")
     weights = random_weights(shape, dev)
     run_gu, run_dn = gemm_runners(shape, weights)

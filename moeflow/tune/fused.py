@@ -1,5 +1,5 @@
-"""The one-launch small-batch layer's part of `moeflow tune` (kernels/autotune.py runs it): which tile sets
-(kernels/fused_layer.py) are timed for a shape and T, and the rule that records one. For T <=
+"""The one-launch small-batch layer's part of `moeflow tune` (tune/autotune.py runs it): which tile sets
+(kernels/gemm/fused_layer.py) are timed for a shape and T, and the rule that records one. For T <=
 FUSED_TUNE_MAX_TOKENS of a single-process layer the whole layer after routing is timed both ways on the same
 routings, from a CUDA graph as autotune times the GEMMs, as layer.routed_experts runs it (``layer_times``); the
 entry gets the fastest tile set only where it beat the separate launches (``pick_fused``).
@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..benchmark import poisoned_allocations, relative_error
-from .configs import FusedConfig, MoEKernelConfig, fit_fused
+from ..kernels.configs import FusedConfig, MoEKernelConfig
+from ..kernels.gemm.tiles import fit_fused
 
 if TYPE_CHECKING:
-    from .autotune import Shape
+    from .timing import Shape
 
-# the one launch lost at T >= 8 on every H200 preset (benchmarks/results/fused_layer_2026-12-01_h200.md: each copy
-# reads its expert's weights, T tokens over few experts up to T * K / experts hit times): larger T is not searched
+# larger T is not searched: each copy reads its expert's weights, so as T grows the copies of T tokens read their
+# experts' weights up to T * K / experts-hit times, and the separate launches win
 FUSED_TUNE_MAX_TOKENS = 16
 # fp8-block and fp8-channel (BLOCK_N1, BLOCK_N2, stages, SPLIT1, SPLIT2), BLOCK_K 128: tiles of 64 rows or more run
 # wgmma; SPLIT2 a multiple of top-k: each down program reads one copy (or part of one), so it waits for that copy's
@@ -30,12 +31,12 @@ FUSED_BF16 = [(64, 128, 64, 128, 3, 2, 8), (64, 128, 64, 128, 3, 1, 8), (64, 64,
 
 
 def fused_candidates(shape: Shape, tokens: int) -> list[FusedConfig]:
-    """One-launch tile sets (kernels/fused_layer.py) for T = tokens, fitted (configs.fit_fused) and deduplicated;
+    """One-launch tile sets (gemm/fused_layer.py) for T = tokens, fitted (tiles.fit_fused) and deduplicated;
     [] where the runner never runs the one launch: a scheme outside fused_layer.FUSED_SCHEMES, T outside
     1 .. FUSED_MAX_TOKENS, or a float32 layer (the tiles were sized for 2-byte weights: a stage of 64 x 128 gate
     and up tiles is 64 KB in float32, and fit_fused does not fit stages to shared memory)."""
     from ..experts.triton import FUSED_MAX_TOKENS
-    from .fused_layer import FUSED_SCHEMES
+    from ..kernels.gemm.fused_layer import FUSED_SCHEMES
     if shape.scheme not in FUSED_SCHEMES or not 0 < tokens <= FUSED_MAX_TOKENS:
         return []
     if shape.scheme in ("fp8-block", "fp8-channel"):
@@ -61,7 +62,7 @@ def fused_searched(shape: Shape, tokens: int, indexed_rows: bool) -> bool:
 
 
 # a tile set whose one launch differs more than this from the separate launches' output (relative, first routing) is
-# never recorded: the two differ by rounding only (2.7e-3 - 5.4e-3 measured on H200, bf16 and fp8-block layers)
+# never recorded: the two differ by rounding only (a few 1e-3), so more is a fault
 FUSED_MAX_REL_ERR = 3e-2
 
 
@@ -90,7 +91,7 @@ def layer_times(parts, weights, routings, pair: MoEKernelConfig, fused: list[Fus
     (moeflow.benchmark.poisoned_allocations: a launch reusing the memory of the one before could otherwise leave
     an unwritten element holding a right value)] for each of ``fused``).
     parts: autotune._layer_parts(shape), made once (the runner's fused counters with it)."""
-    from .autotune import graph_time_ms
+    from .timing import graph_time_ms
     dispatcher, runner = parts
 
     def separate(x, ids, w):

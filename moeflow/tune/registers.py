@@ -2,9 +2,9 @@
 
 Triton compiles a kernel to PTX for sm_90a on any machine; the ptxas that ships in the triton wheel
 then reports what a thread needs (`ptxas -v`). Register pressure decides which tiles are fast (a
-per-column index in the K loop once cost the fp8-block gate_up ~80 registers and the 128x128
-tiles), so tests/test_kernels_compile_sm90.py keeps the large-tile configs spill-free, and
-`python -m moeflow.kernels.registers` prints the table.
+per-column scale index in the K loop costs the fp8-block gate_up some 80 registers and its 128x128
+tiles: common.scale_block), so tests/test_kernels_compile_sm90.py keeps the large-tile configs spill-free, and
+`python -m moeflow.tune.registers` prints the table.
 
     register_usage(kernel, scheme, dtype, GemmConfig, tma=True) -> (registers per thread, spill-store bytes)
 kernel: "gate_up" | "down" | "down_persistent"; scheme: a quant scheme name; dtype: the layer dtype (torch).
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import QUANT_CODES, next_pow2
-from .configs import GemmConfig
+from ..kernels.common import QUANT_CODES, next_pow2
+from ..kernels.configs import GemmConfig
 
 SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one program may take on an H100 / H200 (opt-in)
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -41,14 +41,14 @@ def _signature(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tm
     desc = f"tensordesc<{act}[{cfg.block_n}, {cfg.block_k}]>"
     aligned = {"I", "H", "stride_x", "stride_a", "stride_out", "stride_wn"}  # specialized as multiples of 16
     if kernel == "gate_up":
-        from .gate_up import _gate_up_kernel as fn
+        from ..kernels.gemm.gate_up import _gate_up_kernel as fn
         ptrs = dict(x_ptr=act, xs_ptr="fp32", src_ptr="i64", w=act, ws_ptr="fp32", out_ptr=out, outs_ptr="fp32",
                     amax_ptr="fp32", meta_ptr="i64")
         const = dict(QUANT=q, ACT=0, INTER_DTYPE=_TL[dtype], MASKED=False, E_POW2=256, EVEN_K=True,
                      INDEXED=not cfg.x_tma, X_TMA=bool(cfg.x_tma), DOT_IEEE=False, PROMOTE=False, ROUND_IN_FP32=False,
                      W_TMA=tma)
     else:  # "down", or "down_persistent" (TMA operands only): the same operands
-        from .down import _down_kernel, _down_persistent_kernel
+        from ..kernels.gemm.down import _down_kernel, _down_persistent_kernel
         ptrs = dict(a_src=act, as_ptr="fp32", w=act, ws_ptr="fp32", rw_ptr="fp32", out_ptr=_ELEM[dtype], meta_ptr="i64")
         const = dict(QUANT=q, E_POW2=256, EVEN_K=True)
         if kernel == "down":
@@ -91,9 +91,9 @@ def gemm_ptx(kernel: str, scheme: str, dtype: torch.dtype, cfg: GemmConfig, tma:
 
 
 def fused_layer_usage(scheme: str, dtype: torch.dtype, cfg, tma: bool = True, top_k: int = 8):
-    """kernels/fused_layer.py compiled for sm_90a with FusedConfig ``cfg`` -> (registers per thread, spill-store
+    """gemm/fused_layer.py's kernel compiled for sm_90a with FusedConfig ``cfg`` -> (registers per thread, spill-store
     bytes, whether its dots run as wgmma)."""
-    from .fused_layer import _fused_layer_kernel as fn
+    from ..kernels.gemm.fused_layer import _fused_layer_kernel as fn
     q = QUANT_CODES[scheme]
     act = "fp8e4nv" if q else _ELEM[dtype]
     sig = {n: "i32" for n in fn.arg_names}
@@ -150,11 +150,11 @@ def divisible(fn, names) -> dict:
 
 def compile_gluon_for_hopper(fn, signature: dict, constexprs: dict, num_warps: int, maxnreg: int | None = None,
                              aligned=()):
-    """compile_for_hopper for a @gluon.jit kernel (kernels/down_wgmma.py) -> (registers per thread,
+    """compile_for_hopper for a @gluon.jit kernel (gemm/down_wgmma.py) -> (registers per thread,
     spill-store bytes, ptxas's info lines: C7514 there means it serialized the wgmmas).
     signature: the Triton types of the runtime parameters (a Gluon TensorDescriptor's is
     triton.runtime.jit.mangle_type(descriptor)). maxnreg: the launch's register cap (a warp-specialized
-    kernel's partitions then set their own, kernels/warp_specialized.py). aligned: parameters compiled as
+    kernel's partitions then set their own, gemm/warp_specialized.py). aligned: parameters compiled as
     multiples of 16, as the JIT would specialize them (divisible)."""
     return ptxas_report(gluon_ptx(fn, signature, constexprs, num_warps, maxnreg, aligned))
 

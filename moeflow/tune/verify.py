@@ -1,26 +1,11 @@
-"""Check a timed kernel config's output before `moeflow tune` records it (kernels/autotune.tune).
+"""Check a timed kernel config's output before `moeflow tune` records it (tune/autotune.tune).
 
 Timing alone would record a config that runs fast and computes wrong values: a compiler fault at one tile
 shape, a race in a warp-specialized pipeline, a tile the fit guards let through. tune() therefore runs the
 fastest candidate of each GEMM once more with its outputs poisoned (NaN first) and compares it with the torch
-reference; a candidate that fails is refused (logged, and listed in the file's "measured" notes) and the next
-fastest is checked, so a table only ever holds configs that computed right on this GPU.
-
-The check (``gemm_error``), sorted layout (rows in order, as the tuner's batches):
-  - every output element written: no NaN left in any row (the kernels' poison fill); gate_up's gathered amax
-    (fp8-tensor, fp8-channel) that of its output;
-  - every expert's rows within ``MAX_REL_ERR`` of the reference, computed in float64 expert by expert from the
-    same quantized operands (one expert's weights dequantized at a time: a whole-layer reference of DeepSeek-V3's
-    256 experts would take tens of GB): relative Frobenius error over all rows.
-Cost, measured on the H200 at DeepSeek-V3's fp8-block T = 16384 (benchmarks/experiments/check_cost.py,
-benchmarks/results/check_cost_2026-12-04_h200_c5405f5.json): 274 ms for the gate_up's check (the GEMM: 7.7 ms),
-156 ms for the down's (4.3 ms); Qwen3-30B-A3B bf16 T = 16384: 32 and 28 ms. Once per GEMM and token count tuned.
-The limit catches faults, not rounding: a correct output is off by its own last rounding only (under 4e-3 in bf16,
-whose step is 2^-8 of a value; 2e-4 measured in fp16 under the CPU interpreter; 1.7e-3 measured for bf16 outputs
-at those two shapes). gate_up's fp8 groups are compared with the reference quantized the same way: an element whose
-value before quantization lies near a rounding boundary may still land on the neighbouring fp8 value (a step of
-2^-3), which left 4.1e-3 at DeepSeek-V3's shape; against the unquantized reference they would be ~2.5e-2 off. A
-row block left unwritten, a wrong expert's weights or a K step missing are off by 0.2-1.4 or NaN.
+reference (gemm_error); a candidate that fails is refused (logged, and listed in the file's "measured" notes) and
+the next fastest is checked (first_correct), so a table only ever holds configs that computed right on this GPU.
+The float64 reference costs far more than the GEMM, once per GEMM and token count tuned.
 """
 from __future__ import annotations
 
@@ -32,6 +17,11 @@ from torch import Tensor
 from ..experts.base import gated_activation
 from ..quant import FP8_DTYPE, create_scheme
 
+# The limit catches faults, not rounding: a correct output is off by its own last rounding only (under 4e-3 in bf16,
+# whose step is 2^-8 of a value). gate_up's fp8 groups are compared with the reference quantized the same way: an
+# element whose value before quantization lies near a rounding boundary may still land on the neighbouring fp8 value
+# (a step of 2^-3), a few 1e-3 in all (against the unquantized reference they would be ~2.5e-2 off). A row block
+# left unwritten, a wrong expert's weights or a K step missing are off by 0.2 or more, or NaN.
 MAX_REL_ERR = 2e-2
 
 
@@ -45,9 +35,14 @@ def gemm_error(gemm: str, scheme: str, activation: str, offsets: Tensor, inputs:
     gathers (one [1] or a row's [R]), must match the output's own within 1% (else inf).
     gemm "down": inputs (a [R, I], a_scale, route_w [R] float32), weights (w2 [E, H, I], w2_scale),
     outputs (out [R, H],) -> route_w * (a @ w2[e].T).
-    offsets: [E + 1] int64, expert e's rows offsets[e] .. offsets[e + 1]. An fp8 output is compared with the
-    reference rounded to ``layer_dtype`` and quantized by the scheme as the kernel's epilogue does: what remains
-    are rounding flips where float32 and float64 sums straddle a step."""
+    offsets: [E + 1] int64, expert e's rows offsets[e] .. offsets[e + 1] (sorted layout, rows in order, as the
+    tuner's batches). An fp8 output is compared with the reference rounded to ``layer_dtype`` and quantized by the
+    scheme as the kernel's epilogue does: what remains are rounding flips where float32 and float64 sums straddle
+    a step.
+    The check: every output element written (no NaN left of the poison fill); every expert's rows against the
+    reference computed in float64 expert by expert from the same quantized operands (one expert's weights
+    dequantized at a time: a whole-layer reference of DeepSeek-V3's 256 experts would take tens of GB); the
+    relative Frobenius error over all rows, to be compared with MAX_REL_ERR."""
     sch = create_scheme(scheme)
     out = outputs[0]
     out_scale = outputs[1] if out.dtype == FP8_DTYPE else None

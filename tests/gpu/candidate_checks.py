@@ -18,7 +18,7 @@ DEVICE = "cuda"  # a CPU smoke run of _worker under TRITON_INTERPRET=1 may set "
 
 def jobs_for(shape, tokens: int) -> list[tuple]:
     """Every candidate of both GEMMs at T = tokens: gate_up with rows by index and in order, the down once."""
-    from moeflow.kernels.autotune import candidates
+    from moeflow.tune.autotune import candidates
     gu, dn = candidates(shape, tokens)
     return ([(shape, tokens, "gate_up", c, indexed) for c in gu for indexed in (True, False)]
             + [(shape, tokens, "down", c, False) for c in dn])
@@ -30,8 +30,8 @@ def _seed(shape, tokens: int) -> int:
 
 def _case(shape, tokens: int, indexed: bool):
     """-> (check_gate_up, check_down, the gate_up input tuple, the down's inputs)."""
-    from moeflow.kernels import autotune
-    from moeflow.kernels.quant import down_input
+    from moeflow.tune import autotune
+    from moeflow.kernels.rows.quant import down_input
     seed = _seed(shape, tokens)
     weights = autotune.random_weights(shape, DEVICE, seed=seed)
     routing = autotune.random_routing(shape, tokens, DEVICE, seed=seed + 1)

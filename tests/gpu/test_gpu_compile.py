@@ -34,8 +34,8 @@ class Stack(nn.Module):
 
 def run_compiled(compiled, model: Stack, x):
     """-> (the compiled stack's output, the eager stack's on the compiled routing). Inductor's own softmax may
-    differ from eager's by an ulp (seen on an H200 at 51f3d1d: one weight of 400 by 1.5e-8,
-    benchmarks/experiments/compile_bits.py), which is not moeflow's to match; so the second layer's eager reference
+    differ from eager's by an ulp (seen on an H200 at 51f3d1d: one weight of 400 by 1.5e-8, traced part by part
+    on an H100 on 2026-12-05), which is not moeflow's to match; so the second layer's eager reference
     takes the compiled ids and weights, after a check that those weights are eager's softmax at those ids within two
     ulps. Everything moeflow computes must then match bit for bit."""
     y, ids, w = (t.clone() for t in compiled(x))  # reduce-overhead's outputs live in its pool until the next call

@@ -9,18 +9,21 @@ Run: pytest -m gpu tests/gpu
 import pytest
 import torch
 
-from moeflow.kernels.configs import GemmConfig, fit
+from moeflow.kernels.configs import GemmConfig
+from moeflow.kernels.gemm.tiles import fit
 from moeflow.layouts import offsets_from_counts
 from moeflow.quant import create_scheme
 from gluon_hopper import MARKS
 from oracle import assert_close
+from moeflow.kernels.gemm.choice import GemmKernel, choose_down  # noqa: E402
+WS = GemmKernel.GLUON_WARP_SPECIALIZED
+WGMMA_DOWN = (GemmKernel.GLUON_WGMMA, GemmKernel.GLUON_WGMMA_PERSISTENT)
 
 pytestmark = MARKS
 
 if torch.cuda.is_available():  # kernel modules: on CPU (CI) the interpreter tests define them first (triton_interp)
-    from moeflow.kernels import down_wgmma
     from moeflow.kernels.common import RowLayout
-    from moeflow.kernels.down import down
+    from moeflow.kernels.gemm.down import down
 
 SCH = create_scheme("fp8-block")
 TILES = [GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2),
@@ -68,7 +71,7 @@ def tile_id(c):
 ])
 def test_matches_reference_and_the_triton_kernel(cfg, counts, h, i, poison):
     layout, a, a_s, q2, s2, rw = operands(counts, h, i)
-    assert down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-block", cfg)
+    assert choose_down(a, a_s, q2, s2, layout, "fp8-block", torch.bfloat16, cfg).kernel in WGMMA_DOWN
     got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
     assert not got.isnan().any()
     assert_close(got, reference(layout, a, a_s, q2, s2, rw), 1e-2, f"wgmma down {counts} H={h} I={i}")
@@ -90,9 +93,9 @@ def test_where_it_does_not_run(poison):
     layout, a, a_s, q2, s2, rw = operands([3, 4], 128, 256)
     masked = RowLayout(True, torch.tensor([3, 4], dtype=torch.int32, device="cuda"), 2, 4, 8)
     cfg = TILES[3]
-    assert not down_wgmma.usable(a, a_s, q2, s2, masked, "fp8-block", cfg)
-    assert not down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-channel", cfg)
-    assert not down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-block", GemmConfig(64, 256, 128, 4, 4, 4, scale_overlap=1))
+    assert not choose_down(a, a_s, q2, s2, masked, "fp8-block", torch.bfloat16, cfg).kernel in WGMMA_DOWN
+    assert not choose_down(a, a_s, q2, s2, layout, "fp8-channel", torch.bfloat16, cfg).kernel in WGMMA_DOWN
+    assert not choose_down(a, a_s, q2, s2, layout, "fp8-block", torch.bfloat16, GemmConfig(64, 256, 128, 4, 4, 4, scale_overlap=1)).kernel in WGMMA_DOWN
     assert not fit(GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=1), fused_pair=False, scheme="fp8-channel",
                    elem_bytes=1, n_size=128).scale_overlap
     assert fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).scale_overlap == 2
@@ -113,10 +116,10 @@ def test_where_it_does_not_run(poison):
 def test_persistent_programs_loop_over_many_tiles(cfg, sms, counts, h, i, poison, monkeypatch):
     """Few programs (num_sms patched to 1 or 3: 1-6 programs), so each runs many tiles and its loads cross
     from one tile into the next, odd and even tile counts; bit-equal to the per-tile Triton kernel."""
-    from moeflow.kernels import down_wgmma_persistent
+    from moeflow.kernels.gemm import down_wgmma_persistent
     monkeypatch.setattr(down_wgmma_persistent, "num_sms", lambda device: sms)
     layout, a, a_s, q2, s2, rw = operands(counts, h, i)
-    assert down_wgmma.usable(a, a_s, q2, s2, layout, "fp8-block", cfg)
+    assert choose_down(a, a_s, q2, s2, layout, "fp8-block", torch.bfloat16, cfg).kernel in WGMMA_DOWN
     got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
     assert not got.isnan().any()
     assert_close(got, reference(layout, a, a_s, q2, s2, rw), 1e-2, f"persistent wgmma down {len(counts)} experts")

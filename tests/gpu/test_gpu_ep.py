@@ -146,7 +146,7 @@ def worker_checks(ctx):
 def check_barrier_timeout(ctx):
     """kernels/peer.barrier with a peer that never signals: it stops after its limit and writes
     1 + the silent rank into pinned host memory (no hang); a round the peer did signal passes."""
-    from moeflow.kernels.peer import barrier
+    from moeflow.kernels.rows.peer import barrier
 
     dev = ctx.device
     pads = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(2)]

@@ -14,13 +14,16 @@ from moeflow.layouts import offsets_from_counts
 from moeflow.quant import create_scheme
 from gluon_hopper import MARKS
 from oracle import assert_close
+from moeflow.kernels.gemm.choice import GemmKernel, choose_gate_up  # noqa: E402
+WS = GemmKernel.GLUON_WARP_SPECIALIZED
+WGMMA_DOWN = (GemmKernel.GLUON_WGMMA, GemmKernel.GLUON_WGMMA_PERSISTENT)
 
 pytestmark = MARKS
 
 if torch.cuda.is_available():  # kernel modules: on CPU (CI) the interpreter tests define them first (triton_interp)
-    from moeflow.kernels import gate_up_wgmma
+    from moeflow.kernels.gemm import gate_up_wgmma
     from moeflow.kernels.common import RowLayout
-    from moeflow.kernels.gate_up import gate_up
+    from moeflow.kernels.gemm.gate_up import gate_up
 
 SCH = create_scheme("fp8-block")
 TILES = [GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), GemmConfig(128, 128, 128, 8, 8, 3, scale_overlap=1),
@@ -68,7 +71,7 @@ def run(layout, x, xs, q, s, cfg, **kw):
 ])
 def test_matches_reference_and_the_triton_kernel(cfg, counts, h, i):
     layout, x, xs, q, s = operands(counts, h, i)
-    assert gate_up_wgmma.usable(x, xs, q, s, layout, "fp8-block", cfg)
+    assert choose_gate_up(x, xs, q, s, layout, "fp8-block", cfg).kernel is GemmKernel.GLUON_WGMMA
     got, got_s = run(layout, x, xs, q, s, cfg)
     assert got.dtype == torch.float8_e4m3fn and not got.float().isnan().any() and not got_s.isnan().any()
     deq = SCH.dequantize_activation(got, got_s)
@@ -91,11 +94,11 @@ def test_where_it_does_not_run():
     layout, x, xs, q, s = operands([3, 4], 256, 128)
     cfg = TILES[0]
     masked = RowLayout(True, torch.tensor([3, 4], dtype=torch.int32, device="cuda"), 2, 4, 8)
-    assert not gate_up_wgmma.usable(x, xs, q, s, masked, "fp8-block", cfg)
-    assert not gate_up_wgmma.usable(x, xs, q, s, layout, "fp8-channel", cfg)
-    assert not gate_up_wgmma.usable(x, xs, q, s, layout, "fp8-block", GemmConfig(128, 256, 128, 8, 8, 3, scale_overlap=1))
+    assert not choose_gate_up(x, xs, q, s, masked, "fp8-block", cfg).kernel is GemmKernel.GLUON_WGMMA
+    assert not choose_gate_up(x, xs, q, s, layout, "fp8-channel", cfg).kernel is GemmKernel.GLUON_WGMMA
+    assert not choose_gate_up(x, xs, q, s, layout, "fp8-block", GemmConfig(128, 256, 128, 8, 8, 3, scale_overlap=1)).kernel is GemmKernel.GLUON_WGMMA
     layout2, x2, xs2, q2, s2 = operands([9, 2], 256, 192)  # I = 192 (layers refuse it for fp8-block: caps)
-    assert not gate_up_wgmma.usable(x2, xs2, q2, s2, layout2, "fp8-block", cfg)
+    assert not choose_gate_up(x2, xs2, q2, s2, layout2, "fp8-block", cfg).kernel is GemmKernel.GLUON_WGMMA
 
 
 def test_rows_by_index():

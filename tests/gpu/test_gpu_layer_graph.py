@@ -124,7 +124,7 @@ def test_rows_copied_into_order_by_scatter(make_layer, scheme, gate_up_cfg, tmp_
     gather's, close to the oracle, and the same from a CUDA graph. A tuned file in MOEFLOW_KERNEL_CONFIG_DIR
     makes the runner pick those tiles for this small shape."""
     from moeflow.kernels import configs as kc
-    from moeflow.kernels import gate_up as gate_up_mod
+    from moeflow.kernels.gemm import gate_up as gate_up_mod
     e, h, i, k, t = 8, 256, 256, 2, 300
     down_k = 128 if scheme != "none" else 64
     pair = kc.MoEKernelConfig(kc.GemmConfig(**gate_up_cfg), kc.GemmConfig(64, 128, down_k, 8, 4, 3))

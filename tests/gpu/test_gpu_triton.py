@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeflow.experts.reference import ReferenceRunner
-from moeflow.kernels.autotune import Shape, random_weights
+from moeflow.tune.autotune import Shape, random_weights
 from moeflow.layouts import sorted_to_masked
 from moeflow.quant import payload_scheme
 from oracle import assert_close, layer_oracle
@@ -28,7 +28,7 @@ def routing(t, e, k):
 def preset_case(preset, t, scheme):
     """A preset's shape at T = t tokens in ``scheme`` -> (its MoEConfig, random ExpertWeights, a random sorted batch
     (uniform routing), the scheme), seeded by t."""
-    from moeflow.kernels.autotune import random_batch
+    from moeflow.tune.autotune import random_batch
     from moeflow.presets import preset_config
     from moeflow.quant import create_scheme
     c = preset_config(preset)
@@ -93,8 +93,8 @@ UNTUNED = {"short-k": dict(num_experts=16, hidden_size=1536, intermediate_size=1
 def test_hopper_defaults_on_untuned_shapes(make_layer, poison, shape, scheme, m):
     """m rows an expert (uniform routing) of a shape without a tuned table: the runner warns, takes the Hopper rules'
     tiles (their Gluon flags kept by fit) and matches the float64 oracle."""
-    from moeflow.kernels import configs as kc
-    from moeflow.kernels.sm90_defaults import sm90_gemm_configs
+    from moeflow.kernels.gemm import tiles
+    from moeflow.kernels.gemm.sm90_tiles import sm90_gemm_configs
     c = UNTUNED[shape]
     e, k, h, i = c["num_experts"], c["top_k"], c["hidden_size"], c["intermediate_size"]
     t = m * e // k
@@ -110,7 +110,7 @@ def test_hopper_defaults_on_untuned_shapes(make_layer, poison, shape, scheme, m)
     nbytes = 1 if scheme != "none" else 2
     for got, want, pair, n in zip((used.gate_up, used.down), sm90_gemm_configs(t * k / e, scheme, h, i), (True, False),
                                   (i, h)):
-        assert got == kc.fit(want, fused_pair=pair, scheme=scheme, elem_bytes=nbytes, n_size=n)
+        assert got == tiles.fit(want, fused_pair=pair, scheme=scheme, elem_bytes=nbytes, n_size=n)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -165,7 +165,7 @@ def test_qwen3_shape(scheme, t):
     """The Qwen3-30B-A3B expert shape (E=128, H=2048, I=768, K=8) vs the reference runner."""
     from moeflow import MoEConfig
     from moeflow.experts.triton import TritonRunner
-    from moeflow.kernels.autotune import random_batch
+    from moeflow.tune.autotune import random_batch
     from moeflow.quant import create_scheme
     shape = Shape(128, 2048, 768, 8, scheme)
     cfg = MoEConfig(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8, quant=scheme,
@@ -187,7 +187,7 @@ def test_down_persistent_on_gpu(preset, t, scheme):
 
     from moeflow.kernels.common import RowLayout
     from moeflow.kernels.configs import GemmConfig
-    from moeflow.kernels.down import down
+    from moeflow.kernels.gemm.down import down
     c, w, batch, sch = preset_case(preset, t, scheme)
     layout = RowLayout.of(batch)
     a, a_s = sch.quantize_activation(torch.randn(layout.rows, c.intermediate_size, device="cuda").to(torch.bfloat16))
@@ -208,7 +208,7 @@ def test_down_split_k_on_gpu(preset, t, scheme):
     and replayed from a CUDA graph (the workspace comes from the graph's pool)."""
     from moeflow.kernels.common import RowLayout
     from moeflow.kernels.configs import GemmConfig
-    from moeflow.kernels.down import down, down_torch
+    from moeflow.kernels.gemm.down import down, down_torch
     c, w, batch, sch = preset_case(preset, t, scheme)
     bk = 64 if scheme == "none" else 128
     for lay in (RowLayout.of(batch), RowLayout.of(sorted_to_masked(batch)[0])):
@@ -240,7 +240,7 @@ def test_gate_up_split_k_on_gpu(preset, t, scheme):
     """gate_up split over K (GemmConfig.split_k) at decode, the presets' shapes, bf16: against the
     reference and the one-launch form, rows by index and masked slots, and replayed from a CUDA graph."""
     from moeflow.kernels.configs import GemmConfig
-    from moeflow.kernels.gate_up import gate_up, gate_up_torch
+    from moeflow.kernels.gemm.gate_up import gate_up, gate_up_torch
     c, w, batch, sch = preset_case(preset, t, scheme)
 
     for lay, rows, xq, xs, valid in gate_up_inputs(c, sch, batch, t):
@@ -296,7 +296,7 @@ def test_gate_up_rows_through_tma_on_gpu(preset, t, scheme, stages):
     bf16, rows by index and in order: bit-equal to the pointer loads, and against the reference."""
     from moeflow.kernels.common import RowLayout
     from moeflow.kernels.configs import GemmConfig
-    from moeflow.kernels.gate_up import gate_up, gate_up_torch
+    from moeflow.kernels.gemm.gate_up import gate_up, gate_up_torch
     c, w, batch, sch = preset_case(preset, t, scheme)
     lay = RowLayout.of(batch)
     bk = 64 if scheme == "none" else 128
@@ -352,7 +352,7 @@ def test_cuda_graph_decode(make_layer, scheme, layout):
 def test_sort_copies_on_gpu(t, k, e):
     """The local dispatcher's one-launch sort (decode-sized batches) equals the torch sort exactly."""
     from moeflow.dispatch.expert_sort import sort_by_expert_torch
-    from moeflow.kernels.align import sort_copies
+    from moeflow.kernels.rows.align import sort_copies
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
     w = torch.rand(t, k, device="cuda")
     for got, want in zip(sort_copies(ids, w, e), sort_by_expert_torch(ids, w, e), strict=True):
@@ -380,7 +380,7 @@ def test_sort_and_quantize_on_gpu(t, e, h, scheme):
     part past align._QUANT_PARTS parts, a part-filled last one at T = 3000): the sort equals the torch sort and the
     tokens are bit for bit kernels/quant.quantize_activation's."""
     from moeflow.dispatch.expert_sort import sort_and_quantize, sort_by_expert_torch
-    from moeflow.kernels.quant import quantize_activation
+    from moeflow.kernels.rows.quant import quantize_activation
     k = 8 if e > 8 else 2
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
     w = torch.rand(t, k, device="cuda")
@@ -447,7 +447,7 @@ def test_triton_router_on_gpu(preset, t):
     row but those with an exact float32 tie among their K + 1 best choices (_exact_ties: torch.topk's order among
     ties is unspecified), which must be fewer than 1 in 1000. T >= 2048 of Qwen3 and DeepSeek-V3 runs
     kernels/route_stream.py, whose ids must also equal kernels/route.py's (the same float32 choices) in every row."""
-    from moeflow.kernels.route import route
+    from moeflow.kernels.routing.route import route
     from moeflow.presets import preset_config
     from moeflow.routing import create_router
     cfg = preset_config(preset, device="cuda")
@@ -473,7 +473,7 @@ def test_sigmoid_routers_agree_where_the_scores_saturate_on_gpu(t):
     the torch router, kernels/route.py (T=37) and the streaming kernel (T=4096, 128 experts) pick the same largest
     logits, with the same weights."""
     from moeflow import MoEConfig
-    from moeflow.kernels.route import route
+    from moeflow.kernels.routing.route import route
     from moeflow.routing import create_router
     cfg = MoEConfig(num_experts=128, hidden_size=128, intermediate_size=128, top_k=4, scoring="sigmoid",
                     device="cuda")
@@ -494,7 +494,7 @@ def test_ep_row_kernels_on_gpu(payload):
     CUDA: bit for bit the torch code of the dispatchers (pack_rows_torch, masked_batch_torch)."""
     from moeflow.dispatch._ep_reference import masked_batch_torch, pack_rows_torch
     from moeflow.dispatch._ep_rows import RowCodec
-    from moeflow.kernels.ep_rows import masked_scatter, pack_rows
+    from moeflow.kernels.rows.ep_rows import masked_scatter, pack_rows
     from moeflow.quant import create_scheme
     codec = RowCodec(7168, 8, torch.bfloat16, payload and create_scheme(payload))
     t, world, e = 256, 2, 256
@@ -523,7 +523,7 @@ def test_ep_sort_on_gpu(r, e_local):
     """kernels/ep_sort.py at alltoall's size (8192 received rows, top-8, 128 local experts; ids in a
     strided view as received) on CUDA: bit for bit the torch reference."""
     from moeflow.dispatch._ep_reference import sort_copies_by_expert_torch
-    from moeflow.kernels.ep_sort import sort_copies_by_expert
+    from moeflow.kernels.rows.ep_sort import sort_copies_by_expert
     buf = torch.zeros(r, 40, dtype=torch.int32, device="cuda")
     choice = torch.rand(r, 2 * e_local, device="cuda").argsort(dim=1)[:, :8]
     buf[:, :8] = torch.where(choice < e_local, choice, -1).to(torch.int32)
@@ -539,7 +539,7 @@ def test_ep_sort_on_gpu(r, e_local):
 def test_tune_small_shape_on_gpu():
     """`moeflow tune`'s search on a tiny shape: graph-timed candidates, a config per T that the
     runner then runs correctly, positive times; a sleep kernel of known length times as that length."""
-    from moeflow.kernels.autotune import graph_time_ms, tune
+    from moeflow.tune.autotune import graph_time_ms, tune
     shape = Shape(8, 256, 128, 2, "fp8-block")
     table, measured = tune(shape, [1, 300], rep_ms=2, log=lambda s: None)
     assert set(table) == {1, 300} and all(v["gate_up"] > 0 and v["down"] > 0 for v in measured.values())
@@ -555,8 +555,8 @@ def test_tune_searches_one_launch_tiles_on_gpu(scheme):
     """A single-process shape (rows by index): at T <= FUSED_TUNE_MAX_TOKENS tune times the whole layer after
     routing both ways and records fused tiles exactly where the one launch measured faster; a recorded tile set
     runs, poisoned, to the reference's output; above the limit nothing is searched."""
-    from moeflow.kernels.autotune import tune
-    from moeflow.kernels.tune_fused import FUSED_TUNE_MAX_TOKENS
+    from moeflow.tune.autotune import tune
+    from moeflow.tune.fused import FUSED_TUNE_MAX_TOKENS
     shape = Shape(16, 256, 128, 4, scheme)
     big = FUSED_TUNE_MAX_TOKENS * 2
     table, measured = tune(shape, [1, big], rep_ms=2, log=lambda s: None, indexed_rows=True)
@@ -581,8 +581,8 @@ def test_swapped_tiles_on_gpu(preset, t, scheme):
     rounding of the same tiles unswapped, outputs NaN-poisoned, rows by index (sorted) and masked slots; the down's
     split K and persistent forms too."""
     from moeflow.kernels.configs import GemmConfig
-    from moeflow.kernels.down import down, down_torch
-    from moeflow.kernels.gate_up import gate_up, gate_up_torch
+    from moeflow.kernels.gemm.down import down, down_torch
+    from moeflow.kernels.gemm.gate_up import gate_up, gate_up_torch
     c, w, batch, sch = preset_case(preset, t, scheme)
     bk = 64 if scheme == "none" else 128
     tol = 6e-2 if scheme == "fp8-block" else rel_tol(scheme, torch.bfloat16)

@@ -9,8 +9,8 @@ Run: pytest -m gpu tests/gpu/test_gpu_tune_candidates.py (about 900 cases, compi
 import pytest
 import torch
 
-from moeflow.kernels import verify
-from moeflow.kernels.autotune import Shape
+from moeflow.tune import verify
+from moeflow.tune.autotune import Shape
 from moeflow.kernels.configs import FusedConfig, GemmConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -37,7 +37,7 @@ def test_every_tuner_candidate_computes_right(scheme, sizes):
 def test_tune_refuses_a_wrong_fastest_candidate(monkeypatch):
     """tune() with the check reporting every gate_up and down candidate but the slowest as wrong: the table takes
     the slowest of each, and the file's notes list the others as refused, fastest first."""
-    from moeflow.kernels import autotune
+    from moeflow.tune import autotune
     real = autotune.gemm_checks
     slowest = {}
 
@@ -77,7 +77,7 @@ def test_hand_edited_extremes_compute_right(scheme):
     """Extreme configs a person may write into a file, fitted as the runner fits a table's entries, run every GEMM
     right at the aligned and odd shapes (rows by index and in order), small and large T."""
     from candidate_checks import check_all
-    from moeflow.kernels.configs import fit
+    from moeflow.kernels.gemm.tiles import fit
     jobs = []
     for (e, h, i, k), token_counts in (ALIGNED, ODD):
         shape = Shape(e, h, i, k, scheme)

@@ -15,18 +15,22 @@ Run: pytest -m gpu tests/gpu
 import pytest
 import torch
 
-from moeflow.kernels.configs import GemmConfig, fit
+from moeflow.kernels.configs import GemmConfig
+from moeflow.kernels.gemm.tiles import fit
 from moeflow.layouts import offsets_from_counts
 from gluon_hopper import MARKS
 from oracle import assert_close, replayed
 from test_gpu_down_wgmma import operands as fp8_operands, reference as fp8_reference
+from moeflow.kernels.gemm.choice import GemmKernel, choose_down, choose_gate_up  # noqa: E402
+WS = GemmKernel.GLUON_WARP_SPECIALIZED
+WGMMA_DOWN = (GemmKernel.GLUON_WGMMA, GemmKernel.GLUON_WGMMA_PERSISTENT)
 
 pytestmark = MARKS
 
 if torch.cuda.is_available():
-    from moeflow.kernels import warp_specialized as down_ws
+    from moeflow.kernels.gemm import warp_specialized as down_ws
     from moeflow.kernels.common import RowLayout
-    from moeflow.kernels.down import down
+    from moeflow.kernels.gemm.down import down
 
 TILES = ([GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (2, 5, 6)]
          + [GemmConfig(128, 256, 64, 8, 4, s, warp_specialize=1) for s in (2, 4)]  # COOP: 64 rows a consumer
@@ -70,7 +74,7 @@ def test_matches_reference(cfg, sms, counts, h, i, poison, monkeypatch):
     if sms is not None:  # few programs: each runs many tiles, its consumers by turns
         monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
     layout, a, w, rw = operands(counts, h, i)
-    assert down_ws.usable(a, None, w, layout, "none", cfg)
+    assert choose_down(a, None, w, None, layout, "none", torch.bfloat16, cfg).kernel is WS
     got = down(a, None, w, None, rw, layout, "none", torch.bfloat16, cfg, poison=True)
     assert not got.isnan().any()
     assert_close(got, reference(layout, a, w, rw), 1e-2, f"ws down {counts} H={h} I={i} sms={sms}")
@@ -87,7 +91,7 @@ def test_matches_reference(cfg, sms, counts, h, i, poison, monkeypatch):
 ])
 def test_gate_up_matches_reference(cfg, sms, indexed, counts, h, i, act, poison, monkeypatch):
     from moeflow.experts.base import gated_activation
-    from moeflow.kernels.gate_up import gate_up
+    from moeflow.kernels.gemm.gate_up import gate_up
     if sms is not None:
         monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
     c = torch.tensor(counts, dtype=torch.int32, device="cuda")
@@ -97,7 +101,7 @@ def test_gate_up_matches_reference(cfg, sms, indexed, counts, h, i, act, poison,
     x = torch.randn(max(r, 1), h, device="cuda").bfloat16()
     src = torch.randperm(r, device="cuda") if indexed else None  # rows by index: x[src[r]]
     copy_rows = torch.argsort(src).view(r, 1) if indexed else None
-    assert down_ws.usable(x, None, w13, layout, "none", cfg, gated=True)
+    assert choose_gate_up(x, None, w13, None, layout, "none", cfg).kernel is WS
     got, extra = gate_up(x if indexed else x[:r], None, w13, None, layout, "none", act, torch.bfloat16, cfg,
                          poison=True, source_rows=src, copy_rows=copy_rows)
     assert extra is None and not got.isnan().any()
@@ -137,7 +141,7 @@ def check_fp8_down(cfg, sms, counts, h, i, monkeypatch, what):
     if sms is not None:  # few programs: each runs many tiles, its consumers by turns
         monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
     layout, a, a_s, q2, s2, rw = fp8_operands(counts, h, i)
-    assert down_ws.usable(a, a_s, q2, layout, "fp8-block", cfg, w_scale=s2)
+    assert choose_down(a, a_s, q2, s2, layout, "fp8-block", torch.bfloat16, cfg).kernel is WS
     got = down(a, a_s, q2, s2, rw, layout, "fp8-block", torch.bfloat16, cfg, poison=True)
     assert not got.isnan().any()
     assert_close(got, fp8_reference(layout, a, a_s, q2, s2, rw), 1e-2, f"{what} {counts} H={h} I={i} sms={sms}")
@@ -165,7 +169,7 @@ def test_wide_fp8_block_down_matches_reference_and_the_triton_kernel(cfg, sms, c
     the two consumers, COOP): bit for bit the Triton kernel's output and close to the float64 reference."""
     check_fp8_down(cfg, sms, counts, h, i, monkeypatch, "wide fp8 down")
     layout3, a3, a3_s, q3, s3, _ = fp8_operands([3, 4], 384, 256)  # H = 384: half a tile's scale blocks past the end
-    assert not down_ws.usable(a3, a3_s, q3, layout3, "fp8-block", cfg, w_scale=s3)
+    assert not choose_down(a3, a3_s, q3, s3, layout3, "fp8-block", torch.bfloat16, cfg).kernel is WS
 
 
 def test_fp16_and_shared_weights(poison):
@@ -197,17 +201,17 @@ def test_where_it_does_not_run():
     layout, a, w, rw = operands([3, 4], 128, 256)
     masked = RowLayout(True, torch.tensor([3, 4], dtype=torch.int32, device="cuda"), 2, 4, 8)
     cfg = TILES[1]
-    assert not down_ws.usable(a, None, w, masked, "none", cfg)
-    assert not down_ws.usable(a.float(), None, w.float(), layout, "none", cfg)
-    assert not down_ws.usable(a, None, w, layout, "none", GemmConfig(64, 128, 64, 8, 4, 4, warp_specialize=1))
+    assert not choose_down(a, None, w, None, masked, "none", torch.bfloat16, cfg).kernel is WS
+    assert not choose_down(a.float(), None, w.float(), None, layout, "none", torch.bfloat16, cfg).kernel is WS
+    assert not choose_down(a, None, w, None, layout, "none", torch.bfloat16, GemmConfig(64, 128, 64, 8, 4, 4, warp_specialize=1)).kernel is WS
     assert not fit(cfg, fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=128).warp_specialize  # 128x128
     assert fit(cfg, fused_pair=False, scheme="none", elem_bytes=2, n_size=128).warp_specialize == 1
     layout8, a8, a8_s, q2, s2, _ = fp8_operands([3, 4], 128, 256)
     f8 = FP8_TILES[0]
-    assert down_ws.usable(a8, a8_s, q2, layout8, "fp8-block", f8, w_scale=s2)
-    assert not down_ws.usable(a8, a8_s, q2, masked, "fp8-block", f8, w_scale=s2)
-    assert not down_ws.usable(a8, a8_s, q2, layout8, "fp8-channel", f8, w_scale=s2)
-    assert not down_ws.usable(a8, None, q2, layout8, "fp8-block", f8, w_scale=s2)
+    assert choose_down(a8, a8_s, q2, s2, layout8, "fp8-block", torch.bfloat16, f8).kernel is WS
+    assert not choose_down(a8, a8_s, q2, s2, masked, "fp8-block", torch.bfloat16, f8).kernel is WS
+    assert not choose_down(a8, a8_s, q2, s2, layout8, "fp8-channel", torch.bfloat16, f8).kernel is WS
+    assert not choose_down(a8, None, q2, s2, layout8, "fp8-block", torch.bfloat16, f8).kernel is WS
 
 
 @pytest.mark.parametrize("scheme", ["none", "fp8-block"])
@@ -260,11 +264,11 @@ def test_fp8_block_gate_up_matches_reference_and_the_triton_kernel(cfg, sms, ind
     same float32 sums in the same order), and dequantized close to the float64 reference; rows by index are copied
     into order first."""
     from test_gpu_gate_up_wgmma import SCH, operands as gu_operands, reference as gu_reference
-    from moeflow.kernels.gate_up import gate_up
+    from moeflow.kernels.gemm.gate_up import gate_up
     if sms is not None:  # few programs: each runs many tiles, its consumers by turns (COOP: both on each)
         monkeypatch.setattr(down_ws, "num_sms", lambda device: sms)
     layout, x, xs, q, s = gu_operands(counts, h, i)
-    assert down_ws.usable(x, xs, q, layout, "fp8-block", cfg, gated=True, w_scale=s)
+    assert choose_gate_up(x, xs, q, s, layout, "fp8-block", cfg).kernel is WS
     src = torch.randperm(x.shape[0], device="cuda") if indexed else None
     copy_rows = torch.argsort(src).view(-1, 1) if indexed else None
     run = lambda c: gate_up(x, xs, q, s, layout, "fp8-block", "silu", torch.bfloat16, c, poison=True,
@@ -283,10 +287,9 @@ def test_fp8_block_gate_up_where_it_does_not_run():
     from test_gpu_gate_up_wgmma import operands as gu_operands
     layout, x, xs, q, s = gu_operands([3, 4], 256, 128)
     cfg = FP8_GU_TILES[1]
-    assert down_ws.usable(x, xs, q, layout, "fp8-block", cfg, gated=True, w_scale=s)
+    assert choose_gate_up(x, xs, q, s, layout, "fp8-block", cfg).kernel is WS
     masked = RowLayout(True, torch.tensor([3, 4], dtype=torch.int32, device="cuda"), 2, 4, 8)
-    assert not down_ws.usable(x, xs, q, masked, "fp8-block", cfg, gated=True, w_scale=s)
-    assert not down_ws.usable(x, xs, q, layout, "fp8-block", GemmConfig(128, 64, 128, 8, 4, 4, warp_specialize=1),
-                              gated=True, w_scale=s)
+    assert not choose_gate_up(x, xs, q, s, masked, "fp8-block", cfg).kernel is WS
+    assert not choose_gate_up(x, xs, q, s, layout, "fp8-block", GemmConfig(128, 64, 128, 8, 4, 4, warp_specialize=1)).kernel is WS
     layout2, x2, xs2, q2, s2 = gu_operands([9, 2], 256, 192)  # I = 192
-    assert not down_ws.usable(x2, xs2, q2, layout2, "fp8-block", cfg, gated=True, w_scale=s2)
+    assert not choose_gate_up(x2, xs2, q2, s2, layout2, "fp8-block", cfg).kernel is WS

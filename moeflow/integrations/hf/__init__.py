@@ -1,44 +1,26 @@
-"""Hugging Face transformers integration (optional: ``pip install moeflow[transformers]``).
-
-Three ways to run a transformers MoE model with moeflow:
+"""Hugging Face transformers integration (optional: ``pip install moeflow[transformers]``). Importing this package
+does not import transformers; the functions that need it raise MF701 when it is missing. Three ways in:
 
     import moeflow   # registers "moeflow" with transformers' experts interfaces when they are imported
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moeflow")
-    model.set_experts_implementation("moeflow")          # or switch a loaded model
-        # routing stays in transformers; the experts (bf16/fp16/fp32, or FP8Experts' 128x128 blocks)
-        # run in moeflow on the module's own weights (experts.py)
-
-    replace_moe_blocks(model)                             # router + experts + shared experts in moeflow
-        # Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3; other blocks refused with MF702 (blocks.py)
-
-    model = load_fp8_model(path)                          # a fine-grained FP8 checkpoint on any device:
-        # experts stay float8_e4m3fn in fp8-block layers, never dequantized (fp8.py)
-
-Importing this package does not import transformers; the functions that need it raise MF701 when it
-is missing.
+    model.set_experts_implementation("moeflow")   # or switch a loaded model: routing stays in transformers (experts.py)
+    replace_moe_blocks(model)                     # router + experts + shared experts in moeflow (blocks.py)
+    model = load_fp8_model(path)                  # fine-grained FP8 checkpoint, any device, experts stay FP8 (fp8.py)
 """
 from __future__ import annotations
 
 import importlib
 
 from ... import ops
-from ...errors import error
 from .blocks import MoeflowBlock, replace_moe_blocks, supported_blocks
 from .experts import moeflow_experts_forward, prepare_experts
+from .requires import require_transformers
 
 IMPLEMENTATION = "moeflow"
 
 # transformers module -> the experts interface class it defines
 _INTERFACES = {"transformers.integrations.moe": "ExpertsInterface",
                "transformers.integrations.finegrained_fp8": "FP8ExpertsInterface"}
-
-
-def require_transformers(what: str):
-    """Import and return transformers, or raise MF701 naming ``what`` needed it."""
-    try:
-        return importlib.import_module("transformers")
-    except Exception as exc:
-        raise error("MF701", what=what, why=f"{type(exc).__name__}: {exc}") from None
 
 
 def register_module(module_name: str) -> bool:

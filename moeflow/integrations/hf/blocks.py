@@ -1,22 +1,8 @@
-"""replace_moe_blocks: each sparse MoE block of a transformers model -> a MoeflowBlock.
+"""replace_moe_blocks: each sparse MoE block of a transformers model -> a MoeflowBlock, which keeps the block's
+router module and hands routing, the experts and the shared experts to one ``moeflow.MoE``.
 
-A MoeflowBlock keeps the block's router module (``gate``), computes the router logits with its weight [E, H] (the
-same Parameter, not a copy; the router module itself runs where something hooks it, as transformers'
-``output_router_logits`` does) and hands everything else to one ``moeflow.MoE``: routing, the experts and
-the shared experts. Expert weights already in the layer's storage format are adopted (the layer's
-parameter points at the model's tensor); others go through ``MoE.load_weights`` (quantized when
-``quant`` asks for FP8, kept FP8 when they already are 128x128-block FP8). The state_dict names the tensors as the
-replaced block did where the layer keeps the block's format (block_names), so save_pretrained round-trips.
-
-Families (block class -> routing as MoEConfig fields), following transformers' modeling code:
-  MixtralSparseMoeBlock   softmax top-k, always renormalized
-  Qwen2MoeSparseMoeBlock  softmax top-k, renormalized iff norm_topk_prob; shared_expert with a sigmoid gate
-  Qwen3MoeSparseMoeBlock  softmax top-k, renormalized iff norm_topk_prob
-  OlmoeSparseMoeBlock     softmax top-k, renormalized iff norm_topk_prob
-  DeepseekV3MoE           sigmoid, grouped top-k (n_group, topk_group) chosen with e_score_correction_bias,
-                          renormalized iff norm_topk_prob, x routed_scaling_factor; shared_experts;
-                          router logits in float32
-Any other module holding a ``gate`` and an ``experts`` module is refused with MF702.
+Families (FAMILIES): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3; any other module holding a ``gate`` and an
+``experts`` module is refused with MF702.
 """
 from __future__ import annotations
 
@@ -58,6 +44,14 @@ class Family:
     router_fp32: bool = False  # router logits computed in float32 from float32 weights
 
 
+# block class -> routing as MoEConfig fields, following transformers' modeling code:
+#   MixtralSparseMoeBlock   softmax top-k, always renormalized
+#   Qwen2MoeSparseMoeBlock  softmax top-k, renormalized iff norm_topk_prob; shared_expert with a sigmoid gate
+#   Qwen3MoeSparseMoeBlock  softmax top-k, renormalized iff norm_topk_prob
+#   OlmoeSparseMoeBlock     softmax top-k, renormalized iff norm_topk_prob
+#   DeepseekV3MoE           sigmoid, grouped top-k (n_group, topk_group) chosen with e_score_correction_bias,
+#                           renormalized iff norm_topk_prob, x routed_scaling_factor; shared_experts;
+#                           router logits in float32
 FAMILIES: dict[str, Family] = {
     "MixtralSparseMoeBlock": Family(lambda b: _softmax(b, renormalize=True)),
     "Qwen2MoeSparseMoeBlock": Family(_softmax, shared="shared_expert", shared_gate="shared_expert_gate"),
@@ -254,6 +248,11 @@ def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str =
                        skip_unknown: bool = False, progress=None, experts: dict[str, dict] | None = None) -> list[str]:
     """Replace every sparse MoE block of ``model`` in place; -> the replaced module paths.
 
+    The MoeflowBlock's router weight is the block's own Parameter, not a copy. Expert weights already in the
+    layer's storage format are adopted (the layer's parameter points at the model's tensor); others go through
+    ``MoE.load_weights`` (quantized when ``quant`` asks for FP8, kept FP8 when they already are 128x128-block
+    FP8). The state_dict names the tensors as the replaced block did where the layer keeps the block's format
+    (block_names), so save_pretrained round-trips.
     quant: None keeps each block's expert format; "fp8-block" etc. quantize high-precision experts.
     dtype: activation dtype of FP8 experts (default: the model's). Every block is planned before the
     first is replaced, so a refusal (MF702 unknown block, MF704 unsupported experts, MF1xx/MF2xx

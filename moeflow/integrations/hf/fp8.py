@@ -1,23 +1,12 @@
-"""load_fp8_model: a fine-grained FP8 checkpoint whose routed experts stay FP8 (moeflow fp8-block).
+"""load_fp8_model: a fine-grained FP8 checkpoint whose routed experts stay FP8 (moeflow fp8-block) on any device.
 
 Checkpoint format (DeepSeek-V3, Qwen3-*-FP8, transformers' own FP8 quantizer): config.json has
-``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``; a
-quantized Linear weight ``<name>.weight`` [N, K] is float8_e4m3fn, beside
-``<name>.weight_scale_inv`` [ceil(N/128), ceil(K/128)] float32 (real ≈ q * scale, per 128x128 block).
-Routed experts are stored per expert, ``<block>.experts.<e>.{gate_proj|up_proj|down_proj}.weight``
-(Mixtral: ``block_sparse_moe.experts.<e>.{w1|w3|w2}``), or fused as ``<block>.experts.gate_up_proj``.
-
-Why a loader of its own: without a GPU, transformers 5.24 dequantizes a pre-quantized FP8
-checkpoint to bf16 (and needs the accelerate package even for that); on a GPU it keeps FP8 and
-``experts_implementation="moeflow"`` runs FP8Experts through the FP8 interface (experts.py).
-This loader keeps the routed experts FP8 on any device:
-  1. the model is built from config.json without its quantization_config, weights uninitialized, the routed
-     experts on the meta device (never allocated in the activation dtype);
-  2. every other tensor is loaded, FP8 ones dequantized (attention, dense MLPs, shared experts:
-     moeflow keeps only the routed experts in FP8);
-  3. each block's experts are stacked into gate_up_proj [E, 2I, H] / down_proj [E, H, I] with
-     block scales [E, 2I/128, H/128] / [E, H/128, I/128] (gate and up scales stack exactly since
-     I is a multiple of 128) and given to replace_moe_blocks: fp8-block layers adopt them as is.
+``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``; a quantized Linear weight
+``<name>.weight`` [N, K] is float8_e4m3fn, beside ``<name>.weight_scale_inv`` [ceil(N/128), ceil(K/128)] float32
+(real ≈ q * scale, per 128x128 block). Routed experts are stored per expert,
+``<block>.experts.<e>.{gate_proj|up_proj|down_proj}.weight`` (Mixtral: ``block_sparse_moe.experts.<e>.{w1|w3|w2}``),
+or fused as ``<block>.experts.gate_up_proj``. Why a loader of its own: without a GPU, transformers dequantizes such a
+checkpoint to bf16 (on a GPU it keeps FP8, and experts_implementation="moeflow" runs FP8Experts: experts.py).
 """
 from __future__ import annotations
 
@@ -31,7 +20,7 @@ from torch import Tensor
 
 from ...errors import error
 from ...quant.fp8_block import BLOCK, FP8Block
-from . import require_transformers
+from .requires import require_transformers
 from .blocks import replace_moe_blocks
 
 _BLOCKS = FP8Block()  # the one definition of 128x128 block dequantization
@@ -46,7 +35,15 @@ _RENAMES = ((".block_sparse_moe.", ".mlp."),)  # Mixtral checkpoint names -> tra
 def load_fp8_model(path, dtype=None, device="cpu", runner: str = "auto", progress=None):
     """path: checkpoint directory; dtype: activation / non-expert dtype (default: config's, else
     bfloat16); device: where the model lives; progress: optional callable(done, total, what).
-    -> a transformers causal LM in eval mode whose MoE blocks are MoeflowBlocks with fp8-block experts."""
+    -> a transformers causal LM in eval mode whose MoE blocks are MoeflowBlocks with fp8-block experts.
+
+      1. the model is built from config.json without its quantization_config, weights uninitialized, the routed
+         experts on the meta device (never allocated in the activation dtype);
+      2. every other tensor is loaded, FP8 ones dequantized (attention, dense MLPs, shared experts:
+         moeflow keeps only the routed experts in FP8);
+      3. each block's experts are stacked into gate_up_proj [E, 2I, H] / down_proj [E, H, I] with
+         block scales [E, 2I/128, H/128] / [E, H/128, I/128] (gate and up scales stack exactly since
+         I is a multiple of 128) and given to replace_moe_blocks: fp8-block layers adopt them as is."""
     transformers = require_transformers("load_fp8_model()")
     root = Path(path)
     files = sorted(root.glob("*.safetensors"))

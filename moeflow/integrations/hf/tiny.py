@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import error
-from . import require_transformers
+from .requires import require_transformers
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 VOCAB = 260  # 256 bytes + bos/eos/pad/unk: the ByteTokenizer's ids fit

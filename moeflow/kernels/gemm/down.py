@@ -1,21 +1,12 @@
-"""down GEMM with the routing weight fused: out = w * (a @ W_down[e].T), a the intermediate.
+"""down GEMM with the routing weight fused: out = route_w * (a @ W_down[e].T), per expert e.
 
-    a [R, I] layer dtype, or float8_e4m3fn with scale [R, G] (G = 1 for fp8-tensor/-channel,
-      I/128 for fp8-block); w2 down_proj [E, H, I] (+ scheme scale); route_w [R] float32
-    -> out [R, H] layer dtype. The routing weight multiplies the float32 result before the cast.
-Masked layout: the output's empty slots are written as zeros (the layout contract), by the
-programs of empty blocks without any GEMM work.
-Two launch forms: one program per output tile (_down_kernel, every layout), or, where the config
-asks for it (GemmConfig.programs_per_sm) on a sorted batch with both operands through TMA, a
-persistent grid of programs looping over the tiles (_down_persistent_kernel). Same tile code,
-same results bit for bit. fp8-block on Hopper with GemmConfig.scale_overlap: a Gluon kernel whose
-K loop overlaps each step's scaling with the next step's wgmma (kernels/down_wgmma.py), same bits.
-bf16/fp16 on Hopper with GemmConfig.warp_specialize: a persistent warp-specialized Gluon kernel
-(kernels/warp_specialized.py: a loader warp, two consumer warpgroups by turns); float32 sums of the same products.
-Split K (GemmConfig.split_k = S > 1, per-tile form only): S programs per tile, program s running K
-steps s·⌈n/S⌉ .. of the n; each stores its float32 partial tile (scales and routing weight applied:
-they are linear) into slab s of a [S, R, H] workspace, and _split_sum_kernel adds the S slabs in
-order into the output (deterministic; float32 sums of partial sums, so not bit-equal to S = 1).
+    a [R, I] layer dtype or float8_e4m3fn + a_scale [R, G] (G = 1: fp8-tensor/-channel; I/128: fp8-block),
+    w2 down_proj [E, H, I] (+ scale), route_w [R] float32 -> out [R, H] layer dtype
+The routing weight multiplies the float32 result before the cast. A masked layout's empty slots are written as zeros.
+Forms (choice.py picks one): _down_kernel, one program per tile, any layout; _down_persistent_kernel, a persistent
+grid over the tiles (sorted batch, both operands through TMA; the same bits); split K into a float32 workspace
+[S, R, H] summed in order by _split_sum_kernel (deterministic, not bit-equal to one program). On Hopper the Gluon
+kernels (down_wgmma.py, down_wgmma_persistent.py, warp_specialized.py). Reference: down_torch.
 """
 from __future__ import annotations
 
@@ -24,9 +15,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, expert_blocks, grouped_tile, next_pow2,
+from ..common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, expert_blocks, grouped_tile, next_pow2,
                      num_sms, pdl, pdl_launch, pdl_wait, per_col, per_row, row_major, rows_operand, scale_block,
                      sorted_block, split_steps, tile_dot, tile_dot_acc, tile_ids, weight_operand)
+from .choice import GemmKernel, choose_down
 from .gate_up import _expert_of_row, _scale_strides
 
 
@@ -182,30 +174,37 @@ def down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
     _, h, _ = w2.shape
     out = torch.full((r, h), float("nan"), dtype=dtype, device=a.device) if poison else \
         torch.empty((r, h), dtype=dtype, device=a.device)
-    split = min(cfg.split_k, cdiv(i, cfg.block_k))
-    if split <= 1 or r == 0 or h == 0:
-        if cfg.warp_specialize and a.is_cuda:
-            from . import warp_specialized  # Gluon: loaded on CUDA only
-            if warp_specialized.usable(a, a_scale, w2, layout, scheme, cfg, w_scale=w2_scale):
-                warp_specialized.launch(a, w2, route_w, layout, cfg, out, a_scale=a_scale, w_scale=w2_scale)
-                return out
-        if cfg.scale_overlap and a.is_cuda:
-            from . import down_wgmma  # Gluon: loaded on CUDA only
-            if down_wgmma.usable(a, a_scale, w2, w2_scale, layout, scheme, cfg):
-                down_wgmma.launch(a, a_scale, w2, w2_scale, route_w, layout, cfg, out)
-                return out
-        _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1)
-        return out
+    choice = choose_down(a, a_scale, w2, w2_scale, layout, scheme, dtype, cfg)
+    if choice.kernel is GemmKernel.GLUON_WARP_SPECIALIZED:
+        from . import warp_specialized  # Gluon: loaded on Hopper only
+        warp_specialized.launch(a, w2, route_w, layout, cfg, out, a_scale=a_scale, w_scale=w2_scale)
+    elif choice.kernel is GemmKernel.GLUON_WGMMA:
+        from . import down_wgmma  # Gluon: loaded on Hopper only
+        down_wgmma.launch(a, a_scale, w2, w2_scale, route_w, layout, cfg, out)
+    elif choice.kernel is GemmKernel.GLUON_WGMMA_PERSISTENT:
+        from . import down_wgmma_persistent  # Gluon: loaded on Hopper only
+        down_wgmma_persistent.launch(a, a_scale, w2, w2_scale, route_w, layout, cfg, out)
+    elif choice.kernel is not GemmKernel.TRITON_SPLIT_K:
+        _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, 1,
+                persistent=choice.kernel is GemmKernel.TRITON_PERSISTENT)
+    else:
+        _split_k(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, out, choice.split_k, poison)
+    return out
+
+
+def _split_k(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, dtype: torch.dtype, cfg,
+             out: Tensor, split: int, poison: bool) -> None:
+    """down with the K loop over ``split`` programs a tile into a float32 workspace [S, R, H], summed in order."""
+    r, h = out.shape
     part = torch.full((split, r, h), float("nan"), dtype=torch.float32, device=a.device) if poison else \
         torch.empty((split, r, h), dtype=torch.float32, device=a.device)
     _launch(a, a_scale, w2, w2_scale, route_w, layout, scheme, dtype, cfg, part, split)
     block_h = min(1024, next_pow2(h))
     _split_sum_kernel[(r, cdiv(h, block_h))](part, out, r, h, SPLIT_K=split, BLOCK_H=block_h)
-    return out
 
 
 def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, dtype: torch.dtype, cfg,
-            out: Tensor, split: int) -> None:
+            out: Tensor, split: int, persistent: bool = False) -> None:
     """One down launch into ``out``: [R, H] ``dtype``, or with split > 1 the float32 workspace [S, R, H]
     (dtype still the layer's: it picks the dot precision)."""
     r, i = a.shape
@@ -223,9 +222,7 @@ def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, d
     tiling = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   EVEN_K=i % cfg.block_k == 0, SWAP=bool(cfg.swap_ab), num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
-    fp32_dots = dtype == torch.float32 and q in (0, 1, 2)
-    if (split == 1 and cfg.programs_per_sm and not layout.masked and w_arg is not w2 and a_arg is not a
-            and not fp32_dots):
+    if persistent:  # choice.py's TRITON_PERSISTENT: a sorted batch, both operands through TMA, not float32
         programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
         if programs:
             _down_persistent_kernel[(programs,)](*args, layout.num_experts, h, i, w_rows, programs, *strides, QUANT=q,
@@ -241,7 +238,7 @@ def _launch(a, a_scale, w2, w2_scale, route_w, layout: RowLayout, scheme: str, d
 def down_torch(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, route_w: Tensor,
                layout: RowLayout, scheme: str, dtype: torch.dtype) -> Tensor:
     """Reference: route_w * (dequant(a) @ dequant(w2[e]).T) per valid row in float32 -> [R, H] ``dtype``."""
-    from ..quant import create_scheme
+    from ...quant import create_scheme
     sch = create_scheme(scheme)
     af = sch.dequantize_activation(a, a_scale) if a_scale is not None else a.float()
     expert = _expert_of_row(layout)

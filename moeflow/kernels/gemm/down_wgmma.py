@@ -1,35 +1,12 @@
-"""fp8-block down GEMM for Hopper in Gluon, the K loop's scaling overlapped with the tensor cores.
+"""fp8-block down GEMM for Hopper in Gluon: down.py's computation (the same bits) with the scaling overlapped.
 
-    a [R, I] float8_e4m3fn + a_scale [R, I/128] float32 (sorted layout), w2 down_proj [E, H, I]
-    float8_e4m3fn + w2_scale [E, H/128, I/128] float32, route_w [R] float32 -> out [R, H] layer dtype,
-    as kernels/down.py (reference: down.down_torch); the same bits as down.py's kernel.
-Why: fp8-block scales every 128-deep K step, acc += (a_k @ w_k) * s_k. Triton compiles that to a
-wgmma followed by wgmma.wait_group 0, so the tensor cores idle while each step's product is scaled
-(the same tile without per-step scales runs 1.0-1.26x faster: benchmarks/results/scale_cost_*).
-Gluon (triton.experimental.gluon, Triton's lower-level language) lets the kernel say what Triton
-does not: step t + 1's wgmma is issued before step t's product is scaled (wait_group 1).
-How: two products by turns. Each wgmma is given the finished product of its turn as its
-accumulator, unused (use_acc=False), so it writes the same registers, and the scaling FMA before it
-is pinned in place (an inline asm with side effects; the compiler otherwise sinks it past the
-wgmma and copies the product). A loop body runs UNROLL steps (the largest of 8 .. 1 dividing the
-n K steps) and ends with nothing in flight: a product still running across the back edge makes
-ptxas serialize every wgmma of the kernel (its message C7514; tests/test_kernels_compile_sm90.py
-checks it is absent). Operands come through TMA into STAGES shared-memory slots; step t + STAGES
-is loaded into step t's slot once step t's product is done.
-Epilogue: GemmConfig.scale_overlap 1 stores from the wgmma register layout (4 bytes a thread per row),
-2 converts the tile to a layout of 16-byte stores first (through shared memory): 2 won on DeepSeek-V3's
-and Qwen3's down (5721 -> 5018, 874 -> 728 us at T=16384) and Mixtral's at T=1024, 1 on Mixtral's at
-T=16384 (3696 against 3878 us; benchmarks/results/wgmma_store_*); the tuner picks.
-Where: GemmConfig.scale_overlap (1 or 2), on sorted batches, CUDA compute capability 9.x, both operands
-TMA-addressable, BLOCK_K 128, BLOCK_N dividing 128; kernels/down.py falls back to its own kernel
-otherwise. Measured on H200 (benchmarks/results/gluon_down_*): 1.17-1.25x on Mixtral's down
-(I = 14336, 112 K steps); with the 16-byte stores about the Triton kernel's time on DeepSeek-V3's
-(16 steps) and slower on Qwen3's (6 steps, where the Triton kernel is persistent).
-GemmConfig.programs_per_sm > 0 runs it as a persistent grid whose loads run on into the next tile
-(kernels/down_wgmma_persistent.py): 1.10-1.13x the persistent Triton kernel on Qwen3's down, 1.12x on
-DeepSeek-V3's at T=4096 (benchmarks/results/persistent_gluon_down_*).
-No PDL here: the kernel is launched plainly and lets the next kernel launch when it ends.
-Imported only when a config asks for it on a CUDA device (down.py): CPU runs never load Gluon.
+    a [R, I] float8_e4m3fn + a_scale [R, I/128] float32 (sorted layout), w2 down_proj [E, H, I] float8_e4m3fn
+    + w2_scale [E, H/128, I/128] float32, route_w [R] float32 -> out [R, H] layer dtype (reference: down.down_torch)
+Why: fp8-block scales every 128-deep K step (acc += (a_k @ w_k) * s_k); Triton waits for each wgmma before scaling,
+so the tensor cores idle. Here step t + 1's wgmma is issued before step t's product is scaled (_down_wgmma_kernel).
+GemmConfig.scale_overlap 1 stores from the wgmma register layout, 2 through shared memory in 16-byte stores.
+choice.py runs it on Hopper where cannot_run() allows; down_wgmma_persistent.py is its persistent form.
+Imported only on a Hopper GPU: CPU runs never load Gluon.
 """
 from __future__ import annotations
 
@@ -37,9 +14,8 @@ from functools import lru_cache
 
 from torch import Tensor
 
-from .. import env as moeflow_env
-from .common import _cuda_properties, cdiv, expert_rows, grouped_tile, tma_rows
-from .configs import wgmma_down_fits
+from ..common import cdiv, expert_rows, grouped_tile, tma_rows
+from .tiles import wgmma_down_fits
 
 try:  # Gluon (triton.experimental.gluon) ships with recent triton (3.6 here); only Hopper GPUs run it
     from triton.experimental import gluon
@@ -254,37 +230,46 @@ def unroll(num_steps: int, most: int = 8, stages: int | None = None) -> int:
     return next(u for u in range(most, 0, -1) if num_steps % u == 0 and (u == 1 or not stages or u % stages))
 
 
-def usable(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, layout, scheme: str, cfg) -> bool:
-    """Whether down() may run this kernel for the call (module docstring, Where): both operands' rows
-    TMA-addressable as the Triton kernels require them (common.tma_rows, common.expert_rows)."""
-    if (gluon is None or scheme != "fp8-block" or layout.masked or not a.is_cuda or a_scale is None or w2_scale is None
-            or not wgmma_down_fits(cfg) or moeflow_env.TRITON_INTERPRET.get_bool()
-            or _cuda_properties(a.device).major != 9):
-        return False
-    return (expert_rows(w2) is not None and tma_rows(a, a.stride(0)) and tma_rows(w2, w2.stride(1))
-            and a_scale.stride(1) == 1 and w2_scale.stride(2) == 1)
+def cannot_run(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, scheme: str, cfg) -> str | None:
+    """Why this kernel cannot run a down call on Hopper (choice.py asks), or None: it needs fp8-block, a tile that
+    wgmma_down_fits, experts back to back, TMA-addressable rows of a [R, I] and w2 [E, H, I], unit-stride scales."""
+    if scheme != "fp8-block" or a_scale is None or w2_scale is None:
+        return f"scheme {scheme} (it runs fp8-block)"
+    if not wgmma_down_fits(cfg):
+        return f"a {cfg.block_m}x{cfg.block_n}x{cfg.block_k} tile of {cfg.num_warps} warps it does not run"
+    if expert_rows(w2) is None or not tma_rows(a, a.stride(0)) or not tma_rows(w2, w2.stride(1)):
+        return "operands TMA cannot address (rows not 16-byte aligned, experts not back to back, or TMA off)"
+    if a_scale.stride(1) != 1 or w2_scale.stride(2) != 1:
+        return "scales not contiguous along K"
+    return None
+
+
+def descriptors(a: Tensor, w2: Tensor, cfg):
+    """(a_desc, w_desc, per_expert): TMA descriptors over a [R, I]'s rows and w2 [E, H, I]'s rows [E * H, I] in
+    [BLOCK_M or BLOCK_N, BLOCK_K] boxes; per_expert is H, or 0 for an expert stride of 0 (every expert reads the
+    same rows). Shared with the persistent form (down_wgmma_persistent.py)."""
+    r, i = a.shape
+    e, h, _ = w2.shape
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    a_desc = TensorDescriptor(a, [r, i], [a.stride(0), 1], [bm, bk], smem_layout((bm, bk), "float8e4nv"))
+    per_expert = expert_rows(w2)
+    w_desc = TensorDescriptor(w2, [e * h if per_expert else h, i], [w2.stride(1), 1], [bn, bk],
+                              smem_layout((bn, bk), "float8e4nv"))
+    return a_desc, w_desc, per_expert
 
 
 def launch(a: Tensor, a_scale: Tensor, w2: Tensor, w2_scale: Tensor, route_w: Tensor, layout, cfg, out: Tensor) -> None:
-    """Write out [R, H] (module docstring); usable() must have said True."""
+    """out [R, H] layer dtype = (a [R, I] fp8 * a_scale [R, I/128]) @ (w2 [E, H, I] fp8 * w2_scale
+    [E, H/128, I/128])^T per expert, times route_w [R] float32; one program per tile. cannot_run() must be None."""
     r, i = a.shape
-    e, h, _ = w2.shape
+    h = w2.shape[1]
     if r == 0 or h == 0:
         return
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    a_desc = TensorDescriptor(a, [r, i], [a.stride(0), 1], [bm, bk],
-                              smem_layout((bm, bk), "float8e4nv"))
-    per_expert = expert_rows(w2)  # 0 for an expert stride of 0: every expert reads the same rows
-    w_desc = TensorDescriptor(w2, [e * h if per_expert else h, i], [w2.stride(1), 1], [bn, bk],
-                              smem_layout((bn, bk), "float8e4nv"))
-    steps = cdiv(i, bk)
-    if cfg.programs_per_sm and cfg.num_stages <= steps:  # a persistent grid (down_wgmma_persistent.py)
-        from .down_wgmma_persistent import launch as launch_persistent
-        launch_persistent(a, a_desc, w_desc, a_scale, w2_scale, route_w, layout, cfg, out, per_expert, unroll(steps))
-        return
-    blocks_m = layout.num_row_blocks(bm)
-    _down_wgmma_kernel[(blocks_m * cdiv(h, bn),)](
+    a_desc, w_desc, per_expert = descriptors(a, w2, cfg)
+    blocks_m = layout.num_row_blocks(cfg.block_m)
+    _down_wgmma_kernel[(blocks_m * cdiv(h, cfg.block_n),)](
         a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, blocks_m, h, i, per_expert,
         a_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
-        E_POW2=layout.e_pow2, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        UNROLL=unroll(steps), num_warps=cfg.num_warps, COALESCED_STORE=cfg.scale_overlap == 2)
+        E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages, UNROLL=unroll(cdiv(i, cfg.block_k)), num_warps=cfg.num_warps,
+        COALESCED_STORE=cfg.scale_overlap == 2)

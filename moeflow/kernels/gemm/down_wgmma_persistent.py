@@ -1,28 +1,17 @@
-"""The fp8-block Gluon down GEMM (kernels/down_wgmma.py) as a persistent grid: each program loops over output
-tiles, and its shared-memory slots run on from one tile into the next.
+"""down_wgmma.py's kernel as a persistent grid: each program loops over output tiles, and its shared-memory slots
+run on from one tile into the next (the same bits; reference: down.down_torch).
 
-    a [R, I] float8_e4m3fn + a_scale [R, I/128] float32 (sorted layout), w2 down_proj [E, H, I]
-    float8_e4m3fn + w2_scale [E, H/128, I/128] float32, route_w [R] float32 -> out [R, H] layer dtype;
-    the same bits as down_wgmma.py's kernel and down.py's (reference: down.down_torch).
-Why: short K loops. Qwen3's I = 768 is 6 steps of 128: one program per tile waits for its first tiles to
-arrive and then runs its epilogue with nothing loading, which costs about as much as its K loop (the
-Triton kernel has a persistent form for the same reason, down.py). The per-tile Gluon kernel measured
-slower than that persistent Triton kernel on Qwen3 (benchmarks/results/gluon_down_*).
-How: program p takes tiles p, p + P, p + 2P, ... of the real row blocks (counted from the offsets) in
-grouped order. Steps are numbered across its tiles (step g of the program: slot g % STAGES, phase
-(g / STAGES) & 1), so the load issued once a step's product is done, STAGES steps ahead, reaches into the
-next tile's first steps: those are in flight while this tile's epilogue runs. The K loop is down_wgmma.py's
-(two products by turns, the scaling FMA pinned, bodies of UNROLL steps ending with nothing in flight).
-The next tile's coordinates are computed at the start of each tile. Needs STAGES <= the K steps (a load
-then reaches at most one tile ahead); launch() runs the per-tile kernel otherwise.
-Where: GemmConfig.programs_per_sm > 0 with scale_overlap 1 or 2 (down_wgmma.usable decides the rest).
+Why: short K loops (Qwen3's I = 768 is 6 steps of 128): a program per tile waits for its first tiles and then runs
+its epilogue with nothing loading. Program p takes tiles p, p + P, ... in grouped order; steps are numbered across
+its tiles (slot g % STAGES, phase (g / STAGES) & 1), so loads issued STAGES steps ahead reach into the next tile
+while this one's epilogue runs. Needs STAGES <= the K steps (choice.py runs the per-tile kernel otherwise).
 """
 from __future__ import annotations
 
 from torch import Tensor
 
-from .common import cdiv, grouped_tile, num_sms
-from .down_wgmma import gluon
+from ..common import cdiv, grouped_tile, num_sms
+from .down_wgmma import descriptors, gluon, unroll
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -85,15 +74,20 @@ if gluon is not None:
         _release_barriers(bars, STAGES)
 
 
-def launch(a: Tensor, a_desc, w_desc, a_scale: Tensor, w2_scale: Tensor, route_w: Tensor, layout, cfg, out: Tensor,
-           per_expert: int, unroll: int) -> None:
-    """Run the persistent kernel (down_wgmma.launch calls it with its descriptors where
-    cfg.programs_per_sm > 0 and STAGES <= the K steps)."""
-    h, i = out.shape[1], a.shape[1]
+def launch(a: Tensor, a_scale: Tensor, w2: Tensor, w2_scale: Tensor, route_w: Tensor, layout, cfg,
+           out: Tensor) -> None:
+    """down_wgmma.launch's computation as a persistent grid of programs_per_sm programs an SM (choice.py picks it
+    where cfg.programs_per_sm > 0 and STAGES <= the K steps)."""
+    r, i = a.shape
+    h = w2.shape[1]
+    if r == 0 or h == 0:
+        return
+    a_desc, w_desc, per_expert = descriptors(a, w2, cfg)
     tiles = layout.num_row_blocks(cfg.block_m) * cdiv(h, cfg.block_n)  # an upper bound: no device read
     programs = min(cfg.programs_per_sm * num_sms(a.device), tiles)
     _down_wgmma_persistent_kernel[(programs,)](
         a_desc, w_desc, a_scale, w2_scale, route_w, out, layout.meta, layout.num_experts, programs, h, i, per_expert,
         a_scale.stride(0), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
         E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, UNROLL=unroll, num_warps=cfg.num_warps, COALESCED_STORE=cfg.scale_overlap == 2)
+        STAGES=cfg.num_stages, UNROLL=unroll(cdiv(i, cfg.block_k)), num_warps=cfg.num_warps,
+        COALESCED_STORE=cfg.scale_overlap == 2)

@@ -1,40 +1,11 @@
 """A small batch's whole single-process layer after routing in one launch: no sort, no top-k sum launch.
 
-    x [T, H] layer dtype, topk_ids [T, K] int32, topk_weights [T, K] float32,
-    w13 gate_up_proj [E, 2I, H], w2 down_proj [E, H, I] (+ scheme scales)
-    -> out [T, H] layer dtype: out[t] = sum over k (in k order, float32) of w[t, k] * down_e(act(gate_e(x[t])) * up_e(x[t]))
-
-Work items, one program each, taken in the order programs start (a ticket from an atomic counter):
-    gate_up items  (copy c = t * K + k, column tile j):  inter[c, j*BLOCK_N1 ..] = act(x[t] @ W_gate[e].T) * (x[t] @ W_up[e].T)
-                   rounded to the layer dtype, e = topk_ids[c]; then counts[c] += 1 (release)
-    down items     (token t, column tile j):  waits until counts[c] == gate_up tiles a copy for the copies c it
-                   reads, then out[t, j*BLOCK_N2 ..] = sum_k w[t, k] * (inter[t*K + k] @ W_down[e_k].T), one K
-                   loop over all K copies' steps (k-major), float32, one rounding at the end
-A program waits only on items whose tickets were taken before its own, by programs already running, so the
-launch cannot deadlock whatever order the GPU starts programs in (and the CPU interpreter, which runs programs
-one after another, never waits). The last down item to finish zeroes the counters for the next launch.
-fp8-block: each 1x128 group of x (gate_up) and of inter (down) is quantized inside the K step that reads it,
-the bits kernels/quant.quantize_groups gives; inter stays in the layer dtype (each down item quantizes the
-groups it reads). fp8-channel: x[t] is quantized with its row's scale (each gate_up item takes the row's amax over
-all of H before its K loop); each copy's inter row with its own, from the amax of its rounded values, which the
-gate_up items finishing its tiles fold into one counter a copy (an atomic max of the float's bits) before they
-count the tile in; the weights' per-row scales multiply the products (gate_up once at the end, down each step: a
-step's rows belong to one copy's expert). Its dots run in fp16 on the fp8 values (exact products, float32 sums):
-one per-row scale makes a row's whole quantization hinge on its largest value, and with fp8 wgmma dots (whose
-accumulator keeps fewer bits) that value's rounding moved often enough to put 1 in 16 layers 1e-2 off the float64
-oracle (benchmarks/results/fused_fp8_channel_2026-12-04_h200.md).
-Scheme none: plain dots (float32 layers: IEEE float32).
-Each dot is transposed, weights [BLOCK_N, BLOCK_K] times the token's row broadcast into 16 columns [BLOCK_K, 16]:
-the weight tile is the A operand, so tiles of 64 rows or more run as Hopper wgmma straight from shared memory
-(fp8 included; a 16-row A of tokens would run as mma.sync, whose fp8 operands Triton converts to fp16 first), and
-the dots run on the tensor cores, which a CUDA-core GEMV of FP8 weights could not match
-(benchmarks/results/decode_gemv_*). Nor did the K loops on the CUDA cores inside this launch (tried at 3363a82 and
-removed: within 2.2% on bf16, 1.01-1.26x slower on fp8-block; benchmarks/results/fused_fma_2026-12-01_h200_3363a82.md).
-Where it pays the tuned tables say (MoEKernelConfig.fused, configs.py): on H200 every preset at T = 1 (1.04-1.11x
-the separate launches, whole layer; benchmarks/results/fused_layer_2026-12-01_h200.md) and some at T = 2-4.
-Tokens whose copies share an expert read its weights once per copy, so it is for batches of about one copy per
-expert hit (at T >= 8 it lost on every preset).
-``fused_layer_torch`` is the reference.
+x [T, H] layer dtype, topk_ids [T, K] int32, topk_weights [T, K] fp32, w13 gate_up_proj [E, 2I, H], w2 down_proj
+[E, H, I] (+ scheme scales; FUSED_SCHEMES) -> out [T, H] layer dtype:
+out[t] = sum over k (in k order, fp32) of w[t, k] * down_e(act(gate_e(x[t])) * up_e(x[t])).
+Kernel: _fused_layer_kernel (work items, ordering, counters, quantization: its docstring). Launcher: fused_layer();
+torch reference: fused_layer_torch. Copies that share an expert read its weights once each, so it is for batches of
+about one copy per expert hit; the tuned tables say where (MoEKernelConfig.fused, kernels/configs.py).
 """
 from __future__ import annotations
 
@@ -43,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import (QUANT_CODES, cdiv, fp8_scale, gated_act, interpreting, next_pow2, pdl, pdl_launch, pdl_wait,
+from ..common import (QUANT_CODES, cdiv, fp8_scale, gated_act, interpreting, next_pow2, pdl, pdl_launch, pdl_wait,
                      to_fp8, weight_operand)
 
 FUSED_SCHEMES = ("none", "fp8-channel", "fp8-block")  # QUANT codes 0, 2 and 3 below; TritonRunner declares the same
@@ -53,7 +24,7 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 @triton.jit
 def _row_operand(vals, row_scale, QUANT: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """One K step of one row, vals [BLOCK_K] -> (the dot's B operand [BLOCK_K, 16]: the row in every column,
-    its scale): fp8-block quantizes the step's 1x128 group (BLOCK_K == 128) as kernels/quant.quantize_groups;
+    its scale): fp8-block quantizes the step's 1x128 group (BLOCK_K == 128) as rows/quant.quantize_groups;
     fp8-channel quantizes with the whole row's scale ``row_scale``; else the values themselves and 1."""
     if QUANT == 3:
         v = vals.to(tl.float32)
@@ -316,12 +287,36 @@ def _fused_layer_kernel(
         INTER_DTYPE: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, SPLIT1: tl.constexpr,
         BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SPLIT2: tl.constexpr, W13_TMA: tl.constexpr,
         W2_TMA: tl.constexpr, DOT_IEEE: tl.constexpr, ROUND_IN_FP32: tl.constexpr, PDL: tl.constexpr = False):
-    """sync_ptr int32, zero at launch (counters_size): [0] tickets taken, [1] down tiles done, [2 + c] copy c's
+    """The fused layer (module docstring), one program per work item, items taken in the order programs start (a
+    ticket from the atomic counter sync_ptr[0]):
+      gate_up items (copy c = t * K + k, column tile j, K split s): inter[c, j*BLOCK_N1 ..] = act(x[t] @ W_gate[e].T)
+        * (x[t] @ W_up[e].T) rounded to the layer dtype, e = topk_ids[c]; then ready[c] += 1 (release).
+      down items (token t, column tile j, split s of the K copies' steps, k-major): wait until ready[c] ==
+        cdiv(I, BLOCK_N1) for each copy c they read (acquire), then out[t, j*BLOCK_N2 ..] = sum_k w[t, k] *
+        (inter[t*K + k] @ W_down[e_k].T), one fp32 K loop over the copies' steps, rounded once.
+    A program waits only on items whose tickets were taken before its own, by programs already running, so the
+    launch cannot deadlock whatever order the GPU starts programs in (the CPU interpreter, which runs programs one
+    after another, never waits). The last down tile to finish zeroes the counters for the next launch.
+    fp8-block: each 1x128 group of x (gate_up) and of inter (down) is quantized inside the K step that reads it,
+    the bits rows/quant.quantize_groups gives; inter stays in the layer dtype. fp8-channel: x[t] with its row's
+    scale (each gate_up item takes the row's amax over all of H before its K loop); each copy's inter row with its
+    own, from the amax of its rounded values, which the gate_up items fold into amax[c] (an atomic max of the
+    float's bits) before they count their tile in; the weights' per-row scales multiply the products (gate_up at
+    the end, down each step: a step's rows belong to one copy's expert). Its dots run in fp16 on the fp8 values
+    (exact products, fp32 sums): with one scale a row, the row's largest value decides its whole quantization, and
+    the fp8 dot's narrower accumulator moves that value's rounding. Scheme none: plain dots (float32: IEEE).
+    Each dot is transposed, weights [BLOCK_N, BLOCK_K] times the token's row broadcast into 16 columns [BLOCK_K, 16]:
+    the weight tile is the A operand, so tiles of 64 rows or more run as Hopper wgmma from shared memory (fp8
+    included; a 16-row A of tokens would be mma.sync, whose fp8 operands Triton converts to fp16 first), on the
+    tensor cores (CUDA-core GEMV or FMA K loops are no faster on bf16 and slower on fp8).
+
+    sync_ptr int32, zero at launch (counters_size): [0] tickets taken, [1] down tiles done, [2 + c] copy c's
     finished gate_up tiles (ready_ptr), [2 + T * K + c] copy c's inter amax (amax_ptr; fp8-channel: float32 bits),
     then (SPLIT1 > 1) one count per gate_up tile (split1_counts), then (SPLIT2 > 1) one per down tile.
     inter_ptr [T * K, I] scratch in the layer dtype; part1_ptr [gate_up tiles, SPLIT1, 2 * BLOCK_N1] and part2_ptr
-    [down tiles, SPLIT2, BLOCK_N2] float32 split-K partials (unused without split). Grid: one program per work
-    item, T * K * cdiv(I, BLOCK_N1) * SPLIT1 + T * cdiv(H, BLOCK_N2) * SPLIT2 (module docstring)."""
+    [down tiles, SPLIT2, BLOCK_N2] float32 split-K partials (unused without split; summed in split order,
+    deterministic: _last_of). Grid: one program per work item, T * K * cdiv(I, BLOCK_N1) * SPLIT1 +
+    T * cdiv(H, BLOCK_N2) * SPLIT2."""
     pdl_wait(PDL)
     tiles1 = tl.cdiv(I, BLOCK_N1)
     items1 = T * TOP_K * tiles1 * SPLIT1
@@ -361,7 +356,7 @@ def fused_layer(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     -> out [T, H] ``dtype`` (module docstring). cfg: a FusedConfig (configs.py). sync: int32 [counters_size(...)] or
     longer, zero, owned by the caller (launches that overlap must not share it); the launch leaves it zero.
     poison: fill the intermediate and the output with NaN first (tests)."""
-    from .common import ACT_CODES
+    from ..common import ACT_CODES
     t, h = x.shape
     k = topk_ids.shape[1]
     i = w2.shape[2]
@@ -401,8 +396,8 @@ def fused_layer_torch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Te
     quantized; fp8-channel: the row), act(gate) * up rounded to ``dtype``, down (inter quantized the same way), times
     the routing weight, summed over k in k order, rounded once -> [T, H] ``dtype``. Row-wise quantization only
     (FUSED_SCHEMES): a copy quantized alone gives what it gives among the others."""
-    from ..experts.base import gated_activation
-    from ..quant import create_scheme
+    from ...experts.base import gated_activation
+    from ...quant import create_scheme
     sch = create_scheme(scheme)
     t, k = topk_ids.shape
     fq = (lambda v: sch.fake_quantize_activation(v).float()) if sch.quantized else (lambda v: v.float())

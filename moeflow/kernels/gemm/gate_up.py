@@ -1,43 +1,13 @@
-"""gate_up GEMM with the gated activation fused: inter = act(x @ W_gate[e].T) * (x @ W_up[e].T).
+"""gate_up GEMM with the gated activation fused: inter = act(x @ W_gate[e].T) * (x @ W_up[e].T), per expert e.
 
-One program computes a [BLOCK_M, BLOCK_N] tile of the intermediate from two accumulators (the
-gate rows n and the up rows I + n of gate_up_proj [E, 2I, H]), so the [R, 2I] pre-activation never
-reaches memory. Epilogue by scheme:
-    none                     inter [R, I] layer dtype
-    fp8-tensor / fp8-channel inter [R, I] layer dtype, plus amax of |inter| (atomic max) per row
-                             (channel, [R]) or for the whole tensor (tensor, [1]) for the next quantization
-    fp8-block                inter [R, I] float8_e4m3fn + scale [R, I/128]: the 1x128 activation
-                             quantization of the down GEMM's input, fused here (BLOCK_N % 128 == 0)
-In every case the value is act(gate)*up in float32, rounded to the layer dtype first (experts/base.py).
-Registers bound the tile: two accumulators (plus two per-step partial sums for fp8-block) of
-BLOCK_M x BLOCK_N float32 each; 64 x 128 with 8 warps fits without spills (ptxas, sm_90a), and
-fp8-block 128 x 128 with 8 warps spills 20 bytes (a tile whose columns share one weight scale block
-multiplies each step by a per-row scale; with the per-column vector it spilled 284 bytes and lost
-to 64 x 128 on H200; it now wins at large T).
-fp8-block on Hopper, where the tuned config sets scale_overlap: kernels/gate_up_wgmma.py (Gluon) runs the
-tile instead, its K loop scaling each step's products while the next wgmma runs; same bits.
-Weight tiles come through a TMA tensor descriptor where the weight allows it (common.weight_operand:
-16-byte aligned rows) and through pointer loads otherwise; TMA frees the address registers and
-measured 1.06-1.3x faster on H200 (benchmarks/results/gemm_variants_*.md).
-Token rows through TMA (GemmConfig.x_tma, sorted layout): the x tiles come through a TMA descriptor at
-the block's first row. Rows given by index (the local dispatcher's) are first copied into layout
-order (one launch: quant.scatter_rows where the batch carries the inverse map, ExpertBatch.copy_rows, each
-token row read once; else quant.gather_rows). Without row addresses to keep, the 128x128 bf16 tile needs 172
-registers instead of 255; on H200 the tuner picks it for Mixtral's and DeepSeek-V3's largest batches, the
-copy included (benchmarks/results/x_tma_2026-11-30_h200_*.md). A masked layout reads by pointer.
-bf16/fp16 and fp8-block (64 x 128 tiles) on Hopper with GemmConfig.warp_specialize: the persistent
-warp-specialized Gluon kernel (kernels/warp_specialized.py: a loader warp, two consumer warpgroups by turns), rows
-in order (copied as for x_tma); fp8-block the same bits.
-Split K (GemmConfig.split_k = S > 1): S programs per tile, program s running K steps s·⌈n/S⌉ ..
-of the n, store float32 gate and up partial sums (scales applied: linear) into slab s of a
-[S, R, 2I] workspace; _gate_up_split_sum_kernel adds the slabs in order and runs the epilogue
-(fp8-block's groups quantized there whatever BLOCK_N). Decode batches with few experts (Qwen3 at
-T=1: 8 experts x 768 / BLOCK_N tiles over H = 2048) get more programs streaming weights.
-fp8-block scales: each K step loads the activation and weight scales of the next step, not its
-own. Triton does not pipeline these small loads (TTGIR: a plain tt.load in the loop, used right
-after the dot), so each step waited on their latency. Measured on H200, GEMM alone: -2 to -5% at
-T >= 4096 (DeepSeek-V3 T=16384 9155 -> 8736 us), Mixtral T=1 71.0 -> 64.4 us. The same change in
-down.py measured no gain (DeepSeek-V3 T=16384 5360 -> 5796 us), so down.py loads its own step's.
+    x [R or S, H] layer dtype or fp8 (+ x_scale), gate_up_proj [E, 2I, H] (+ scale) -> inter [R, I]
+One program holds two accumulators (gate rows n, up rows I + n), so the [R, 2I] pre-activation never reaches memory;
+act(gate) * up is computed in float32 and rounded to the layer dtype. Epilogue by scheme: none: inter; fp8-tensor /
+-channel: inter and the amax of |inter| (whole tensor / per row) for the next quantization; fp8-block with BLOCK_N a
+multiple of 128 (or split K): inter float8_e4m3fn and its 1x128 group scales (the down GEMM's input, quantized here).
+Tile options (GemmConfig): split_k (K over several programs and one summing launch, for decode batches with few
+tiles), x_tma (rows through TMA, rows by index copied into order first), swap_ab. choice.py picks the kernel: this
+one, or on Hopper gate_up_wgmma.py / warp_specialized.py. Reference: gate_up_torch.
 """
 from __future__ import annotations
 
@@ -46,10 +16,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..quant import FP8_DTYPE
-from .common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, fp8_scale, gated_act, interpreting, next_pow2,
+from ...quant import FP8_DTYPE
+from ..common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, fp8_scale, gated_act, interpreting, next_pow2,
                      pdl, pdl_launch, pdl_start, pdl_wait, per_col, per_row, row_major, rows_operand, scale_block,
                      split_steps, tile_dot, tile_dot_acc, tile_ids, to_fp8, weight_operand)
+from .choice import GLUON, GemmKernel, choose_gate_up
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -103,7 +74,7 @@ def _gate_up_kernel(
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
     acc_g = acc_tile(BLOCK_M, BLOCK_N, SWAP)
     acc_u = acc_tile(BLOCK_M, BLOCK_N, SWAP)
-    if QUANT == 3:  # the scales of the first K step; each step then loads the next step's (module docstring)
+    if QUANT == 3:  # the first step's scales; each step loads the next's (Triton does not pipeline these loads)
         if 128 % BLOCK_N == 0:  # the tile's columns share one weight scale block
             g_b = scale_block(pid_n * BLOCK_N, I)
         else:
@@ -252,7 +223,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     q = QUANT_CODES[scheme]
     fill = torch.full if poison else (lambda shape, _v, **kw: torch.empty(shape, **kw))
     nan = float("nan")
-    split = min(cfg.split_k, cdiv(h, cfg.block_k)) if r else 1
+    choice = choose_gate_up(x, x_scale, w13, w13_scale, layout, scheme, cfg)
+    split = choice.split_k
     fused_groups = q == 3 and (cfg.block_n % 128 == 0 or split > 1)
     inter = fill((r, i), nan, dtype=FP8_DTYPE if fused_groups else dtype, device=dev)
     extra = None
@@ -260,23 +232,19 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         extra = fill((r, cdiv(i, 128)), nan, dtype=torch.float32, device=dev)
     elif q in (1, 2):
         extra = torch.zeros(r if q == 2 else 1, dtype=torch.float32, device=dev)
-    if fused_groups and split == 1 and cfg.scale_overlap and x.is_cuda:
-        from . import gate_up_wgmma  # Gluon: loaded on CUDA only
-        if gate_up_wgmma.usable(x, x_scale, w13, w13_scale, layout, scheme, cfg):
-            if source_rows is not None:  # it reads rows in order (TMA): one copy of the R rows in order first
-                x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
-            gate_up_wgmma.launch(x, x_scale, w13, w13_scale, layout, _act_code(activation), dtype, cfg, inter, extra)
-            return inter, extra
-    if cfg.warp_specialize and (q == 0 or fused_groups and split == 1) and x.is_cuda and r:
-        from . import warp_specialized  # Gluon: loaded on CUDA only
-        if warp_specialized.usable(x, x_scale, w13, layout, scheme, cfg, gated=True, w_scale=w13_scale):
-            if source_rows is not None:  # it reads rows in order (TMA): one copy of the R rows in order first
-                x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
-            warp_specialized.launch(x, w13, None, layout, cfg, inter, gated=True, act=_act_code(activation),
-                                    a_scale=x_scale, w_scale=w13_scale, out_scale=extra, dtype=dtype)
-            return inter, extra
+    if choice.kernel in GLUON and source_rows is not None:  # they read rows in order (TMA): one copy in order first
+        x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
+    if choice.kernel is GemmKernel.GLUON_WGMMA:
+        from . import gate_up_wgmma  # Gluon: loaded on Hopper only
+        gate_up_wgmma.launch(x, x_scale, w13, w13_scale, layout, _act_code(activation), dtype, cfg, inter, extra)
+        return inter, extra
+    if choice.kernel is GemmKernel.GLUON_WARP_SPECIALIZED:
+        from . import warp_specialized  # Gluon: loaded on Hopper only
+        warp_specialized.launch(x, w13, None, layout, cfg, inter, gated=True, act=_act_code(activation),
+                                a_scale=x_scale, w_scale=w13_scale, out_scale=extra, dtype=dtype)
+        return inter, extra
     x_arg = x
-    if cfg.x_tma and not layout.masked and r:  # rows in order through TMA (GemmConfig.x_tma)
+    if choice.rows_in_order:  # rows in order through TMA (GemmConfig.x_tma)
         if source_rows is not None:
             x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
             source_rows = None
@@ -315,7 +283,7 @@ def _rows_in_order(x: Tensor, x_scale: Tensor | None, source_rows: Tensor, copy_
     """(x[source_rows], x_scale[source_rows]) as contiguous copies in one launch: scattered by copy_rows when
     it is given and covers the rows (each source row read once; a padded batch's padding rows, which its -1 entries
     leave unwritten, are rows no GEMM tile stores), else gathered by source_rows."""
-    from .quant import gather_rows, scatter_rows
+    from ..rows.quant import gather_rows, scatter_rows
     if copy_rows is not None and copy_rows.dim() == 2 and copy_rows.shape[0] == x.shape[0] \
             and copy_rows.numel() == source_rows.numel():
         return scatter_rows(x, x_scale, copy_rows)
@@ -323,7 +291,7 @@ def _rows_in_order(x: Tensor, x_scale: Tensor | None, source_rows: Tensor, copy_
 
 
 def _act_code(name: str) -> int:
-    from .common import ACT_CODES
+    from ..common import ACT_CODES
     return ACT_CODES[name]
 
 
@@ -341,8 +309,8 @@ def gate_up_torch(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Ten
                   scheme: str, activation: str, dtype: torch.dtype, source_rows: Tensor | None = None) -> Tensor:
     """Reference: act(gate) * up per valid row, float32 math, rounded to ``dtype`` -> [R, I]
     (rows of empty masked slots are 0). Dequantizes by the scheme (quant/*.py). source_rows as gate_up."""
-    from ..experts.base import gated_activation
-    from ..quant import create_scheme
+    from ...experts.base import gated_activation
+    from ...quant import create_scheme
     sch = create_scheme(scheme)
     xf = sch.dequantize_activation(x, x_scale) if x_scale is not None else x.float()
     if source_rows is not None:
@@ -362,6 +330,6 @@ def _expert_of_row(layout: RowLayout) -> Tensor:
     if layout.masked:
         e = torch.arange(layout.num_experts, device=dev).repeat_interleave(layout.capacity)
         return torch.where(layout.valid_rows(), e, -1)
-    from ..layouts import expert_of_sorted_row
+    from ...layouts import expert_of_sorted_row
     e = expert_of_sorted_row(layout.meta, layout.rows)  # num_experts for padding rows past offsets[-1]
     return torch.where(e < layout.num_experts, e, -1)

@@ -1,47 +1,11 @@
-"""fp8-block gate_up GEMM for Hopper in Gluon, the K loop's scaling overlapped with the tensor cores.
+"""fp8-block gate_up GEMM for Hopper in Gluon, the K loop's block scaling overlapped with the tensor cores.
 
-    x [R, H] float8_e4m3fn + x_scale [R, H/128] float32 (sorted layout, rows in order), w13 gate_up_proj
-    [E, 2I, H] float8_e4m3fn + w13_scale [E, 2I/128, H/128] float32
-    -> inter [R, I] float8_e4m3fn + scale [R, I/128] float32: act(gate) * up rounded to the layer dtype,
-    then quantized in 1x128 groups, as kernels/gate_up.py's fp8-block epilogue (reference:
-    gate_up.gate_up_torch); the same bits as gate_up.py's kernel.
-Why: as kernels/down_wgmma.py. Each 128-deep K step's gate and up products are scaled before they are
-added (acc += (x_k @ w_k) * s_k); Triton waits for every wgmma before scaling its product, so the tensor
-cores idle meanwhile.
-How: a [BLOCK_M, 128] tile of the intermediate needs two accumulators (gate, up). Two products by turns,
-as down_wgmma.py does, would hold four [BLOCK_M, 128] float32 tiles: 256 registers a thread at 128 rows
-and 8 warps. So each K step runs four wgmmas of 64 columns (gate 0-63, gate 64-127, up 0-63, up 64-127)
-into two half-width products by turns: each is scaled into its quarter of the accumulators while the
-next runs. Four accumulator quarters and two products: 192 registers a thread. A loop body runs UNROLL
-steps and ends with nothing in flight (down_wgmma.py says why). Operands come through TMA into STAGES
-shared-memory slots; step t + STAGES is loaded into step t's slot once step t's last wgmma is done. A step's gate
-and up weight tiles come in one copy (w13 read as planes [2E, I, H]: expert e's gate rows are plane 2e, its up
-rows plane 2e + 1), and the x tiles and the weight tiles land on barriers of their own allocations, so a refill
-takes 3 of the compiler's CTA barriers, not 5 (down_wgmma._slot_barriers says why): kernel alone 1.02-1.06x on Qwen3 and
-Mixtral, within the spread on DeepSeek-V3 (benchmarks/results/refill_barriers_2026-12-02_h200.md).
-Epilogue: the two halves' activations, one amax per row over all 128 columns (the group), quantized,
-stored in 16-byte rows.
-Pair tiles (launch() where pair_tiles(); MOEFLOW_TRITON_PAIR_TILES): uniform routing leaves most experts a
-part-filled last row block, and a 128-row tile spends as long on 5 rows as on 128. A block of at most 64 rows
-instead runs as one [64, 256] tile over column tiles pid_n and pid_n + 1, by the program of the even one (the odd
-one's program ends at once): the same four quarter products a step, now [64, 128] with the two warpgroups side by
-side along the columns, so each row and column gets the same wgmmas and scaled adds as in a 128-row tile, and the
-same bits. A stage holds 64 x rows and both column tiles' gate and up weight rows ([2, 256, 128] boxes): 72 KB,
-so pair tiles need STAGES <= 3 (the shared memory of the two tile forms overlaps; 221 KB in all at 3). Measured on
-H200 (benchmarks/results/pair_tiles_2026-12-02_h200.md): DeepSeek-V3 T=4096, whose 370 blocks hold 114 such, 1.06x
-alone and 1.04-1.10x in the layer; Mixtral T=1024 1.05x alone; Qwen3 T=4096 (62 of 318) and the T=16384 rows
-within the spread. Since the refill change, which ended the pair form's spills, the kernel alone with pair tiles on
-against off: Mixtral T=1024 1.16x, DeepSeek-V3 T=4096 1.09x, T=16384 1.07x, Mixtral T=4096 1.05x, Qwen3 1.00x
-(benchmarks/results/gate_up_configs_2026-12-02_h200_03d45c5.json).
-Where: GemmConfig.scale_overlap on a gate_up config (fit() keeps it where wgmma_gate_up_fits), sorted
-batches, CUDA compute capability 9.x, operands TMA-addressable, H and I multiples of 128; kernels/gate_up.py
-falls back to its own kernel otherwise. TMA reads rows in order: for rows by index (source_rows, the local
-dispatcher's plan) gate_up() first copies the R rows and their scales in order into a contiguous buffer (one
-launch, gate_up._rows_in_order: scattered from each token once where the batch has copy_rows). A gather
-inside this kernel by cp.async measured slower (commit 85b447b).
-Measured on H200 (benchmarks/results/gluon_gate_up_2026-11-30_h200_256cb47.md): 1.09-1.18x the Triton
-kernel alone on Mixtral's and DeepSeek-V3's shapes, 1.14-1.15x on Qwen3's; in the layer, with the copy,
-1.03-1.19x (Mixtral), 1.03-1.07x (DeepSeek-V3 T=4096), about 1.0x (Qwen3, whose table keeps Triton).
+x [R, H] fp8e4m3 + x_scale [R, H/128] fp32 (sorted layout, rows in order), w13 gate_up_proj [E, 2I, H] fp8e4m3
++ w13_scale [E, 2I/128, H/128] fp32 -> inter [R, I] fp8e4m3 + scale [R, I/128] fp32: act(gate) * up rounded to the
+layer dtype, then quantized in 1x128 groups: the same bits as gemm/gate_up.py's Triton kernel (torch reference:
+gate_up.gate_up_torch).
+Kernel: _gate_up_wgmma_kernel (tile forms: its docstring; K loop: _tile's). Launcher: launch(), where gemm/choice.py
+picks it (cannot_run() says None); pair_tiles() picks the 64-row tile form.
 Imported only when a config asks for it on a CUDA device (gate_up.py): CPU runs never load Gluon.
 """
 from __future__ import annotations
@@ -49,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import env as moeflow_env
-from .common import _cuda_properties, expert_rows, fp8_scale, gated_act, grouped_tile, tma_rows, to_fp8
-from .configs import wgmma_gate_up_fits
+from ... import env as moeflow_env
+from ..common import expert_rows, fp8_scale, gated_act, grouped_tile, tma_rows, to_fp8
+from .tiles import wgmma_gate_up_fits
 from .down_wgmma import gluon, smem_layout
 
 if gluon is not None:
@@ -113,9 +77,21 @@ if gluon is not None:
               planes_per_expert, stride_xs, stride_wse, stride_wsn, stride_out, stride_outs,
               ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               UNROLL: gl.constexpr, PAIR: gl.constexpr, num_warps: gl.constexpr):
-        """PAIR False: the [BLOCK_M, 128] tile of the intermediate at rows row_start .. row_end - 1 (the module
-        docstring's How). PAIR: the pair tile of a block of at most 64 rows over column tiles pid_n and pid_n + 1
-        (Pair tiles), with the pair descriptors."""
+        """PAIR False: the [BLOCK_M, 128] tile of the intermediate at rows row_start .. row_end - 1. PAIR: the
+        [64, 256] pair tile of a block of at most 64 rows over column tiles pid_n and pid_n + 1, with the pair
+        descriptors (the two warpgroups side by side along the columns).
+
+        Each 128-deep K step's gate and up products are scaled before they are added (acc += (x_k @ w_k) * s_k);
+        Triton would wait for every wgmma before scaling it, idling the tensor cores. Here each step runs four
+        wgmmas of QCOLS columns (_quarter) into two products by turns: each is scaled into its quarter of the
+        accumulators while the next runs (four quarters plus two products: 192 registers a thread at 128 rows and
+        8 warps, where two full-width products by turns would need 256). A loop body runs UNROLL steps and ends
+        with nothing in flight (down_wgmma.unroll). Operands come by TMA into STAGES shared-memory slots; step
+        t + STAGES is loaded into step t's slot once step t's last wgmma is done. A step's gate and up weight tiles
+        come in one copy (w13 as planes [2E, I, H]), and the x and weight tiles land on barriers of their own
+        allocations: 3 of the compiler's CTA barriers a refill, not 5 (down_wgmma._slot_barriers says why).
+        Epilogue: act(gate) * up in the layer dtype, one amax per row and 128-column group, fp8 stored in
+        16-byte rows. Pair or not, each row and column gets the same wgmmas and scaled adds: the same bits."""
         ROWS: gl.constexpr = 64 if PAIR else BLOCK_M
         QCOLS: gl.constexpr = 128 if PAIR else 64
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
@@ -193,13 +169,15 @@ if gluon is not None:
                               ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, E_POW2: gl.constexpr,
                               BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                               UNROLL: gl.constexpr, PAIRS: gl.constexpr, num_warps: gl.constexpr):
-        """One program per [BLOCK_M, 128] tile of the intermediate over the grid's row blocks.
+        """One program per [BLOCK_M, 128] tile of the intermediate over the grid's row blocks (grouped order).
         x_desc: TMA descriptor over x [R, H], [BLOCK_M, 128] boxes (rows past the block's end are read,
         never stored); w_desc: over w13 as planes [2E, I, H] (_weight_planes; expert e's gate plane is
-        e * planes_per_expert: 2, or 0 where every expert reads the same weights), [2, 128, 128] boxes. PAIRS
-        (BLOCK_M 128, 8 warps, I / 128 even): blocks of at most 64 rows run as pair tiles, by the programs of even
-        column tiles (module docstring); xt_desc and wt_desc: the same tensors in [64, 128] and [2, 256, 128]
-        boxes (unused, any descriptors, without PAIRS)."""
+        e * planes_per_expert: 2, or 0 where every expert reads the same weights), [2, 128, 128] boxes.
+        PAIRS (pair_tiles(): BLOCK_M 128, 8 warps, I / 128 even): a block of at most 64 rows (most experts' last,
+        part-filled block under uniform routing, on which a 128-row tile spends as long as on a full one) runs as
+        one [64, 256] pair tile over column tiles pid_n and pid_n + 1, by the even column tile's program; the odd
+        one's program ends at once. xt_desc and wt_desc: the same tensors in [64, 128] and [2, 256, 128] boxes
+        (unused, any descriptors, without PAIRS)."""
         pid_m, pid_n = grouped_tile(gl.program_id(0), num_blocks_m, I // 128, GROUP_M)
         expert, row_start, row_end = _expert_block(pid_m, meta_ptr, num_experts, BLOCK_M, E_POW2, num_warps)
         if row_start < row_end:
@@ -219,22 +197,33 @@ if gluon is not None:
                       ACT, INTER_DTYPE, BLOCK_M, STAGES, UNROLL, False, num_warps)
 
 
-def usable(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout, scheme: str, cfg) -> bool:
-    """Whether gate_up() may run this kernel for the call (module docstring, Where). x: the rows as given
-    (rows by index: gate_up() first copies them in order, contiguous: TMA-addressable if these rows are)."""
-    if (gluon is None or scheme != "fp8-block" or layout.masked or not x.is_cuda
-            or x_scale is None or w13_scale is None or not wgmma_gate_up_fits(cfg) or cfg.split_k > 1
-            or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(x.device).major != 9):
-        return False
+def cannot_run(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, cfg) -> str | None:
+    """Why this kernel cannot run an fp8-block gate_up call on Hopper (choice.py asks), or None. It needs a tile that
+    wgmma_gate_up_fits with no split K, 2I a multiple of 256 and H of 128, experts back to back, TMA-addressable
+    rows (x [R, H] as given: rows by index are copied in order first, which keeps them addressable), unit-stride
+    scales x_scale [R, H/128] and w13_scale [E, 2I/128, H/128]."""
     _, two_i, h = w13.shape
-    return (two_i % 256 == 0 and h % 128 == 0 and expert_rows(w13) is not None and tma_rows(x, x.stride(0))
-            and tma_rows(w13, w13.stride(1)) and x_scale.stride(1) == 1 and w13_scale.stride(2) == 1)
+    if x_scale is None or w13_scale is None:
+        return "no activation or weight scales"
+    if not wgmma_gate_up_fits(cfg) or cfg.split_k > 1:
+        return f"a {cfg.block_m}x{cfg.block_n}x{cfg.block_k} tile of {cfg.num_warps} warps it does not run"
+    if two_i % 256 or h % 128:
+        return f"I={two_i // 2} or H={h} not a multiple of 128"
+    if expert_rows(w13) is None or not tma_rows(x, x.stride(0)) or not tma_rows(w13, w13.stride(1)):
+        return "operands TMA cannot address (rows not 16-byte aligned, experts not back to back, or TMA off)"
+    if x_scale.stride(1) != 1 or w13_scale.stride(2) != 1:
+        return "scales not contiguous along K"
+    return None
 
 
 def launch(x: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, layout, activation: int, dtype: torch.dtype,
            cfg, inter: Tensor, scale: Tensor, most_unroll: int = 8) -> None:
-    """Write inter [R, I] float8_e4m3fn and scale [R, I/128] (module docstring); usable() must have said True.
-    activation: common.ACT_CODES' code. most_unroll: the most K steps a loop body runs (down_wgmma.unroll)."""
+    """Write inter [R, I] fp8e4m3 and scale [R, I/128] fp32 (module docstring) from x [R, H] fp8e4m3, x_scale
+    [R, H/128] fp32, w13 [E, 2I, H] fp8e4m3, w13_scale [E, 2I/128, H/128] fp32, x's rows in order (sorted layout;
+    rows by index are first copied in order: TMA reads rows in order, and a cp.async gather inside this kernel is
+    slower); only where cannot_run() says None.
+    activation: common.ACT_CODES' code; dtype: the layer dtype act(gate) * up is rounded to. most_unroll: the most K
+    steps a loop body runs (down_wgmma.unroll). No host synchronization (CUDA-graph safe); nothing for R = 0."""
     r, h = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -270,8 +259,8 @@ def _weight_planes(w13: Tensor, planes: int, i: int, h: int, rows: int):
 
 
 def pair_tiles(cfg, intermediate: int) -> bool:
-    """Whether launch() runs blocks of at most 64 rows as pair tiles (module docstring): 128-row tiles of 8 warps and
-    at most 3 stages (a pair tile's stage takes 72 KB of shared memory), an even number of 128-column tiles,
-    MOEFLOW_TRITON_PAIR_TILES on."""
+    """Whether launch() runs blocks of at most 64 rows as pair tiles (_gate_up_wgmma_kernel): 128-row tiles of 8
+    warps and at most 3 stages (a pair tile's stage takes 72 KB of shared memory; the two tile forms' shared memory
+    overlaps), an even number of 128-column tiles, MOEFLOW_TRITON_PAIR_TILES on."""
     return (cfg.block_m == 128 and cfg.num_warps == 8 and cfg.num_stages <= 3 and (intermediate // 128) % 2 == 0
             and moeflow_env.TRITON_PAIR_TILES.get_bool())

@@ -1,32 +1,16 @@
 """Kernel configurations for Hopper (compute capability 9.x) where no tuned table matches the shape.
 
-The rules are what the twelve tuned H200 tables (``configs/``: three model shapes, four schemes, T = 1-16384) agree
-on, read by rows per expert m = T * top_k / E (uniform routing):
-
-- m <= 16 (weight streaming): 16-row tiles, every scheme; 128-wide down tiles.
-- 16 < m <= 48: 64-row tiles; fp8-block runs its Gluon gate_up (one 64-row tile a warpgroup, the step scales
-  overlapped) and the warp-specialized down.
-- larger m: bf16/fp16 and fp8-block run the warp-specialized kernels (kernels/warp_specialized.py), 128-row tiles
-  shared by the two consumers (COOP) past m = 384 (bf16/fp16: also from 48 to 96); fp8-tensor and fp8-channel
-  128 x 128 gate_up tiles of 8 warps.
-
-Three shape conditions the tables also agree on:
-- fp8-block, a K loop of more than 16 steps of 128 (Mixtral's and DeepSeek-V3's gate_up, H > 2048; Mixtral's down,
-  I > 2048): the per-tile Gluon kernels, whose 128-row tiles read fewer operand bytes a multiply-add, beat the
-  warp-specialized 64-row ones there (benchmarks/results/ws_fp8_gate_up_2026-12-03_h200.md);
-- bf16/fp16 gate_up, H > 4096 (DeepSeek-V3's 7168): the 128-row COOP tile from m = 48 on;
-- bf16/fp16 down, H >= 4096: the 128 x 256 COOP tile past m = 96 (DeepSeek-V3, Mixtral; Qwen3's H = 2048 keeps
-  128 x 128).
-
-Each rule picks tiles; ``configs.fit`` then makes them valid for the shape (a Gluon kernel that cannot run a shape
-hands the tile to the Triton kernel). How these rules compare with the tables and with the generic defaults, on the
-three tuned shapes and on shapes no table covers: docs/performance.md ("Untuned shapes").
+sm90_gemm_configs -> (gate_up, down) GemmConfigs from RULES, by rows per expert m = T * top_k / E (uniform
+routing), with an alternative tile for long K loops or wide outputs (_ALTERNATIVE). The rules are what the tuned
+H200 tables (kernels/configs/: three model shapes, four schemes, T = 1-16384) agree on; tiles.fit then makes the
+tiles valid for the shape (a Gluon kernel that cannot run a shape hands the tile to the Triton kernel).
+How they compare with the tables and the generic defaults: docs/performance.md ("Untuned shapes").
 """
 from __future__ import annotations
 
 import math
 
-from .configs import GemmConfig as G
+from ..configs import GemmConfig as G
 
 WS = dict(warp_specialize=1)
 SO = dict(scale_overlap=1)
@@ -66,8 +50,18 @@ _ALTERNATIVE = {
 
 
 def sm90_gemm_configs(rows_per_expert: float, scheme: str, hidden: int, inter: int) -> tuple[G, G]:
-    """(gate_up, down) tiles for a batch of ``rows_per_expert`` rows an expert on Hopper; hidden H, inter I (the
-    gate_up's K loop runs along H, the down's along I and its output is H wide)."""
+    """(gate_up, down) tiles for a batch of ``rows_per_expert`` rows an expert (m) on Hopper; hidden H, inter I (the
+    gate_up's K loop runs along H, the down's along I and its output is H wide). RULES, by m:
+      m <= 16 (weight streaming): 16-row tiles, every scheme; 128-wide down tiles.
+      16 < m <= 48: 64-row tiles; fp8-block runs its Gluon gate_up (gate_up_wgmma: one 64-row tile a warpgroup,
+        the step scales overlapped) and the warp-specialized down.
+      larger m: bf16/fp16 and fp8-block run the warp-specialized kernels (gemm/warp_specialized.py), 128-row tiles
+        shared by the two consumers (COOP) past m = 384 (bf16/fp16: also from 48 to 96); fp8-tensor and
+        fp8-channel 128 x 128 gate_up tiles of 8 warps.
+    The alternatives (_ALTERNATIVE): fp8-block K loops of more than 16 steps of 128 (gate_up H > 2048, down
+    I > 2048) take the per-tile Gluon kernels, whose 128-row tiles read fewer operand bytes a multiply-add than
+    the warp-specialized 64-row ones; the bf16/fp16 gate_up with H > 4096 the 128-row COOP tile from m = 48 on;
+    the bf16/fp16 down with H >= 4096 the 128 x 256 COOP tile past m = 96."""
     _, gate_up, down = next(row for row in RULES[scheme] if rows_per_expert <= row[0])
     gate_up_alt, down_alt = _ALTERNATIVE.get(scheme, (lambda h, i: False, lambda h, i: False))
     return _pick(gate_up, gate_up_alt(hidden, inter)), _pick(down, down_alt(hidden, inter))

@@ -1,79 +1,12 @@
 """Grouped GEMMs for Hopper in Gluon: persistent, warp-specialized, two consumer warpgroups by turns.
 
-    down:    a [R, I] layer dtype (sorted layout, rows in order), w2 down_proj [E, H, I], route_w [R] float32
-             -> out [R, H] = route_w * (a @ w2[e].T), as kernels/down.py (reference: down.down_torch);
-             fp8-block (SCALED): a float8_e4m3fn + a_scale [R, I/128] float32, w2 float8_e4m3fn + w2_scale
-             [E, H/128, I/128] float32, each 128-deep step's product scaled as kernels/down_wgmma.py scales it
-             (the same bits as down.py's kernel); BLOCK_N 256 (the wide down): a 64 x 256 tile in quarters, as below;
-    gate_up: x [R, H] (rows in order), w13 gate_up_proj [E, 2I, H] -> inter [R, I] = act(x @ gate.T) * (x @ up.T),
-             as kernels/gate_up.py (reference: gate_up.gate_up_torch), the GATED form of the same kernel;
-             fp8-block (GATED and SCALED): x float8_e4m3fn + x_scale [R, H/128], w13 + w13_scale [E, 2I/128, H/128]
-             -> inter float8_e4m3fn + scale [R, I/128] float32, act(gate) * up rounded to the layer dtype and
-             quantized in 1x128 groups (the same bits as gate_up.py's kernel and kernels/gate_up_wgmma.py).
-Why: short K loops. Qwen3's I = 768 is 12 steps of 64; a program that runs one tile at a time idles its
-tensor cores while the tile's first operands arrive and while its epilogue runs, about as long as the K
-loop. Here they overlap.
-How: one program per SM takes tiles p, p + P, ... of the real row blocks in grouped order, from a table
-of the row blocks (block_table: expert, first row, end row of each, written by one small launch first).
-Three partitions (gl.warp_specialize):
-  - a loader warp: TMA loads of every K step of the program's tiles, in order, into a ring of STAGES
-    shared-memory slots (slot g % STAGES for the program's step g; GATED: the gate and the up rows into the
-    slot's two weight buffers), each once its slot is released;
-  - two consumer warpgroups: consumer c takes the program's tiles j = c, c + 2, ...: one K step's wgmmas in
-    flight over its tile's steps, releasing each step's slot once the next step's are issued and it is done,
-    then the epilogue (down: the routing weight; gate_up: act(gate) * up), 16-byte stores. SCALED: two products
-    by turns (down_wgmma.py's loop: step t + 1's wgmma runs while step t's product is scaled, UNROLL steps a body),
-    each step's slot released once its wgmma is done, the turn handed over once the last is issued. A consumer starts a
-    tile's K loop only once the other has issued its own (the `turn` barriers): the K loops run one after the
-    other at the tensor cores' full rate while the other consumer runs its epilogue, and a wait on a slot's
-    barrier is never more than one phase ahead (a parity wait cannot tell phases two apart: without the turns
-    the second consumer read the wrong steps and the kernel faulted).
-    GATED and SCALED: a 64 x 128 tile of the intermediate (one output group a row) takes four 64-column quarter
-    wgmmas a step (gate 0-63, gate 64-127, up 0-63, up 64-127) into two products by turns, each scaled into its
-    accumulator quarter while the next runs, as kernels/gate_up_wgmma.py's loop; the epilogue quantizes the groups.
-    The wide fp8-block down runs the same loop on a 64 x 256 tile: its two weight buffers a slot hold the tile's
-    two 128-row halves (two weight-scale blocks), the epilogue stores four 64-column quarters times the routing
-    weight. Each consumer runs its own 64-row tile (a ping-pong), except in COOP.
-  - COOP (coop(): the tiles of 256 accumulator columns at BLOCK_M 128, the 128 x 128 gate_up and the 128 x 256
-    down, bf16 / fp16 or fp8-block): the two consumers share each 128-row tile, 64 rows each, both reading each slot
-    (empty barriers of count 2), with no turns: each weight tile serves twice the rows, and the epilogues no longer
-    overlap a K loop. Both consumers run every tile's wgmmas, even where a block has at most 64 rows: a consumer 1
-    that instead passed such a block's steps ran ahead of consumer 0 from then on, its ring short of loaded steps,
-    and the kernel 1.2-1.3x slower (benchmarks/results/ws_coop_gate_up_2026-12-03_h200.md). The fp8-block COOP gate_up
-    measured 1.08x the ping-pong on Qwen3's gate_up at T = 16384 (1024 rows an expert) and 1.06x at 8192, slower
-    at T <= 4096 and on DeepSeek-V3's shape (whose part-filled blocks the per-tile Gluon kernel runs as pair
-    tiles), a tie with the per-tile kernel on Mixtral's T = 16384 (alone and in the layer). A first COOP form
-    (commit 3d7b312, before the refill changes) ran 0.70-0.92x
-    (benchmarks/results/ws_fp8_gate_up_2026-12-01_h200_3d7b312.md).
-Registers: 12 warps at 168 a thread; the consumer worker gets 232, the loader 24, the default partition
-(consumer 0) the rest, 248 (setmaxnreg). A consumer's accumulators: down one 128 x 128 or 64 x 256 tile (COOP: 64
-rows of 128 x 256), gate_up two 128 x 64 or 64 x 128 (COOP: 64 rows of two 128 x 128); SCALED an accumulator and
-two products of 64 x 128 (or 128 x 64); GATED and SCALED four quarters and two products of 64 x 64 (the wide down
-too). ptxas sm_90a: no spills (tests/test_kernels_compile_sm90.py).
-Where: GemmConfig.warp_specialize (fit() keeps it, layer dtype bf16/fp16 with BLOCK_K 64, on 128 x 128 and 64 x 256
-down tiles, 128 x 64 and 64 x 128 gate_up tiles, and the COOP 128 x 256 down and 128 x 128 gate_up; on fp8-block
-down tiles of 64 x 128 x 128, 128 x 64 x 128, or 64 x 256 x 128 and 128 x 256 x 128 (COOP) with H a multiple of
-256, and on fp8-block gate_up
-tiles of 64 x 128 x 128 or 128 x 128 x 128 (COOP) with I and H multiples of 128: configs.ws_fits), sorted
-batches, CUDA compute capability 9.x, operands TMA-addressable; rows that come by index are copied into order
-first (gate_up.py, as for x_tma); down.py and gate_up.py run their own kernels otherwise.
-Measured on H200 (benchmarks/results/ws_down_2026-12-01_h200.md), alone: the down 1.23-1.30x the
-tuned Triton down on Qwen3's shape at T = 4096-16384, 1.08-1.09x on DeepSeek-V3's, slower than the 128 x 256
-Triton tile on Mixtral's T = 16384; the gate_up 1.07-1.10x on Qwen3's (the copy included), slower on
-DeepSeek-V3's. The fp8-block down (benchmarks/results/ws_fp8_down_2026-12-01_h200.md), 64 x 128 at 6 stages:
-1.06-1.17x the shipped Gluon down on Qwen3's and DeepSeek-V3's shapes at T = 1024-16384, 0.90x on Mixtral's
-T = 16384; 1.01-1.035x on those layers. The fp8-block gate_up (benchmarks/results/ws_fp8_gate_up_2026-12-03_h200.md),
-64 x 128 at 4 stages: 1.15x, 1.13x and 1.03x the shipped Gluon gate_up on Qwen3's shape at T = 1024, 4096 and
-16384 (layer 1.01x, 1.05x, 1.01-1.02x); 0.80-0.99x on Mixtral's and DeepSeek-V3's, whose 128-row tiles reuse each
-weight tile over twice the rows. The wide down (benchmarks/results/wide_down_2026-12-03_h200.md), 64 x 256 at 4-5
-stages: 1.03x and 1.14x the shipped 64 x 128 ws down on Qwen3's shape at T = 4096 and 16384, 1.07x and 1.14x on
-DeepSeek-V3's (layer 1.00-1.05x); slower at T = 1024 and on Mixtral's T >= 4096. The bf16 COOP and 64-row tiles
-(benchmarks/results/ws_bf16_coop_2026-12-03_h200.md), alone against the tables' entries: the gate_up 1.05-1.31x on
-the three shapes at T = 1024-8192 and DeepSeek-V3's 16384, the COOP down 1.04-1.17x on DeepSeek-V3's T >= 4096 and
-Mixtral's 16384; the layer 1.04-1.12x at those T but Qwen3's 4096 (a tie). The fp8-block COOP wide down
-(benchmarks/results/ws_fp8_coop_down_2026-12-03_h200.md), 128 x 256 at 3 stages: 1.02-1.07x the tables' downs alone
-on Qwen3's T = 16384, Mixtral's T = 4096 and 16384 and DeepSeek-V3's T = 16384, a gain in the layer on Mixtral's
-T = 16384 only (1.01-1.02x). The tuner picks per entry.
+down:    a [R, I] (sorted layout, rows in order), w2 [E, H, I], route_w [R] fp32 -> out [R, H] = route_w * a @ w2[e].T,
+         as gemm/down.py (torch reference: down.down_torch); fp8-block: the same bits as down.py's kernel.
+gate_up: x [R, H], w13 [E, 2I, H] -> inter [R, I] = act(x @ gate.T) * (x @ up.T), as gemm/gate_up.py (torch reference:
+         gate_up.gate_up_torch); fp8-block: fp8e4m3 inter + 1x128 group scales, the same bits as gate_up.py's kernel.
+Kernels: _block_table_kernel (launcher block_table, reference block_table_torch), _ws_gemm_kernel (partitions, barriers,
+tile forms, registers: its docstring). Launcher: launch(), where gemm/choice.py picks it (cannot_run() says None).
+Why: short K loops (I = 768: 12 steps of 64), where one tile at a time idles on its first loads and its epilogue.
 Imported only when a config asks for it on a CUDA device: CPU runs never load Gluon.
 """
 from __future__ import annotations
@@ -83,10 +16,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import env as moeflow_env
-from .common import (RowLayout, _cuda_properties, cdiv, expert_blocks, expert_rows, fp8_scale, gated_act,
+from ..common import (RowLayout, cdiv, expert_blocks, expert_rows, fp8_scale, gated_act,
                      grouped_tile, num_sms, pdl, pdl_start, sorted_block, tma_rows)
-from .configs import ws_fits
+from .tiles import ws_fits
 
 try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this kernel
     from triton.experimental import gluon
@@ -97,7 +29,7 @@ try:  # Gluon ships with recent triton (3.6 here); only Hopper GPUs run this ker
 
     from .down_wgmma import _mma_step, _scaled_add, _weight_scales, smem_layout, unroll
     from .gate_up_wgmma import _INTER, _store_group
-except ImportError:  # pragma: no cover - older triton: usable() says False
+except ImportError:  # pragma: no cover - older triton: choice.py never picks these kernels
     gluon = None
 
 MAXNREG = 168  # registers a thread at launch: 12 warps x 168 x 32 fit the SM's 64K
@@ -154,7 +86,7 @@ def block_table_torch(layout: RowLayout, block_m: int) -> tuple[Tensor, Tensor]:
 if gluon is not None:
     @gluon.constexpr_function
     def coop(gated, scaled, block_m, block_n):
-        """Whether the two consumers share each tile (COOP, module docstring), 64 rows each: 128-row tiles too large
+        """Whether the two consumers share each tile (COOP, _ws_gemm_kernel), 64 rows each: 128-row tiles too large
         for one consumer's registers. Those of 256 accumulator columns at BLOCK_M 128: the gate_up at 128 x 128 (gate
         and up) and the down at 128 x 256, unscaled (bf16, fp16) or fp8-block (in quarters)."""
         return int(block_m) == 128 and int(block_n) * (2 if gated else 1) == 256
@@ -182,7 +114,7 @@ if gluon is not None:
     def _loader(p, c: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
                 SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
-        """The loader warp (module docstring, How); c unused (the workers share a signature). GATED: each step
+        """The loader warp (_ws_gemm_kernel); c unused (the workers share a signature). GATED: each step
         also loads the up rows (N rows after the gate rows) into the slot's second weight buffer."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
          num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
@@ -252,7 +184,7 @@ if gluon is not None:
     def _k_loop_scaled(a_bufs, w_bufs, ready, empty, turn_bar, g0, n, acc, d_a, d_b, as_rows, ws_tile,
                        STAGES: gl.constexpr, UNROLL: gl.constexpr):
         """fp8-block: acc + every step's product scaled by its row and weight-block scales (as_rows + t, ws_tile
-        + t), the products by turns (kernels/down_wgmma.py's K loop: step t + 1's wgmma runs while step t's product
+        + t), the products by turns (gemm/down_wgmma.py's K loop: step t + 1's wgmma runs while step t's product
         is scaled; UNROLL steps a body, nothing in flight across its back edge). Each step's slot is released once
         its wgmma is done; turn_bar gets the other consumer's turn once the last step's wgmma is issued.
         -> (acc, d_a, d_b): the products' registers carry over to the next tile."""
@@ -296,7 +228,7 @@ if gluon is not None:
                          ROW0: gl.constexpr = 0, TURNS: gl.constexpr = True):
         """fp8-block gate_up and wide down: the tile's four accumulator quarters (_quarter's order) plus every step's
         four quarter products, each scaled by the rows' group scale (as_rows + t) times its weight block's (gs + t for
-        the first weight buffer's quarters, us + t for the second's), as kernels/gate_up_wgmma.py's K loop: the
+        the first weight buffer's quarters, us + t for the second's), as gemm/gate_up_wgmma.py's K loop: the
         products by turns, each scaled into its quarter while the next runs, a step's last product finished during
         the next step's first; UNROLL steps a body, nothing in flight across its back edge. A step's slot is
         released once its last wgmma is done; turn_bar gets the other consumer's turn once the tile's last wgmma is
@@ -339,7 +271,7 @@ if gluon is not None:
                           stride_outs, ACT: gl.constexpr, INTER_DTYPE: gl.constexpr, BLOCK_M: gl.constexpr,
                           QN: gl.constexpr):
         """fp8-block gate_up epilogue of a [BLOCK_M, 2 * QN = 128] tile (one 1x128 group a row), as
-        kernels/gate_up_wgmma.py's: act(gate) * up of both halves rounded to the layer dtype, one amax per row,
+        gemm/gate_up_wgmma.py's: act(gate) * up of both halves rounded to the layer dtype, one amax per row,
         quantized into out (float8_e4m3fn) with the group scale into outs at column pid_n."""
         h0 = gated_act(acc0, acc2, ACT).to(INTER_DTYPE).to(gl.float32)
         h1 = gated_act(acc1, acc3, ACT).to(INTER_DTYPE).to(gl.float32)
@@ -366,13 +298,13 @@ if gluon is not None:
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
                  SCALED: gl.constexpr, UNROLL: gl.constexpr, INTER_DTYPE: gl.constexpr):
         """Consumer warpgroup c: the program's tiles c, c + 2, ...; COOP: every tile of the program, its rows
-        64c .. 64c + 63 (module docstring, How)."""
+        64c .. 64c + 63 (_ws_gemm_kernel)."""
         (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turn, rw_ptr, out_ptr, blk_ptr, nblk_ptr, num_blocks,
          num_programs, N, K, w_rows_per_expert, stride_out, as_ptr, ws_ptr, stride_as, stride_wse, stride_wsn,
          outs_ptr, stride_outs) = p
         blocks_m, num_pid_n, my_tiles = _tiles(nblk_ptr, num_programs, N, BLOCK_N)
         n = gl.cdiv(K, BLOCK_K)
-        WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down (module docstring)
+        WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256  # the wide fp8-block down (_ws_gemm_kernel)
         QN: gl.constexpr = 64 if SCALED and (GATED or WIDE) else BLOCK_N  # a product's columns
         COOP: gl.constexpr = coop(GATED, SCALED, BLOCK_M, BLOCK_N)
         CM: gl.constexpr = BLOCK_M // 2 if COOP else BLOCK_M  # this consumer's rows of a tile
@@ -467,7 +399,30 @@ if gluon is not None:
         [E, N / 128, K / 128] float32, strides stride_wse, stride_wsn, 1), UNROLL steps a K-loop body. GATED and
         SCALED (BLOCK_N 128): out float8_e4m3fn, act(gate) * up rounded to INTER_DTYPE (the layer dtype), then
         quantized in 1x128 groups, their scales into outs_ptr [R, N / 128] float32 (row stride stride_outs); outs_ptr
-        unused otherwise."""
+        unused otherwise. WIDE (SCALED down, BLOCK_N 256): a 64 x 256 tile whose slot holds its two 128-row weight
+        halves (two weight-scale blocks), run in four 64-column quarters (_k_loop_quarters, _store_cols).
+
+        Persistent: program p of num_programs takes tiles p, p + P, ... of the nblk real row blocks in grouped
+        order (_tiles, _tile). Three partitions (gl.warp_specialize):
+          - _loader, one warp: every K step of the program's tiles, in order, by TMA into a ring of STAGES slots
+            (step g in slot g % STAGES; GATED: gate and up rows into the slot's two weight buffers), each once the
+            slot's `empty` barrier says it is released; the slot's `ready` barrier says it has landed.
+          - _consume, two consumer warpgroups: consumer c takes tiles c, c + 2, ... (a ping-pong); its K loop
+            (_k_loop; SCALED: _k_loop_scaled, two products by turns; GATED and SCALED or WIDE: _k_loop_quarters)
+            releases each slot once its wgmmas are done, then the epilogue (routing weight; or act(gate) * up,
+            quantized where SCALED), 16-byte stores. A consumer starts a tile's K loop only once the other has
+            issued its own (the `turn` barriers): the K loops run one after the other at the tensor cores' full
+            rate while the other consumer runs its epilogue, and no wait on a slot's barrier is more than one
+            phase ahead (a parity wait cannot tell phases two apart: without turns, wrong steps are read).
+          - COOP (coop(): 128-row tiles of 256 accumulator columns): both consumers share each tile, 64 rows each,
+            both reading every slot (`empty` of count 2), no turns; each weight tile serves twice the rows, but
+            the epilogues no longer overlap a K loop. Both run every tile's wgmmas, even for blocks of at most 64
+            rows: a consumer that skipped them would run ahead of the other, its ring short of loaded steps.
+        Registers (setmaxnreg): 12 warps launched at MAXNREG 168; consumer 1 gets CONSUMER_REGS 232, the loader
+        LOADER_REGS 24, consumer 0 (the default partition) the rest, 248. Per consumer: down one 128 x 128 or
+        64 x 256 accumulator (COOP: 64 rows of 128 x 256), gate_up two 128 x 64 or 64 x 128 (COOP: 64 rows of two
+        128 x 128); SCALED an accumulator and two products of 64 x 128 (or 128 x 64); in quarters four quarters
+        and two products of 64 x 64. No spills on sm_90a (tests/test_kernels_compile_sm90.py)."""
         dtype: gl.constexpr = a_desc.dtype
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256
         WB: gl.constexpr = 2 if GATED or WIDE else 1  # weight buffers a slot (gate and up; WIDE: two 128-row halves)
@@ -498,38 +453,45 @@ if gluon is not None:
 _GL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
 
 
-def usable(a: Tensor, a_scale: Tensor | None, w: Tensor, layout: RowLayout, scheme: str, cfg, gated: bool = False,
-           w_scale: Tensor | None = None) -> bool:
-    """Whether down() (or gate_up(), gated) may run this kernel for the call (module docstring, Where): a [R, K]
-    rows in order, w [E, N or 2N, K] of the same dtype; scheme none in bf16/fp16, or fp8-block with a_scale
-    [R, K / 128] and w_scale [E, N / 128 or 2N / 128, K / 128], both unit stride along K (gated: N and K multiples
-    of 128, so that each tile is one weight-scale block and one output group)."""
-    if (gluon is None or layout.masked or not a.is_cuda or w.dtype != a.dtype or not ws_fits(cfg, gated, scheme)
-            or a.shape[1] == 0  # no K steps: the consumers would never hand each other the turn
-            or moeflow_env.TRITON_INTERPRET.get_bool() or _cuda_properties(a.device).major != 9):
-        return False
+def cannot_run(a: Tensor, a_scale: Tensor | None, w: Tensor, scheme: str, cfg, gated: bool = False,
+               w_scale: Tensor | None = None) -> str | None:
+    """Why this kernel cannot run a down call (gated: a gate_up call) on Hopper (choice.py asks), or None.
+    It needs a [R, K] rows in order and w [E, N or 2N, K] of one dtype; scheme none in bf16/fp16, or fp8-block with
+    a_scale [R, K/128] and w_scale [E, N/128 or 2N/128, K/128] unit-stride along K (gated: N and K multiples of 128,
+    each tile one weight-scale block and one output group; the 256-wide down: H a multiple of 256); a tile that
+    tiles.ws_fits; K > 0 (with no K step the consumers never hand each other the turn); experts back to back and
+    TMA-addressable operands."""
+    if w.dtype != a.dtype:
+        return f"weights {w.dtype} and rows {a.dtype} differ"
+    if not ws_fits(cfg, gated, scheme):
+        return f"a {cfg.block_m}x{cfg.block_n}x{cfg.block_k} tile of {cfg.num_stages} stages it does not run"
+    if a.shape[1] == 0:
+        return "no K steps"
     if scheme == "fp8-block":
         if (a.dtype != torch.float8_e4m3fn or a_scale is None or w_scale is None or a_scale.stride(1) != 1
                 or w_scale.stride(2) != 1):
-            return False
+            return "fp8-block operands without unit-stride scales"
         if gated and (w.shape[1] % 256 or a.shape[1] % 128):
-            return False
-        if not gated and cfg.block_n == 256 and w.shape[1] % 256:  # the wide down: two whole weight-scale blocks
-            return False
+            return f"I={w.shape[1] // 2} or H={a.shape[1]} not a multiple of 128"
+        if not gated and cfg.block_n == 256 and w.shape[1] % 256:
+            return f"H={w.shape[1]} not a multiple of 256 (the 256-wide tile: two whole weight-scale blocks)"
     elif scheme != "none" or a_scale is not None or a.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    return expert_rows(w) is not None and tma_rows(a, a.stride(0)) and tma_rows(w, w.stride(1))
+        return f"scheme {scheme} in {a.dtype} (it runs bf16/fp16, or fp8-block)"
+    if expert_rows(w) is None or not tma_rows(a, a.stride(0)) or not tma_rows(w, w.stride(1)):
+        return "operands TMA cannot address (rows not 16-byte aligned, experts not back to back, or TMA off)"
+    return None
 
 
 def launch(a: Tensor, w: Tensor, route_w: Tensor | None, layout: RowLayout, cfg, out: Tensor, gated: bool = False,
            act: int = 0, a_scale: Tensor | None = None, w_scale: Tensor | None = None, out_scale: Tensor | None = None,
            dtype: torch.dtype = torch.bfloat16, most_unroll: int = 8) -> None:
-    """Write out [R, N] (module docstring); usable() must have said True. down: w = down_proj [E, H, I], out
+    """Write out [R, N] (_ws_gemm_kernel); only where cannot_run() says None. down: w = down_proj [E, H, I], out
     [R, H], route_w [R] float32; fp8-block: with a_scale [R, I / 128] and w_scale (down_proj_scale_inv)
     [E, H / 128, I / 128] float32. gated (gate_up): w = gate_up_proj [E, 2I, H], out [R, I], act a
     common.ACT_CODES value, route_w unused; fp8-block: a_scale [R, H / 128], w_scale (gate_up_proj_scale_inv)
     [E, 2I / 128, H / 128], out float8_e4m3fn and out_scale [R, I / 128] float32 (its 1x128 groups), dtype the
-    layer dtype the activation is rounded to first. most_unroll: the most K steps of an fp8-block loop body."""
+    layer dtype the activation is rounded to first. most_unroll: the most K steps of an fp8-block loop body.
+    Two launches (block_table, then the GEMM on min(SMs, tiles) programs), no host synchronization."""
     r, k = a.shape
     e, w_rows, _ = w.shape
     n = out.shape[1]

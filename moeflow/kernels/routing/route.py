@@ -1,20 +1,11 @@
 """Routing in one launch: scores, optional grouped selection with a correction bias, top-k,
-renormalization and scaling, a block of tokens per program (launch_shape: one warp and ~128 scores
-per program up to 256 experts; E <= 1024 experts held in registers), every reduction along one
-token's row, each top-k step a single max over (score, index) keys.
+renormalization and scaling, a block of tokens per program, each top-k step a single max over (score, index) keys.
 
     logits [T, E] float (any), bias [E] float32 or None
     -> ids [T, K] int32 (descending choice order), weights [T, K] float32
-Semantics are those of routing/torch_topk.py (its torch code is the reference): choice = score
-(+ bias), but sigmoid without a bias or groups ranks the logits (float32 sigmoids saturate to 1.0 from a logit of
-about 16.6: the scores tie there, the logits do not, and the other two routers rank the logits);
-grouped: a group's score is the sum of its two best choices (with a bias) or its best,
-the topk_groups best groups stay; ids = top-k of the choice among kept experts; weights = the
-unbiased scores of those ids, renormalized (sum + 1e-20) and times routed_scaling_factor.
-Ties pick the lowest index (torch.topk's order among exact ties is unspecified). Sigmoid scores are torch's float32
-bits (common.exact_sigmoid), so the ids are torch's wherever the float32 choices do not tie exactly.
-The router backend around it, with what it supports, is routing/triton_topk.py. Batches of 2048 tokens or more
-of 64-256 experts run kernels/route_stream.py instead (a few threads a token; route() picks), with the same ids.
+Kernel: _route_kernel; launcher: route() (semantics: its docstring), which runs batches of 2048 tokens or more of
+64-256 experts on routing/route_stream.py instead (the same ids). Torch reference: moeflow/routing/torch_topk.py;
+the router backend around it, with what it supports: moeflow/routing/triton_topk.py.
 """
 from __future__ import annotations
 
@@ -23,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import NEG_INF, cdiv, exact_sigmoid, key_value, next_pow2, order_key, pdl, pdl_start
+from ..common import NEG_INF, cdiv, exact_sigmoid, key_value, next_pow2, order_key, pdl, pdl_start
 from .route_stream import stream_launch, stream_pays, stream_shape, streams
 
 
@@ -40,7 +31,8 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
                   K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
                   HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
                   PDL: tl.constexpr = False):
-    """BLOCK_T tokens per program, one row of E_POW2 experts each: every reduction runs along a row."""
+    """BLOCK_T tokens per program (launch_shape), one row of E_POW2 experts each (E <= 1024, held in registers):
+    every reduction runs along one token's row, each top-k step a single max over order_key's keys."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -54,7 +46,7 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
         mx = tl.max(x, axis=1)
         ex = tl.where(ok[None, :], tl.exp(x - mx[:, None]), 0.0)
         score = tl.where(ok[None, :], ex / tl.sum(ex, axis=1)[:, None], NEG_INF)
-    LOGITS: tl.constexpr = SIGMOID and not HAS_BIAS and GROUPS == 1  # the choice is the logit (module docstring)
+    LOGITS: tl.constexpr = SIGMOID and not HAS_BIAS and GROUPS == 1  # the choice is the logit (route's docstring)
     choice = score
     if HAS_BIAS:
         choice = tl.where(ok[None, :], score + tl.load(bias_ptr + e, mask=ok, other=0.0)[None, :], NEG_INF)
@@ -102,10 +94,19 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, scale,
 def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renormalize: bool,
           num_groups: int = 1, topk_groups: int = 1, scaling: float = 1.0,
           block_t: int | None = None, num_warps: int | None = None, lanes: int | None = None) -> tuple[Tensor, Tensor]:
-    """logits [T, E], bias [E] or None -> (ids [T, K] int32, weights [T, K] float32) (module docstring).
-    Large batches run kernels/route_stream.py where it computes the router (streams, stream_pays).
+    """logits [T, E] float (any), bias [E] or None -> (ids [T, K] int32, weights [T, K] float32), with the
+    semantics of moeflow/routing/torch_topk.py (its torch code is the reference): choice = score (+ bias), but
+    sigmoid without a bias or groups ranks the logits (float32 sigmoids saturate to 1.0 from a logit of about 16.6:
+    the scores tie there, the logits do not, and the other two routers rank the logits); grouped (num_groups > 1,
+    E a power of two): a group's score is the sum of its two best choices (with a bias) or its best, the
+    topk_groups best groups stay; ids = top-k of the choice among kept experts, in descending choice order;
+    weights = the unbiased scores of those ids, renormalized (sum + 1e-20) if asked, times ``scaling``
+    (routed_scaling_factor). Ties pick the lowest index (torch.topk's order among exact ties is unspecified).
+    Sigmoid scores are torch's float32 bits (common.exact_sigmoid), so the ids are torch's wherever the float32
+    choices do not tie exactly. One launch, no host synchronization.
+    Large batches run route_stream.py's kernel where it computes the router (streams, stream_pays).
     block_t, num_warps: override launch_shape's choice; lanes: run the streaming kernel with this many threads a
-    token (and num_warps, default stream_shape's) where it applies, 0 never (experiments)."""
+    token (and num_warps, default stream_shape's) where it applies, 0 never (for benchmarks and tests)."""
     t, e = logits.shape
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
@@ -130,16 +131,11 @@ def route(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renorma
 
 
 def launch_shape(e_pow2: int) -> tuple[int, int]:
-    """(tokens per program, warps) for E_POW2 experts.
+    """(tokens per program, warps) for E_POW2 experts; T plays no part.
 
     Up to 256 experts: one warp, so every reduction along a row stays in shuffles, with about 128
-    scores per program (one token of 128 or 256 experts, 16 of 8). Measured on one H200, µs per
-    call in a CUDA graph (benchmarks/results/route_shapes_2026-11-30_h200_*.log), this shape against
-    the old 16 tokens x 4 warps: Qwen3's 128 experts top-8 2.4 at T=1, 2.6 vs 7.2 at T=16, 3.2 vs 7.7
-    at T=1024, 20.4 vs 20.9 at T=16384 (2 tokens per program: 18.9, the one T where another shape
-    won by more than 5%); Mixtral's 8 experts 1.5-2.2 against 1.4-2.5; DeepSeek-V3's grouped 256 3.4 at
-    T=1 and 3.5 at T=4 (8 tokens x 4 warps: 7.2), larger T not measured. T plays no part. More
-    experts: 8 warps and rows of 2048 scores (the old shape, not measured)."""
+    scores per program (one token of 128 or 256 experts, 16 of 8; at most 32 tokens). More experts:
+    8 warps and rows of 2048 scores."""
     if e_pow2 <= 256:
         return max(1, min(32, 128 // e_pow2)), 1
     return max(1, 2048 // e_pow2), 8

@@ -1,34 +1,18 @@
 """Routing of large batches: each token's row streamed through the registers of a few threads.
 
     logits [T, E] float (any), bias [E] float32 or None
-    -> ids [T, K] int32 (descending choice order), weights [T, K] float32
-The semantics of routing/torch_topk.py (its torch code is the reference):
-    no bias, no groups: the top-k of the logits (softmax and sigmoid are monotone: torch_topk._select_on_logits);
-                   softmax weights exp(v_k - v_0) / sum_j exp(v_j - v_0) over the K picked when renormalizing,
-                   else over the whole row (a second pass for its sum); sigmoid weights sigmoid(v_k);
-    sigmoid with a bias or groups: the top-k of sigmoid(x) (+ bias), among the topk_groups best of the
-                   num_expert_groups groups (a first pass scores them: the sum of a group's two best choices
-                   with a bias, else its best), ties to the lowest group; weights the unbiased sigmoid(x);
-sigmoid weights renormalized (sum + 1e-20) if asked; then times routed_scaling_factor. Ties pick the lowest index.
-Sigmoids are torch's float32 bits (common.exact_sigmoid), so the ids are torch's but at exact ties.
-Softmax with a bias or groups: kernels/route.py (streams()).
-Why: kernels/route.py gives each token a warp and runs K argmax reductions over it, each a chain of shuffles of
-64-bit keys; at large T that is bound by instructions (Qwen3's 128 experts top-8: 20.4 µs at T = 16384 in a CUDA
-graph, benchmarks/results/route_shapes_2026-11-30_h200_*.log, where the launch and the 8 MB of logits take about
-2). Here LANES threads share a token: each issues the loads of its share of the row at once (16-byte loads of 4,
-lane l taking columns 4l .. 4l + 3 of every 4 * LANES: E_POW2 / LANES values a thread; a loop that waited for one
-chunk at a time ran 1.3-1.8x slower), keeps the K best in registers by a sorted insertion (K compares and selects a
-column, no shuffles), and the lanes' K lists merge at the end in K rounds of one max over the LANES lanes
-(common.order_key's keys: value, then lowest index). BLOCK_T = 32 * num_warps / LANES tokens a program.
-Measured (benchmarks/results/glue_large_T_2026-12-03_h200.md): stream_shape's docstring.
-Which kernel runs: route.route, by streams() and stream_pays().
+    -> ids [T, K] int32 (descending choice order), weights [T, K] float32, the ids of routing/route.py's kernel
+Torch reference: moeflow/routing/torch_topk.py. Kernel: _route_stream_kernel (semantics and method: its docstring);
+launcher: stream_launch (stream_shape picks its threads a token); which kernel runs: route.route, by streams() and
+stream_pays(). Why: route.py gives each token a warp and runs K argmax reductions over it, each a chain of shuffles
+of 64-bit keys, bound by instructions at large T; here each thread keeps its columns' K best with no shuffles.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .common import NEG_INF, cdiv, exact_sigmoid, key_value, next_pow2, order_key, pdl_start
+from ..common import NEG_INF, cdiv, exact_sigmoid, key_value, next_pow2, order_key, pdl_start
 
 
 @triton.jit
@@ -64,7 +48,7 @@ def _chunk(row, bias_ptr, c0, E, SCORES: tl.constexpr, HAS_BIAS: tl.constexpr, L
     cols = c0 + tl.arange(0, 4 * LANES)
     ok = cols < E
     x = tl.load(row[:, None] + cols[None, :], mask=ok[None, :], other=NEG_INF).to(tl.float32)
-    if SCORES:  # sigmoid scores (streams() sends softmax with a bias or groups to kernels/route.py)
+    if SCORES:  # sigmoid scores (streams() sends softmax with a bias or groups to routing/route.py)
         x = exact_sigmoid(x)
         if HAS_BIAS:
             x = x + tl.load(bias_ptr + cols, mask=ok, other=0.0)[None, :]
@@ -114,8 +98,21 @@ def _route_stream_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, s
                          K: tl.constexpr, E_POW2: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
                          HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                          LANES: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
-    """BLOCK_T tokens a program, LANES threads a token (module docstring). GROUPS > 1 (sigmoid, E == E_POW2,
-    4 * LANES <= E / GROUPS): a first pass scores the groups, the second streams only the TOPK_GROUPS best."""
+    """BLOCK_T = 32 * num_warps / LANES tokens a program, LANES threads a token. Semantics (torch_topk's):
+      no bias, no groups: the top-k of the logits (softmax and sigmoid are monotone: torch_topk._select_on_logits);
+        softmax weights exp(v_k - v_0) / sum_j exp(v_j - v_0) over the K picked when renormalizing, else over the
+        whole row (a second pass for its sum); sigmoid weights sigmoid(v_k);
+      sigmoid with a bias or groups: the top-k of sigmoid(x) (+ bias), among the TOPK_GROUPS best of the GROUPS
+        groups (a first pass scores them: the sum of a group's two best choices with a bias, else its best; ties
+        to the lowest group); weights the unbiased sigmoid(x);
+    sigmoid weights renormalized (sum + 1e-20) if RENORM; then times ``scale``. Ties pick the lowest index.
+    Sigmoids are torch's float32 bits (common.exact_sigmoid), so the ids are torch's but at exact ties.
+    Method: each thread issues the loads of its share of the row at once (16-byte loads of 4: lane l takes columns
+    4l .. 4l + 3 of every 4 * LANES, E_POW2 / LANES values a thread; waiting for one chunk at a time is slower),
+    keeps the K best in registers by a sorted insertion (_insert: K compares and selects a column, no shuffles),
+    and the lanes' K lists merge at the end in K rounds of one max over the LANES lanes (common.order_key's keys:
+    value, then lowest index). GROUPS > 1 (sigmoid, E == E_POW2, 4 * LANES <= E / GROUPS): a first pass scores
+    the groups, the second streams only the TOPK_GROUPS best."""
     pdl_start(PDL)
     # choices: the logits themselves (monotone in the scores: routing/torch_topk._select_on_logits), or the
     # sigmoid scores (+ bias) where a bias or the groups need them (as torch_topk then ranks)
@@ -211,12 +208,9 @@ def _route_stream_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, stride_l, s
 
 
 def stream_shape(t: int, e_pow2: int, num_groups: int = 1) -> tuple[int, int]:
-    """(LANES, warps) of the streaming kernel: threads a token and warps a program. Measured on H200 for Qwen3's
-    128 experts (benchmarks/results/glue_large_T_2026-12-03_h200.md), µs in a CUDA graph against kernels/route.py's
-    one warp a token: 8 threads a token, one warp a program, 2.74 against 4.08 at T = 2048 and 3.74 against 6.31
-    at T = 4096; 4 threads, 8.04 against 20.86 at T = 16384 (8: 8.62). DeepSeek-V3's grouped 256: 8 threads, 8.42
-    against 12.76 at T = 4096 and 21.48 against 43.71 at T = 16384 (4: 24.31). So from T = 8192 a thread takes 32
-    of the row's values (at least 4 threads); at most a group's experts / 4 threads a token."""
+    """(LANES, warps) of the streaming kernel: threads a token and warps a program. One warp a program; 8 threads
+    a token below T = 8192, from there as many as give each thread 32 of the row's values (at least 4); at most
+    E_POW2 / 16 threads and a group's experts / 4 (a lane's 4 columns lie in one group)."""
     lanes = 8 if t < 8192 else max(4, e_pow2 // 32)
     return max(1, min(lanes, e_pow2 // 16, e_pow2 // num_groups // 4)), 1
 

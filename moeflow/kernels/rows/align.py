@@ -1,11 +1,11 @@
-"""The token->expert block alignment as a table, for tests and inspection.
+"""Token copies and expert rows: the block alignment as a table, and the one-launch sort of small batches.
 
-The GEMM kernels compute their block's rows themselves (common.block_rows: one cumsum over the
-experts per program, no extra launch); this kernel writes what each program sees, so the
-alignment can be checked against ``align_blocks_torch``.
-
-    table [B, 3] int64, B = RowLayout.num_row_blocks(BLOCK_M):
-        table[b] = (expert, first row, end row) of block b; (-1, 0, 0) for a block with no rows.
+align_blocks (_align_kernel; reference align_blocks_torch): table [B, 3] int64, B = RowLayout.num_row_blocks(BLOCK_M),
+    table[b] = (expert, first row, end row) of block b; (-1, 0, 0) for a block with no rows. The GEMM kernels
+    compute their block's rows themselves (common.block_rows); this writes what each program sees, for tests.
+sort_copies (_sort_copies_kernel; reference moeflow.dispatch.expert_sort.sort_by_expert_torch): token copies
+    grouped by expert, stable, for decode-sized batches (MAX_FUSED_COPIES), optionally quantizing the tokens in the
+    same launch (quantize_token_part, token_quant_launch; the other sorts use them too).
 """
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..quant import FP8_DTYPE
-from .common import RowLayout, block_rows, cdiv, fp8_scale, interpreting, next_pow2, pdl, pdl_start, to_fp8
+from ...quant import FP8_DTYPE
+from ..common import RowLayout, block_rows, cdiv, fp8_scale, interpreting, next_pow2, pdl, pdl_start, to_fp8
 
 
 @triton.jit
 def _align_kernel(meta_ptr, table_ptr, num_experts, capacity,
                   BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, MASKED: tl.constexpr):
+    """Program b writes table[b] (module docstring) from common.block_rows."""
     pid = tl.program_id(0)
     expert, start, end, _ = block_rows(pid, meta_ptr, num_experts, capacity, BLOCK_M, E_POW2, MASKED)
     empty = start >= end
@@ -72,7 +73,7 @@ def _sort_copies_kernel(ids_ptr, w_ptr, offsets_ptr, counts_ptr, row_ptr, source
     """Programs 0 .. cdiv(copies, BLOCK_I)-1 place copies; the next cdiv(E + 1, BLOCK_E) write
     offsets (and counts) for BLOCK_E experts each; with QUANT_X (1: fp8-tensor, 2: fp8-channel, 3: fp8-block)
     the rest quantize the tokens x [T, H] (T = num_tokens = copies / TOP_K) -> xq [T, H] fp8, xs [T, G] float32,
-    as kernels/quant.py does (quantize_token_part).
+    as rows/quant.py does (quantize_token_part).
 
     The sorted row of copy i is the number of copies before it in (expert, copy index) order, the
     stable sort's order: #{j : ids[j] < ids[i]} + #{j < i : ids[j] == ids[i]}.
@@ -116,7 +117,7 @@ def quantize_token_part(x_ptr, xq_ptr, xs_ptr, q, H, stride_x, stride_xq, stride
                         QUANT_X: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
                         QROWS: tl.constexpr = 1):
     """Part q of the tokens' quantization x [T, H] -> xq [T, H] fp8, xs [T, G] float32, as
-    kernels/quant.py computes it: QUANT_X 3 (fp8-block) the columns c * BLOCK_H .. of tokens
+    rows/quant.py computes it: QUANT_X 3 (fp8-block) the columns c * BLOCK_H .. of tokens
     (q // cdiv(H, BLOCK_H)) * QROWS .. + QROWS - 1 (c = q % cdiv(H, BLOCK_H); BLOCK_H / 128 groups a token);
     1 (fp8-tensor) the same columns, by the amax of all of x, which every part takes again (T * H < 2**30 reads a
     part: meant for decode-sized batches, expert_sort.TENSOR_QUANT_IN_SORT_MAX), xs [T, 1] all equal; 2
@@ -192,13 +193,9 @@ def token_quant_launch(x: Tensor | None, scheme: str, t: int, unused: Tensor):
 
 def quant_rows(t: int, per_token: int, block_h: int) -> int:
     """Tokens a quantizing part takes (quantize_token_part's QROWS): one while the parts would number at most
-    _QUANT_PARTS, else up to 8192 elements a part, keeping at least _QUANT_PARTS parts. A program a token
-    (and BLOCK_H columns) had the GPU start tens of thousands of small programs at large T, at about 1.3 ns
-    each on H200 (benchmarks/results/route_shapes_*: 16384 one-warp programs of 8 scores took 20.7 µs, 1024 of
-    128 took 2.2): 32768 programs for Qwen3's T = 16384 where its 101 MB of traffic take 24 µs. Measured, the
-    whole sort with the quantization (benchmarks/results/glue_large_T_2026-12-03_h200.md): Qwen3 T = 16384 53.3
-    -> 38.4 µs, DeepSeek-V3 T = 16384 154.3 -> 99.5, 1.14-1.18x at T = 4096 (1.38x DeepSeek-V3), the same at
-    T = 1024."""
+    _QUANT_PARTS, else up to 8192 elements a part, keeping at least _QUANT_PARTS parts. Why: a program a token
+    (and BLOCK_H columns) has the GPU start tens of thousands of small programs at large T, and their start cost,
+    not the traffic, then bounds the sort."""
     rows = 1
     while rows * 2 * block_h <= 8192 and cdiv(t, rows * 2) * per_token >= _QUANT_PARTS:
         rows *= 2
@@ -218,7 +215,7 @@ def sort_copies(topk_ids: Tensor, topk_weights: Tensor, num_experts: int, x: Ten
     triton). No host synchronization.
     x [T, H] (layer dtype, unit column stride) with scheme "fp8-tensor", "fp8-channel" or "fp8-block": the same
     launch also quantizes the tokens, and the tuple gains (xq [T, H] float8_e4m3fn, xs [T, G]
-    float32), bit for bit kernels/quant.quantize_activation(x, scheme).
+    float32), bit for bit rows/quant.quantize_activation(x, scheme).
     """
     t, k = topk_ids.shape
     n = t * k

@@ -1,41 +1,11 @@
 """Packed-row kernels of the expert-parallel dispatchers (rows: moeflow/dispatch/_ep_rows.py).
 
-A packed buffer is uint8 [M, row_bytes]; RowCodec.unpack gives strided views of it (a ``Rows``):
-ids int32 [M, K], weights float32 [M, K], scale float32 [M, G] or None, hidden words [M, Wd]
-(int64 / int32 / int16 / uint8: RowCodec.word). The kernels take those views as they are (each
-with its row stride, in elements) and do in one launch what took a chain of small torch ops.
-
-pack_rows: tokens into the rows of a send buffer, one row per (token, destination).
-    tokens [T, Wd] words, scale [T, G] float32 | None, ids [T, K] int32 (global expert ids),
-    weights [T, K] float32, dest_pos [T, D] int64 (row of token t for destination d, -1: not sent),
-    expert_rank / expert_local [E] int64 or None (then ids and weights are copied as they are).
-    With them, destination d gets ids ``expert_local[id]`` where ``expert_rank[id] == d``, else -1,
-    and weights where kept, else 0.0. Rows pad_from .. M-1 get ids -1, weights 0 (padding).
-    Its torch reference (the dispatchers' path off CUDA) is dispatch/_ep_reference.pack_rows_torch.
-
-    With ``table`` (alltoall-p2p): destination d's rows start at address table[d], which may be
-    another GPU's memory mapped here; dest_pos counts rows from there.
-
-rank_rows: where each token goes (alltoall), two launches over token blocks.
-    topk_ids [T, K] int32, expert_rank [E] int64 -> counts [W, 2] int64 (rows, copies sent to each
-    rank), home [T, W] int64 (row of token t in the send buffer for rank r: grouped by destination,
-    tokens ascending; -1 if not sent). With ``block`` > 0, rank r's rows start at r * block
-    (alltoall-fixed's blocks) instead of after the rows of ranks < r. Its torch reference is
-    dispatch/_ep_reference.rank_rows_torch.
-
-blank_rows: the unused tail of each block of a send buffer in fixed blocks (alltoall-fixed).
-    buf uint8 [W * C, row_bytes], counts [W] int64 (rows used in block d), blank uint8 [row_bytes]
-    -> rows d*C + counts[d] .. (d+1)*C - 1 become ``blank`` (RowCodec.blank_row: ids -1, weights,
-    scales and token 0), in place; one launch, no host synchronization; with ``table``, block d is
-    the C rows from address table[d] (alltoall-p2p). Reference: dispatch/_ep_reference.blank_rows_torch.
-
-masked_scatter: the copies of received rows into a masked batch's slab, as masked_batch does.
-    experts [R*K] int64: local expert of copy j (of row j // K), E_local for copies not here
-    -> hidden [E_local, C, Wd] words, weights [E_local, C] float32, scale [E_local, C, G] float32 | None,
-       counts [E_local] int32, copy_slot [R*K] int64 (e*C + position of the copy among its
-       expert's copies in j order; -1 for copies not here).
-    Empty slots: weights 0, hidden / scale unspecified. Two launches, no host synchronization
-    (CUDA-graph capturable). The reference is dispatch/_ep_reference.masked_batch_torch.
+A packed buffer is uint8 [M, row_bytes]; RowCodec.unpack gives strided views of it (a ``Rows``): ids int32 [M, K],
+weights float32 [M, K], scale float32 [M, G] or None, hidden words [M, Wd] (int64 / int32 / int16 / uint8:
+RowCodec.word). The kernels take those views as they are (each with its row stride, in elements) and do in one
+launch what took a chain of small torch ops. Launchers (contracts: their docstrings; torch references:
+dispatch/_ep_reference.py): pack_rows (tokens into send rows), rank_rows (where each token goes), blank_rows (the
+unused tail of fixed blocks), masked_scatter (received copies into a masked batch's slabs).
 """
 from __future__ import annotations
 
@@ -46,10 +16,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import cdiv, next_pow2, unit_stride_rows
+from ..common import cdiv, next_pow2, unit_stride_rows
 
 if TYPE_CHECKING:
-    from ..dispatch._ep_rows import Rows
+    from ...dispatch.packed import Rows
 
 _PAD_ROWS = 64  # padding rows per program of pack_rows
 
@@ -125,7 +95,12 @@ def _pack_rows_kernel(tokens_ptr, tscale_ptr, ids_ptr, w_ptr, dest_ptr, rank_ptr
 def pack_rows(out: Rows, tokens: Tensor, scale: Tensor | None, ids: Tensor, weights: Tensor,
               dest_pos: Tensor, expert_rank: Tensor | None = None, expert_local: Tensor | None = None,
               pad_from: int | None = None, table: Tensor | None = None) -> None:
-    """Write tokens into the rows of ``out`` (module docstring), one launch, no host synchronization.
+    """Write tokens into the rows of a send buffer ``out``, one row per (token, destination): row dest_pos[t, d]
+    (-1: not sent) gets token t's words, scale, ids and weights. With expert_rank / expert_local, destination d gets
+    ids ``expert_local[id]`` where ``expert_rank[id] == d``, else -1, and weights where kept, else 0.0 (without
+    them ids and weights are copied as they are). Rows pad_from .. M-1 get ids -1, weights 0 (padding). One
+    launch, no host synchronization. Torch reference (the dispatchers' path off CUDA):
+    dispatch/_ep_reference.pack_rows_torch.
 
     out: Rows of M rows; tokens [T, Wd] out.hidden's word dtype; scale [T, G] float32 | None (None
     iff out.scale is None); ids [T, K] int32; weights [T, K] float32; dest_pos [T, D] int64;
@@ -225,9 +200,11 @@ _RANK_TABLE = 4096  # most (block, rank) cells one program sums
 
 
 def rank_rows(topk_ids: Tensor, expert_rank: Tensor, world: int, block: int = 0) -> tuple[Tensor, Tensor]:
-    """topk_ids [T, K] int32, expert_rank [E] int64 -> (counts [W, 2] int64, home [T, W] int64)
-    (module docstring; block > 0: rank r's rows start at r * block). Two launches over token
-    blocks (count, then number), no host sync."""
+    """Where each token goes (alltoall): topk_ids [T, K] int32, expert_rank [E] int64 -> (counts [W, 2] int64:
+    rows and copies sent to each rank, home [T, W] int64: row of token t in the send buffer for rank r, grouped by
+    destination, tokens ascending; -1 if not sent). Rank r's rows start after the rows of ranks < r, or with
+    block > 0 at r * block (alltoall-fixed's blocks). Two launches over token blocks (count, then number), no host
+    sync. Torch reference: dispatch/_ep_reference.rank_rows_torch."""
     t, k = topk_ids.shape
     dev = topk_ids.device
     counts = torch.empty((world, 2), dtype=torch.int64, device=dev)
@@ -271,10 +248,12 @@ def _blank_rows_kernel(buf_ptr, blank_ptr, counts_ptr, table_ptr, capacity, word
 
 
 def blank_rows(buf: Tensor, counts: Tensor, capacity: int, blank: Tensor, table: Tensor | None = None) -> None:
-    """buf uint8 [W * C, row_bytes] (contiguous, row_bytes a multiple of 4), counts [W] int64,
-    blank uint8 [row_bytes]: module docstring. In place.
+    """The unused tail of each block of a send buffer in fixed blocks (alltoall-fixed): buf uint8 [W * C,
+    row_bytes] (contiguous, row_bytes a multiple of 4), counts [W] int64 (rows used in block d), blank uint8
+    [row_bytes] -> rows d*C + counts[d] .. (d+1)*C - 1 become ``blank`` (RowCodec.blank_row: ids -1, weights,
+    scales and token 0), in place; one launch, no host synchronization.
     table [W] int64 (peer-to-peer dispatch): block d is the C rows from address table[d] instead;
-    buf then only gives the row size."""
+    buf then only gives the row size. Torch reference: dispatch/_ep_reference.blank_rows_torch."""
     m, row_bytes = buf.shape
     world = counts.shape[0]
     if table is not None:
@@ -343,9 +322,12 @@ def _scatter_rows_kernel(slot_ptr, w_ptr, scale_ptr, hidden_ptr, w_slab_ptr, sca
 
 def masked_scatter(rows: Rows, experts: Tensor, e_local: int,
                    capacity: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
-    """rows: R received rows; experts [R*K] int64 (sentinel e_local) -> (hidden [E_local, capacity, Wd]
-    words, weights [E_local, capacity] float32, scale [E_local, capacity, G] float32 | None,
-    counts [E_local] int32, copy_slot [R*K] int64): masked_batch's slabs (module docstring).
+    """The copies of received rows into a masked batch's slabs, as masked_batch does. rows: R received rows;
+    experts [R*K] int64: local expert of copy j (of row j // K), e_local for copies not here
+    -> (hidden [E_local, capacity, Wd] words, weights [E_local, capacity] float32, scale [E_local, capacity, G]
+    float32 | None, counts [E_local] int32, copy_slot [R*K] int64: e*C + position of the copy among its expert's
+    copies in j order; -1 for copies not here). Empty slots: weights 0, hidden / scale unspecified. Two launches,
+    no host synchronization (CUDA-graph capturable). Torch reference: dispatch/_ep_reference.masked_batch_torch.
 
     The caller guarantees no expert receives more than ``capacity`` copies.
     """

@@ -1,28 +1,11 @@
 """Received token copies grouped by local expert: the sort of dispatch/_ep_rows.sorted_batch (and of
 the local dispatcher's mid-sized batches) in Triton.
 
-sort_copies_by_expert(ids, weights, e_local, n)
-    ids [R, K] int32: local expert of copy j = r*K + k, -1 where the copy is not for this rank;
-    weights [R, K] float32. Both may be strided views of a packed receive buffer (RowCodec.unpack:
-    row stride != K, contiguous columns).
-    -> source [n] int64 (received row of each sorted copy), sorted_weights [n] float32,
-       counts [E_local] int32, offsets [E_local + 1] int64 (exclusive prefix of counts),
-       copy_pos [R*K] int64 (sorted position of copy j, -1 for copies not here).
-
-The same values, bit for bit, as the torch reference (dispatch/_ep_reference.sort_copies_by_expert_torch:
-a stable argsort of ``where(ids >= 0, ids, E_local)`` in j order, its first n): within one expert,
-copies keep j order.
-One, two or three launches, no host synchronization. Up to _WHOLE_COPIES copies (whole_sort) one program sorts
-them all in registers. Larger batches: a histogram of keys per segment of copies; then each
-segment sorts its (key, j) pairs in registers and places them from the histograms' prefix sums. The work
-does not grow with E_local (an earlier version scanned all copies once per expert: 95 µs at 65536
-copies over 128 experts where this takes 33, sort_variants_2026-11-30_h200_323572f.json).
-The prefix sums: where the whole table of (segment, key) counts is small (segment_size), every place
-program reads all of it and sums what it needs (two launches); past that a scan launch between the two
-writes each segment's counts of earlier segments and the totals, one program per block of keys, and a
-place program reads one row of each, so segments stay 256 copies long however many there are (one
-table read by every program grows as segments squared: with it capped, 32768 copies over 256 experts
-made 32 segments of 1024 and took 33 µs).
+Launcher: sort_copies_by_expert (shapes, sentinels, method: its docstring). Kernels: _whole_sort_kernel (small
+batches: one program), else _segment_hist_kernel, (_segment_scan_kernel,) _segment_place_kernel.
+Torch reference: dispatch/_ep_reference.sort_copies_by_expert_torch (a stable argsort of
+``where(ids >= 0, ids, E_local)`` in copy order, its first n): the same values, bit for bit.
+One, two or three launches, no host synchronization.
 """
 from __future__ import annotations
 
@@ -32,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .align import quantize_token_part, token_quant_launch
-from .common import cdiv, next_pow2, pdl, pdl_start
+from ..common import cdiv, next_pow2, pdl, pdl_start
 
 
 @triton.jit
@@ -171,9 +154,8 @@ def segment_size(copies: int, bins: int) -> tuple[int, bool]:
     """-> (copies a segment, scanned) for sort_copies_by_expert. Two launches while every place program can load
     the whole histogram table (at most _SEGMENT_TABLE cells) with segments of _TABLE_SEG copies or fewer; past that,
     segments of _SCAN_SEG copies (more where one key's column would pass _SCAN_CELLS segments) with a scan launch
-    between the two. On H200 (sort_variants_2026-12-01_h200_*.json, µs in a CUDA graph) the third launch costs more
-    than it saves at 512-copy segments (E=128, 16384 copies: 7.0 two launches, 10.2 three; E=256, 8192: 6.4, 9.7)
-    and less at 1024 (E=128, 32768: 14.5, 9.9; E=256, 16384: 14.9, 11.0) and beyond (E=256, 131072: 266, 21)."""
+    between the two: the third launch costs more than it saves while segments are at most 512 copies long, and
+    less beyond (one table read by every program grows as segments squared)."""
     seg = max(256, next_pow2(cdiv(copies, max(1, _SEGMENT_TABLE // bins))))
     seg = min(seg, max(256, next_pow2(copies)))
     if seg <= _TABLE_SEG:
@@ -182,10 +164,9 @@ def segment_size(copies: int, bins: int) -> tuple[int, bool]:
 
 
 def sort_pays(copies: int, e_local: int) -> bool:
-    """Whether sort_copies_by_expert beats torch's sort for this many copies over E_local experts: measured
-    everywhere up to _SORT_COPIES (sort_variants_2026-12-01_h200_*.json, µs in a CUDA graph on H200, this sort
-    against torch's: E=8 3-7 against 16-64; E=128 4-25 against 20-90; E=256 5-38 against 20-91, at 32 to 524288
-    copies). e_local: unused since the scanned form (segment_size) keeps every size's segments short."""
+    """Whether to run sort_copies_by_expert rather than torch's sort for this many copies over E_local experts:
+    up to _SORT_COPIES copies, where it is the faster of the two (for 8 to 256 experts). e_local: unused, since the
+    scanned form (segment_size) keeps every size's segments short."""
     return copies <= _SORT_COPIES
 
 
@@ -195,11 +176,8 @@ _WHOLE_COPIES = 256  # the most copies whole_sort takes (one program sorts them 
 
 def whole_sort(copies: int) -> bool:
     """Whether sort_copies_by_expert sorts ``copies`` in one launch, one program sorting every copy in registers
-    (_whole_sort_kernel), instead of the segment launches: up to _WHOLE_COPIES. One program's sort grows
-    past the two segment launches quickly: on H200 (sort_variants_2026-12-03_h200_*.json, µs in a CUDA graph, whole
-    against segment) 1.4 / 3.0 at 32 copies over 8 experts, 2.1 / 3.6 at 128 over 128, 3.3 / 4.4 at 128 over 256,
-    2.5 / 3.2 at 256 over 8, then 4.2 / 3.2 at 512 over 8 and 11.8 / 4.3 at 1024 over 128 (Qwen3 T=128: its layer
-    313.6 µs against 307.2)."""
+    (_whole_sort_kernel), instead of the segment launches: up to _WHOLE_COPIES; past that one program's sort takes
+    longer than the segment launches."""
     return copies <= _WHOLE_COPIES
 
 
@@ -221,10 +199,16 @@ def sort_copies_by_expert(ids: Tensor, weights: Tensor, e_local: int, n: int, pa
         counts [E_local] int32,
         offsets [E_local + 1] int64 (exclusive prefix of counts, offsets[E_local] == n),
         copy_pos [R * K] int64: the sorted position of copy j, -1 for copies that are not here)
-    One to three launches, no host synchronization (module docstring).
+    Within one expert, copies keep j order (stable). One to three launches, no host synchronization. Up to
+    _WHOLE_COPIES copies (whole_sort) one program sorts them all in registers. Larger batches: a histogram of keys
+    per segment of copies; then each segment sorts its (key, j) pairs in registers and places them from the
+    histograms' prefix sums, so the work does not grow with E_local. The prefix sums: where the whole table of
+    (segment, key) counts is small (segment_size), every place program reads all of it (two launches); past that
+    a scan launch between the two writes each segment's counts of earlier segments and the totals, and a place
+    program reads one row of each, so segments stay _SCAN_SEG copies long however many there are.
     x [R, H] (layer dtype, unit column stride) with scheme "fp8-tensor", "fp8-channel" or "fp8-block": the first
     launch also quantizes the tokens, and the tuple gains (xq [R, H] float8_e4m3fn, xs [R, G]
-    float32), bit for bit kernels/quant.quantize_activation(x, scheme) (the local dispatcher).
+    float32), bit for bit rows/quant.quantize_activation(x, scheme) (the local dispatcher).
     valid: [1] int64 on the device, or None: the copies of rows valid[0] .. R-1 are sorted as ids -1 (a bucketed call's
     padding tokens, moeflow.graph_buckets; the local dispatcher's dropping form), without reading those ids.
     """

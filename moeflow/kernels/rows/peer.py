@@ -1,22 +1,9 @@
 """A barrier between the GPUs of one node through memory they all map (torch symmetric memory).
 
-The peer-to-peer dispatcher (dispatch/alltoall_p2p.py) stores tokens and partial sums straight into
+The peer-to-peer dispatcher (moeflow/dispatch/alltoall_p2p.py) stores tokens and partial sums straight into
 its peers' buffers from its own kernels; this barrier tells every rank when its peers' stores have
-landed (and when their buffers are free again). One launch of one program, no host synchronization,
-capturable in a CUDA graph.
-
-    pads [W] int64: the address of each rank's signal pad, int64 [W] in memory every rank maps;
-        slot s of rank r's pad holds the last epoch rank s signalled to rank r (zeroed once, before
-        the first barrier of any rank)
-    epoch [1] int64 on this device: barriers this rank has entered (the kernel counts it up, so a
-        replayed graph waits for the right round)
-    status [1] int64 on this device: the address of an int32 the host can read (pinned, mapped host
-        memory): a barrier that waits past its limit writes 1 + the first rank it did not hear from
-        there and returns (no hang); the dispatcher raises MF502 from it.
-
-Entering round e: store e into slot ``rank`` of every rank's pad (release, system scope: every store
-this rank made before, in earlier kernels too, is visible to the peer first), then wait until every
-slot of its own pad holds >= e (acquire). Epochs are int64: they never wrap.
+landed (and when their buffers are free again). Kernel: _barrier_kernel (the protocol and its tensors: its
+docstring); launcher: barrier(). One launch of one program, no host synchronization, capturable in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -37,6 +24,19 @@ def _now(CLOCK: tl.constexpr):
 
 @triton.jit
 def _barrier_kernel(pads_ptr, epoch_ptr, status_ptr, rank, world, limit, CLOCK: tl.constexpr):
+    """Rank ``rank`` of ``world`` enters round e = epoch + 1.
+
+    pads [W] int64: the address of each rank's signal pad, int64 [W] in memory every rank maps;
+        slot s of rank r's pad holds the last epoch rank s signalled to rank r (zeroed once, before
+        the first barrier of any rank)
+    epoch [1] int64 on this device: barriers this rank has entered (the kernel counts it up, so a
+        replayed graph waits for the right round); int64: it never wraps
+    status [1] int64 on this device: the address of an int32 the host can read (pinned, mapped host
+        memory): a barrier that waits past ``limit`` writes 1 + the first rank it did not hear from
+        there and returns (no hang); the dispatcher raises MF502 from it.
+    Round e: store e into slot ``rank`` of every rank's pad (release, system scope: every store this rank made
+    before, in earlier kernels too, is visible to the peer first), then wait until every slot of its own pad
+    holds >= e (acquire)."""
     e = tl.load(epoch_ptr) + 1
     tl.store(epoch_ptr, e)
     for r in range(world):
@@ -62,7 +62,7 @@ def _barrier_kernel(pads_ptr, epoch_ptr, status_ptr, rank, world, limit, CLOCK: 
 
 
 def barrier(pads: Tensor, epoch: Tensor, status: Tensor, rank: int, world: int, timeout_s: float) -> None:
-    """Enter the next round (module docstring): pads [W] int64, epoch [1] int64, status [1] int64, all
+    """Enter the next round (_barrier_kernel): pads [W] int64, epoch [1] int64, status [1] int64, all
     on this device. On CUDA the limit is ``timeout_s`` of the GPU's clock; in the interpreter it is
     ``timeout_s * 1e6`` polls."""
     clock = pads.is_cuda

@@ -1,19 +1,12 @@
 """Dynamic FP8 activation quantization of flat rows (the input of a GEMM), as quant/*.py define it.
 
-    fp8-block   : scale [R, ceil(K/128)], one per 128 values of a row      (1 kernel)
-    fp8-channel : scale [R, 1], the row's amax                             (row amax, then quantize)
-    fp8-tensor  : scale [R, 1], all equal: the amax over the *valid* rows   (row amax, quantize; past
-                  AMAX_FOLD_ROWS rows a torch max between them)
-
-Rows of empty masked slots are left out of the tensor amax (they may hold garbage) and are
-quantized like any row (nothing reads them). ``quantize_rows_torch`` is the reference.
-``gather_rows``: rows (any dtype) and their scales by index, (x[src], scale[src]), in one launch (the
-gate_up kernels that read rows in order through TMA take such a copy; reference: torch indexing);
-``scatter_rows``: the same copy from the inverse map, each source row read once.
-
-The row amax takes a whole row (up to ROW_AMAX_ONE_STEP elements) in one load, a few rows a program: a K loop in
-few programs waits out one memory latency per step (16 rows a program, 256 columns a step, took 24 µs for
-Mixtral's 16 tokens on H200 where the bytes need 1: benchmarks/results/fp8_tensor_gap_2026-12-02_h200_*.md).
+    fp8-block   : scale [R, ceil(K/128)], one per 128 values of a row      (quantize_groups: 1 kernel)
+    fp8-channel : scale [R, 1], the row's amax                             (row_amax, then quantize_with_amax)
+    fp8-tensor  : scale [R, 1], all equal: the amax over the *valid* rows   (the same; past AMAX_FOLD_ROWS rows a
+                  torch max between them)
+Entry: quantize_rows (kernels _row_amax_kernel, _quant_kernel); torch reference: quantize_rows_torch.
+gather_rows / scatter_rows (_gather_kernel, _scatter_kernel): rows (any dtype) and their scales by index, or by the
+inverse map, in one launch (reference: torch indexing); the TMA gate_up kernels read rows in order from such a copy.
 """
 from __future__ import annotations
 
@@ -22,16 +15,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..quant import FP8_DTYPE, create_scheme
-from ..quant.base import amax_to_scale, to_fp8 as to_fp8_torch
-from .common import RowLayout, cdiv, fp8_scale, interpreting, next_pow2, pdl, pdl_start, to_fp8, unit_stride_rows
+from ...quant import FP8_DTYPE, create_scheme
+from ...quant.base import amax_to_scale, to_fp8 as to_fp8_torch
+from ..common import RowLayout, cdiv, fp8_scale, interpreting, next_pow2, pdl, pdl_start, to_fp8, unit_stride_rows
 
 GROUP = 128  # fp8-block activation group (quant/fp8_block.py)
-ROW_AMAX_ONE_STEP = 8192  # elements of x one row-amax program loads at once (rows up to this long take one step)
-# elements of x one quantization program takes. A [16, 512] tile issued ~60 instructions an element (then with an
-# IEEE division an element, a guarded sequence of about a dozen; common.to_fp8 now multiplies) and kept Qwen3's
-# [1024, 768] intermediate 16.8 µs at one program an SM (ncu on H200: 25k cycles, 6.1 cycles an issued instruction,
-# 6% occupancy)
+# elements of x one row-amax program loads at once (rows up to this long take one step): a whole row in one load, a
+# few rows a program, since a K loop in few programs waits out one memory latency per step
+ROW_AMAX_ONE_STEP = 8192
+# elements of x one quantization program takes: small enough for several programs an SM (larger tiles leave one
+# program an SM at low occupancy, bound by instruction latency)
 QUANT_TILE = 2048
 AMAX_FOLD_ROWS = 1024  # fp8-tensor up to this many rows: the quantization's programs reduce the row amaxes themselves
 
@@ -39,7 +32,8 @@ AMAX_FOLD_ROWS = 1024  # fp8-tensor up to this many rows: the quantization's pro
 @triton.jit(do_not_specialize=["num_rows"])
 def _row_amax_kernel(x_ptr, amax_ptr, meta_ptr, num_rows, K, stride_x, capacity,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, PDL: tl.constexpr = False):
-    """amax [R] float32 of |x| per row; 0 for rows of empty masked slots."""
+    """amax [R] float32 of |x| per row; 0 for rows of empty masked slots (they may hold garbage: left out of the
+    tensor amax, and quantized like any row, since nothing reads them)."""
     pdl_start(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = rows < num_rows

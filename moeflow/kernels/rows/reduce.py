@@ -3,10 +3,10 @@
     y [N, H] runner output in sorted order; row_of_copy [T * K] int64: the row of y holding copy
     k of token t at t * K + k (-1: the copy was not computed here, it counts as zero)
     -> out [T, H] y.dtype, summed in float32 in k order (0 .. K-1).
-One pass over y instead of torch's scatter + float copy + sum (three passes and a float32
-[N, H] temporary); a dispatcher's combine can call it (the local one gets row_of_copy as the
-inverse of its sort order). ``moe_sum_to`` stores its rows through a table of addresses instead
-(alltoall-p2p: each partial sum straight into its home rank's buffer).
+Kernel: _moe_sum_kernel; launchers: moe_sum, and moe_sum_to, which stores its rows through a table of addresses
+(alltoall-p2p: each partial sum straight into its home rank's buffer). Torch reference: moe_sum_torch.
+One pass over y instead of torch's scatter + float copy + sum (three passes and a float32 [N, H] temporary); a
+dispatcher's combine calls it (the local one gets row_of_copy as the inverse of its sort order).
 """
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import cdiv, next_pow2, pdl, pdl_start
+from ..common import cdiv, next_pow2, pdl, pdl_start
 
 
 @triton.jit
 def _moe_sum_kernel(y_ptr, row_ptr, out_ptr, table_ptr, num_dest, rows_per_dest, H, stride_y, stride_out,
                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr = False,
                     PDL: tl.constexpr = False):
+    """Program (t, j): output row t's columns j * BLOCK_H .. (module docstring); TABLE: moe_sum_to's addressing."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     if TABLE:
