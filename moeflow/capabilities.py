@@ -33,6 +33,27 @@ class Support:
 
 
 @dataclass(frozen=True)
+class Slower:
+    """A measured rule "auto" ranks runners by (RunnerCaps.slower): on ``device``, for layer ``dtypes``, this runner
+    was measured ``factor`` slower than runner ``than`` (``at``: where) on a CPU with none of the ISA features
+    ``fast_with`` (names of ``torch.cpu.get_capabilities()``); there "auto" picks ``than`` when it is valid. Applied
+    only where the environment knows its CPU features (Environment.cpu_features: a detected machine, not a
+    hypothetical one such as the matrix's)."""
+
+    device: str  # "cpu"
+    dtypes: frozenset[torch.dtype]
+    fast_with: frozenset[str]  # any of these ISA features and the rule does not apply
+    than: str  # the runner it is slower than
+    lacking: str  # the missing features, as the plan's reason names them
+    factor: str  # the measurement, as the plan's reason quotes it: "2.2-6.8x"
+    at: str  # where it was measured: "from 128 tokens on, AVX2 CPU"
+
+    def applies(self, dtype: torch.dtype, env: Environment) -> bool:
+        return (env.device_type == self.device and dtype in self.dtypes and env.cpu_features is not None
+                and not self.fast_with & env.cpu_features)
+
+
+@dataclass(frozen=True)
 class ShapeRule:
     """``field`` of the configuration must be a multiple of ``multiple``."""
 
@@ -54,6 +75,13 @@ class RunnerCaps:
     # its run never synchronizes with the host and keeps no data-dependent shapes: a call can be captured in a CUDA
     # graph and replayed on new inputs of the same shapes (what moeflow.graphs needs of every stage)
     graph_safe: bool = False
+    # measured rules by which "auto" prefers another valid runner (Slower): data, checked by the planner
+    slower: tuple[Slower, ...] = ()
+
+    @property
+    def devices(self) -> frozenset[str]:
+        """The device types of its Support rows (as DispatcherCaps.devices and RouterCaps.devices declare theirs)."""
+        return frozenset(s.device for s in self.support)
 
 
 @dataclass(frozen=True)
@@ -107,14 +135,19 @@ class Environment:
     capability: tuple[int, int] | None = None
     world_size: int = 1
     unavailable: frozenset[str] = field(default_factory=frozenset)  # packages forced missing (tests)
+    # on a detected CPU, its ISA features (cpu_features()); None: unknown (a hypothetical environment)
+    cpu_features: frozenset[str] | None = None
 
     @classmethod
     def detect(cls, device: torch.device, world_size: int = 1) -> "Environment":
         cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        return cls(device.type, cc, world_size)
+        return cls(device.type, cc, world_size, cpu_features=cpu_features() if device.type == "cpu" else None)
 
     def describe(self) -> str:
         cc = f" sm_{self.capability[0]}{self.capability[1]}" if self.capability else ""
+        if self.cpu_features is not None:
+            shown = [f for f in _SHOWN_CPU_FEATURES if f in self.cpu_features]
+            cc = f" ({', '.join(shown) or 'no AVX2'})"
         return f"{self.device_type}{cc}, world size {self.world_size}"
 
     def package_error(self, package: str) -> str | None:
@@ -122,6 +155,28 @@ class Environment:
         if package in self.unavailable:
             return "marked unavailable"
         return _import_error(package)
+
+
+# the CPU features that decide how fast matrix products of each dtype run (Environment.describe names those present)
+_SHOWN_CPU_FEATURES = ("avx2", "avx512_f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "neon", "bf16", "sve",
+                       "sve_bf16", "fp16_arith")
+
+
+def cpu_features() -> frozenset[str]:
+    """This CPU's ISA features, as torch names them (``torch.cpu.get_capabilities()``: "avx2", "avx512_bf16",
+    "amx_bf16", ...; on ARM "bf16", "sve_bf16", ...): the query Environment.detect makes (tests replace it)."""
+    return _detected_cpu_features()
+
+
+@lru_cache(maxsize=None)
+def _detected_cpu_features() -> frozenset[str]:
+    query = getattr(torch.cpu, "get_capabilities", None)
+    if query is not None:
+        return frozenset(k for k, v in query().items() if v is True)
+    found = {"avx2": "_is_avx2_supported", "avx512_f": "_is_avx512_supported",  # an older torch
+             "avx512_bf16": "_is_avx512_bf16_supported", "amx_bf16": "_is_amx_tile_supported",
+             "amx_fp16": "_is_amx_fp16_supported"}
+    return frozenset(k for k, fn in found.items() if getattr(torch.cpu, fn, lambda: False)())
 
 
 @lru_cache(maxsize=None)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .errors import error
+from .registry import device_types
 
 SCORINGS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -69,10 +70,23 @@ def device_named(value) -> torch.device:
 
 
 def parse_device(value) -> torch.device:
+    """The layer's device: MF106 where torch cannot parse ``value``, for the meta device (also torch's default
+    device inside ``with torch.device("meta")``, where a layer built without device= lands), for a device type no
+    router, dispatcher and runner all declare, and for a GPU this machine does not have."""
     dev = device_named(value)
     if dev.type == "cpu":
         return torch.device("cpu")  # "cpu:0": torch's CPU tensors carry no index, so the layer's device must not
+    if dev.type == "meta":
+        raise error("MF106", value=str(dev), why=(
+            "the meta device is not supported: a moeflow layer needs a device that holds data (a meta tensor has a "
+            "shape only). Pass device= explicitly (device=\"cuda\" or device=\"cpu\"), also inside "
+            "`with torch.device(\"meta\")`, whose default device a layer built without device= takes"))
     if dev.type != "cuda":
+        valid = device_types()
+        if dev.type not in valid:
+            raise error("MF106", value=str(dev), why=(
+                f"moeflow does not run on device type {dev.type!r}: its routers, dispatchers and runners run on "
+                f"{valid}; pass device= one of them"))
         return dev
     if not torch.cuda.is_available():
         raise error("MF106", value=value, why="CUDA is not available on this machine")

@@ -1,15 +1,11 @@
-"""The error catalogue: every user-facing error moeflow raises has a stable code.
+"""The error catalogue: every user-facing error moeflow raises has a stable code. Each :class:`ErrorSpec` carries
+a one-line message template (it names the offending value and the valid alternatives) and a longer explanation
+(what it means, when it happens, how to fix it, an example) that ``moeflow explain CODE`` prints.
 
-An error is raised as ``raise error("MF201", name="foo", valid=[...])``. The returned exception is
-an instance of :class:`MoeflowError` *and* of the builtin a Python user expects (``ValueError``,
-``TypeError``, ``RuntimeError``, ``TimeoutError``), so ``except ValueError`` keeps working.
-
-Each :class:`ErrorSpec` carries a one-line message template (it names the offending value and the
-valid alternatives) and a longer explanation (what it means, when it happens, how to fix it, an
-example) that ``moeflow explain CODE`` prints.
-
-Code ranges: MF1xx configuration, MF2xx unsupported combination (refused by the planner when the
-layer is built), MF3xx bad forward input, MF4xx weight loading, MF5xx expert parallelism,
+``raise error("MF201", name="foo", valid=[...])``: the exception is an instance of :class:`MoeflowError` *and* of
+the builtin a Python user expects (``ValueError``, ``TypeError``, ``RuntimeError``, ``TimeoutError``), so
+``except ValueError`` keeps working. Code ranges: MF1xx configuration, MF2xx unsupported combination (refused by
+the planner when the layer is built), MF3xx bad forward input, MF4xx weight loading, MF5xx expert parallelism,
 MF6xx tooling (kernel configs, command line), MF7xx model integration.
 """
 from __future__ import annotations
@@ -137,11 +133,17 @@ Example: MoE(..., scoring="sigmoid", use_correction_bias=True, routed_scaling_fa
 _spec("MF106", ConfigError, "invalid device",
       "device={value!r} is invalid: {why}",
       """
-What: the layer's device cannot be used: the string does not parse, or names an accelerator
-this machine does not have (torch.cuda.is_available() is False, or cuda:N with N >= torch.cuda.device_count()).
-When: building the configuration, or converting a built layer (moe.to(device or dtype), .cuda(), .half(), ...).
-Fix: pass device="cpu", or "cuda" / "cuda:N" (N below torch.cuda.device_count()) on a machine with a GPU.
-Example: MoE(..., device="cuda:0")
+What: the layer's device cannot be used: the string does not parse; it is the meta device, which holds no data (a
+meta tensor has a shape only); it is of a type no moeflow router, dispatcher and runner all declare (mps, xla, ...;
+the backends declare cpu and cuda); or it names an accelerator this machine does not have
+(torch.cuda.is_available() is False, or cuda:N with N >= torch.cuda.device_count()). A layer built without device=
+takes torch's default device: inside `with torch.device("meta")` (a model built empty, to be loaded later) that is
+"meta".
+When: building the configuration, or converting a built layer (moe.to(device or dtype), .to_empty(device=...),
+.cuda(), .half(), ...).
+Fix: pass device="cpu", or "cuda" / "cuda:N" (N below torch.cuda.device_count()) on a machine with a GPU; inside a
+meta-device block, pass device= explicitly.
+Example: with torch.device("meta"): moe = MoE(..., device="cuda:0")
 """)
 
 # ---------------------------------------------------------------- MF2xx: planner refusals
@@ -178,11 +180,9 @@ _spec("MF203", UnsupportedError, "backend does not run on this device kind",
       """
 What: the backend declares the device types it runs on and the layer's device is not one of them
 (for example the Triton runner needs CUDA; the reference runner runs anywhere).
-When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...). A layer built
-without device= takes torch's default device: inside `with torch.device("meta")` (a model built empty, to be
-loaded later) that is "meta", where nothing runs.
-Fix: move the layer to a supported device or choose another backend ("auto" picks a valid one); build layers on
-the device they run on (device="cuda"), also inside a meta-device block.
+When: building the layer, or converting it (moe.to(device or dtype), .cuda(), .half(), ...). (A device type no
+backend runs on at all, such as "meta", is MF106 before any backend is asked.)
+Fix: move the layer to a supported device or choose another backend ("auto" picks a valid one).
 Example: MoE(..., device="cpu", runner="grouped_mm")
 """)
 _spec("MF204", UnsupportedError, "compute capability too low",
@@ -365,8 +365,8 @@ _spec("MF403", WeightError, "unexpected weight",
       "load_weights got names it cannot take: {names}; valid names: {valid}",
       """
 What: a name given to load_weights() is not a weight of this layer (a typo, or a tensor of a
-part the layer was not built with, such as shared experts), or one weight is given twice, under
-both spellings of the shared experts (shared_expert. and shared_experts.).
+part the layer was not built with, such as shared experts or their *.weight_scale_inv), or one weight is given
+twice, under both spellings of the shared experts (shared_expert. and shared_experts.).
 When: calling load_weights() with strict=True (a weight given twice: with any strict, and load_state_dict).
 Fix: rename or drop the tensor, build the layer with the matching option, or pass strict=False.
 Example: MoE(..., num_shared_experts=1, shared_intermediate_size=2048)
@@ -376,7 +376,8 @@ _spec("MF404", WeightError, "bad weight dtype or scale",
       """
 What: a weight's dtype cannot be loaded: an FP8 weight needs its *_scale_inv beside it, a scale
 must be floating, a high-precision weight must be a floating tensor and comes without a scale, a
-scaled FP8 weight must be float8_e4m3fn; or a tensor is on the meta device (no values) or is not a tensor.
+scaled FP8 weight must be float8_e4m3fn, a *_scale_inv comes with its weight (not alone, onto a stale one); or a
+tensor is on the meta device (no values) or is not a tensor.
 When: calling load_weights(), or load_state_dict() with the layer's expert weights.
 Fix: pass float8_e4m3fn weights together with their *_scale_inv tensors, or high-precision weights;
 dequantize other FP8 formats first; load a lazily built checkpoint's tensors themselves.
@@ -445,7 +446,7 @@ Fix: run `moeflow explain` with no argument for the list of codes.
 Example: moeflow explain MF202
 """)
 
-# ---------------------------------------------------------------- MF21x: Triton runner (added by its issue)
+# ---------------------------------------------------------------- MF21x: Triton runner (MF210: with MF2xx above)
 # ---------------------------------------------------------------- MF505+: expert-parallel additions
 _spec("MF505", DistributedError, "collective failed",
       "{what} failed on rank {rank}: {why}",
@@ -598,9 +599,13 @@ _spec("MF704", UnsupportedError, "experts module not supported",
 What: transformers' experts modules declare how their weights are stored and computed (has_gate,
 is_transposed, has_bias, is_concatenated, has_post_expert_norm, act_fn, a custom gate, FP8 block
 size and scale format). moeflow runs gated, bias-free experts with silu / gelu / gelu_tanh
-activations, weights in [E, 2I, H] / [E, H, I] (or their transposes), high-precision or FP8 with
-128x128 block scales in float32. Anything else is refused, naming the feature.
-When: the first forward of an experts module with experts_implementation="moeflow".
+activations, weights gate_up_proj [E, 2I, H] / down_proj [E, H, I] (or their transposes), high-precision
+or FP8 with 128x128 block scales in float32. Anything else is refused, naming the feature: for example
+experts that are not gated (Nemotron-H: has_gate=False, up_proj and down_proj, no gate_up_proj), or a
+module with another attribute layout (its tensors are listed).
+When: prepare_experts(model) (at load time), else the first call of the moeflow implementation of an experts
+module (its first forward), before any of its tensors is read. transformers checks only the name when
+experts_implementation="moeflow" is set.
 Fix: use another experts implementation for this model (e.g. "grouped_mm" or "eager").
 Example: model.set_experts_implementation("grouped_mm")
 """)

@@ -3,7 +3,9 @@
 Checks, in order: the scheme's shape rules; the dispatcher (device, world size, packages); the
 runner (device, scheme, dtype, compute capability, alignment, packages). "auto" picks, among the
 valid candidates, the one of highest declared ``priority`` (a fixed, documented order:
-triton > grouped_mm > reference for runners). The layout the dispatcher produces is handed to the
+triton > grouped_mm > reference for runners), unless that one declares a measured rule (RunnerCaps.slower) saying
+it is slower here than another valid runner, which it then takes (grouped_mm's bf16 / fp16 on a CPU without
+their matrix instructions: the reference runner). The layout the dispatcher produces is handed to the
 runner natively when the runner lists it, else converted (layouts.run_in_layout). The router
 is always chosen ("auto"): the valid one of highest priority (triton > torch).
 """
@@ -199,10 +201,24 @@ def _choose(kind: str, registry, check, requested: str, cfg: MoEConfig, env: Env
         err = check(name, cfg, env)
         if err is None:
             skipped = f"; skipped {', '.join(refused)}" if refused else ""
+            slower = _measured_slower(cls.caps, check, cfg, env)
+            if slower:
+                return slower.than, (f"{kind} 'auto' -> {slower.than!r}: {name}'s {str(cfg.dtype)[6:]} on this CPU "
+                                     f"(no {slower.lacking}) measured {slower.factor} slower than {slower.than!r} "
+                                     f"({slower.at}; RunnerCaps.slower){skipped}")
             return name, f"{kind} 'auto' -> {name!r}: highest priority ({cls.caps.priority}) valid {kind}{skipped}"
         refused.append(f"{name} ({err.code})")
         first = first or f"{err.code}: {err.detail}"
     raise error("MF209", kind=kind, tried=", ".join(refused), first=first)
+
+
+def _measured_slower(caps, check, cfg: MoEConfig, env: Environment):
+    """The first of the backend's measured rules (RunnerCaps.slower, capabilities.Slower) that applies to ``cfg`` in
+    ``env`` and names a backend that is valid there, else None: "auto" then takes that backend instead."""
+    for rule in getattr(caps, "slower", ()):
+        if rule.applies(cfg.dtype, env) and check(rule.than, cfg, env, alternatives=False) is None:
+            return rule
+    return None
 
 
 def plan(cfg: MoEConfig, env: Environment) -> Plan:

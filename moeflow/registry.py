@@ -11,12 +11,22 @@ from typing import Generic, TypeVar
 from .errors import error
 
 T = TypeVar("T")
+_ALL: list[Registry] = []  # every stage's registry, in creation order
+
+
+def device_types() -> list[str]:
+    """The device types on which every stage whose backends declare devices (``caps.devices``: routers, dispatchers,
+    runners) has a backend: where a layer can run at all."""
+    stages = [set().union(*(cls.caps.devices for cls in r._classes.values())) for r in _ALL
+              if r._classes and all(hasattr(cls.caps, "devices") for cls in r._classes.values())]
+    return sorted(set.intersection(*stages)) if stages else []
 
 
 class Registry(Generic[T]):
     def __init__(self, kind: str):
         self.kind = kind  # "runner" | "dispatcher" | "quant scheme" | "router"
         self._classes: dict[str, type[T]] = {}
+        _ALL.append(self)
 
     def register(self, cls: type[T]) -> type[T]:
         """Class decorator: ``@RUNNERS.register`` on a class with a ``name`` attribute."""

@@ -1,21 +1,7 @@
-"""load_weights: Hugging Face names and layouts into a moeflow layer.
-
-Names (E experts, H hidden, I intermediate, S shared intermediate):
-    gate_up_proj                [E, 2I, H]  gate rows first      (float, or float8_e4m3fn + scale)
-    down_proj                   [E, H, I]
-    gate_up_proj_scale_inv      scale of an FP8 gate_up_proj     (dequantization multiplier)
-    down_proj_scale_inv         scale of an FP8 down_proj
-    e_score_correction_bias     [E]                              (use_correction_bias=True)
-    shared_experts.{gate,up}_proj.weight [S, H], shared_experts.down_proj.weight [H, S]
-        (``shared_expert.`` — Qwen2-MoE's spelling — is accepted too; ``.weight_scale_inv``
-        beside an FP8 shared weight is honoured by dequantizing it)
-    shared_expert_gate.weight   [1, H]                           (shared_expert_gate=True)
-
-Expert tensors may hold all E experts (a rank keeps its own) or exactly this rank's E_local.
-High-precision expert weights are quantized by the layer's scheme. FP8 expert weights are kept
-as they are when their scale has the layer scheme's shape (an fp8-block checkpoint into an
-fp8-block layer loads without dequantizing); a scale of another scheme's shape is dequantized
-and requantized by the layer's scheme. ``MoE.load_state_dict`` reads the same names the same way.
+"""load_weights: Hugging Face names and layouts into a moeflow layer (load_layer_weights has the names;
+``MoE.load_state_dict`` reads the same names the same way). Expert tensors may hold all E experts (a rank keeps its
+own) or exactly this rank's E_local; high-precision ones are quantized by the layer's scheme, FP8 ones kept as they
+are where their scale has the layer scheme's shape (load_expert_weight).
 """
 from __future__ import annotations
 
@@ -82,6 +68,10 @@ def canonical_state(state: dict[str, Tensor], prefix: str, cfg) -> None:
     for key, ours in _spellings(state, prefix, cfg).items():
         state[ours] = state.pop(key)
     own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    for name in SHARED_NAMES if cfg.shared_size else ():  # as the expert weights' (MoE._load_from_state_dict)
+        if name + "_scale_inv" in own and name not in own:
+            raise error("MF404", name=name + "_scale_inv", why=f"given without {name}: a scale is read with its "
+                                                               "weight (give both, or neither)")
     for name, t in dense_tensors(own, cfg).items():
         state[prefix + name] = t
         if own[name].dtype == FP8_DTYPE:  # dequantized: its scale is consumed
@@ -112,6 +102,19 @@ def dense_tensors(state: dict[str, Tensor], cfg) -> dict[str, Tensor]:
 
 @torch.no_grad()
 def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
+    """Load ``state`` into ``layer`` (strict: MF401 for a missing name, MF403 for an unknown one; MF404 for a value
+    that is not a tensor or holds no values). Names (E experts, H hidden, I intermediate, S shared intermediate):
+
+        gate_up_proj                [E, 2I, H]  gate rows first      (float, or float8_e4m3fn + scale)
+        down_proj                   [E, H, I]
+        gate_up_proj_scale_inv      scale of an FP8 gate_up_proj     (dequantization multiplier)
+        down_proj_scale_inv         scale of an FP8 down_proj
+        e_score_correction_bias     [E]                              (use_correction_bias=True)
+        shared_experts.{gate,up}_proj.weight [S, H], shared_experts.down_proj.weight [H, S]
+            (``shared_expert.`` — Qwen2-MoE's spelling — is accepted too; ``.weight_scale_inv``
+            beside an FP8 shared weight is honoured by dequantizing it)
+        shared_expert_gate.weight   [1, H]                           (shared_expert_gate=True)
+    """
     if not isinstance(state, Mapping):
         raise error("MF404", name="state",
                     why=f"load_weights takes a dict of tensors by name, not {type(state).__name__}")
@@ -122,7 +125,8 @@ def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
     renamed = _spellings(state, "", layer.config)
     state = {renamed.get(k, k): v for k, v in state.items()}
     required = expected_names(layer.config)
-    optional = [n + "_scale_inv" for n in EXPERT_NAMES] + [n + "_scale_inv" for n in SHARED_NAMES]
+    # the scales of the weights this layer has (no shared-expert scale where it has no shared experts: MF403)
+    optional = [n + "_scale_inv" for n in required if n in EXPERT_NAMES or n in SHARED_NAMES]
     valid = required + optional
     if strict:
         missing = [n for n in required if n not in state]
@@ -131,6 +135,11 @@ def load_layer_weights(layer, state: dict[str, Tensor], strict: bool) -> None:
         unknown = [n for n in state if n not in valid]
         if unknown:
             raise error("MF403", names=unknown, valid=valid)
+    for scale in optional:  # as load_state_dict: a new scale on a stale weight is read as neither
+        weight = scale.removesuffix("_scale_inv")
+        if scale in state and weight not in state:
+            raise error("MF404", name=scale, why=f"given without {weight}: a scale is read with its weight "
+                                                 "(give both, or neither)")
     for name in EXPERT_NAMES:
         if name in state:
             load_expert_weight(layer, name, state[name], state.get(name + "_scale_inv"))
@@ -152,8 +161,11 @@ def _expect_shape(name: str, t: Tensor, shape: tuple) -> None:
 
 def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> None:
     """Store one expert weight of ``name`` (gate_up_proj [E or E_local, 2I, H], down_proj [E or E_local, H, I]) and
-    its optional ``scale`` (``name``_scale_inv) in ``layer``, converted to the layer's scheme (see the module
-    docstring); MF402 / MF404 where that cannot be done."""
+    its optional ``scale`` (``name``_scale_inv) in ``layer``, converted to the layer's scheme; MF402 / MF404 where
+    that cannot be done. The tensor may hold all E experts (this rank keeps its own) or exactly this rank's
+    E_local. High-precision weights are quantized by the layer's scheme. FP8 weights are kept as they are when
+    their scale has the layer scheme's shape (an fp8-block checkpoint into an fp8-block layer loads without
+    dequantizing); a scale of another scheme's shape is dequantized and requantized by the layer's scheme."""
     cfg = layer.config
     n, k = expert_matrix(cfg, name)
     e_all, local = cfg.num_experts, layer.local_experts

@@ -75,12 +75,12 @@ def test_refused_conversion_is_coded_and_changes_nothing(scheme, make_layer):
 
 
 def test_refused_device_move_is_coded_and_changes_nothing(make_layer):
-    """The device path of a conversion on a CPU-only machine: no backend runs on "meta" (MF209 names them all)."""
+    """The device path of a conversion on a CPU-only machine: the meta device holds no data (MF106, named first)."""
     layer = make_layer(**FULL, quant="fp8-channel", dtype=torch.float32)
     plan = layer.plan
     with pytest.raises(MoeflowError) as info:
         layer.to("meta")
-    assert info.value.code == "MF209"
+    assert info.value.code == "MF106" and "the meta device is not supported" in str(info.value)
     assert layer.plan is plan and layer.config.device.type == "cpu"
     assert all(p.device.type == "cpu" for p in layer.parameters())
 
@@ -112,14 +112,15 @@ def test_to_empty_keeps_fp8_dtypes():
 
 def test_device_omitted_is_torchs_default_device(poison):
     """device= omitted takes torch's default device, as nn.Linear's parameters do: the CPU here, and inside a
-    meta-device block "meta", refused at build with MF209 (each dispatcher's MF203 naming "meta"). A layer given
-    device="cpu" inside that block is built on the CPU and runs once outside it."""
+    meta-device block "meta", refused at build with MF106 (the meta device named first, device= as the fix). A
+    layer given device="cpu" inside that block is built on the CPU and runs once outside it."""
     fields = dict(FULL, quant="fp8-channel", dtype=torch.float32)
     assert MoE(**fields).config.device == torch.device("cpu")
     with torch.device("meta"):
         with pytest.raises(MoeflowError) as info:
             MoE(**fields)
-        assert info.value.code == "MF209" and "MF203: " in str(info.value) and "'meta'" in str(info.value)
+        assert info.value.code == "MF106" and "the meta device is not supported" in str(info.value)
+        assert "device=" in str(info.value)
         layer = MoE(**fields, device="cpu")
     assert layer.config.device == torch.device("cpu") and layer.gate_up_proj.device.type == "cpu"
     check_against_oracle(layer)

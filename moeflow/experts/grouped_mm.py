@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..capabilities import RunnerCaps, Support
+from ..capabilities import RunnerCaps, Slower, Support
 from ..layouts import SORTED, ExpertBatch
 from ..quant import row_local
 from .base import ExpertRunner, ExpertWeights, empty_output, gated_activation
@@ -33,7 +33,16 @@ class GroupedMMRunner(ExpertRunner):
         ),
         priority=20,
         note="torch._grouped_mm / torch._scaled_grouped_mm (row-wise FP8)",
-        graph_safe=True,  # device offsets, no host reads (captured by `moeflow bench` on H200, every scheme it runs)
+        graph_safe=True,  # device offsets, no host reads (`moeflow bench` captures it, every scheme)
+        # torch._grouped_mm's bf16 / fp16 on a CPU without their matrix instructions is slower than the reference
+        # runner (float32 MKL matmuls) from 128 tokens on, so "auto" takes the reference there (``factor`` and ``at``:
+        # what the plan's reason quotes)
+        slower=(Slower("cpu", frozenset({torch.bfloat16}), frozenset({"avx512_bf16", "amx_bf16", "bf16", "sve_bf16"}),
+                       than="reference", lacking="AVX512-BF16 / AMX-BF16",
+                       factor="2.2-6.8x", at="from 128 tokens on, AVX2 CPU"),
+                Slower("cpu", frozenset({torch.float16}), frozenset({"avx512_fp16", "amx_fp16", "fp16_arith"}),
+                       than="reference", lacking="AVX512-FP16 / AMX-FP16",
+                       factor="1.9-5.5x", at="from 128 tokens on, AVX2 CPU")),
     )
 
     def __init__(self, config, scheme):

@@ -1,24 +1,10 @@
 """experts_implementation="moeflow": transformers' experts modules computed by moeflow.
 
-transformers (>= 5) decorates each model's experts class with ``@use_experts_implementation`` and
-calls ``interface[config._experts_implementation](module, hidden_states, top_k_index,
-top_k_weights)``; fine-grained FP8 models use ``FP8Experts`` with the FP8 interface. Both land in
-:func:`moeflow_experts_forward`:
-
-    hidden_states [T, H] model dtype, top_k_index [T, K] int64, top_k_weights [T, K] float
-    -> [T, H] in hidden_states.dtype
-
-Expert-parallel sentinel: when ``module._is_expert_parallel``, ids >= ``module.num_experts`` (the
-local expert count) mark copies whose expert lives on another rank, with weight 0; they are
-dropped and contribute exactly zero.
-
-The module's own tensors are used, as views, never copied: gate_up_proj [E, 2I, H] (gate rows
-first; ``is_transposed``: [E, H, 2I]) and down_proj [E, H, I] ([E, I, H]); FP8 weights are
-float8_e4m3fn with ``*_scale_inv`` [E, 2I/128, H/128] float32 block scales -> quant "fp8-block".
-Anything moeflow cannot compute exactly is refused with MF704 (no gate, biases, interleaved
-gate/up, a post-expert norm, a custom gate function, other activations, static FP8 activation
-scales, FP4, other block sizes or scale formats). The plan is cached on the module per (layer
-dtype, device, K); the weights are read again on every call, so reloading or moving them is safe.
+transformers (>= 5) decorates each model's experts class with ``@use_experts_implementation`` and calls
+``interface[config._experts_implementation](module, hidden_states, top_k_index, top_k_weights)``; fine-grained FP8
+models use ``FP8Experts`` with the FP8 interface. Both land in :func:`moeflow_experts_forward`, which runs an
+ExpertsPath on the module's own weights (bf16 / fp16 / fp32, or FP8Experts' 128x128 blocks as fp8-block) as
+views, never copied. Anything moeflow cannot compute exactly is refused with MF704.
 """
 from __future__ import annotations
 
@@ -56,21 +42,38 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+_LAYOUT = ("moeflow runs gated experts: gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], or their "
+           "transposes with is_transposed; use experts_implementation='grouped_mm' or 'eager' for this model")
+
+
 def _check_features(module: nn.Module) -> None:
+    """MF704 for an experts module moeflow cannot compute exactly: checked before any of its tensors is read."""
     cls = type(module).__name__
-    refusals = [("has_gate", False, "experts without a gate (up_proj only)"),
-                ("has_bias", True, "expert biases"),
+    if getattr(module, "has_gate", True) is False:  # Nemotron-H: act(up(x)), no gate
+        raise error("MF704", cls=cls, feature=f"has_gate=False (experts that are not gated: {_tensors(module)}, no "
+                                              "gate_up_proj)", fix=_LAYOUT)
+    refusals = [("has_bias", True, "expert biases"),
                 ("is_concatenated", False, "interleaved gate/up rows"),
                 ("has_post_expert_norm", True, "a norm after each expert")]
     for attr, bad, what in refusals:
         if getattr(module, attr, not bad) == bad:
             raise error("MF704", cls=cls, feature=f"{attr}={bad} ({what})", fix="use experts_implementation='grouped_mm'")
+    missing = [name for name in ("gate_up_proj", "down_proj") if not isinstance(getattr(module, name, None), Tensor)]
+    if missing:  # another attribute layout, whatever its flags say
+        raise error("MF704", cls=cls, feature=f"an experts module without {' / '.join(missing)} "
+                                              f"(its tensors: {_tensors(module)})", fix=_LAYOUT)
     gate = getattr(type(module), "_apply_gate", None)
     qual = getattr(gate, "__qualname__", "_default_apply_gate")
     fp8_variant = qual == "FP8Experts._apply_gate" and any(getattr(module, a, None) is not None for a in _FP8_GATE_OPTIONS)
     if qual not in ("_default_apply_gate", "FP8Experts._apply_gate") or fp8_variant:
         raise error("MF704", cls=cls, feature=f"a custom gate function ({qual}: clamped or soft-capped SwiGLU)",
                     fix="moeflow computes act(gate) * up exactly; use experts_implementation='grouped_mm'")
+
+
+def _tensors(module: nn.Module) -> str:
+    """The module's own parameters and buffers with their shapes: "up_proj [4, 32, 64], down_proj [4, 64, 32]"."""
+    own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    return ", ".join(f"{name} {list(t.shape)}" for name, t in own) or "none"
 
 
 def experts_config(module: nn.Module, dtype: torch.dtype, top_k: int, runner: str = "auto") -> MoEConfig:
@@ -117,6 +120,8 @@ def expert_weights(module: nn.Module) -> ExpertWeights:
 def experts_path(module: nn.Module, dtype: torch.dtype, top_k: int) -> ExpertsPath:
     """The cached ExpertsPath of ``module`` for activations of ``dtype`` (planned on first use)."""
     cache = module.__dict__.setdefault("_moeflow_paths", {})
+    if not cache:  # first bound: MF704 for what moeflow cannot run, before its tensors are read
+        _check_features(module)
     w13 = _local(module.gate_up_proj)
     key = (dtype, w13.device, w13.dtype, top_k)
     if key not in cache:
@@ -129,8 +134,21 @@ def experts_path(module: nn.Module, dtype: torch.dtype, top_k: int) -> ExpertsPa
 
 
 def moeflow_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    """The function registered as "moeflow" (see the module docstring for shapes and refusals). Under torch.compile's
-    tracing, one op of the compiled graph (moeflow.ops) that runs it."""
+    """The function registered as "moeflow":
+
+        hidden_states [T, H] model dtype, top_k_index [T, K] int64, top_k_weights [T, K] float
+        -> [T, H] in hidden_states.dtype
+
+    Expert-parallel sentinel: when ``self._is_expert_parallel``, ids >= ``self.num_experts`` (the local expert
+    count) mark copies whose expert lives on another rank, with weight 0; they are dropped and contribute exactly
+    zero (after a host synchronization: such a module is not CUDA-graph safe).
+    Weights, the module's own tensors as views: gate_up_proj [E, 2I, H] (gate rows first; ``is_transposed``:
+    [E, H, 2I]) and down_proj [E, H, I] ([E, I, H]); FP8 weights are float8_e4m3fn with ``*_scale_inv``
+    [E, 2I/128, H/128] float32 block scales -> quant "fp8-block". Refused with MF704: no gate, biases, interleaved
+    gate/up, a post-expert norm, a custom gate function, other activations, static FP8 activation scales, FP4,
+    other block sizes or scale formats. The plan is cached on the module per (activation dtype, device, weight
+    dtype, K); the weights are read again on every call, so reloading or moving them is safe.
+    Under torch.compile's tracing, one op of the compiled graph (moeflow.ops) that runs it."""
     if torch.compiler.is_compiling():
         return ops.call(self, experts_forward_eager, hidden_states, (top_k_index, top_k_weights), self.parameters)
     return experts_forward_eager(self, hidden_states, top_k_index, top_k_weights)
