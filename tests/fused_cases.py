@@ -1,5 +1,5 @@
 """One check of the one-launch small-batch layer (kernels/fused_layer.py), shared by its CPU-interpreter suite
-(tests/test_fused_layer.py) and its GPU suite (tests/gpu/test_gpu_fused_layer.py): fresh random weights and
+(tests/kernels/test_fused_layer.py) and its GPU suite (tests/gpu/test_gpu_fused_layer.py): fresh random weights and
 routing, outputs poisoned, the launch against its torch reference and the float64 oracle."""
 import torch
 

@@ -62,6 +62,7 @@ def check_layer(layer: MoE, what: str) -> None:
         assert_close(layer.forward_topk(x, ids, w), want, tol, f"{what} forward_topk T={t}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_every_accepted_configuration_runs_and_every_refusal_is_coded(seed, poison):
     rng = random.Random(seed)

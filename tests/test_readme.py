@@ -28,7 +28,7 @@ def test_ci_runs_readme_commands():
     ci = (ROOT / ".ci" / "run").read_text()
     blocks = _bash_blocks(readme)
     install, test = blocks[0], blocks[1]
-    assert test == "python -m pytest -q"
+    assert test == "python -m pytest -q -n auto --dist loadgroup"  # pytest-xdist: one worker a core
     assert test in ci.splitlines()
     *steps, main_job = install.split(" && ")
     for step in steps:  # the install steps
@@ -37,7 +37,7 @@ def test_ci_runs_readme_commands():
 
 
 def test_readme_documents_the_quick_tier():
-    assert 'python -m pytest -q -m "not slow"' in _bash_blocks(README.read_text())
+    assert 'python -m pytest -q -n auto --dist loadgroup -m "not slow"' in _bash_blocks(README.read_text())
     markers = (ROOT / "pyproject.toml").read_text()
     assert '"slow:' in markers and '"gpu:' in markers  # the markers the tiers select on are declared
 

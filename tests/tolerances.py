@@ -36,7 +36,7 @@ REL_TOL = {
     # rounded once to per-token FP8 before it travels; compared with the one-process layer.
     # Measured 3.4e-2 to 4.0e-2 (H=256, K=2, bf16), as one FP8 rounding of activations costs.
     ("fp8-payload", torch.bfloat16): 6e-2,
-    # Whole-model logits of a tiny two-layer FP8 checkpoint (tests/test_hf_fp8.py): moeflow's
+    # Whole-model logits of a tiny two-layer FP8 checkpoint (tests/integrations/test_hf_fp8.py): moeflow's
     # fp8-block experts vs transformers' eager on the same dequantized weights, which does not
     # quantize activations; the FP8 rounding of activations, amplified through the layers and the
     # routing, measured 3.1e-2 to 7.6e-2 (Qwen3-MoE, DeepSeek-V3, Mixtral; H=I=128, fp32). A scale

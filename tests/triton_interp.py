@@ -1,4 +1,4 @@
-"""Set up Triton's CPU interpreter for the tests/test_triton_*.py modules.
+"""Set up Triton's CPU interpreter for the interpreter tests (tests/kernels/ and others).
 
 Import this module before anything imports moeflow.kernels: @triton.jit reads TRITON_INTERPRET
 when a kernel is defined. ``SKIP_REASON`` is None when the interpreter tests can run here.

@@ -24,7 +24,7 @@ from ._ep_rows import _ep_kernels
 # sort is faster); then kernels/rows/ep_sort's segment sort while ep_sort.sort_pays; torch's radix sort beyond.
 ONE_LAUNCH_COPIES = 128
 # schemes sort_and_quantize quantizes tokens for: kernels/rows/align.SORT_QUANT_CODES' keys, named here without
-# importing triton (tests/test_triton_kernels.py checks they agree)
+# importing triton (tests/kernels/test_triton_kernels.py checks they agree)
 SORT_QUANTIZES = ("fp8-tensor", "fp8-channel", "fp8-block")
 # fp8-tensor's one scale is the amax of the whole batch, which each of the sort's quantizing programs takes
 # again: up to this many elements of hidden [T, H] (T = 1 at any preset, T <= 16 at H = 2048); larger batches

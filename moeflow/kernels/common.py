@@ -285,7 +285,7 @@ def split_steps(k_size, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 def scale_block(cols, n):
     """128x128 weight-scale block row of each output column (n columns in all), clamped per block.
     Not cols % n: that would hide from Triton that 128 columns share one scale, costing the
-    fp8-block K loops some 70 registers per thread (tests/test_kernels_compile_sm90.py guards it)."""
+    fp8-block K loops some 70 registers per thread (tests/kernels/test_kernels_compile_sm90.py guards it)."""
     return tl.minimum(cols // 128, (n - 1) // 128)
 
 

@@ -3,7 +3,7 @@
 Triton compiles a kernel to PTX for sm_90a on any machine; the ptxas that ships in the triton wheel
 then reports what a thread needs (`ptxas -v`). Register pressure decides which tiles are fast (a
 per-column scale index in the K loop costs the fp8-block gate_up some 80 registers and its 128x128
-tiles: common.scale_block), so tests/test_kernels_compile_sm90.py keeps the large-tile configs spill-free, and
+tiles: common.scale_block), so tests/kernels/test_kernels_compile_sm90.py keeps the large-tile configs spill-free, and
 `python -m moeflow.tune.registers` prints the table.
 
     register_usage(kernel, scheme, dtype, GemmConfig, tma=True) -> (registers per thread, spill-store bytes)

@@ -30,10 +30,17 @@ def test_bench_on_gpu_graph_timed_with_roofline_and_plot(tmp_path):
 
 def test_check_says_where_the_triton_tiles_come_from(capsys):
     """`moeflow check` on the GPU: a preset with a shipped table names its file on an H200 (or the borrowed H200
-    file on another sm_90 GPU); a shape no table covers names the Hopper rules."""
+    file on another sm_90 GPU) and, per token count, the kernel each GEMM runs (kernels/gemm/choice.py) with its
+    tile; a shape no table covers names the Hopper rules."""
     assert main(["check", "--preset", "qwen3-30b-a3b", "--quant", "fp8-block", "--device", "cuda"]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("kernel configs: ") and "E=128,N=768,K=2048,device=NVIDIA_H200,scheme=fp8-block.json" in line
+    out = capsys.readouterr().out.splitlines()
+    line = next(x for x in out if x.startswith("kernel configs: "))
+    assert "E=128,N=768,K=2048,device=NVIDIA_H200,scheme=fp8-block.json" in line
+    kernels = [x.strip() for x in out if x.strip().startswith("T=")]
+    assert [k.split(":")[0] for k in kernels] == [f"T={t}" for t in (1, 16, 128, 1024, 4096, 16384)]
+    assert all("gate_up " in k and "; down " in k or "one launch" in k for k in kernels), kernels
+    assert "gluon" in kernels[-1], kernels  # the table's large-T tiles run the Gluon kernels on Hopper
     assert main(["check", "--experts", "16", "--hidden", "1536", "--inter", "1408", "--topk", "4", "--device",
-                 "cuda"]) == 0
-    assert "the Hopper rules (kernels/sm90_defaults.py)" in capsys.readouterr().out
+                 "cuda", "--tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "the Hopper rules (kernels/gemm/sm90_tiles.py)" in out and "T=64: " in out

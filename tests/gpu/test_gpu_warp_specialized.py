@@ -187,7 +187,7 @@ def test_no_rows(poison):
 
 
 def test_block_table_on_gpu():
-    """The row-block table against its torch reference (also checked in the interpreter, tests/test_warp_specialized.py)."""
+    """The row-block table against its torch reference (also checked in the interpreter, tests/kernels/test_warp_specialized.py)."""
     for counts in ([37, 0, 300, 1, 0, 129, 64, 2], [0] * 256, [513] + [0] * 255, [1] * 128):
         c = torch.tensor(counts, dtype=torch.int32, device="cuda")
         layout = RowLayout(False, offsets_from_counts(c), len(counts), 0, int(c.sum()))

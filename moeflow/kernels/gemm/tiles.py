@@ -133,7 +133,7 @@ def ws_fits(cfg: GemmConfig, gated: bool, scheme: str = "none") -> bool:
 
 # ws_fits for scheme none (bf16, fp16), BLOCK_K 64: (gated, BLOCK_M, BLOCK_N) -> the most stages whose shared memory
 # (the ring and the epilogue's layout change) fits the SM's 227 KB, compiled for sm_90a: 128 accumulator registers a
-# consumer thread in every tile, none spilled (checked by compiling them, tests/kernels/test_compile_sm90.py)
+# consumer thread in every tile, none spilled (checked by compiling them, tests/kernels/test_kernels_compile_sm90.py)
 _WS_UNSCALED_STAGES = {
     (False, 128, 128): 6, (True, 128, 64): 6,  # a 128-row tile a consumer, by turns: 32 KB stages
     (False, 128, 256): 4, (True, 128, 128): 4,  # COOP, 64 rows a consumer: 48 KB stages (229 KB at 4 for the down)

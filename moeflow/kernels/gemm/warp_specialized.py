@@ -422,7 +422,7 @@ if gluon is not None:
         LOADER_REGS 24, consumer 0 (the default partition) the rest, 248. Per consumer: down one 128 x 128 or
         64 x 256 accumulator (COOP: 64 rows of 128 x 256), gate_up two 128 x 64 or 64 x 128 (COOP: 64 rows of two
         128 x 128); SCALED an accumulator and two products of 64 x 128 (or 128 x 64); in quarters four quarters
-        and two products of 64 x 64. No spills on sm_90a (tests/test_kernels_compile_sm90.py)."""
+        and two products of 64 x 64. No spills on sm_90a (tests/kernels/test_kernels_compile_sm90.py)."""
         dtype: gl.constexpr = a_desc.dtype
         WIDE: gl.constexpr = SCALED and not GATED and BLOCK_N == 256
         WB: gl.constexpr = 2 if GATED or WIDE else 1  # weight buffers a slot (gate and up; WIDE: two 128-row halves)

@@ -342,7 +342,7 @@ def test_tune_help_names_the_schemes_no_fused_skips():
     assert all(scheme in help_ for scheme in RUNNERS.get("triton").caps.fused_layer), help_
 
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md"))])

@@ -328,7 +328,7 @@ def test_registration_is_lazy_and_transformers_optional():
     absent = ("import sys; sys.modules['transformers'] = None; import moeflow; "
               "from moeflow.integrations import hf\n"
               "try:\n    hf.register()\nexcept moeflow.MoeflowError as e:\n    print(e.code)")
-    root = str(pathlib.Path(__file__).resolve().parents[1])
+    root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     for code, want in ((lazy, "ok"), (absent, "MF701")):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

@@ -10,7 +10,7 @@ import torch
 
 from moeflow.benchmark import format_target_summary, rebased_rows, target_summary
 
-COMPARE_RUNS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compare_runs.py"
+COMPARE_RUNS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "compare_runs.py"
 
 
 def _row(preset, scheme, t, floor, graph, clean=None, anchor=None, tflops=1.0):

@@ -1,4 +1,4 @@
-"""Expert parallelism on CPU: gloo groups of 2 and 4 processes (tests/test_ep_worker.py).
+"""Expert parallelism on CPU: gloo groups of 2 and 4 processes (tests/dispatch/test_ep_worker.py).
 
 One process group per world size runs every check in sequence (spawning costs more than the
 checks); each check is reported here as its own test. What is checked, per rank: every dispatcher ×
@@ -65,10 +65,13 @@ def group_results(tmp_path_factory):
     return get
 
 
-CASES = [(w, name) for w in WORLDS for name, _ in suite(w) + [LAST[w]]]
+CASES = [pytest.param(w, name, id=f"w{w}-{name}", marks=[pytest.mark.slow] if w == 4 else [])
+         for w in WORLDS for name, _ in suite(w) + [LAST[w]]]
+# one xdist worker runs a module's group: the group of W processes is spawned once per worker that needs it
+pytestmark = pytest.mark.xdist_group("ep_cpu")
 
 
-@pytest.mark.parametrize("world,check", CASES, ids=[f"w{w}-{c}" for w, c in CASES])
+@pytest.mark.parametrize("world,check", CASES)
 def test_ep(world, check, group_results):
     results = group_results(world)
     for rank, res in enumerate(results):

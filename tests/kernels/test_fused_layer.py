@@ -37,6 +37,7 @@ def test_against_references(scheme, dtype, t):
     check(scheme, dtype, t, e=5, h=256, i=128, k=2, cfg=FusedConfig(32, 64, 64, 64, num_stages=2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("splits", [(2, 3), (3, 1), (1, 5)])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float32), ("fp8-block", torch.float16),
                                           ("fp8-channel", torch.float16)], ids=["none", "fp8-block", "fp8-channel"])

@@ -478,6 +478,7 @@ def test_swapped_tiles_edge_batches(scheme, dtype, counts):
     assert_close(out, ref_d, 5e-3, "down swapped")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [2, 7])
 @pytest.mark.parametrize("scheme,dtype,i,tma", [("none", torch.float16, 320, True), ("none", torch.float32, 200, False),
                                                 ("fp8-channel", torch.float16, 384, True),
@@ -504,12 +505,13 @@ def test_down_split_k(scheme, dtype, i, tma, split, monkeypatch):
         assert_close(out, one, 1e-5 if dtype == torch.float32 else 2e-3, "split vs one program per tile")
 
 
-@pytest.mark.parametrize("split", [3, 5])
-@pytest.mark.parametrize("scheme,dtype,h,tma", [("none", torch.float16, 320, True), ("none", torch.float32, 200, False),
-                                                ("fp8-tensor", torch.float16, 384, False),
-                                                ("fp8-channel", torch.float16, 384, True),
-                                                ("fp8-block", torch.float16, 512, True),
-                                                ("fp8-block", torch.float16, 200, False)])
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,dtype,h,tma,split", [("none", torch.float16, 320, True, 3),
+                                                      ("none", torch.float32, 200, False, 5),
+                                                      ("fp8-tensor", torch.float16, 384, False, 3),
+                                                      ("fp8-channel", torch.float16, 384, True, 5),
+                                                      ("fp8-block", torch.float16, 512, True, 3),
+                                                      ("fp8-block", torch.float16, 200, False, 5)])
 def test_gate_up_split_k(scheme, dtype, h, tma, split, monkeypatch):
     """GemmConfig.split_k for gate_up: `split` programs per tile store float32 gate and up partial
     sums, a second launch adds them in order and runs the epilogue (activation; fp8-block's group
@@ -694,7 +696,7 @@ def test_config_file_hand_edited_wrong(monkeypatch, tmp_path, entry, what):
 def test_fit_brings_oversized_tiles_within_budget():
     """Tiles no tuner writes (a hand-edited file): the accumulators are held to 256 float32 registers a thread and
     one stage to the shared-memory budget; the one launch's stages likewise. The tuner's candidates and the shipped
-    tables are left as they were (tests/test_kernel_defaults.py, test_tune_fused.py)."""
+    tables are left as they were (tests/kernels/test_kernel_defaults.py, test_tune_fused.py)."""
     g = tiles.fit(kc.GemmConfig(256, 256, 256, 1, 4, 8), fused_pair=True, scheme="none", elem_bytes=4, n_size=1024)
     assert 2 * g.block_m * g.block_n <= 256 * 32 * 4 and min(g.block_m, g.block_n) >= 16
     assert g.num_stages * (g.block_m * g.block_k + 2 * g.block_k * g.block_n) * 4 <= 200 * 1024
@@ -786,6 +788,7 @@ def test_route_kernel_rows_per_program(e, k, bias):
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("case", ROUTING)
 def test_route_stream_kernel_matches_the_torch_router(case, lanes):
@@ -816,6 +819,7 @@ def test_route_stream_kernel_matches_the_torch_router(case, lanes):
     assert torch.equal(ids, route(logits, bias, *args, lanes=0)[0])  # the warp-per-token kernel's ids
 
 
+@pytest.mark.slow  # 2048 tokens through the interpreter
 def test_large_batch_of_two_expert_groups_routes_with_the_one_warp_kernel():
     """A biased grouped router with 2 experts a group (E=64 in 32 groups, which the planner gives the Triton router):
     at T >= 2048 route() had picked the streaming kernel, whose lanes load 4 columns of one group, and raised an

@@ -1,6 +1,6 @@
 """kernels/ep_sort.sort_copies_by_expert under TRITON_INTERPRET=1, bit for bit against the torch ops of
 dispatch/_ep_rows.sorted_batch (sort_copies_by_expert_torch; its invariants are checked in
-tests/test_ep_rows.py). Inputs are strided views of a packed buffer (ids columns, then weights
+tests/dispatch/test_ep_rows.py). Inputs are strided views of a packed buffer (ids columns, then weights
 columns, then more: row stride > K, as RowCodec.unpack gives); outputs start poisoned (0x7f bytes), so
 an element the kernels forget to write shows. Each case runs in both forms: one program sorting every copy
 (whole_sort, up to ep_sort._WHOLE_COPIES) and the segment launches (forced by a threshold of 0)."""
@@ -10,7 +10,7 @@ import torch
 from oracle import same
 from triton_interp import SKIP_REASON
 
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+pytestmark = [pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON)), pytest.mark.slow]
 
 if SKIP_REASON is None:
     from moeflow.kernels.rows.ep_sort import sort_copies_by_expert

@@ -1,6 +1,6 @@
-"""The process side of the expert-parallel CPU tests (no tests here; tests/test_ep_cpu.py spawns it).
+"""The process side of the expert-parallel CPU tests (no tests here; tests/dispatch/test_ep_cpu.py spawns it).
 
-    python tests/test_ep_worker.py SUITE RANK WORLD INIT_FILE OUT_DIR
+    python tests/dispatch/test_ep_worker.py SUITE RANK WORLD INIT_FILE OUT_DIR
 
 Every rank runs the same list of checks in the same order (one gloo group for the whole suite) and
 writes OUT_DIR/rank{RANK}.json after each: {check: "ok" | "FAIL: ..."}. Each check seeds torch from
@@ -21,8 +21,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(_HERE, "..", ".."), os.path.join(_HERE, ".."), _HERE]  # the repository, tests/, here
 
 from moeflow import MoE, MoEConfig  # noqa: E402
 from moeflow.errors import MoeflowError  # noqa: E402
@@ -117,7 +117,7 @@ def kernels_on_cpu():
 
 def compare_with_kernels(c, name, **fields):
     if triton_missing():
-        return  # reported as ok: the kernels cannot run here (tests/test_kernels_ep_*.py skip likewise)
+        return  # reported as ok: the kernels cannot run here (tests/kernels/test_kernels_ep_*.py skip likewise)
     with kernels_on_cpu() as used:
         c.compare(tokens_for(c, name), runner="reference", dtype=torch.float16, **fields)
     assert "ep_rows" in used, "the kernel path was not taken"

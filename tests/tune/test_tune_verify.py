@@ -88,6 +88,7 @@ FAULTS = {
 
 
 @interp
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["none", "fp8-block"])
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("gemm", ["gate_up", "down"])

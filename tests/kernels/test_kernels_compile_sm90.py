@@ -18,7 +18,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+              pytest.mark.slow]  # ptxas for sm_90a: minutes on a fresh Triton cache
 
 
 def compile_without_interpreter(script: str, *args: str):

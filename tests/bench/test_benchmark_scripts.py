@@ -13,7 +13,7 @@ import tarfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "benchmarks").rglob("*.py"))
 GPU_RUN = ROOT / "benchmarks" / "gpu_run.sh"
 
