@@ -246,6 +246,7 @@ def test_inductor_compiles_the_block():
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)  # inductor may fuse the linears' math
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "olmoe"])
 def test_transformers_model_compiles_with_moeflow_experts(family):
     """experts_implementation="moeflow": the whole transformers model is one graph, each experts call one op."""
@@ -264,6 +265,7 @@ def test_transformers_model_compiles_with_moeflow_experts(family):
     assert rec.targets().count("moeflow.layer_host_sync.default") == moe_layers
 
 
+@pytest.mark.slow
 def test_transformers_experts_not_planned_before_compiling():
     """A model compiled before any eager call: its experts modules are not registered, so the compiled model runs
     them outside its graphs (graph breaks; they register then). The results are right; prepare_experts() before

@@ -39,6 +39,7 @@ def test_script_imports_resolve(path):
     ("bench_ep.py", ["--tokens", "--skip", "--profile", "--small", "--out"]),
     ("bench_hf.py", ["--impls", "--prefill", "--decode", "--commit", "--small", "--out"]),
 ])
+@pytest.mark.slow
 def test_script_parses_its_options(script, options):
     """--help imports the script (moeflow, torch; transformers for bench_hf) and exits before any GPU work."""
     pytest.importorskip("triton")

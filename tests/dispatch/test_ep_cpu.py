@@ -65,7 +65,7 @@ def group_results(tmp_path_factory):
     return get
 
 
-CASES = [pytest.param(w, name, id=f"w{w}-{name}", marks=[pytest.mark.slow] if w == 4 else [])
+CASES = [pytest.param(w, name, id=f"w{w}-{name}", marks=[pytest.mark.slow])  # seconds to spawn a group
          for w in WORLDS for name, _ in suite(w) + [LAST[w]]]
 # one xdist worker runs a module's group: the group of W processes is spawned once per worker that needs it
 pytestmark = pytest.mark.xdist_group("ep_cpu")

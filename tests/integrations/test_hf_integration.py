@@ -318,6 +318,7 @@ def test_bad_activation_dtype_is_refused_and_model_untouched(checkpoints):
     assert info.value.code == "MF104" and model.model.layers[0].mlp is before
 
 
+@pytest.mark.slow
 def test_registration_is_lazy_and_transformers_optional():
     """In fresh interpreters: `import moeflow` imports no transformers, registers "moeflow" with both
     interfaces once transformers loads them; without transformers, import works and register() is MF701."""

@@ -240,6 +240,7 @@ def test_gather_rows_without_scales(dtype, k):
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-channel", torch.float32),
                                           ("fp8-tensor", torch.float16), ("fp8-block", torch.float16)])
+@pytest.mark.slow
 def test_gate_up_rows_through_tma(scheme, dtype, split, monkeypatch):
     """GemmConfig.x_tma: rows by index are gathered into a copy in order, then read through a TMA
     descriptor (blocks whose rows end mid-box, an empty expert, H off the K tile); the same bits as the
@@ -339,6 +340,7 @@ def test_gate_up_rows_by_index():
 @pytest.mark.parametrize("scheme,dtype", [("none", torch.float16), ("fp8-tensor", torch.float16),
                                           ("fp8-channel", torch.float16), ("fp8-block", torch.float16),
                                           ("fp8-block", torch.float32)])
+@pytest.mark.slow
 def test_down_persistent_equals_per_tile(scheme, dtype, programs_per_sm, poison_empty, monkeypatch):
     """The persistent down (programs loop over the tiles of the real row blocks) writes the same
     bits as one program per tile: empty experts, a block split over 3 experts' rows, tiles that
@@ -418,6 +420,7 @@ def _gemms_float64(xq, xs, q13, s13, q2, s2, route_w, layout, scheme, a, a_s):
     ("none", torch.float16, 16, 64, True), ("none", torch.float32, 32, 64, False),
     ("fp8-tensor", torch.float16, 16, 64, True), ("fp8-channel", torch.float32, 16, 128, False),
     ("fp8-block", torch.float16, 16, 128, True), ("fp8-block", torch.float16, 32, 256, False)])
+@pytest.mark.slow
 def test_swapped_tiles(scheme, dtype, bm, bn, tma, masked, monkeypatch):
     """GemmConfig.swap_ab (each tile computed transposed, weights as the MMA's M) against float64 references, outputs
     NaN-poisoned first: an empty expert, a block over 3 experts' rows, a one-row expert, partial N tiles (I = H = 192
@@ -819,19 +822,22 @@ def test_route_stream_kernel_matches_the_torch_router(case, lanes):
     assert torch.equal(ids, route(logits, bias, *args, lanes=0)[0])  # the warp-per-token kernel's ids
 
 
-@pytest.mark.slow  # 2048 tokens through the interpreter
-def test_large_batch_of_two_expert_groups_routes_with_the_one_warp_kernel():
+def test_large_batch_of_two_expert_groups_routes_with_the_one_warp_kernel(monkeypatch):
     """A biased grouped router with 2 experts a group (E=64 in 32 groups, which the planner gives the Triton router):
     at T >= 2048 route() had picked the streaming kernel, whose lanes load 4 columns of one group, and raised an
-    uncoded ValueError at the first large batch; it runs the one-warp kernel there, with the torch router's ids."""
+    uncoded ValueError at the first large batch; it runs the one-warp kernel there, with the torch router's ids.
+    The kernel choice is made as at T=2048 (stream_pays asked about 2048 tokens) on a batch of 96, which the
+    interpreter runs in seconds rather than minutes."""
     from moeflow import MoEConfig
+    from moeflow.kernels.routing import route as route_module
     from moeflow.kernels.routing.route import route
     from moeflow.kernels.routing.route_stream import stream_pays
     from moeflow.routing import create_router
     assert stream_pays(2048, 64) and not stream_pays(2048, 64, 32)
+    monkeypatch.setattr(route_module, "stream_pays", lambda t, e_pow2, num_groups=1: stream_pays(2048, e_pow2, num_groups))
     cfg = MoEConfig(num_experts=64, hidden_size=16, intermediate_size=16, top_k=8, scoring="sigmoid",
                     num_expert_groups=32, topk_groups=4, use_correction_bias=True)
-    logits, bias = torch.randn(2048, 64), (torch.rand(64) - 0.5) * 0.1
+    logits, bias = torch.randn(96, 64), (torch.rand(64) - 0.5) * 0.1
     ids, w = route(logits, bias, 8, "sigmoid", True, 32, 4, 1.0)
     want_ids, want_w = create_router(cfg, "torch")(logits, bias)
     assert torch.equal(ids, want_ids)
@@ -859,6 +865,7 @@ def test_sigmoid_routers_agree_where_the_scores_saturate(renormalize):
         torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("e,k,lanes,t", [(100, 8, 4, 9), (13, 3, 1, 1), (128, 8, 8, 33)])
 def test_route_stream_kernel_odd_shapes(e, k, lanes, t):
     """The streaming kernel past a part-filled last chunk (E not a multiple of 4 * lanes), one token, and 8

@@ -34,6 +34,7 @@ def _setup(scheme, tokens=7):
     return shape, weights, checks, inp, (a, a_s, inp[0].weights, inp[1]), gu, dn
 
 
+@pytest.mark.slow
 @interp
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_kernels_pass_their_check(scheme):

@@ -79,6 +79,22 @@ def _rule(facts: CallFacts) -> str | None:
     return facts.gluon or ("a masked batch (the Gluon kernels read sorted batches)" if facts.masked else None)
 
 
+def _first_runnable(op: str, wanted: list, facts: CallFacts) -> tuple[GemmKernel | None, str]:
+    """The first of the tuned Gluon kernels ``wanted`` (in preference order) the call can run, with the reason; or
+    None and why none runs: a rule (the device, a masked batch) stops the search, a call's blocker warns once
+    (_fallback) and passes to the next."""
+    reason = ""
+    for kernel in wanted:
+        why = _rule(facts)
+        if why:
+            return None, f"{kernel.value} tuned, but {why}"
+        why = facts.blockers.get(kernel)
+        if why is None:
+            return kernel, "the tuned entry's kernel"
+        reason = _fallback(op, kernel, why)
+    return None, reason
+
+
 def decide_gate_up(cfg: GemmConfig, facts: CallFacts) -> GemmChoice:
     """gate_up's kernel for a fitted tile. Preference: the Gluon wgmma kernel (cfg.scale_overlap; fp8-block whose
     epilogue quantizes whole 128-column groups), then the warp-specialized one (cfg.warp_specialize; bf16/fp16 or
@@ -90,16 +106,9 @@ def decide_gate_up(cfg: GemmConfig, facts: CallFacts) -> GemmChoice:
         wanted.append(GemmKernel.GLUON_WGMMA)
     if cfg.warp_specialize and (facts.scheme == "none" or fused_groups and split == 1) and facts.rows:
         wanted.append(GemmKernel.GLUON_WARP_SPECIALIZED)
-    reason = ""
-    for kernel in wanted:
-        why = _rule(facts)
-        if why:
-            reason = f"{kernel.value} tuned, but {why}"
-            break
-        why = facts.blockers.get(kernel)
-        if why is None:
-            return GemmChoice(kernel, rows_in_order=True, reason="the tuned entry's kernel")
-        reason = _fallback("gate_up", kernel, why)
+    kernel, reason = _first_runnable("gate_up", wanted, facts)
+    if kernel is not None:
+        return GemmChoice(kernel, rows_in_order=True, reason=reason)
     in_order = bool(cfg.x_tma) and not facts.masked and facts.rows > 0
     if split > 1:
         return GemmChoice(GemmKernel.TRITON_SPLIT_K, split, in_order, reason or f"split_k {split}")
@@ -119,19 +128,11 @@ def decide_down(cfg: GemmConfig, facts: CallFacts, h: int) -> GemmChoice:
         wanted.append(GemmKernel.GLUON_WARP_SPECIALIZED)
     if cfg.scale_overlap:
         wanted.append(GemmKernel.GLUON_WGMMA)
-    reason = ""
-    for kernel in wanted:
-        why = _rule(facts)
-        if why:
-            reason = f"{kernel.value} tuned, but {why}"
-            break
-        why = facts.blockers.get(kernel)
-        if why is None:
-            if kernel is GemmKernel.GLUON_WGMMA and cfg.programs_per_sm and cfg.num_stages <= cdiv(facts.k,
-                                                                                                    cfg.block_k):
-                kernel = GemmKernel.GLUON_WGMMA_PERSISTENT
-            return GemmChoice(kernel, reason="the tuned entry's kernel")
-        reason = _fallback("down", kernel, why)
+    kernel, reason = _first_runnable("down", wanted, facts)
+    if kernel is GemmKernel.GLUON_WGMMA and cfg.programs_per_sm and cfg.num_stages <= cdiv(facts.k, cfg.block_k):
+        kernel = GemmKernel.GLUON_WGMMA_PERSISTENT
+    if kernel is not None:
+        return GemmChoice(kernel, reason=reason)
     if cfg.programs_per_sm:
         why = ("a masked batch" if facts.masked else "float32 dots" if facts.float32 else
                None if facts.tma_rows and facts.tma_weights else "operands not TMA-addressable")
