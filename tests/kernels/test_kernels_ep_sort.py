@@ -65,8 +65,8 @@ CASES = [  # (R, K, E_local, case)
     (7, 3, 1, "random"),
     (7, 3, 6, "one expert"),
     (7, 8, 5, "none here"),
-    (400, 4, 6, "random"),  # 1600 copies: 7 segments of 256, prefix sums carry over
-    (400, 4, 5, "one expert"),
+    (300, 4, 6, "random"),  # 1200 copies: 5 segments of 256, prefix sums carry over
+    (300, 4, 5, "one expert"),
 ]
 
 
