@@ -20,7 +20,7 @@ from ..layouts import MASKED, SORTED, ExpertBatch
 from .base import ExpertRunner, ExpertWeights, empty_output
 
 _FP8 = frozenset({"fp8-tensor", "fp8-channel", "fp8-block"})
-# kernels/gemm/fused_layer.FUSED_SCHEMES, named here without importing triton (tests/test_fused_layer.py checks they agree)
+# gemm/fused_layer.FUSED_SCHEMES, named here without importing triton (tests/kernels/test_fused_layer.py checks it)
 _FUSED = frozenset({"none", "fp8-channel", "fp8-block"})
 FUSED_MAX_TOKENS = 64  # the one-launch layer's largest batch (it sizes the layer's counters)
 
@@ -99,30 +99,40 @@ class TritonRunner(ExpertRunner):
         Lookup key: tokens per rank, estimated from the batch's shape alone (no sync): N / top_k
         for sorted batches, the capacity C for masked ones (tokens a rank may send).
         """
-        from ..kernels import configs as kc
-        from ..kernels.gemm import tiles
         cfg = self.config
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
         tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.num_rows // cfg.top_k, 1)
         key = (batch.layout, tokens, e)
         if key not in self._fitted:
-            chosen = self._entry(tokens, weights, batch.hidden.device)
-            nbytes = 1 if self.scheme.quantized else cfg.dtype.itemsize
-            self._fitted[key] = kc.MoEKernelConfig(
-                tiles.fit(chosen.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
-                tiles.fit(chosen.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
+            self._fitted[key] = self._fit(self._entry_for(tokens, e, i, h, batch.hidden.device), i, h)
         return self._fitted[key]
+
+    def _fit(self, entry, i: int, h: int):
+        """A tuned (or default) entry's two GEMM tiles made valid for this scheme and dtype (tiles.fit) ->
+        MoEKernelConfig without its fused tiles; i, h: the intermediate and hidden sizes."""
+        from ..kernels import configs as kc
+        from ..kernels.gemm import tiles
+        nbytes = 1 if self.scheme.quantized else self.config.dtype.itemsize
+        return kc.MoEKernelConfig(
+            tiles.fit(entry.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
+            tiles.fit(entry.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
+
+    def _fused_tiles(self, tokens: int, entry):
+        """The entry's one-launch tiles for ``tokens`` (fitted), or None: no fused entry, an empty batch, more than
+        FUSED_MAX_TOKENS tokens, or MOEFLOW_TRITON_FUSED=0."""
+        from ..kernels.gemm import tiles
+        if entry.fused is None or not 0 < tokens <= FUSED_MAX_TOKENS or not moeflow_env.TRITON_FUSED.get_bool():
+            return None
+        return tiles.fit_fused(entry.fused, self.scheme.name)
 
     def fused_config(self, tokens: int, weights: ExpertWeights):
         """The tuned entry's FusedConfig for ``tokens`` (fitted), or None: no fused entry, an empty batch, more
         than FUSED_MAX_TOKENS tokens, or MOEFLOW_TRITON_FUSED=0."""
-        from ..kernels.gemm import tiles
         if not 0 < tokens <= FUSED_MAX_TOKENS or not moeflow_env.TRITON_FUSED.get_bool():
-            return None
+            return None  # before the lookup: a large batch never reads the table's entry for it
         key = ("fused", tokens, weights.w13.shape[0])
         if key not in self._fitted:
-            chosen = self._entry(tokens, weights, weights.w13.device).fused
-            self._fitted[key] = None if chosen is None else tiles.fit_fused(chosen, self.scheme.name)
+            self._fitted[key] = self._fused_tiles(tokens, self._entry(tokens, weights, weights.w13.device))
         return self._fitted[key]
 
     def run_fused(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: ExpertWeights,
@@ -160,6 +170,7 @@ class TritonRunner(ExpertRunner):
         return self._entry_for(tokens, e, i, h, device)
 
     def _entry_for(self, tokens: int, e: int, i: int, h: int, device: torch.device):
+        """_entry for E experts of intermediate size i and hidden size h (no weights needed: `moeflow check`)."""
         from ..kernels import configs as kc
         from ..kernels.gemm import tiles
         cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -173,16 +184,15 @@ class TritonRunner(ExpertRunner):
     def describe_kernels(self, tokens: int, local_experts: int, masked: bool, fused: bool) -> str:
         """What a call of ``tokens`` tokens runs, in words (`moeflow check`): the one-launch layer (``fused``: the plan
         allows it) or each GEMM's kernel (kernels/gemm/choice.py) and tile, for operands laid out as the layer's."""
-        from ..kernels.gemm import choice, tiles
+        from ..kernels.gemm import choice
         cfg = self.config
         i, h = cfg.intermediate_size, cfg.hidden_size
         entry = self._entry_for(tokens, local_experts, i, h, cfg.device)
-        if fused and entry.fused is not None and 0 < tokens <= FUSED_MAX_TOKENS and moeflow_env.TRITON_FUSED.get_bool():
-            f = tiles.fit_fused(entry.fused, self.scheme.name)
+        f = self._fused_tiles(tokens, entry) if fused else None
+        if f is not None:
             return f"one launch (fused layer) {f.block_n1}/{f.block_n2}-wide tiles, split {f.split1}/{f.split2}"
-        nbytes = 1 if self.scheme.quantized else cfg.dtype.itemsize
-        gate_up = tiles.fit(entry.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i)
-        down = tiles.fit(entry.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h)
+        fitted = self._fit(entry, i, h)
+        gate_up, down = fitted.gate_up, fitted.down
         rows = tokens if masked else tokens * cfg.top_k
         c_gate_up, c_down = choice.describe(gate_up, down, scheme=self.scheme.name, dtype=cfg.dtype, hidden=h, inter=i,
                                             rows=rows, masked=masked, device=cfg.device)

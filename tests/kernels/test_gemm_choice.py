@@ -15,7 +15,7 @@ WS_DOWN = GemmConfig(128, 128, 64, 8, 4, 5, warp_specialize=1)
 
 
 def facts(scheme="fp8-block", rows=512, k=2048, masked=False, float32=False, gluon=None, blockers=OK, tma=True):
-    return CallFacts(rows, k, scheme, masked, float32, gluon, dict(blockers), tma, tma)
+    return CallFacts(rows, k, scheme, masked, float32, gluon, dict(blockers).get, tma, tma)
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +48,9 @@ class GemmChoice:
 @dataclass(frozen=True)
 class CallFacts:
     """What the choice reads of a call besides its tile. ``gluon``: why no Gluon kernel runs on this device, or None
-    (Hopper, Gluon importable, not interpreting). ``blockers``: kernel -> why the call's operands rule it out (None:
-    they do not). ``tma_rows`` / ``tma_weights``: the down's input rows / weights TMA-addressable."""
+    (Hopper, Gluon importable, not interpreting). ``blocker(kernel)``: why the call's operands rule that Gluon kernel
+    out, or None; asked only for the kernels the tile names, in order (the checks read strides on the hot path).
+    ``tma_rows`` / ``tma_weights``: the down's input rows / weights TMA-addressable."""
 
     rows: int
     k: int
@@ -56,7 +58,7 @@ class CallFacts:
     masked: bool
     float32: bool
     gluon: str | None
-    blockers: dict
+    blocker: Callable[[GemmKernel], str | None]
     tma_rows: bool = False
     tma_weights: bool = False
 
@@ -88,7 +90,7 @@ def _first_runnable(op: str, wanted: list, facts: CallFacts) -> tuple[GemmKernel
         why = _rule(facts)
         if why:
             return None, f"{kernel.value} tuned, but {why}"
-        why = facts.blockers.get(kernel)
+        why = facts.blocker(kernel)
         if why is None:
             return kernel, "the tuned entry's kernel"
         reason = _fallback(op, kernel, why)
@@ -120,7 +122,8 @@ def decide_down(cfg: GemmConfig, facts: CallFacts, h: int) -> GemmChoice:
     else the warp-specialized kernel (cfg.warp_specialize), the Gluon wgmma kernel (cfg.scale_overlap; persistent
     with cfg.programs_per_sm when its stages fit the K steps), the persistent Triton kernel (cfg.programs_per_sm, a
     sorted batch, TMA operands, not float32), the per-tile Triton kernel."""
-    split = min(cfg.split_k, cdiv(facts.k, cfg.block_k))
+    steps = cdiv(facts.k, cfg.block_k)
+    split = min(cfg.split_k, steps)
     if split > 1 and facts.rows and h:
         return GemmChoice(GemmKernel.TRITON_SPLIT_K, split, reason=f"split_k {split}")
     wanted = []
@@ -129,7 +132,7 @@ def decide_down(cfg: GemmConfig, facts: CallFacts, h: int) -> GemmChoice:
     if cfg.scale_overlap:
         wanted.append(GemmKernel.GLUON_WGMMA)
     kernel, reason = _first_runnable("down", wanted, facts)
-    if kernel is GemmKernel.GLUON_WGMMA and cfg.programs_per_sm and cfg.num_stages <= cdiv(facts.k, cfg.block_k):
+    if kernel is GemmKernel.GLUON_WGMMA and cfg.programs_per_sm and cfg.num_stages <= steps:
         kernel = GemmKernel.GLUON_WGMMA_PERSISTENT
     if kernel is not None:
         return GemmChoice(kernel, reason=reason)
@@ -147,9 +150,9 @@ def _gluon_blocker(device: torch.device) -> str | None:
         return f"no Gluon kernel runs on {device.type}"
     if moeflow_env.TRITON_INTERPRET.get_bool():
         return "Triton's interpreter runs no Gluon kernel"
-    major, minor = _cuda_properties(device).major, _cuda_properties(device).minor
-    if major != 9:
-        return f"the Gluon kernels are Hopper's (sm_90), not sm_{major}{minor}'s"
+    props = _cuda_properties(device)
+    if props.major != 9:
+        return f"the Gluon kernels are Hopper's (sm_90), not sm_{props.major}{props.minor}'s"
     from .down_wgmma import gluon
     return None if gluon is not None else "this triton has no Gluon"
 
@@ -157,16 +160,14 @@ def _gluon_blocker(device: torch.device) -> str | None:
 def choose_gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
                    scheme: str, cfg: GemmConfig) -> GemmChoice:
     """The kernel for gate_up(x [S or R, H], w13 [E, 2I, H], layout) with the fitted tile ``cfg``."""
-    gluon = None
-    blockers = {}
-    if cfg.scale_overlap or cfg.warp_specialize:
-        gluon = _gluon_blocker(x.device)
-        if gluon is None and not layout.masked:
-            from . import gate_up_wgmma, warp_specialized
-            blockers = {GemmKernel.GLUON_WGMMA: gate_up_wgmma.cannot_run(x, x_scale, w13, w13_scale, cfg),
-                        GemmKernel.GLUON_WARP_SPECIALIZED: warp_specialized.cannot_run(
-                            x, x_scale, w13, scheme, cfg, gated=True, w_scale=w13_scale)}
-    facts = CallFacts(layout.rows, x.shape[1], scheme, layout.masked, False, gluon, blockers)
+    def blocker(kernel: GemmKernel) -> str | None:
+        from . import gate_up_wgmma, warp_specialized  # Gluon: loaded on Hopper only
+        if kernel is GemmKernel.GLUON_WGMMA:
+            return gate_up_wgmma.cannot_run(x, x_scale, w13, w13_scale, cfg)
+        return warp_specialized.cannot_run(x, x_scale, w13, scheme, cfg, gated=True, w_scale=w13_scale)
+
+    gluon = _gluon_blocker(x.device) if cfg.scale_overlap or cfg.warp_specialize else None
+    facts = CallFacts(layout.rows, x.shape[1], scheme, layout.masked, False, gluon, blocker)
     return decide_gate_up(cfg, facts)
 
 
@@ -175,20 +176,18 @@ def choose_down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor 
     """The kernel for down(a [R, I], w2 [E, H, I], layout) in layer dtype ``dtype`` with the fitted tile ``cfg``."""
     r, i = a.shape
     _, h, _ = w2.shape
-    gluon = None
-    blockers = {}
-    if cfg.scale_overlap or cfg.warp_specialize:
-        gluon = _gluon_blocker(a.device)
-        if gluon is None and not layout.masked:
-            from . import down_wgmma, warp_specialized
-            blockers = {GemmKernel.GLUON_WGMMA: down_wgmma.cannot_run(a, a_scale, w2, w2_scale, scheme, cfg),
-                        GemmKernel.GLUON_WARP_SPECIALIZED: warp_specialized.cannot_run(
-                            a, a_scale, w2, scheme, cfg, w_scale=w2_scale)}
+    def blocker(kernel: GemmKernel) -> str | None:
+        from . import down_wgmma, warp_specialized  # Gluon: loaded on Hopper only
+        if kernel is GemmKernel.GLUON_WGMMA:
+            return down_wgmma.cannot_run(a, a_scale, w2, w2_scale, scheme, cfg)
+        return warp_specialized.cannot_run(a, a_scale, w2, scheme, cfg, w_scale=w2_scale)
+
+    gluon = _gluon_blocker(a.device) if cfg.scale_overlap or cfg.warp_specialize else None
     tma_a = tma_w = False
     if cfg.programs_per_sm:
         tma_a = r > 0 and i > 0 and tma_rows(a, a.stride(0))
         tma_w = expert_rows(w2) is not None and h > 0 and i > 0 and tma_rows(w2, w2.stride(1))
-    facts = CallFacts(r, i, scheme, layout.masked, dtype == torch.float32 and scheme != "fp8-block", gluon, blockers,
+    facts = CallFacts(r, i, scheme, layout.masked, dtype == torch.float32 and scheme != "fp8-block", gluon, blocker,
                       tma_a, tma_w)
     return decide_down(cfg, facts, h)
 
@@ -199,7 +198,7 @@ def describe(gate_up: GemmConfig, down: GemmConfig, *, scheme: str, dtype: torch
     without tensors: what `moeflow check` prints."""
     gluon = _gluon_blocker(device) if gate_up.scale_overlap or gate_up.warp_specialize or down.scale_overlap \
         or down.warp_specialize else None
-    ok = {GemmKernel.GLUON_WGMMA: None, GemmKernel.GLUON_WARP_SPECIALIZED: None}
+    ok = lambda kernel: None  # noqa: E731 (operands as the layer's own: every Gluon kernel can read them)
     f_gate_up = CallFacts(rows, hidden, scheme, masked, False, gluon, ok)
     f_down = CallFacts(rows, inter, scheme, masked, dtype == torch.float32 and scheme != "fp8-block", gluon, ok,
                        rows > 0, True)
