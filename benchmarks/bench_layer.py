@@ -1,4 +1,4 @@
-"""GPU benchmark of the whole MoE layer per runner (PERF.md's method), and of the expert stage alone.
+"""GPU benchmark of the whole MoE layer per runner (the method of docs/performance.md), and of the expert stage alone.
 
     python benchmarks/bench_layer.py --out $OUT [--presets ...] [--tokens ...] [--schemes ...]
 
@@ -6,7 +6,7 @@ Per preset, scheme (none = bf16, fp8-channel, fp8-block), runner and T:
     layer_us    route -> dispatch (local) -> experts -> combine, the same calls as MoE._run, eager,
                 timed with triton's do_bench (L2 flushed before every repetition, median) on 4 rotated inputs
     layer_graph_us  the same whole layer captured once as a CUDA graph and replayed (do_bench, L2
-                flushed): PERF.md's method; the headline figure (runners whose call syncs the host
+                flushed): the method of docs/performance.md; the headline figure (runners whose call syncs the host
                 cannot be captured: then "-" and the eager time counts)
     layer_clean_us  the same graph, median of 100 replays, each after a 1 GiB read instead of do_bench's
                 256 MB zeroing: the L2 holds clean lines, so the layer writes back nobody's dirty data
@@ -16,9 +16,9 @@ Per preset, scheme (none = bf16, fp8-channel, fp8-block), runner and T:
     tflops, gbs, roof_pct  FLOPs and bytes (experts actually hit x 3HI weights + activations in/out)
                 over the headline time; roof_pct = floor / time with ceilings re-measured in this run
     rel_err     layer output vs the layer with the reference runner on the same weights and input
-Weights are random, made a few experts at a time (kernels/autotune.random_weights) so that
+Weights are random, made a few experts at a time (moeflow.tune.autotune.random_weights) so that
 DeepSeek-V3's 11-22 GB of experts need no whole-tensor temporaries. Writes bench.csv (row by
-row), bench.json (with PERF.md's four target lines per runner, do_bench and clean flush: benchmark.target_summary)
+row), bench.json (with the four target lines per runner, do_bench and clean flush: benchmark.target_summary)
 and bench.png under --out; prints the triton rows' table and the target lines last.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from moeflow.presets import preset_config
 from moeflow.quant import create_scheme
 from moeflow.routing import create_router
 
-# PERF.md: best anchor's GEMM-only µs, (preset, T) -> (bf16, fp8)
+# docs/performance.md: best anchor's GEMM-only µs, (preset, T) -> (bf16, fp8)
 ANCHORS = {("qwen3-30b-a3b", 1): (35, 27), ("qwen3-30b-a3b", 128): (300, 169), ("qwen3-30b-a3b", 4096): (777, 621),
            ("qwen3-30b-a3b", 16384): (2347, 2160), ("deepseek-v3", 1): (203, 108), ("deepseek-v3", 128): (5268, 2765),
            ("deepseek-v3", 4096): (10239, 5741), ("deepseek-v3", 16384): (22764, 15453),

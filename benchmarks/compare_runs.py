@@ -1,4 +1,4 @@
-"""Two runs of bench_layer.py side by side: each row's time, new over old, and PERF.md's target lines of both runs,
+"""Two runs of bench_layer.py side by side: each row's time, new over old, and both runs' target lines,
 each at its own re-measured ceilings and the new run at the old run's too. A change's effect on the rows is read
 from an A/B on one machine (benchmarks/gpu_run.sh with BASELINE=); this script says how far two runs moved apart,
 and how much of a move in % of roofline is the re-measured ceilings rather than the times.

@@ -1,4 +1,4 @@
-"""One check of the one-launch small-batch layer (kernels/fused_layer.py), shared by its CPU-interpreter suite
+"""One check of the one-launch small-batch layer (kernels/gemm/fused_layer.py), shared by its CPU-interpreter suite
 (tests/kernels/test_fused_layer.py) and its GPU suite (tests/gpu/test_gpu_fused_layer.py): fresh random weights and
 routing, outputs poisoned, the launch against its torch reference and the float64 oracle."""
 import torch

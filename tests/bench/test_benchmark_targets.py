@@ -1,4 +1,4 @@
-"""PERF.md's four target lines as benchmark.target_summary computes them from bench_layer.py's rows."""
+"""the four target lines of docs/performance.md as benchmark.target_summary computes them from bench_layer.py's rows."""
 import json
 import math
 import pathlib
@@ -90,7 +90,7 @@ def test_compare_runs_prints_both_runs_and_the_rebased_lines(tmp_path, capsys):
     assert out.count("targets, ") == 3 and "new run at the old run's ceilings" in out
 
 
-# PERF.md's anchor table: (preset, T) -> (bf16 µs, its % of roofline, fp8 µs, its %), the percentages as PERF.md
+# the anchor table: (preset, T) -> (bf16 µs, its % of roofline, fp8 µs, its %), the percentages as published
 # printed them (whole numbers) at its ceilings (700 / 1265 TFLOP/s, 4.27 TB/s) with random routing's expected hit
 PERF_ANCHORS = {
     ("qwen3-30b-a3b", 1): (35, 50, 27, 33), ("qwen3-30b-a3b", 128): (300, 94, 169, 84),
@@ -104,8 +104,8 @@ PERF_ANCHORS = {
 
 @pytest.mark.parametrize("preset,t", sorted(PERF_ANCHORS))
 def test_roofline_reproduces_perf_md_anchor_percentages(preset, t):
-    """moeflow.benchmark's FLOPs, bytes, expected hit and floor at PERF.md's ceilings (Ceilings()) give each of PERF.md's
-    24 anchor percentages to within rounding: the formulas the benchmarks report against are PERF.md's."""
+    """moeflow.benchmark's FLOPs, bytes, expected hit and floor at the anchors' ceilings (Ceilings()) give each of their
+    24 anchor percentages to within rounding: the formulas the benchmarks report against are the anchors'."""
     from moeflow.benchmark import roofline_seconds
     from moeflow.presets import preset_config
     bf16_us, bf16_pct, fp8_us, fp8_pct = PERF_ANCHORS[(preset, t)]
@@ -115,7 +115,7 @@ def test_roofline_reproduces_perf_md_anchor_percentages(preset, t):
 
 
 def test_roofline_formulas_by_hand():
-    """PERF.md's formulas on Qwen3-30B-A3B (H 2048, I 768, E 128, K 8), numbers worked by hand."""
+    """The roofline formulas on Qwen3-30B-A3B (H 2048, I 768, E 128, K 8), numbers worked by hand."""
     from moeflow.benchmark import Ceilings, experts_hit, layer_bytes, layer_flops, roofline_seconds
     from moeflow.presets import preset_config
     bf16 = preset_config("qwen3-30b-a3b", dtype=torch.bfloat16)

@@ -71,7 +71,7 @@ def test_bench_small_runs_and_checks(tmp_path, capsys, quant):
         assert r["us"] > 0 and r["timing"] == "eager"  # the CPU: host timing (CUDA: graph replay)
         assert r["rel_err"] is None or r["rel_err"] < 2e-2  # bf16 vs the reference runner
         # GB/s: the fewest bytes the layer moves (moeflow.benchmark.layer_bytes) over its time, counting the experts
-        # the row's routing touched (PERF.md), here at most E = 8 and at least one
+        # the row's routing touched (docs/performance.md), here at most E = 8 and at least one
         assert 1 <= r["experts_hit"] <= min(8, 2 * r["T"])
         assert r["gbs"] == pytest.approx(r["tflops"] * 1e3 * _bytes_per_flop(quant, r["T"], r["experts_hit"]), rel=1e-9)
         assert "pct_roofline" not in r and "floor_us" not in r  # no ceilings on the CPU
@@ -133,7 +133,7 @@ def test_bench_refuses_a_preset_that_does_not_fit(capsys, monkeypatch):
 
 
 def test_bench_row_counts_the_experts_routed_and_uses_the_ceilings_given():
-    """A row's GB/s and floor count the experts its routing touched (PERF.md), not random routing's expectation, and
+    """A row's GB/s and floor count the experts its routing touched, not random routing's expectation, and
     its % of roofline divides by the ceilings handed in (on CUDA, measured at the start of the run)."""
     from moeflow import MoE
     from moeflow.benchmark import Ceilings, layer_bytes, roofline_seconds

@@ -95,7 +95,7 @@ class Ctx:
 
 @contextlib.contextmanager
 def kernels_on_cpu():
-    """The dispatchers' Triton kernel paths (kernels/ep_rows.py, ep_sort.py), which run on CUDA
+    """The dispatchers' Triton kernel paths (kernels/rows/ep_rows.py, ep_sort.py), which run on CUDA
     only, forced onto CPU tensors through Triton's interpreter: the kernels inside the real
     multi-process dispatch, gloo standing in for NCCL."""
     import importlib

@@ -1,4 +1,4 @@
-"""`moeflow bench` on a GPU: every valid runner against the reference, the rows timed by PERF.md's method (the
+"""`moeflow bench` on a GPU: every valid runner against the reference, the rows timed as CUDA graphs (the
 layer as one CUDA graph, L2 flushed) where the layer can be captured, with GB/s and % of roofline, and its plot.
 Run: pytest -m gpu tests/gpu/test_gpu_cli.py"""
 import json
@@ -20,7 +20,7 @@ def test_bench_on_gpu_graph_timed_with_roofline_and_plot(tmp_path):
     rows = [r for r in json.loads(out.read_text()) if r["status"] == "ok"]
     triton = [r for r in rows if r["runner"] == "triton"]
     assert {(r["quant"], r["T"]) for r in triton} == {(q, t) for q in ("none", "fp8-block") for t in (1, 16)}
-    assert all(r["timing"] == "graph" for r in triton)  # the triton layer is capturable: PERF.md's method
+    assert all(r["timing"] == "graph" for r in triton)  # capturable: timed as CUDA graphs
     for r in rows:
         assert r["us"] > 0 and r["gbs"] > 0 and 0 < r["pct_roofline"]
         assert r["rel_err"] is None or r["rel_err"] < 3e-2

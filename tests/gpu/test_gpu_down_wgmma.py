@@ -1,9 +1,9 @@
-"""kernels/down_wgmma.py (the Gluon fp8-block down GEMM, GemmConfig.scale_overlap) on a Hopper GPU:
-against a float64 reference of the dequantized operands and bit for bit against kernels/down.py's
+"""kernels/gemm/down_wgmma.py (the Gluon fp8-block down GEMM, GemmConfig.scale_overlap) on a Hopper GPU:
+against a float64 reference of the dequantized operands and bit for bit against kernels/gemm/down.py's
 Triton kernel, on fresh random data with NaN-poisoned outputs: empty experts, all rows to one
 expert, one row, K loops of 1, 3, 6 and 112 steps (every UNROLL path), I and H off the tiles, weights
 shared by every expert (stride 0), and the masked layout falling back to the Triton kernel; the persistent
-grid (kernels/down_wgmma_persistent.py) with few programs, so that each loops over many tiles.
+grid (kernels/gemm/down_wgmma_persistent.py) with few programs, so that each loops over many tiles.
 Run: pytest -m gpu tests/gpu
 """
 import pytest
@@ -29,7 +29,7 @@ SCH = create_scheme("fp8-block")
 TILES = [GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2),
          GemmConfig(128, 128, 128, 8, 8, 3, scale_overlap=1), GemmConfig(64, 128, 128, 4, 4, 4, scale_overlap=2),
          GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=1), GemmConfig(64, 64, 128, 4, 4, 3, scale_overlap=2),
-         # persistent grids (kernels/down_wgmma_persistent.py; per-tile where STAGES > the K steps)
+         # persistent grids (kernels/gemm/down_wgmma_persistent.py; per-tile where STAGES > the K steps)
          GemmConfig(64, 128, 128, 8, 4, 4, 2, scale_overlap=2), GemmConfig(128, 128, 128, 8, 8, 3, 1, scale_overlap=1)]
 
 

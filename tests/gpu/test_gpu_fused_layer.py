@@ -1,4 +1,4 @@
-"""The one-launch small-batch layer (kernels/fused_layer.py) on a GPU: bf16 (which the CPU interpreter cannot
+"""The one-launch small-batch layer (kernels/gemm/fused_layer.py) on a GPU: bf16 (which the CPU interpreter cannot
 run), fp16, fp8-block and fp8-channel against the float64 oracle and the kernel's torch reference, outputs poisoned, odd
 shapes; its down items really wait here (programs run side by side), so repeated launches and CUDA-graph
 replays must give the same bits every time (a missing release/acquire would show as a moving result).
@@ -117,7 +117,7 @@ def test_layer_without_fused_tiles_keeps_separate_launches(make_layer, tmp_path,
 
 def test_fp8_channel_stays_at_the_bf16_floor():
     """fp8-channel's one launch runs its dots in fp16 on the fp8 values. With fp8 wgmma dots its error against the
-    float64 oracle had averaged 2.6-6.1e-3 over routings at PERF.md's shapes (one scale a row: a rounding of the row's
+    float64 oracle had averaged 2.6-6.1e-3 over routings at the presets (one scale a row: a rounding of the row's
     largest value moves the whole row), against 1.65-1.77e-3 in fp16 and 2.35-2.45e-3 for the separate launches
     (measured on an H200 on 2026-12-04). Qwen3's widths, 16 experts, T=4, 8 routings: the mean
     must stay under 2.5e-3."""

@@ -1,5 +1,5 @@
-"""kernels/gate_up_wgmma.py (the Gluon fp8-block gate_up GEMM, GemmConfig.scale_overlap on a gate_up config)
-on a Hopper GPU: bit for bit against kernels/gate_up.py's Triton kernel (fp8 intermediate and group scales)
+"""kernels/gemm/gate_up_wgmma.py (the Gluon fp8-block gate_up GEMM, GemmConfig.scale_overlap on a gate_up config)
+on a Hopper GPU: bit for bit against kernels/gemm/gate_up.py's Triton kernel (fp8 intermediate and group scales)
 and, dequantized, against a float64 reference, on fresh random data with NaN-poisoned outputs: empty
 experts, all rows to one expert, one row, K loops of 1, 2, 3, 9, 32 and 56 steps (several loop-body
 lengths), several column tiles, weights shared by every expert (stride 0), and the cases that fall back

@@ -81,7 +81,7 @@ def test_odd_shapes(make_layer, poison, scheme):
     assert_close(layer.forward_topk(x, ids, w), layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), "odd")
 
 
-# shapes no tuned table covers (kernels/sm90_defaults.py picks their tiles on Hopper): K loops of at most 16 steps
+# shapes no tuned table covers (kernels/gemm/sm90_tiles.py picks their tiles on Hopper): K loops of at most 16 steps
 # of 128 (the warp-specialized tiles), and longer ones (fp8-block's per-tile Gluon kernels; bf16's 128 x 256 down)
 UNTUNED = {"short-k": dict(num_experts=16, hidden_size=1536, intermediate_size=1408, top_k=4),
            "long-k": dict(num_experts=8, hidden_size=4608, intermediate_size=2304, top_k=2)}
@@ -446,7 +446,7 @@ def test_triton_router_on_gpu(preset, t):
     float32 rounding. The sigmoid scores are torch's bits (common.exact_sigmoid), so the ids must be equal in every
     row but those with an exact float32 tie among their K + 1 best choices (_exact_ties: torch.topk's order among
     ties is unspecified), which must be fewer than 1 in 1000. T >= 2048 of Qwen3 and DeepSeek-V3 runs
-    kernels/route_stream.py, whose ids must also equal kernels/route.py's (the same float32 choices) in every row."""
+    routing/route_stream.py, whose ids must also equal routing/route.py's (the same float32 choices) in every row."""
     from moeflow.kernels.routing.route import route
     from moeflow.presets import preset_config
     from moeflow.routing import create_router
@@ -470,7 +470,7 @@ def test_triton_router_on_gpu(preset, t):
 @pytest.mark.parametrize("t", [37, 4096])
 def test_sigmoid_routers_agree_where_the_scores_saturate_on_gpu(t):
     """Sigmoid without a bias, every row with six experts past the logit (about 16.6) where float32 sigmoids are 1.0:
-    the torch router, kernels/route.py (T=37) and the streaming kernel (T=4096, 128 experts) pick the same largest
+    the torch router, routing/route.py (T=37) and the streaming kernel (T=4096, 128 experts) pick the same largest
     logits, with the same weights."""
     from moeflow import MoEConfig
     from moeflow.kernels.routing.route import route
@@ -482,7 +482,7 @@ def test_sigmoid_routers_agree_where_the_scores_saturate_on_gpu(t):
     logits.scatter_(1, cols, 17.0 + 30.0 * torch.rand(t, 6, device="cuda"))
     want_ids, want_w = create_router(cfg, "torch")(logits, None)
     assert torch.equal(want_ids.long().sort(1).values, logits.topk(4, 1).indices.sort(1).values)
-    for lanes in (0, None):  # kernels/route.py, and what route() picks (the streaming kernel at T=4096)
+    for lanes in (0, None):  # kernels/routing/route.py, and what route() picks (the streaming kernel at T=4096)
         ids, w = route(logits, None, 4, "sigmoid", True, lanes=lanes)
         assert torch.equal(ids, want_ids), lanes
         torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)
@@ -490,7 +490,7 @@ def test_sigmoid_routers_agree_where_the_scores_saturate_on_gpu(t):
 
 @pytest.mark.parametrize("payload", [None, "fp8-block"])
 def test_ep_row_kernels_on_gpu(payload):
-    """kernels/ep_rows.py at the benchmark's sizes (H=7168, top-8, 256 rows, 128 local experts) on
+    """kernels/rows/ep_rows.py at the benchmark's sizes (H=7168, top-8, 256 rows, 128 local experts) on
     CUDA: bit for bit the torch code of the dispatchers (pack_rows_torch, masked_batch_torch)."""
     from moeflow.dispatch._ep_reference import masked_batch_torch, pack_rows_torch
     from moeflow.dispatch._ep_rows import RowCodec
@@ -520,7 +520,7 @@ def test_ep_row_kernels_on_gpu(payload):
 
 @pytest.mark.parametrize("r,e_local", [(8192, 128), (300, 5), (16384, 256), (2048, 8), (128, 128), (256, 256)])
 def test_ep_sort_on_gpu(r, e_local):
-    """kernels/ep_sort.py at alltoall's size (8192 received rows, top-8, 128 local experts; ids in a
+    """kernels/rows/ep_sort.py at alltoall's size (8192 received rows, top-8, 128 local experts; ids in a
     strided view as received) on CUDA: bit for bit the torch reference."""
     from moeflow.dispatch._ep_reference import sort_copies_by_expert_torch
     from moeflow.kernels.rows.ep_sort import sort_copies_by_expert

@@ -2,7 +2,7 @@
 and down candidate of autotune.candidates at the three families of rows per expert (weight streaming m <= 16, the
 middle, large tiles), every scheme, an aligned shape (the warp-specialized and Gluon kernels' sizes) and an odd one
 (K tails, partial tiles), gate_up with rows by index and in order. Each runs with its outputs poisoned and is checked
-as tune() checks its pick (kernels/verify.py: every element written, every expert's rows within MAX_REL_ERR of
+as tune() checks its pick (tune/verify.py: every element written, every expert's rows within MAX_REL_ERR of
 the float64 reference). Also tune() itself refusing a wrong fastest candidate.
 Run: pytest -m gpu tests/gpu/test_gpu_tune_candidates.py (about 900 cases, compiled in 12 worker processes).
 """

@@ -1,4 +1,4 @@
-"""kernels/warp_specialized.py (the warp-specialized Gluon GEMMs, GemmConfig.warp_specialize) on a Hopper GPU.
+"""kernels/gemm/warp_specialized.py (the warp-specialized Gluon GEMMs, GemmConfig.warp_specialize) on a Hopper GPU.
 The down: against a float64 reference on fresh random data with NaN-poisoned outputs: empty experts, every row to one
 expert, one row, no rows, K loops of 1, 2, 12 and 224 steps (a partial last step), H off the tiles, weights
 shared by every expert (stride 0); grids of 1 and 3 programs, so that each program runs many tiles through both

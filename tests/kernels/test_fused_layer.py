@@ -1,4 +1,4 @@
-"""The one-launch small-batch layer (kernels/fused_layer.py) under Triton's CPU interpreter, and how the plan
+"""The one-launch small-batch layer (kernels/gemm/fused_layer.py) under Triton's CPU interpreter, and how the plan
 and the triton runner decide to use it.
 
 The kernel against its torch reference (the same float32 math in the same order: near bit-exact) and against

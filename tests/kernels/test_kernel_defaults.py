@@ -1,4 +1,4 @@
-"""Kernel configurations where no tuned table matches: the Hopper defaults (kernels/sm90_defaults.py) and borrowing
+"""Kernel configurations where no tuned table matches: the Hopper defaults (kernels/gemm/sm90_tiles.py) and borrowing
 another GPU's table of the same compute capability (kernels/configs.find_table). Host-side only: which tiles are
 picked and whether they survive configs.fit; the GPU suite runs them (tests/gpu/test_gpu_triton.py)."""
 import json

@@ -1,4 +1,4 @@
-"""The Triton kernels on Hopper, checked without a GPU (moeflow/kernels/registers.py: Triton's own
+"""The Triton kernels on Hopper, checked without a GPU (moeflow/tune/registers.py: Triton's own
 compiler for sm_90a and the ptxas inside the triton wheel).
 
 * Every kernel compiles for sm_90a, for the layouts, schemes and load paths it has. The CPU
@@ -316,7 +316,7 @@ DOWN_ALIGNED = ["as_ptr", "ws_ptr", "rw_ptr", "out_ptr", "meta_ptr", "H", "I", "
 
 
 def test_wgmma_down_keeps_its_wgmmas_overlapped():
-    """kernels/down_wgmma.py compiled for sm_90a: ptxas neither serializes its wgmmas (C7514: a running
+    """kernels/gemm/down_wgmma.py compiled for sm_90a: ptxas neither serializes its wgmmas (C7514: a running
     product's registers read or moved, which the two-products-by-turns loop exists to avoid) nor
     injects waits (C7517), and the tiles the tuner offers fit in registers. UNROLL 1 is the serial form.
     The tile the H200 tables pick (128x128, 8 warps, 4 stages, 8 steps a body) spills 32-44 bytes and is
@@ -344,7 +344,7 @@ def gate_up_descs(bm: int, pairs: bool) -> dict:
 
 
 def test_wgmma_gate_up_keeps_its_wgmmas_overlapped():
-    """kernels/gate_up_wgmma.py compiled for sm_90a at the tiles the tuner offers and the loop bodies unroll()
+    """kernels/gemm/gate_up_wgmma.py compiled for sm_90a at the tiles the tuner offers and the loop bodies unroll()
     picks for Qwen3's, Mixtral's and DeepSeek-V3's K loops (16, 32, 56 steps) and a 9-step one: no serialized
     wgmmas (C7514), no injected waits (C7517), no spills (a body of a multiple of STAGES steps spilled 128-600
     bytes: unroll() avoids those)."""
@@ -433,7 +433,7 @@ def test_gate_up_weight_planes_address_each_experts_gate_and_up_rows():
 
 
 def test_wgmma_down_persistent_keeps_its_wgmmas_overlapped():
-    """kernels/down_wgmma_persistent.py compiled for sm_90a at the tiles the tuner offers it (64x128 with 4 warps,
+    """kernels/gemm/down_wgmma_persistent.py compiled for sm_90a at the tiles the tuner offers it (64x128 with 4 warps,
     128x128 with 8) and Qwen3's and DeepSeek-V3's K loops (6 and 16 steps: bodies of 6 and 8): its loop over
     tiles keeps the wgmmas overlapped (no C7514 / C7517) and nothing spills at those tiles."""
     tiles = [(64, 4, 4, 6, True), (64, 4, 3, 6, False), (64, 4, 4, 8, True), (128, 8, 3, 6, True), (128, 8, 3, 8, False)]
@@ -508,7 +508,7 @@ print(json.dumps(out))
 
 
 def test_warp_specialized_gemms_compile_without_spills():
-    """kernels/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages, also COOP and
+    """kernels/gemm/warp_specialized.py compiled for sm_90a (down and gate_up, bf16 and fp16, 2-6 stages, also COOP and
     64-row tiles; the fp8-block
     down's loop bodies of 1-8 steps, 2-8 stages, all three tiles; the fp8-block gate_up's bodies of 1-8 steps, 2-5
     stages, and its 128-row tiles shared by the two consumers at 2-4, as the wide down's) under its launch's register

@@ -1,4 +1,4 @@
-"""The packed-row kernels (moeflow/kernels/ep_rows.py) under TRITON_INTERPRET=1, bit for bit against
+"""The packed-row kernels (moeflow/kernels/rows/ep_rows.py) under TRITON_INTERPRET=1, bit for bit against
 the torch code of the dispatchers: RowCodec.pack (lowlatency), alltoall's per-destination routing,
 masked_batch_torch. Destination buffers and outputs start poisoned (0x7f bytes), so an element a kernel
 forgets to write shows."""

@@ -724,12 +724,12 @@ def test_fit_rules():
     big = tiles.fit(kc.GemmConfig(128, 256, 128, 8, 8, 5), fused_pair=True, scheme="none", elem_bytes=4, n_size=512)
     assert big.num_stages * (128 * 128 + 2 * 128 * 256) * 4 <= 200 * 1024 or big.num_stages == 1
     assert tiles.fit(kc.GemmConfig(16, 16, 16), fused_pair=False, scheme="fp8-tensor", elem_bytes=1, n_size=64).block_k == 32
-    # the Gluon down (kernels/down_wgmma.py): only fp8-block down tiles it runs keep scale_overlap; JSON true is 1
+    # the Gluon down (kernels/gemm/down_wgmma.py): only fp8-block down tiles it runs keep scale_overlap; JSON true is 1
     so = lambda cfg, **kw: tiles.fit(cfg, **{**dict(fused_pair=False, scheme="fp8-block", elem_bytes=1, n_size=4096), **kw}).scale_overlap
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2)) == 2
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=True)) == 1
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=1), scheme="fp8-channel") == 0
-    # the Gluon gate_up (kernels/gate_up_wgmma.py): 128 x 128 weight steps, 16 rows a warp; its flag is 1
+    # the Gluon gate_up (kernels/gemm/gate_up_wgmma.py): 128 x 128 weight steps, 16 rows a warp; its flag is 1
     assert so(kc.GemmConfig(128, 128, 128, 8, 8, 4, scale_overlap=2), fused_pair=True) == 1
     assert so(kc.GemmConfig(64, 128, 128, 8, 4, 5, scale_overlap=1), fused_pair=True) == 1
     assert so(kc.GemmConfig(128, 256, 128, 8, 8, 3, scale_overlap=1), fused_pair=True) == 0  # BLOCK_N stays 256
@@ -795,9 +795,9 @@ def test_route_kernel_rows_per_program(e, k, bias):
 @pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("case", ROUTING)
 def test_route_stream_kernel_matches_the_torch_router(case, lanes):
-    """kernels/route_stream.py (threads a token: lanes): the same expert ids (in order) and weights as
+    """kernels/routing/route_stream.py (threads a token: lanes): the same expert ids (in order) and weights as
     routing/torch_topk.py, a last block past T, and a row of exact ties picking the lowest ids in order; softmax
-    with groups runs kernels/route.py instead (streams())."""
+    with groups runs kernels/routing/route.py instead (streams())."""
     from moeflow import MoEConfig
     from moeflow.kernels.routing.route import route
     from moeflow.kernels.routing.route_stream import streams
@@ -847,7 +847,7 @@ def test_large_batch_of_two_expert_groups_routes_with_the_one_warp_kernel(monkey
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_sigmoid_routers_agree_where_the_scores_saturate(renormalize):
     """Sigmoid without a bias: float32 sigmoids are exactly 1.0 from a logit of about 16.6, so the scores tie where
-    the logits do not. The torch router, kernels/route.py and the streaming kernel all pick the largest logits (the
+    the logits do not. The torch router, routing/route.py and the streaming kernel all pick the largest logits (the
     warp-a-token kernel had ranked the tied scores and picked the lowest ids: other experts, at full weight)."""
     from moeflow import MoEConfig
     from moeflow.kernels.routing.route import route
@@ -859,7 +859,7 @@ def test_sigmoid_routers_agree_where_the_scores_saturate(renormalize):
     assert torch.sigmoid(logits[:, [2, 5, 9, 11, 14]]).eq(1.0).all()
     want_ids, want_w = create_router(cfg, "torch")(logits, None)
     assert torch.equal(want_ids, torch.tensor([[14, 5, 9]], dtype=torch.int32).expand(9, 3))
-    for lanes in (0, 1, 2):  # 0: kernels/route.py's warp-a-token kernel; else the streaming kernel
+    for lanes in (0, 1, 2):  # 0: kernels/routing/route.py's warp-a-token kernel; else the streaming kernel
         ids, w = route(logits, None, 3, "sigmoid", renormalize, lanes=lanes, num_warps=1)
         assert torch.equal(ids, want_ids), lanes
         torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)

@@ -1,4 +1,4 @@
-"""kernels/warp_specialized.py's parts that run without a GPU: the row-block table kernel under TRITON_INTERPRET=1
+"""kernels/gemm/warp_specialized.py's parts that run without a GPU: the row-block table kernel under TRITON_INTERPRET=1
 against its torch reference (edge layouts), and fit()'s rule for GemmConfig.warp_specialize. The Gluon GEMMs
 themselves need a Hopper GPU (tests/gpu/test_gpu_warp_specialized.py); tests/kernels/test_kernels_compile_sm90.py compiles it."""
 import pytest

@@ -1,4 +1,4 @@
-"""`moeflow tune` checks the configs it records (kernels/verify.py, autotune.gemm_checks / _fastest_correct): the
+"""`moeflow tune` checks the configs it records (tune/verify.py, autotune.gemm_checks / _fastest_correct): the
 kernels' own outputs pass under the CPU interpreter, outputs with faults planted in them are refused, and the
 search falls back to the next fastest candidate, or raises MF607 when none is right."""
 from dataclasses import replace

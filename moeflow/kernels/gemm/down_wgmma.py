@@ -23,7 +23,7 @@ try:  # Gluon (triton.experimental.gluon) ships with recent triton (3.6 here); o
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton: usable() says False
+except ImportError:  # pragma: no cover - older triton: choice.py then runs no Gluon kernel
     gluon = None
 
 
