@@ -13,6 +13,7 @@ from functools import lru_cache
 import torch
 
 from . import env as moeflow_env
+from .targets import BY_ARCH, TARGETS, nearest, target_of
 
 ALL_FLOAT = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
@@ -20,16 +21,16 @@ ALL_FLOAT = frozenset({torch.bfloat16, torch.float16, torch.float32})
 @dataclass(frozen=True)
 class Support:
     """One row of what a runner can do: on ``device`` it runs ``schemes`` for layer ``dtypes``
-    on GPUs of compute capability >= ``min_cc`` and <= ``max_cc`` (the newest it has been run and validated on;
-    None: no bound; both ignored off CUDA), when hidden_size and intermediate_size are multiples of ``align``
-    elements."""
+    on GPUs of compute capability >= ``min_cc`` whose architecture is one of ``archs`` (moeflow.targets names:
+    the GPUs its kernels are built for; None: any; both ignored off CUDA), when hidden_size and intermediate_size are
+    multiples of ``align`` elements."""
 
     device: str  # "cpu" | "cuda"
     schemes: frozenset[str]
     dtypes: frozenset[torch.dtype] = ALL_FLOAT
     min_cc: tuple[int, int] = (0, 0)
     align: int = 1
-    max_cc: tuple[int, int] | None = None
+    archs: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,9 @@ class RouterCaps:
     grouped_pow2: bool = False  # grouped selection needs a power-of-two expert count
     note: str = ""
     graph_safe: bool = False  # as RunnerCaps.graph_safe
-    # the CUDA compute capabilities (lowest, highest) it has been run and validated on (None: any); on others only
-    # with MOEFLOW_ALLOW_UNVALIDATED_GPU=1 (MF210), as a runner past its Support rows' max_cc
-    validated_cc: tuple[tuple[int, int], tuple[int, int]] | None = None
+    # the GPU architectures its kernels are built for (moeflow.targets names; None: any); on others only with
+    # MOEFLOW_ALLOW_UNVALIDATED_GPU=1 (MF210), as a runner's Support rows' archs
+    archs: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,14 +138,31 @@ class Environment:
     unavailable: frozenset[str] = field(default_factory=frozenset)  # packages forced missing (tests)
     # on a detected CPU, its ISA features (cpu_features()); None: unknown (a hypothetical environment)
     cpu_features: frozenset[str] | None = None
+    # the GPU's own capability where MOEFLOW_KERNEL_ARCH made ``capability`` another architecture's, else None
+    actual: tuple[int, int] | None = None
+    # an AMD GPU under ROCm (torch calls it "cuda"): its architecture, "gfx942"; None for NVIDIA GPUs and CPUs
+    rocm: str | None = None
 
     @classmethod
     def detect(cls, device: torch.device, world_size: int = 1) -> "Environment":
-        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        return cls(device.type, cc, world_size, cpu_features=cpu_features() if device.type == "cpu" else None)
+        """The machine of ``device``; on CUDA with MOEFLOW_KERNEL_ARCH set, planned as that architecture (its
+        capability; ``actual`` keeps the GPU's own), as the kernels then choose (moeflow.targets.kernel_target)."""
+        cc = actual = tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+        forced = moeflow_env.KERNEL_ARCH.get_choice() if device.type == "cuda" else ""
+        if forced:
+            cc = BY_ARCH[forced].capability
+        rocm = None
+        if device.type == "cuda" and torch.version.hip:
+            rocm = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+        return cls(device.type, cc, world_size, cpu_features=cpu_features() if device.type == "cpu" else None,
+                   actual=actual if forced else None, rocm=rocm)
 
     def describe(self) -> str:
         cc = f" sm_{self.capability[0]}{self.capability[1]}" if self.capability else ""
+        if self.actual is not None:
+            cc += f" (MOEFLOW_KERNEL_ARCH, on an sm_{self.actual[0]}{self.actual[1]} GPU)"
+        if self.rocm:
+            cc = f" {self.rocm} (ROCm)"
         if self.cpu_features is not None:
             shown = [f for f in _SHOWN_CPU_FEATURES if f in self.cpu_features]
             cc = f" ({', '.join(shown) or 'no AVX2'})"
@@ -188,20 +206,24 @@ def _import_error(package: str) -> str | None:
     return None
 
 
-# the GPU the Triton router (RouterCaps.validated_cc) and the Triton kernels around the runner were run and checked on
-GLUE_VALIDATED_CC = (9, 0)
+# every GPU architecture moeflow's Triton kernels are built for (moeflow.targets): the runners' and routers' archs
+TRITON_ARCHS = frozenset(t.arch for t in TARGETS)
 
 
-def triton_glue(t: torch.Tensor) -> bool:
+def triton_glue(t: torch.Tensor, fp8: bool = False) -> bool:
     """Whether the Triton kernels around the runner run for ``t``: the local dispatcher's sort (with the tokens'
     quantization) and the top-k sum, the expert-parallel dispatchers' row packing and quantization. On CUDA, on a GPU
-    of compute capability GLUE_VALIDATED_CC, where they were run and checked (as RouterCaps.validated_cc and the
-    runners' Support rows declare), or on any with MOEFLOW_ALLOW_UNVALIDATED_GPU=1; elsewhere their torch code runs
-    (the same results: each kernel's torch reference)."""
-    if not t.is_cuda:
+    the kernels are built for (moeflow.targets; any with MOEFLOW_ALLOW_UNVALIDATED_GPU=1); ``fp8``: a kernel that
+    writes FP8, which needs a target with FP8 support (sm_89 on). Elsewhere their torch code runs (the same results:
+    each kernel's torch reference); never on an AMD GPU (MF211)."""
+    if not t.is_cuda or torch.version.hip:  # no kernel is built for AMD GPUs (MF211)
         return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return _capability(index) == GLUE_VALIDATED_CC or moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool()
+    have = _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    forced = moeflow_env.KERNEL_ARCH.get_choice()
+    target = BY_ARCH[forced] if forced else target_of(have)  # whose rules the kernels follow (targets.kernel_target)
+    if target is None and moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
+        target = nearest(have)
+    return target is not None and (target.fp8_dots or not fp8)
 
 
 @lru_cache(maxsize=None)

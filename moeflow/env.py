@@ -20,7 +20,9 @@ class EnvVar:
     name: str
     default: str
     help: str
-    kind: str = "switch"  # how it is read: "switch" (get_bool), "seconds" (get_positive), "count" (get_count), "text"
+    kind: str = "switch"  # how it is read: "switch" (get_bool), "seconds" (get_positive), "count" (get_count), "text",
+    # "choice" (get_choice: one of ``choices``, or empty)
+    choices: tuple[str, ...] = ()
 
     def get(self) -> str:
         held = getattr(_HELD, "values", None)
@@ -58,10 +60,17 @@ class EnvVar:
             raise _invalid(self, "expected a whole number >= 0")
         return int(raw)
 
+    def get_choice(self) -> str:
+        """The value as one of ``choices``, or "" (unset); MF107 otherwise."""
+        raw = self.get().strip()
+        if raw and raw not in self.choices:
+            raise _invalid(self, f"expected one of {', '.join(self.choices)}, or empty")
+        return raw
+
     def read(self):
         """The value as its kind reads it (MF107 where it cannot be: `moeflow env` checks every variable so)."""
         return {"switch": self.get_bool, "seconds": self.get_positive, "count": self.get_count,
-                "text": self.get}[self.kind]()
+                "text": self.get, "choice": self.get_choice}[self.kind]()
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -142,13 +151,20 @@ ALLOW_UNVALIDATED_GPU = EnvVar(
     "Set 1 to let the planner build runners on GPUs newer than the compute capability they were validated on "
     "(their declared max_cc: the Triton and grouped_mm runners, sm_90), and the Triton router and the dispatchers' "
     "Triton kernels run on any GPU but sm_90. Untested there: MF210 otherwise, or their torch code.")
+KERNEL_ARCH = EnvVar(
+    "MOEFLOW_KERNEL_ARCH", "",
+    "Make the Triton runner's kernel choice follow another GPU architecture's rules (sm_80, sm_86, sm_89, sm_90, "
+    "sm_100, sm_120: moeflow.targets): its features (FP8 dots or weight-only FP8, TMA, PDL, the Hopper Gluon "
+    "kernels), its shared-memory budget and its default tiles. On an H100 / H200, sm_80 runs the portable kernels "
+    "and weight-only FP8 (with Triton's DISABLE_MMA_V3=1, as mma.sync: the Ampere instruction). Tests, benchmarks.",
+    "choice", ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"))  # moeflow.targets' (tests/test_env.py checks)
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
 ALL = (VALIDATE_INPUTS, ALLOW_UNVALIDATED_GPU, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA,
-       TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES, EAGER_GRAPHS, EAGER_BUCKETS,
+       TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES, EAGER_GRAPHS, EAGER_BUCKETS, KERNEL_ARCH,
        TRITON_INTERPRET)
 # the switches a layer's forward path reads on every call: a graph captured under one setting replays that setting's
 # launches, so moeflow.graphs keys its graphs by their values
-PATH_SWITCHES = (TRITON_TMA, TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES)
+PATH_SWITCHES = (TRITON_TMA, TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES, KERNEL_ARCH)

@@ -247,21 +247,37 @@ Fix: read the codes listed for each candidate (moeflow explain CODE) and change 
 Example: moeflow check --preset small --quant fp8-block --device cpu
 """)
 
-_spec("MF210", UnsupportedError, "GPU the backend has not been validated on",
-      "{kind} {name!r} has been run and validated on compute capability {validated}; this GPU has {have}; "
-      "valid {kind}s here: {valid}",
+_spec("MF210", UnsupportedError, "GPU the backend's kernels are not built for",
+      "{kind} {name!r} has kernels built for {archs}; this GPU is {have}; valid {kind}s here: {valid}",
       """
-What: a runner declares the newest GPU architecture its kernels were run and checked on (Support.max_cc); the
-Triton and grouped_mm runners, sm_90 (H100/H200). A newer GPU (Blackwell, sm_100/sm_120) has other instructions
-(no wgmma) and, on sm_120, a third of the shared memory the tuned tiles plan for, so the planner does not pick an
-unvalidated runner there: it would compile and launch untested code, or fail at forward time. The Triton router
-declares the GPUs it was run and checked on (RouterCaps.validated_cc, sm_90); elsewhere the torch router routes.
+What: a runner or router declares the GPU architectures its kernels are built for (Support.archs,
+RouterCaps.archs; moeflow.targets lists them with what each was checked by: "validated", run on such a GPU, or
+"compiled", every kernel and tile compiled for it and checked against its shared memory and registers in CI). The
+Triton runner and router: sm_80, sm_86, sm_89, sm_90, sm_100, sm_120; grouped_mm (torch's grouped GEMMs): sm_90. A
+GPU of another architecture (an older one, or one newer than this release: sm_103, sm_110, sm_121, ...) has
+kernels nobody compiled or checked for it, so the planner does not pick that backend there.
 When: building the layer on such a GPU with that runner named, or seeing it listed under MF209 with "auto"
-(which then picks a runner validated here, such as "reference"); a router: seen in `moeflow check`'s skipped
-candidates (the torch router then routes).
-Fix: use a runner listed as valid; or, to try the runner anyway (untested: its results are not checked here),
-set MOEFLOW_ALLOW_UNVALIDATED_GPU=1 and run the test suite on that GPU first (pytest -m gpu tests/gpu).
-Example: MoE(..., runner="reference")   # or: MOEFLOW_ALLOW_UNVALIDATED_GPU=1 python app.py
+(which then picks another runner, such as "reference"); a router: seen in `moeflow check`'s skipped candidates
+(the torch router then routes).
+Fix: use a backend listed as valid; or, to try it anyway (its results are not checked there), set
+MOEFLOW_ALLOW_UNVALIDATED_GPU=1 and run `moeflow selftest`, which compares every cell with the reference runner.
+Example: MoE(..., runner="reference")   # or: MOEFLOW_ALLOW_UNVALIDATED_GPU=1 moeflow selftest
+""")
+
+_spec("MF211", UnsupportedError, "AMD GPU: no kernels built for it",
+      "{kind} {name!r} has no kernels for AMD GPUs (this one is {arch}, ROCm); valid {kind}s here: {valid}",
+      """
+What: moeflow's Triton kernels (the triton runner and router, the dispatchers' Triton sorts and row kernels) are
+built for NVIDIA GPUs only (moeflow.targets). Triton's HIP backend compiles most of them for gfx942 (MI300), but
+their rules are NVIDIA's: programmatic dependent launch (griddepcontrol) and the PTX clock of the peer-to-peer barrier
+do not compile there, tiles plan for NVIDIA's shared memory (up to 200 KB against MI300's 64 KB), FP8 is e4m3fnuz
+(bias 8, largest 240) where checkpoints are e4m3fn, and an MI250 reports compute capability 9.0, an H100's. So on a
+ROCm device the Triton backends are refused, whatever its capability, and the torch code runs (the reference runner,
+the torch router and the torch sorts and sums).
+When: building the layer on an AMD GPU with runner="triton" named, or seeing it listed under MF209 / in `moeflow
+check`'s skipped candidates with "auto" (which then picks the reference runner).
+Fix: use runner="reference" (slow, exact) on AMD GPUs, or an NVIDIA GPU for the fast paths.
+Example: MoE(..., runner="reference", device="cuda")   # a ROCm device is "cuda" to torch
 """)
 
 # ---------------------------------------------------------------- MF3xx: forward inputs

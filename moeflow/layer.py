@@ -31,7 +31,7 @@ from .experts import ExpertWeights, create_runner, gated_activation
 from .graph_buckets import Bucketed
 from .graphs import GraphCache
 from .layouts import run_in_layout
-from .planner import plan as make_plan
+from .planner import plan as make_plan, warn_unvalidated
 from .quant import create_scheme
 from .routing import create_router
 from .weights import EXPERT_NAMES, canonical_state, load_expert_weight, load_layer_weights
@@ -417,7 +417,8 @@ def _built(config: MoEConfig, process_group) -> dict:
     refusal (a coded error) leaves a layer being converted (MoE._apply) as it was."""
     environment = Environment.detect(config.device, _world_size(process_group))
     plan = make_plan(config, environment)
-    scheme = create_scheme(plan.scheme)
+    warn_unvalidated(plan)  # a GPU the kernels are compiled for but were never run on: once per process
+    scheme = create_scheme(plan.scheme, weight_only=plan.weight_only)
     dispatcher = create_dispatcher(plan.dispatcher, config, scheme, process_group, indexed_rows=plan.indexed_rows,
                                    planned=plan)
     return dict(config=config, environment=environment, plan=plan, scheme=scheme,

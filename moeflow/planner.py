@@ -11,10 +11,12 @@ is always chosen ("auto"): the valid one of highest priority (triton > torch).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from . import env as moeflow_env
 from .capabilities import Environment
+from .targets import arch_name, nearest, target_of
 from .config import MoEConfig
 from .dispatch import DISPATCHERS
 from .errors import MoeflowError, error
@@ -43,6 +45,12 @@ class Plan:
     # graph-safe, and the dispatcher drops copies routed to no expert (DispatcherCaps.drops_copies): eager calls of
     # mid-sized batches may be padded to a bucket and replayed (MOEFLOW_EAGER_BUCKETS)
     bucketed: bool = False
+    # an FP8 scheme on a GPU without FP8 tensor cores (moeflow.targets: sm_80, sm_86): FP8 weights, activations in the
+    # layer dtype (quant/weight_only.py)
+    weight_only: bool = False
+    # why this GPU is not validated, where the chosen backends' kernels are compiled for it but were never run on one
+    # (moeflow.targets' grade "compiled"; `moeflow selftest` checks it); "" on a validated GPU, a CPU or torch code
+    unvalidated: str = ""
 
     @property
     def converted(self) -> bool:
@@ -109,6 +117,9 @@ def check_runner(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
         valid = [str(d).removeprefix("torch.") for d in listed if _passes(check_runner, name, cfg, env, dtype=d)]
         return error("MF207", runner=name, dtype=str(cfg.dtype).removeprefix("torch."), device=env.device_type,
                      valid=valid, runners=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
+    if env.rocm and all(s.archs is not None for s in dtyped):  # NVIDIA kernels only (MF211 says why)
+        return error("MF211", kind="runner", name=name, arch=env.rocm,
+                     valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
     if env.device_type == "cuda":
         have = env.capability or (0, 0)
         capable = [s for s in dtyped if have >= s.min_cc]
@@ -116,13 +127,12 @@ def check_runner(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
             need = min(s.min_cc for s in dtyped)
             return error("MF204", kind="runner", name=name, need=f"{need[0]}.{need[1]}", scheme=cfg.quant,
                          have=f"{have[0]}.{have[1]}", valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
-        validated = [s for s in capable if s.max_cc is None or have <= s.max_cc]
-        if not validated and not moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
-            newest = max(s.max_cc for s in capable)
-            return error("MF210", kind="runner", name=name, validated=f"up to {newest[0]}.{newest[1]}",
-                         have=f"{have[0]}.{have[1]}",
+        arch = arch_name(have)
+        built = [s for s in capable if s.archs is None or arch in s.archs]
+        if not built and not moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
+            return error("MF210", kind="runner", name=name, archs=_archs(capable), have=arch,
                          valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
-        dtyped = validated or capable
+        dtyped = built or capable
     row = dtyped[0]
     for fld in ("hidden_size", "intermediate_size"):
         value = getattr(cfg, fld)
@@ -137,11 +147,14 @@ def check_router(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
     caps = ROUTERS.get(name).caps
     if env.device_type not in caps.devices:
         return error("MF203", kind="router", name=name, device=env.device_type, valid=sorted(caps.devices))
-    if env.device_type == "cuda" and caps.validated_cc and not moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
-        (lo, hi), have = caps.validated_cc, env.capability or (0, 0)
-        if not lo <= have <= hi:  # as a runner past its validated GPUs (check_runner)
-            return error("MF210", kind="router", name=name, validated=_cc_range(lo, hi), have=f"{have[0]}.{have[1]}",
-                         valid=_valid_names(ROUTERS, check_router, cfg, env, alternatives))
+    if env.rocm and caps.archs is not None:
+        return error("MF211", kind="router", name=name, arch=env.rocm,
+                     valid=_valid_names(ROUTERS, check_router, cfg, env, alternatives))
+    if env.device_type == "cuda" and caps.archs is not None and not moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
+        arch = arch_name(env.capability or (0, 0))
+        if arch not in caps.archs:  # as a runner on a GPU its kernels are not built for (check_runner)
+            return error("MF210", kind="router", name=name, archs=", ".join(sorted(caps.archs, key=_arch_key)),
+                         have=arch, valid=_valid_names(ROUTERS, check_router, cfg, env, alternatives))
     e = cfg.num_experts
     if caps.max_experts is not None and e > caps.max_experts:
         return error("MF206", what=f"num_experts={e}", rule=f"at most {caps.max_experts}", kind="router", name=name,
@@ -166,8 +179,13 @@ def _valid_names(registry, check, cfg, env, wanted: bool) -> list[str]:
     return [n for n in registry.names() if check(n, cfg, env, alternatives=False) is None]
 
 
-def _cc_range(lo: tuple[int, int], hi: tuple[int, int]) -> str:
-    return f"{lo[0]}.{lo[1]}" if lo == hi else f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+def _archs(rows) -> str:
+    """The architectures Support rows are built for, in order: 'sm_80, sm_86, ...'."""
+    return ", ".join(sorted({a for s in rows for a in (s.archs or ())}, key=_arch_key))
+
+
+def _arch_key(arch: str) -> int:
+    return int(arch.removeprefix("sm_"))
 
 
 def _passes(check, name: str, cfg: MoEConfig, env: Environment, **change) -> bool:
@@ -238,7 +256,14 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
                                         else f"converted to {runner_layout!r} for the runner"))
     if indexed:
         reasons += ("rows by index: the runner reads each token's row in place (no permuted copy of hidden)",)
-    fused = DISPATCHERS.get(dispatcher).caps.fusable and cfg.quant in RUNNERS.get(runner).caps.fused_layer
+    target = _kernel_rules(env)
+    weight_only = target is not None and not target.fp8_dots and SCHEMES.get(cfg.quant).quantized
+    if weight_only:
+        reasons += (f"weight-only FP8: {target.arch} has no FP8 tensor cores, so the {cfg.quant} weights are read as "
+                    f"stored and dequantized inside the GEMMs, the activations stay {str(cfg.dtype)[6:]}",)
+    # (the one-launch layer dots FP8 activations: none under weight-only FP8)
+    fused = (DISPATCHERS.get(dispatcher).caps.fusable and cfg.quant in RUNNERS.get(runner).caps.fused_layer
+             and not weight_only)
     if fused:
         reasons += (f"small batches: dispatch, experts and combine in one {runner!r} launch where its tuned "
                     f"configs say so (dispatcher {dispatcher!r} only sorts and sums)",)
@@ -250,8 +275,51 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
     bucketed = graph_safe and DISPATCHERS.get(dispatcher).caps.drops_copies
     if bucketed:
         reasons += ("eager calls of mid-sized batches pad to a bucket and replay its graph (MOEFLOW_EAGER_BUCKETS)",)
+    unvalidated = _unvalidated(env, RUNNERS.get(runner).caps, ROUTERS.get(router).caps)
+    if unvalidated:
+        reasons += (unvalidated,)
     return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router,
-                fused, graph_safe, bucketed)
+                fused, graph_safe, bucketed, weight_only, unvalidated)
+
+
+def _kernel_rules(env: Environment):
+    """The moeflow.targets Target whose rules this GPU's kernels follow: its own, or where it is none but
+    MOEFLOW_ALLOW_UNVALIDATED_GPU=1 lets kernels run there, the nearest (targets.nearest); None off CUDA (and on AMD
+    GPUs: the torch code quantizes as the scheme says) or else."""
+    if env.device_type != "cuda" or env.rocm:
+        return None
+    have = env.capability or (0, 0)
+    return target_of(have) or (nearest(have) if moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool() else None)
+
+
+def _unvalidated(env: Environment, runner_caps, router_caps) -> str:
+    """Plan.unvalidated: why the runner's or router's kernels are unchecked on this GPU, or ""."""
+    if env.device_type != "cuda" or env.rocm:
+        return ""
+    built = [s.archs for s in runner_caps.support if s.device == "cuda" and s.archs is not None]
+    if router_caps.archs is not None:
+        built.append(router_caps.archs)
+    if not built:  # torch code only (the reference runner, the torch router)
+        return ""
+    have = env.capability or (0, 0)
+    target = target_of(have)
+    if target is None:
+        return (f"{arch_name(have)}: no kernels are built for it; running {nearest(have).arch}'s untested "
+                "(MOEFLOW_ALLOW_UNVALIDATED_GPU=1): run `moeflow selftest` to check this GPU")
+    if target.validated:
+        return ""
+    return (f"{target.arch} ({target.family}): moeflow's kernels are compiled for it and checked against its limits, "
+            "but not run on one: run `moeflow selftest` to check this GPU")
+
+
+_warned_unvalidated: set = set()
+
+
+def warn_unvalidated(plan: Plan) -> None:
+    """A warning, once per process and text, that the plan's GPU is not validated (Plan.unvalidated)."""
+    if plan.unvalidated and plan.unvalidated not in _warned_unvalidated:
+        _warned_unvalidated.add(plan.unvalidated)
+        warnings.warn(f"moeflow: {plan.unvalidated}", stacklevel=3)
 
 
 def cell_status(cfg: MoEConfig, env: Environment) -> str:

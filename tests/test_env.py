@@ -133,5 +133,15 @@ def test_moeflow_env_shows_a_value_it_cannot_read_and_exits_2(monkeypatch, capsy
 
 def test_every_variable_has_a_kind_its_default_reads_as():
     for var in moeflow_env.ALL:
-        assert var.kind in ("switch", "seconds", "count", "text"), var.name
+        assert var.kind in ("switch", "seconds", "count", "text", "choice"), var.name
         assert var.read() is not None, var.name
+
+
+def test_kernel_arch_names_the_targets(monkeypatch):
+    """MOEFLOW_KERNEL_ARCH's choices are moeflow.targets' architectures; another value is MF107."""
+    from moeflow.targets import TARGETS
+    assert moeflow_env.KERNEL_ARCH.choices == tuple(t.arch for t in TARGETS)
+    monkeypatch.setenv("MOEFLOW_KERNEL_ARCH", "sm_75")
+    with pytest.raises(MoeflowError) as info:
+        moeflow_env.KERNEL_ARCH.get_choice()
+    assert info.value.code == "MF107" and "sm_80, sm_86" in str(info.value)

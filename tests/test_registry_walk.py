@@ -186,11 +186,12 @@ def test_router_choice():
     assert "skipped triton (MF205)" in str(plan(base, no_triton))
 
 
-@pytest.mark.parametrize("cc", [(7, 0), (8, 0), (8, 9), (10, 0), (12, 0)])
-def test_triton_router_and_glue_only_on_the_gpus_they_were_checked_on(cc, monkeypatch):
-    """The Triton router, like the runners, is planned only on the GPUs it was run and checked on (sm_90): elsewhere
-    the torch router routes and check_router says MF210, naming it; MOEFLOW_ALLOW_UNVALIDATED_GPU=1 lets it through.
-    The dispatchers' Triton kernels (sort, top-k sum, row packing) follow the same rule (capabilities.triton_glue)."""
+@pytest.mark.parametrize("cc", [(7, 5), (8, 7), (10, 3), (12, 1)])
+def test_triton_router_and_glue_only_on_the_gpus_they_are_built_for(cc, monkeypatch):
+    """The Triton router, like the runners, is planned only on the GPUs its kernels are built for (moeflow.targets:
+    sm_80 to sm_120): elsewhere the torch router routes and check_router says MF210, naming the targets;
+    MOEFLOW_ALLOW_UNVALIDATED_GPU=1 lets it through. The dispatchers' Triton kernels (sort, top-k sum, row packing)
+    follow the same rule (capabilities.triton_glue), and those that write FP8 run only where FP8 is (sm_89 on)."""
     from moeflow import capabilities
     from moeflow.planner import check_router
     cfg = MoEConfig(num_experts=64, hidden_size=128, intermediate_size=128, top_k=4)
@@ -198,14 +199,18 @@ def test_triton_router_and_glue_only_on_the_gpus_they_were_checked_on(cc, monkey
     assert plan(cfg, env).router == "torch" and "skipped triton (MF210)" in str(plan(cfg, env))
     err = check_router("triton", cfg, env)
     assert err.code == "MF210" and "router 'triton'" in str(err) and "valid routers here: ['torch']" in str(err)
-    assert plan(cfg, Environment("cuda", (9, 0))).router == "triton"
+    assert "sm_80, sm_86, sm_89, sm_90, sm_100, sm_120" in str(err)
+    for built in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
+        assert plan(cfg, Environment("cuda", built)).router == "triton"
 
     class OnCuda:  # what triton_glue reads of a tensor
         is_cuda, device = True, torch.device("cuda", 0)
     monkeypatch.setattr(capabilities, "_capability", lambda index: cc)
     assert not capabilities.triton_glue(OnCuda()) and not capabilities.triton_glue(torch.zeros(1))
-    monkeypatch.setattr(capabilities, "_capability", lambda index: (9, 0))
-    assert capabilities.triton_glue(OnCuda())
+    monkeypatch.setattr(capabilities, "_capability", lambda index: (8, 0))
+    assert capabilities.triton_glue(OnCuda()) and not capabilities.triton_glue(OnCuda(), fp8=True)
+    monkeypatch.setattr(capabilities, "_capability", lambda index: (8, 9))
+    assert capabilities.triton_glue(OnCuda(), fp8=True)
     monkeypatch.setenv("MOEFLOW_ALLOW_UNVALIDATED_GPU", "1")
     monkeypatch.setattr(capabilities, "_capability", lambda index: cc)
     assert capabilities.triton_glue(OnCuda()) and plan(cfg, env).router == "triton"
@@ -219,9 +224,9 @@ def test_refusals_name_alternatives_that_build():
     fp16 = MoEConfig(num_experts=8, hidden_size=256, intermediate_size=128, top_k=2, dtype=torch.float16)
     sm80, sm90 = Environment("cuda", (8, 0)), Environment("cuda", (9, 0))
     err = check_runner("grouped_mm", fp16, sm80)
-    assert err.code == "MF207" and "dtypes it runs here: []" in str(err) and "['reference']" in str(err)
+    assert err.code == "MF207" and "dtypes it runs here: []" in str(err) and "['reference', 'triton']" in str(err)
     assert "dtypes it runs here: ['bfloat16']" in str(check_runner("grouped_mm", fp16, sm90))
-    err = check_runner("triton", fp16.replace(dtype=torch.bfloat16), sm80)
+    err = check_runner("triton", fp16.replace(dtype=torch.bfloat16), Environment("cuda", (7, 5)))
     assert err.code == "MF204" and "valid runners here: ['reference']" in str(err)
     block = MoEConfig(num_experts=8, hidden_size=96, intermediate_size=128, top_k=2, quant="fp8-block")
     err = check_scheme(block, sm90)

@@ -1,7 +1,8 @@
 """`moeflow matrix`: the capability matrix, computed from the registry by the planner.
 
-Each cell is "✓" (the planner builds it) or the error code that refuses it. The README's matrix
-is this command's ``--standard --markdown`` output (a test keeps them equal).
+Each cell is "✓" (the planner builds it; on a GPU whose kernels are only compiled-for, not run: "✓ compiled"; FP8
+weights with unquantized activations: "w8") or the error code that refuses it. docs/reference.md's matrix is this
+command's ``--standard --markdown`` output (a test keeps them equal).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import argparse
 from ..capabilities import Environment
 from ..config import device_named
 from ..dispatch import DISPATCHERS
-from ..planner import matrix
+from ..planner import matrix, plan
 from ..presets import preset_config
 from .common import int_at_least
 
@@ -20,8 +21,11 @@ STANDARD = (
     ("CPU, expert-parallel (gloo, 2+ ranks)", Environment("cpu", None, 2)),
     ("CUDA sm_90 (H100/H200), one process", Environment("cuda", (9, 0), 1)),
     ("CUDA sm_90, expert-parallel (NCCL, 2+ ranks)", Environment("cuda", (9, 0), 2)),
-    ("CUDA sm_80 (A100), one process", Environment("cuda", (8, 0), 1)),
-    ("CUDA sm_100 (B200), one process: newer than the GPU runners were validated on", Environment("cuda", (10, 0), 1)),
+    ("CUDA sm_80 (A100), one process: FP8 schemes weight-only (no FP8 tensor cores)", Environment("cuda", (8, 0), 1)),
+    ("CUDA sm_89 (L4, L40S, RTX 4090), one process", Environment("cuda", (8, 9), 1)),
+    ("CUDA sm_100 (B200), one process", Environment("cuda", (10, 0), 1)),
+    ("CUDA sm_120 (RTX 5090), one process", Environment("cuda", (12, 0), 1)),
+    ("CUDA sm_75 (T4), one process: no kernels built for it", Environment("cuda", (7, 5), 1)),
 )
 
 
@@ -50,12 +54,13 @@ def _capability(text: str) -> tuple[int, int]:
 
 def render(env: Environment, preset: str, dtype: str, markdown: bool) -> str:
     template = preset_config(preset, dtype=dtype)
-    cells = {(s, r, d): status for s, r, d, status in matrix(template, env)}
+    cells = {(s, r, d): _mark(template.replace(quant=s, runner=r, dispatcher=d), env, status)
+             for s, r, d, status in matrix(template, env)}
     dispatchers = DISPATCHERS.names()
     header = ["quant", "runner", *dispatchers]
     rows = []
     for (s, r) in dict.fromkeys((s, r) for s, r, _ in cells):
-        rows.append([s, r, *("✓" if cells[(s, r, d)] == "ok" else cells[(s, r, d)] for d in dispatchers)])
+        rows.append([s, r, *(cells[(s, r, d)] for d in dispatchers)])
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -63,6 +68,15 @@ def render(env: Environment, preset: str, dtype: str, markdown: bool) -> str:
         widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
         lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [header, *rows]]
     return "\n".join(lines)
+
+
+def _mark(cfg, env: Environment, status: str) -> str:
+    """A cell's text: the refusing code, or ✓ with its grade (Plan.unvalidated: "compiled") and "w8" for weight-only
+    FP8 (Plan.weight_only)."""
+    if status != "ok":
+        return status
+    planned = plan(cfg, env)
+    return "✓" + (" compiled" if planned.unvalidated else "") + (" w8" if planned.weight_only else "")
 
 
 def run(args) -> int:
@@ -76,7 +90,8 @@ def run(args) -> int:
     for title, env in envs:
         heading = f"**{title}**" if args.markdown else f"== {title} =="
         blocks.append(f"{heading}\n\n{render(env, args.preset, args.dtype, args.markdown)}")
-    note = (f"(cells checked at preset {args.preset!r}, dtype {args.dtype}; "
-            "`moeflow explain CODE` explains a refusal)")
+    note = (f"(cells checked at preset {args.preset!r}, dtype {args.dtype}; ✓: built and validated on such a GPU; "
+            "✓ compiled: its kernels compiled and checked for that GPU, not run on one (`moeflow selftest` checks it); "
+            "w8: FP8 weights, activations in the layer dtype; `moeflow explain CODE` explains a refusal)")
     print("\n\n".join(blocks) + "\n\n" + note)
     return 0

@@ -99,7 +99,7 @@ class ExpertParallelDispatcher(Dispatcher):
         if payload == "fp8" and not per_row:
             raise error("MF506", scheme=scheme.name, why="its activation scale spans the whole batch",
                         valid=["auto", "dtype"])
-        compress = payload == "fp8" or (payload == "auto" and scheme.quantized and per_row)
+        compress = payload == "fp8" or (payload == "auto" and scheme.activations_quantized and per_row)
         self.codec = RowCodec(config.hidden_size, config.top_k, config.dtype,
                               payload_scheme(scheme) if compress else None)
 

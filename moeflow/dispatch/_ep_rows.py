@@ -27,7 +27,7 @@ _ALIGN = 16
 
 def _quantize(scheme: QuantScheme, x: Tensor) -> tuple[Tensor, Tensor]:
     """scheme.quantize_activation(x), through the Triton kernel on CUDA when triton is present."""
-    if triton_glue(x) and x.shape[0]:
+    if triton_glue(x, fp8=True) and x.shape[0]:
         try:
             from ..kernels.rows.quant import quantize_activation
         except ImportError:  # triton missing: the scheme's torch code below

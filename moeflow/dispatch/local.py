@@ -46,7 +46,9 @@ class LocalDispatcher(Dispatcher):
         # CUDA batches the Triton sorts take: their first launch also quantizes the tokens (fp8-tensor:
         # small batches only, expert_sort.sort_and_quantize), the bits the runner would compute one launch
         # or more later; MoEConfig.dispatch_payload="dtype" keeps the layer dtype
-        self._quantize_in_sort = scheme.name in SORT_QUANTIZES and config.dispatch_payload != "dtype"
+        # (not for a weight-only FP8 layer, whose activations stay in the layer dtype: quant/weight_only.py)
+        self._quantize_in_sort = (scheme.name in SORT_QUANTIZES and scheme.activations_quantized
+                                  and config.dispatch_payload != "dtype")
         if config.device.type == "cuda":  # made now, not at the first call: as TritonRunner's counters (moeflow.ops)
             self._expert_bounds(torch.empty(0, dtype=torch.int32, device=config.device))
 

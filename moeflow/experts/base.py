@@ -80,7 +80,7 @@ class ExpertRunner(ABC):
         """The GEMM input for the first GEMM: the dispatcher's quantized payload as is, or the
         layer-dtype rows quantized now by the scheme. [M, H] -> (q [M, H], scale [M, G] | None)."""
         if batch_scale is not None:
-            if self.scheme.quantized:
+            if self.scheme.activations_quantized:
                 return batch_hidden, batch_scale
             deq = payload_scheme(self.scheme).dequantize_activation(batch_hidden, batch_scale)
             return deq.to(self.config.dtype), None

@@ -18,6 +18,9 @@ from .base import ExpertRunner, ExpertWeights, empty_output, gated_activation
 _FP8_ROWWISE = frozenset({"fp8-tensor", "fp8-channel"})
 
 
+_HOPPER = frozenset({"sm_90"})  # torch's grouped GEMMs were run and checked on sm_90 only (moeflow.targets)
+
+
 class GroupedMMRunner(ExpertRunner):
     name = "grouped_mm"
     caps = RunnerCaps(
@@ -28,8 +31,8 @@ class GroupedMMRunner(ExpertRunner):
             Support("cpu", frozenset({"none"}), frozenset({torch.float32}), align=4),
             Support("cpu", frozenset({"none"}), frozenset({torch.bfloat16, torch.float16}), align=8),
             # CUDA: 16-byte aligned rows (8 bf16 / 16 fp8 elements); CUTLASS grouped GEMM on sm90.
-            Support("cuda", frozenset({"none"}), frozenset({torch.bfloat16}), min_cc=(9, 0), max_cc=(9, 0), align=8),
-            Support("cuda", _FP8_ROWWISE, frozenset({torch.bfloat16}), min_cc=(9, 0), max_cc=(9, 0), align=16),
+            Support("cuda", frozenset({"none"}), frozenset({torch.bfloat16}), min_cc=(9, 0), archs=_HOPPER, align=8),
+            Support("cuda", _FP8_ROWWISE, frozenset({torch.bfloat16}), min_cc=(9, 0), archs=_HOPPER, align=16),
         ),
         priority=20,
         note="torch._grouped_mm / torch._scaled_grouped_mm (row-wise FP8)",

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 from .. import env as moeflow_env
-from ..capabilities import ALL_FLOAT, RunnerCaps, Support
+from ..capabilities import ALL_FLOAT, TRITON_ARCHS, RunnerCaps, Support
 from ..layouts import MASKED, SORTED, ExpertBatch
+from ..targets import INTERPRETER, kernel_target
 from .base import ExpertRunner, ExpertWeights, empty_output
 
 _FP8 = frozenset({"fp8-tensor", "fp8-channel", "fp8-block"})
@@ -30,12 +31,11 @@ class TritonRunner(ExpertRunner):
     caps = RunnerCaps(
         layouts=(SORTED, MASKED),
         support=(
-            # Only what was run is declared: every cell the planner accepts is tested. Nothing
-            # Hopper-only is needed for plain tl.dot (sm_80) or FP8 dots (sm_89), but both were
-            # validated on sm_90 alone; declare older or newer GPUs once they have been run
-            # (max_cc: Blackwell has no wgmma, and sm_120 a third of the shared memory the tiles plan for).
-            Support("cuda", frozenset({"none"}), ALL_FLOAT, min_cc=(9, 0), max_cc=(9, 0)),
-            Support("cuda", _FP8, ALL_FLOAT, min_cc=(9, 0), max_cc=(9, 0)),
+            # The architectures of moeflow.targets: Hopper's own kernels (TMA, Gluon) where they run, the portable
+            # Triton kernels with tiles fitted to each target's shared memory elsewhere; FP8 schemes weight-only on
+            # sm_80 / sm_86 (no FP8 tensor cores: Plan.weight_only). Each is "validated" or "compiled" there.
+            Support("cuda", frozenset({"none"}), ALL_FLOAT, min_cc=(8, 0), archs=TRITON_ARCHS),
+            Support("cuda", _FP8, ALL_FLOAT, min_cc=(8, 0), archs=TRITON_ARCHS),
         ),
         requires=("triton",),
         priority=30,
@@ -77,9 +77,10 @@ class TritonRunner(ExpertRunner):
             return empty_output(batch, h, config.dtype)
         src = batch.source_rows  # rows by index: quantize the S source rows once, gather in gate_up
         x = batch.hidden.reshape(-1 if src is not None else layout.rows, h)
+        weight_only = scheme.quantized and not scheme.activations_quantized  # FP8 weights, layer-dtype activations
         if batch.hidden_scale is not None:
             xq, xs = self.input_activations(x, batch.hidden_scale.reshape(x.shape[0], -1))
-        elif scheme.quantized:
+        elif scheme.activations_quantized:
             xq, xs = quantize_activation(x, scheme.name) if src is not None else quantize_rows(x, scheme.name, layout)
         else:
             xq, xs = x, None
@@ -87,10 +88,11 @@ class TritonRunner(ExpertRunner):
         inter, extra = gate_up(xq, xs, weights.w13, weights.w13_scale,
                                layout, scheme.name, config.activation, config.dtype, kcfg.gate_up, poison,
                                source_rows=None if src is None else src.contiguous(),
-                               copy_rows=None if batch.copy_rows is None else batch.copy_rows.contiguous())
-        a, a_scale = down_input(inter, extra, scheme.name)
+                               copy_rows=None if batch.copy_rows is None else batch.copy_rows.contiguous(),
+                               weight_only=weight_only)
+        a, a_scale = (inter, None) if weight_only else down_input(inter, extra, scheme.name)
         out = down(a, a_scale, weights.w2, weights.w2_scale, batch.weights.reshape(-1).float().contiguous(),
-                   layout, scheme.name, config.dtype, kcfg.down, poison)
+                   layout, scheme.name, config.dtype, kcfg.down, poison, weight_only=weight_only)
         return out.view(*batch.hidden.shape[:-1], h) if batch.layout == MASKED else out
 
     def kernel_config(self, batch: ExpertBatch, weights: ExpertWeights):
@@ -102,7 +104,7 @@ class TritonRunner(ExpertRunner):
         cfg = self.config
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
         tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.num_rows // cfg.top_k, 1)
-        key = (batch.layout, tokens, e)
+        key = (batch.layout, tokens, e, moeflow_env.KERNEL_ARCH.get())
         if key not in self._fitted:
             self._fitted[key] = self._fit(self._entry_for(tokens, e, i, h, batch.hidden.device), i, h)
         return self._fitted[key]
@@ -112,10 +114,14 @@ class TritonRunner(ExpertRunner):
         MoEKernelConfig without its fused tiles; i, h: the intermediate and hidden sizes."""
         from ..kernels import configs as kc
         from ..kernels.gemm import tiles
-        nbytes = 1 if self.scheme.quantized else self.config.dtype.itemsize
+        # operand bytes in shared memory: FP8 dots 1; the layer dtype's otherwise (weight-only FP8: its activations)
+        nbytes = 1 if self.scheme.activations_quantized else self.config.dtype.itemsize
+        budget = kernel_target(self.config.device).tile_budget
         return kc.MoEKernelConfig(
-            tiles.fit(entry.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i),
-            tiles.fit(entry.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h))
+            tiles.fit(entry.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i,
+                      budget=budget),
+            tiles.fit(entry.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h,
+                      budget=budget))
 
     def _fused_tiles(self, tokens: int, entry):
         """The entry's one-launch tiles for ``tokens`` (fitted), or None: no fused entry, an empty batch, more than
@@ -123,14 +129,14 @@ class TritonRunner(ExpertRunner):
         from ..kernels.gemm import tiles
         if entry.fused is None or not 0 < tokens <= FUSED_MAX_TOKENS or not moeflow_env.TRITON_FUSED.get_bool():
             return None
-        return tiles.fit_fused(entry.fused, self.scheme.name)
+        return tiles.fit_fused(entry.fused, self.scheme.name, budget=kernel_target(self.config.device).tile_budget)
 
     def fused_config(self, tokens: int, weights: ExpertWeights):
         """The tuned entry's FusedConfig for ``tokens`` (fitted), or None: no fused entry, an empty batch, more
         than FUSED_MAX_TOKENS tokens, or MOEFLOW_TRITON_FUSED=0."""
         if not 0 < tokens <= FUSED_MAX_TOKENS or not moeflow_env.TRITON_FUSED.get_bool():
             return None  # before the lookup: a large batch never reads the table's entry for it
-        key = ("fused", tokens, weights.w13.shape[0])
+        key = ("fused", tokens, weights.w13.shape[0], moeflow_env.KERNEL_ARCH.get())
         if key not in self._fitted:
             self._fitted[key] = self._fused_tiles(tokens, self._entry(tokens, weights, weights.w13.device))
         return self._fitted[key]
@@ -173,9 +179,12 @@ class TritonRunner(ExpertRunner):
         """_entry for E experts of intermediate size i and hidden size h (no weights needed: `moeflow check`)."""
         from ..kernels import configs as kc
         from ..kernels.gemm import tiles
-        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        target = kernel_target(device)
+        cc = None if target is INTERPRETER else target.capability  # a CPU under MOEFLOW_KERNEL_ARCH: that target's
         if self._table is None:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            if moeflow_env.KERNEL_ARCH.get_choice():  # another architecture's rules: not this GPU's own tuned tables
+                name = f"{target.arch} (MOEFLOW_KERNEL_ARCH)"
             self._table = kc.find_table(name, e, i, h, self.scheme.name, capability=cc) or {}
         if self._table:
             return kc.nearest(self._table, tokens)
@@ -195,5 +204,6 @@ class TritonRunner(ExpertRunner):
         gate_up, down = fitted.gate_up, fitted.down
         rows = tokens if masked else tokens * cfg.top_k
         c_gate_up, c_down = choice.describe(gate_up, down, scheme=self.scheme.name, dtype=cfg.dtype, hidden=h, inter=i,
-                                            rows=rows, masked=masked, device=cfg.device)
+                                            rows=rows, masked=masked, device=cfg.device,
+                                            weight_only=self.scheme.quantized and not self.scheme.activations_quantized)
         return f"gate_up {choice.tile_text(gate_up, c_gate_up)}; down {choice.tile_text(down, c_down)}"

@@ -60,7 +60,8 @@ class QuantScheme(ABC):
     per-token schemes, G = ceil(K / 128) for 1x128 groups."""
 
     name: ClassVar[str]
-    quantized: ClassVar[bool] = True
+    quantized: ClassVar[bool] = True  # weights stored quantized (FP8)
+    activations_quantized: bool = True  # activations quantized before the GEMMs (False: "none", weight-only FP8)
     caps: ClassVar[SchemeCaps] = SchemeCaps()
 
     @abstractmethod

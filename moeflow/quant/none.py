@@ -9,6 +9,7 @@ from .base import QuantScheme
 class NoQuant(QuantScheme):
     name = "none"
     quantized = False
+    activations_quantized = False
 
     def weight_scale_shape(self, e, n, k):
         return ()

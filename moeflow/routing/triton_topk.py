@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..capabilities import GLUE_VALIDATED_CC, RouterCaps
+from ..capabilities import TRITON_ARCHS, RouterCaps
 from .base import Router
 
 
@@ -17,7 +17,7 @@ class TritonTopK(Router):
     name = "triton"
     caps = RouterCaps(devices=frozenset({"cuda"}), requires=("triton",), priority=10, max_experts=1024,
                       grouped_pow2=True, note="one launch per call; experts held in registers (E <= 1024)",
-                      graph_safe=True, validated_cc=(GLUE_VALIDATED_CC, GLUE_VALIDATED_CC))  # sm_90 only
+                      graph_safe=True, archs=TRITON_ARCHS)
 
     def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
         from ..kernels.routing.route import route

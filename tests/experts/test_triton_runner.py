@@ -256,33 +256,34 @@ def test_run_uses_default_configs(make_layer, monkeypatch, tmp_path):
 
 
 def test_declared_capabilities():
-    """CUDA only; every scheme needs sm_90 (the only GPU it was run on); the planner refuses it on
-    CPU with MF203 and on older GPUs with MF204 at construction, and "auto" prefers it on Hopper."""
+    """CUDA only; every scheme on the GPU targets (moeflow.targets: sm_80 to sm_120); the planner refuses it on
+    CPU with MF203 and on older GPUs with MF204 at construction, and "auto" prefers it on every target."""
     from moeflow.capabilities import Environment
     from moeflow.planner import check_runner, plan
+    from moeflow.targets import TARGETS
     caps = TritonRunner.caps
     assert {s.device for s in caps.support} == {"cuda"} and caps.requires == ("triton",)
+    assert all(s.archs == frozenset(t.arch for t in TARGETS) for s in caps.support)
     cfg = MoEConfig(**ALIGNED, quant="fp8-block", runner="triton")
     assert check_runner("triton", cfg, Environment("cpu")).code == "MF203"
-    assert check_runner("triton", cfg, Environment("cuda", (8, 9))).code == "MF204"
-    assert check_runner("triton", cfg.replace(quant="none"), Environment("cuda", (8, 0))).code == "MF204"
-    hopper = Environment("cuda", (9, 0))
-    for scheme in ("none", "fp8-tensor", "fp8-channel", "fp8-block"):
-        assert plan(cfg.replace(quant=scheme, runner="auto"), hopper).runner == "triton"
+    assert check_runner("triton", cfg, Environment("cuda", (7, 5))).code == "MF204"
+    for t in TARGETS:
+        for scheme in ("none", "fp8-tensor", "fp8-channel", "fp8-block"):
+            assert plan(cfg.replace(quant=scheme, runner="auto"), Environment("cuda", t.capability)).runner == "triton"
 
 
-def test_newer_gpus_are_refused_until_validated(monkeypatch):
-    """Blackwell (sm_100, sm_120): the Triton and grouped_mm runners were validated on sm_90 only, so the planner
-    refuses them there with MF210 naming the runners valid here, "auto" picks the reference runner, and
+def test_gpus_no_kernel_is_built_for_are_refused(monkeypatch):
+    """A GPU of an architecture moeflow's kernels are not built for (sm_103, sm_121): the planner refuses the Triton
+    and grouped_mm runners there with MF210 naming the runners valid here, "auto" picks the reference runner, and
     MOEFLOW_ALLOW_UNVALIDATED_GPU=1 lets them through (the user's own risk)."""
     from moeflow.capabilities import Environment
     from moeflow.planner import check_runner, plan
     cfg = MoEConfig(**ALIGNED, quant="fp8-channel", dtype=torch.bfloat16, runner="triton")
-    for cc in ((10, 0), (12, 0)):
+    for cc in ((10, 3), (12, 1)):
         blackwell = Environment("cuda", cc)
         for name in ("triton", "grouped_mm"):
             err = check_runner(name, cfg, blackwell)
-            assert err.code == "MF210" and "'reference'" in str(err) and f"{cc[0]}.{cc[1]}" in str(err), str(err)
+            assert err.code == "MF210" and "'reference'" in str(err) and f"sm_{cc[0]}{cc[1]}" in str(err), str(err)
         assert plan(cfg.replace(runner="auto"), blackwell).runner == "reference"
         monkeypatch.setenv("MOEFLOW_ALLOW_UNVALIDATED_GPU", "1")
         assert check_runner("triton", cfg, blackwell) is None
