@@ -17,6 +17,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from .. import env as moeflow_env
+from ..targets import kernel_target
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (quant/base.py)
 MIN_AMAX = 1e-12  # amax floor of quant/base.amax_to_scale
@@ -408,9 +409,9 @@ def _rows_descriptor(t: Tensor, rows: int, k: int, row_stride: int, block: list[
 
 def tma_rows(t: Tensor, row_stride: int) -> bool:
     """Whether TMA may read rows of t, ``row_stride`` elements apart: MOEFLOW_TRITON_TMA not 0, the last
-    dimension contiguous, rows and base 16-byte aligned."""
+    dimension contiguous, rows and base 16-byte aligned, a device whose kernel target has TMA (moeflow.targets)."""
     return (moeflow_env.TRITON_TMA.get_bool() and t.stride(-1) == 1 and (row_stride * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
+            and t.data_ptr() % 16 == 0 and kernel_target(t.device).tma)
 
 
 def unit_stride_rows(t: Tensor) -> Tensor:
@@ -429,13 +430,13 @@ def num_sms(device: torch.device) -> int:
 
 def pdl(device: torch.device, early_start: bool = True) -> dict:
     """Launch keywords of a kernel that opens with pdl_wait: {"PDL": on, "launch_pdl": on and
-    early_start}, on for CUDA devices of compute capability >= 9.0 unless MOEFLOW_TRITON_PDL=0
+    early_start}, on for CUDA devices whose kernel target has PDL (moeflow.targets: sm_90 on) unless MOEFLOW_TRITON_PDL=0
     (never in the interpreter). early_start=False (the GEMMs) keeps the griddepcontrol code, so the
     kernel still lets the next one launch early, but launches the kernel itself plainly: started
     early, a weight-streaming GEMM's programs land on whichever SMs the kernel before frees first,
     unevenly, and run slower."""
     on = (device.type == "cuda" and not interpreting() and moeflow_env.TRITON_PDL.get_bool()
-          and _cuda_properties(device).major >= 9)
+          and kernel_target(device).pdl)
     return {"PDL": on, "launch_pdl": on and early_start}
 
 
@@ -475,3 +476,24 @@ def key_value(key):
     """The float32 value of an order_key."""
     mono = (key >> 32).to(tl.int32)
     return tl.where(mono < 0, mono ^ 0x7FFFFFFF, mono).to(tl.float32, bitcast=True)
+
+
+# ---------------------------------------------------------------- weight-only FP8: e4m3fn bits decoded in the GEMMs
+@triton.jit
+def fp8e4m3_decode(bits, DTYPE: tl.constexpr):
+    """float8_e4m3fn bit patterns (a uint8 tile) -> their exact values in DTYPE (tl.float16, tl.bfloat16, tl.float32),
+    from integer ops and bitcasts only: sm_80 / sm_86 Triton refuses the type float8e4nv wherever a kernel names it.
+
+    e4m3's sign, 4 exponent bits (bias 7) and 3 mantissa bits, placed as fp16's sign and the low 4 of its 5 exponent
+    bits (bias 15) and the top 3 of its 10 mantissa bits, make an fp16 of value 2**-8 times the e4m3 value: normals
+    and subnormals alike (e4m3's subnormals land on fp16's; fp16 arithmetic keeps subnormals, where float32's may be
+    flushed). The multiply by 256 and the widening cast are exact. NaN patterns (0x7F, 0xFF) decode to ±480, not NaN:
+    quantized weights hold none (quantization saturates at ±448)."""
+    b = bits.to(tl.uint16)
+    half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
+    return half.to(DTYPE)
+
+
+def fp8e4m3_decode_torch(bits: Tensor) -> Tensor:
+    """Reference of fp8e4m3_decode: uint8 bit patterns -> float32 values, through torch's own float8_e4m3fn."""
+    return bits.view(torch.float8_e4m3fn).float()

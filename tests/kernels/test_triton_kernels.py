@@ -576,15 +576,14 @@ def test_weight_operand_choice(monkeypatch):
 
 
 def test_pdl_launch_keywords(monkeypatch):
-    """Programmatic dependent launch: on for CUDA devices of compute capability >= 9.0 outside the
+    """Programmatic dependent launch: on for CUDA devices whose target has it (moeflow.targets: sm_90 on) outside the
     interpreter unless MOEFLOW_TRITON_PDL=0; the GEMMs (early_start=False) keep the code but launch
     plainly; never on the CPU, an older GPU or in the interpreter."""
-    from types import SimpleNamespace
-
     from moeflow.kernels import common
+    from moeflow.targets import BY_ARCH
     cuda = torch.device("cuda", 0)
     assert common.pdl(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
-    monkeypatch.setattr(common, "_cuda_properties", lambda device: SimpleNamespace(major=9, minor=0))
+    monkeypatch.setattr(common, "kernel_target", lambda device: BY_ARCH["sm_90"])
     assert common.pdl(cuda) == {"PDL": False, "launch_pdl": False}  # this test runs interpreted
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert common.pdl(cuda) == {"PDL": True, "launch_pdl": True}
@@ -592,8 +591,10 @@ def test_pdl_launch_keywords(monkeypatch):
     monkeypatch.setenv("MOEFLOW_TRITON_PDL", "0")
     assert common.pdl(cuda) == {"PDL": False, "launch_pdl": False}
     monkeypatch.setenv("MOEFLOW_TRITON_PDL", "1")
-    monkeypatch.setattr(common, "_cuda_properties", lambda device: SimpleNamespace(major=8, minor=9))
+    monkeypatch.setattr(common, "kernel_target", lambda device: BY_ARCH["sm_89"])
     assert common.pdl(cuda) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(common, "kernel_target", lambda device: BY_ARCH["sm_120"])
+    assert common.pdl(cuda) == {"PDL": True, "launch_pdl": True}
 
 
 def test_expanded_weights_through_tma():

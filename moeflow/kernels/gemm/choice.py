@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ... import env as moeflow_env
-from ..common import RowLayout, _cuda_properties, cdiv, expert_rows, tma_rows
+from ...targets import kernel_target
+from ..common import RowLayout, cdiv, expert_rows, tma_rows
 from ..configs import GemmConfig
 
 
@@ -150,30 +151,38 @@ def _gluon_blocker(device: torch.device) -> str | None:
         return f"no Gluon kernel runs on {device.type}"
     if moeflow_env.TRITON_INTERPRET.get_bool():
         return "Triton's interpreter runs no Gluon kernel"
-    props = _cuda_properties(device)
-    if props.major != 9:
-        return f"the Gluon kernels are Hopper's (sm_90), not sm_{props.major}{props.minor}'s"
+    target = kernel_target(device)
+    if not target.gluon:
+        return f"the Gluon kernels are Hopper's (sm_90), not {target.arch}'s"
     from .down_wgmma import gluon
     return None if gluon is not None else "this triton has no Gluon"
 
 
+_WEIGHT_ONLY = "weight-only FP8 (the Gluon kernels dot FP8 operands)"
+
+
 def choose_gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
-                   scheme: str, cfg: GemmConfig) -> GemmChoice:
-    """The kernel for gate_up(x [S or R, H], w13 [E, 2I, H], layout) with the fitted tile ``cfg``."""
+                   scheme: str, cfg: GemmConfig, weight_only: bool = False) -> GemmChoice:
+    """The kernel for gate_up(x [S or R, H], w13 [E, 2I, H], layout) with the fitted tile ``cfg``; weight_only
+    (weight-only FP8): a Triton kernel."""
     def blocker(kernel: GemmKernel) -> str | None:
         from . import gate_up_wgmma, warp_specialized  # Gluon: loaded on Hopper only
         if kernel is GemmKernel.GLUON_WGMMA:
             return gate_up_wgmma.cannot_run(x, x_scale, w13, w13_scale, cfg)
         return warp_specialized.cannot_run(x, x_scale, w13, scheme, cfg, gated=True, w_scale=w13_scale)
 
-    gluon = _gluon_blocker(x.device) if cfg.scale_overlap or cfg.warp_specialize else None
+    if weight_only:
+        gluon = _WEIGHT_ONLY
+    else:
+        gluon = _gluon_blocker(x.device) if cfg.scale_overlap or cfg.warp_specialize else None
     facts = CallFacts(layout.rows, x.shape[1], scheme, layout.masked, False, gluon, blocker)
     return decide_gate_up(cfg, facts)
 
 
 def choose_down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, layout: RowLayout,
-                scheme: str, dtype: torch.dtype, cfg: GemmConfig) -> GemmChoice:
-    """The kernel for down(a [R, I], w2 [E, H, I], layout) in layer dtype ``dtype`` with the fitted tile ``cfg``."""
+                scheme: str, dtype: torch.dtype, cfg: GemmConfig, weight_only: bool = False) -> GemmChoice:
+    """The kernel for down(a [R, I], w2 [E, H, I], layout) in layer dtype ``dtype`` with the fitted tile ``cfg``;
+    weight_only (weight-only FP8): a Triton kernel, the persistent one not for float32 (its dots are not IEEE)."""
     r, i = a.shape
     _, h, _ = w2.shape
     def blocker(kernel: GemmKernel) -> str | None:
@@ -182,22 +191,27 @@ def choose_down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor 
             return down_wgmma.cannot_run(a, a_scale, w2, w2_scale, scheme, cfg)
         return warp_specialized.cannot_run(a, a_scale, w2, scheme, cfg, w_scale=w2_scale)
 
-    gluon = _gluon_blocker(a.device) if cfg.scale_overlap or cfg.warp_specialize else None
+    if weight_only:
+        gluon = _WEIGHT_ONLY
+    else:
+        gluon = _gluon_blocker(a.device) if cfg.scale_overlap or cfg.warp_specialize else None
     tma_a = tma_w = False
     if cfg.programs_per_sm:
         tma_a = r > 0 and i > 0 and tma_rows(a, a.stride(0))
         tma_w = expert_rows(w2) is not None and h > 0 and i > 0 and tma_rows(w2, w2.stride(1))
-    facts = CallFacts(r, i, scheme, layout.masked, dtype == torch.float32 and scheme != "fp8-block", gluon, blocker,
-                      tma_a, tma_w)
+    float32 = dtype == torch.float32 and (scheme != "fp8-block" or weight_only)  # weight-only: float32 operands
+    facts = CallFacts(r, i, scheme, layout.masked, float32, gluon, blocker, tma_a, tma_w)
     return decide_down(cfg, facts, h)
 
 
 def describe(gate_up: GemmConfig, down: GemmConfig, *, scheme: str, dtype: torch.dtype, hidden: int, inter: int,
-             rows: int, masked: bool, device: torch.device) -> tuple[GemmChoice, GemmChoice]:
+             rows: int, masked: bool, device: torch.device, weight_only: bool = False) -> tuple[GemmChoice, GemmChoice]:
     """The choices for a call whose operands are as the layer's own (contiguous weights and rows, TMA-addressable),
     without tensors: what `moeflow check` prints."""
     gluon = _gluon_blocker(device) if gate_up.scale_overlap or gate_up.warp_specialize or down.scale_overlap \
         or down.warp_specialize else None
+    if weight_only:
+        gluon = _WEIGHT_ONLY
     ok = lambda kernel: None  # noqa: E731 (operands as the layer's own: every Gluon kernel can read them)
     f_gate_up = CallFacts(rows, hidden, scheme, masked, False, gluon, ok)
     f_down = CallFacts(rows, inter, scheme, masked, dtype == torch.float32 and scheme != "fp8-block", gluon, ok,

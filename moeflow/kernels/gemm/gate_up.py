@@ -1,13 +1,13 @@
 """gate_up GEMM with the gated activation fused: inter = act(x @ W_gate[e].T) * (x @ W_up[e].T), per expert e.
 
     x [R or S, H] layer dtype or fp8 (+ x_scale), gate_up_proj [E, 2I, H] (+ scale) -> inter [R, I]
-One program holds two accumulators (gate rows n, up rows I + n), so the [R, 2I] pre-activation never reaches memory;
-act(gate) * up is computed in float32 and rounded to the layer dtype. Epilogue by scheme: none: inter; fp8-tensor /
--channel: inter and the amax of |inter| (whole tensor / per row) for the next quantization; fp8-block with BLOCK_N a
-multiple of 128 (or split K): inter float8_e4m3fn and its 1x128 group scales (the down GEMM's input, quantized here).
-Tile options (GemmConfig): split_k (K over several programs and one summing launch, for decode batches with few
-tiles), x_tma (rows through TMA, rows by index copied into order first), swap_ab. choice.py picks the kernel: this
-one, or on Hopper gate_up_wgmma.py / warp_specialized.py. Reference: gate_up_torch.
+Two accumulators a program (gate rows n, up rows I + n): the [R, 2I] pre-activation never reaches memory; act(gate) *
+up in float32, rounded to the layer dtype. Epilogue: none: inter; fp8-tensor / -channel: inter and its amax (tensor /
+rows); fp8-block with BLOCK_N a multiple of 128 (or split K): inter float8_e4m3fn and its 1x128 group scales.
+Weight-only FP8 (weight_only=True; no FP8 MMA: sm_80 / sm_86): x in the layer dtype, the FP8 weights read as bytes and
+decoded after each load (common.fp8e4m3_decode), weight scales only; inter in the layer dtype. Tile options
+(GemmConfig): split_k, x_tma, swap_ab. choice.py picks the kernel: this one, or on Hopper gate_up_wgmma.py /
+warp_specialized.py. Reference: gate_up_torch.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ...quant import FP8_DTYPE
-from ..common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, fp8_scale, gated_act, interpreting, next_pow2,
-                     pdl, pdl_launch, pdl_start, pdl_wait, per_col, per_row, row_major, rows_operand, scale_block,
-                     split_steps, tile_dot, tile_dot_acc, tile_ids, to_fp8, weight_operand)
+from ..common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, fp8_scale, fp8e4m3_decode, gated_act,
+                     interpreting, next_pow2, pdl, pdl_launch, pdl_start, pdl_wait, per_col, per_row, row_major,
+                     rows_operand, scale_block, split_steps, tile_dot, tile_dot_acc, tile_ids, to_fp8, weight_operand)
 from .choice import GLUON, GemmKernel, choose_gate_up
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -34,7 +34,8 @@ def _gate_up_kernel(
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
         ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False,
-        SPLIT_K: tl.constexpr = 1, split_stride=0, X_TMA: tl.constexpr = False, SWAP: tl.constexpr = False):
+        SPLIT_K: tl.constexpr = 1, split_stride=0, X_TMA: tl.constexpr = False, SWAP: tl.constexpr = False,
+        W_FP8_BITS: tl.constexpr = False):
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
     INDEXED: row r of x (and of its scales) is x[src[r]] (src_ptr: [R] int64), else x[r].
@@ -44,7 +45,10 @@ def _gate_up_kernel(
     stores its float32 gate and up partial sums (scales applied) into slab s of the workspace
     out_ptr [S, R, 2I] (slab stride split_stride; gate at columns n, up at I + n); no epilogue.
     SWAP (GemmConfig.swap_ab): the K loop's accumulators are held transposed, [BLOCK_N, BLOCK_M], the weight tile
-    the MMA's M (common.tile_dot), and transposed once before the epilogue."""
+    the MMA's M (common.tile_dot), and transposed once before the epilogue.
+    W_FP8_BITS (weight-only FP8, QUANT 1-3): w holds float8_e4m3fn bytes (uint8), each tile decoded to x's dtype and
+    dotted in it (DOT_IEEE for float32); no activation scale is read (xs_ptr unused), QUANT says which weight scale.
+    Nothing on this path names float8e4nv (sm_80 refuses it): the fp8-block epilogue and the amax are left out."""
     pdl_wait(PDL)
     pid_m, pid_n = tile_ids(num_blocks_m, I, BLOCK_N, GROUP_M)
     kb_lo, kb_hi = split_steps(H, BLOCK_K, SPLIT_K)
@@ -79,11 +83,13 @@ def _gate_up_kernel(
             g_b = scale_block(pid_n * BLOCK_N, I)
         else:
             g_b = scale_block(cols, I)
-        xs_rows = xs_ptr + x_rows * stride_xs
         gs_ptr = ws_e + g_b * stride_wsn
         us_ptr = ws_e + (g_b + I // 128) * stride_wsn
         kg0 = tl.minimum((kb_lo * BLOCK_K) // 128, (H - 1) // 128)  # a split past the last step loads in bounds
-        a_s_next, g_s_next, u_s_next = tl.load(xs_rows + kg0), tl.load(gs_ptr + kg0), tl.load(us_ptr + kg0)
+        g_s_next, u_s_next = tl.load(gs_ptr + kg0), tl.load(us_ptr + kg0)
+        if not W_FP8_BITS:
+            xs_rows = xs_ptr + x_rows * stride_xs
+            a_s_next = tl.load(xs_rows + kg0)
     for kb in range(kb_lo, kb_hi):
         if X_TMA:
             a = x_ptr.load([x_row, kb * BLOCK_K])
@@ -101,7 +107,21 @@ def _gate_up_kernel(
             k_ok = rk < H - kb * BLOCK_K
             bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
+        if W_FP8_BITS:  # e4m3 bytes -> x's dtype: the dot runs in it (no FP8 MMA needed)
+            bg = fp8e4m3_decode(bg, a.dtype)
+            bu = fp8e4m3_decode(bu, a.dtype)
+        if QUANT == 3 and W_FP8_BITS:  # weight-only: each K step's dot times its 128x128 blocks' weight scales
+            g_s, u_s = g_s_next, u_s_next
+            kg = tl.minimum(((kb + 1) * BLOCK_K) // 128, (H - 1) // 128)
+            g_s_next, u_s_next = tl.load(gs_ptr + kg), tl.load(us_ptr + kg)
+            zero = acc_tile(BLOCK_M, BLOCK_N, SWAP)  # a dot of its own: tile_dot_acc for DOT_IEEE's precision
+            if 128 % BLOCK_N == 0:  # one scale a tile
+                acc_g += tile_dot_acc(a, bg, zero, SWAP, DOT_IEEE) * g_s
+                acc_u += tile_dot_acc(a, bu, zero, SWAP, DOT_IEEE) * u_s
+            else:
+                acc_g += tile_dot_acc(a, bg, zero, SWAP, DOT_IEEE) * per_col(g_s, SWAP)
+                acc_u += tile_dot_acc(a, bu, zero, SWAP, DOT_IEEE) * per_col(u_s, SWAP)
+        elif QUANT == 3:  # 128x128 weight blocks x 1x128 activation groups: scale every K step
             a_s, g_s, u_s = a_s_next, g_s_next, u_s_next
             kg = tl.minimum(((kb + 1) * BLOCK_K) // 128, (H - 1) // 128)
             a_s_next, g_s_next, u_s_next = tl.load(xs_rows + kg), tl.load(gs_ptr + kg), tl.load(us_ptr + kg)
@@ -125,7 +145,14 @@ def _gate_up_kernel(
     pdl_launch(PDL)
     acc_g = row_major(acc_g, SWAP)
     acc_u = row_major(acc_u, SWAP)
-    if QUANT == 1:  # each row's activation scale (rows from different EP ranks may differ) x the expert's
+    if QUANT == 1 and W_FP8_BITS:  # weight-only: the expert's weight scale alone
+        s = tl.load(ws_e)
+        acc_g = acc_g * s
+        acc_u = acc_u * s
+    elif QUANT == 2 and W_FP8_BITS:  # the output channel's weight scale alone
+        acc_g = acc_g * tl.load(ws_e + cols_ld * stride_wsn)[None, :]
+        acc_u = acc_u * tl.load(ws_e + (cols_ld + I) * stride_wsn)[None, :]
+    elif QUANT == 1:  # each row's activation scale (rows from different EP ranks may differ) x the expert's
         s = tl.load(xs_ptr + x_rows * stride_xs) * tl.load(ws_e)
         acc_g = acc_g * s[:, None]
         acc_u = acc_u * s[:, None]
@@ -141,7 +168,9 @@ def _gate_up_kernel(
         return
     h = gated_act(acc_g, acc_u, ACT).to(INTER_DTYPE)
     out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    if QUANT == 3 and BLOCK_N % 128 == 0:  # fp8-block: the 1x128 groups of the tile quantized here
+    if W_FP8_BITS:  # weight-only: inter in the layer dtype, no FP8 groups nor amax (and no float8e4nv for sm_80)
+        tl.store(out_ptrs, h, mask=ok)
+    elif QUANT == 3 and BLOCK_N % 128 == 0:  # fp8-block: the 1x128 groups of the tile quantized here
         hf = tl.reshape(h.to(tl.float32), (BLOCK_M, BLOCK_N // 128, 128))
         scale = fp8_scale(tl.max(tl.abs(hf), axis=2))  # [BLOCK_M, BLOCK_N // 128]
         q = tl.reshape(to_fp8(hf, scale[:, :, None], ROUND_IN_FP32), (BLOCK_M, BLOCK_N))
@@ -202,7 +231,8 @@ def _gate_up_split_sum_kernel(part_ptr, out_ptr, outs_ptr, amax_ptr, meta_ptr, n
 
 def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
             scheme: str, activation: str, dtype: torch.dtype, cfg, poison: bool = False,
-            source_rows: Tensor | None = None, copy_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+            source_rows: Tensor | None = None, copy_rows: Tensor | None = None,
+            weight_only: bool = False) -> tuple[Tensor, Tensor | None]:
     """x [R, H] (layer dtype, or fp8 with x_scale [R, G]), w13 [E, 2I, H] (+ scheme scale)
     -> (inter [R, I], extra): extra is None (none), amax [R] / [1] float32 (fp8-channel /
     fp8-tensor; inter in layer dtype) or scale [R, I/128] (fp8-block with BLOCK_N a multiple of
@@ -215,7 +245,10 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     instead of gathered.
     cfg: a GemmConfig (configs.py); with split_k > 1 fp8-block always returns the quantized groups; x_tma
     copies rows given by index into order first, then reads rows in order through TMA.
-    poison: fill outputs (and a split K's workspace) with NaN first (tests)."""
+    poison: fill outputs (and a split K's workspace) with NaN first (tests).
+    weight_only: weight-only FP8 (an FP8 scheme; GPUs without FP8 MMA): x [R or S, H] in ``dtype`` and x_scale None,
+    w13 float8_e4m3fn with its scheme scale, decoded in the K loop -> (inter [R, I] ``dtype``, None). The Triton
+    kernel only (choice.py), split K included."""
     r, h = layout.rows, x.shape[1]
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -223,15 +256,20 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     q = QUANT_CODES[scheme]
     fill = torch.full if poison else (lambda shape, _v, **kw: torch.empty(shape, **kw))
     nan = float("nan")
-    choice = choose_gate_up(x, x_scale, w13, w13_scale, layout, scheme, cfg)
+    if weight_only and (q == 0 or x_scale is not None or w13.dtype != FP8_DTYPE):
+        raise ValueError(f"weight-only FP8 takes an FP8 scheme, x in the layer dtype without a scale and "
+                         f"float8_e4m3fn weights (got {scheme}, x_scale {'set' if x_scale is not None else 'None'}, "
+                         f"weights {w13.dtype})")
+    choice = choose_gate_up(x, x_scale, w13, w13_scale, layout, scheme, cfg, weight_only)
     split = choice.split_k
-    fused_groups = q == 3 and (cfg.block_n % 128 == 0 or split > 1)
+    aq = 0 if weight_only else q  # what the epilogue does past the dot: weight-only's is the none scheme's
+    fused_groups = aq == 3 and (cfg.block_n % 128 == 0 or split > 1)
     inter = fill((r, i), nan, dtype=FP8_DTYPE if fused_groups else dtype, device=dev)
     extra = None
     if fused_groups:
         extra = fill((r, cdiv(i, 128)), nan, dtype=torch.float32, device=dev)
-    elif q in (1, 2):
-        extra = torch.zeros(r if q == 2 else 1, dtype=torch.float32, device=dev)
+    elif aq in (1, 2):
+        extra = torch.zeros(r if aq == 2 else 1, dtype=torch.float32, device=dev)
     if choice.kernel in GLUON and source_rows is not None:  # they read rows in order (TMA): one copy in order first
         x, x_scale = _rows_in_order(x, x_scale, source_rows, copy_rows)
     if choice.kernel is GemmKernel.GLUON_WGMMA:
@@ -254,27 +292,28 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
     xs = x_scale if x_scale is not None else x
     blocks_m = layout.num_row_blocks(cfg.block_m)
     grid = (blocks_m * cdiv(i, cfg.block_n),)
-    w_arg, w_rows = weight_operand(w13, cfg.block_n, cfg.block_k)
+    w13_in = w13.view(torch.uint8) if weight_only else w13  # weight-only: the kernel decodes the bytes (no float8e4nv)
+    w_arg, w_rows = weight_operand(w13_in, cfg.block_n, cfg.block_k)
     part = fill((split, r, two_i), nan, dtype=torch.float32, device=dev) if split > 1 else inter
     _gate_up_kernel[grid + (split,)](
         x_arg, xs, source_rows if source_rows is not None else layout.meta, w_arg, ws, part, extra if fused_groups else inter,
-        extra if q in (1, 2) else inter, layout.meta,
+        extra if aq in (1, 2) else inter, layout.meta,
         layout.num_experts, max(layout.capacity, 1), blocks_m, i, h, w_rows,
         x.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), stride_wse, stride_wsn, inter.stride(0),
         extra.stride(0) if fused_groups else 0,
         QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
         E_POW2=layout.e_pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and q == 0,
-        PROMOTE=dtype == torch.float32 and q in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13,
+        GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and aq == 0,
+        PROMOTE=dtype == torch.float32 and aq in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13_in,
         INDEXED=source_rows is not None, SPLIT_K=split, split_stride=r * two_i if split > 1 else 0,
-        X_TMA=x_arg is not x, SWAP=bool(cfg.swap_ab), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl(dev, early_start=False))
+        X_TMA=x_arg is not x, SWAP=bool(cfg.swap_ab), W_FP8_BITS=weight_only, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl(dev, early_start=False))
     if split > 1:
-        block_i = 128 if q == 3 else min(1024, next_pow2(i))
+        block_i = 128 if aq == 3 else min(1024, next_pow2(i))
         _gate_up_split_sum_kernel[(r, cdiv(i, block_i))](
-            part, inter, extra if fused_groups else inter, extra if q in (1, 2) else inter, layout.meta,
+            part, inter, extra if fused_groups else inter, extra if aq in (1, 2) else inter, layout.meta,
             layout.num_experts, max(layout.capacity, 1), i, inter.stride(0), extra.stride(0) if fused_groups else 0,
-            r * two_i, QUANT=q, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
+            r * two_i, QUANT=aq, ACT=_act_code(activation), INTER_DTYPE=_TL_DTYPE[dtype], MASKED=layout.masked,
             SPLIT_K=split, BLOCK_I=block_i, ROUND_IN_FP32=interpreting(), **pdl(dev))
     return inter, extra
 
@@ -308,7 +347,8 @@ def _scale_strides(ws: Tensor, q: int) -> tuple[int, int]:
 def gate_up_torch(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
                   scheme: str, activation: str, dtype: torch.dtype, source_rows: Tensor | None = None) -> Tensor:
     """Reference: act(gate) * up per valid row, float32 math, rounded to ``dtype`` -> [R, I]
-    (rows of empty masked slots are 0). Dequantizes by the scheme (quant/*.py). source_rows as gate_up."""
+    (rows of empty masked slots are 0). Dequantizes by the scheme (quant/*.py). source_rows as gate_up. Weight-only
+    FP8's reference: x in the layer dtype with x_scale None (only the weights dequantized)."""
     from ...experts.base import gated_activation
     from ...quant import create_scheme
     sch = create_scheme(scheme)

@@ -42,8 +42,10 @@ def default_config(tokens: int, top_k: int, num_experts: int, scheme: str, *, hi
     return MoEKernelConfig(GemmConfig(64, 128, bk, 8, 8, 3), GemmConfig(64, 256, bk, 8, 8, 3))
 
 
-def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_size: int) -> GemmConfig:
-    """Make ``cfg`` valid for the scheme and within shared memory.
+def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_size: int,
+        budget: int = _SMEM_BUDGET) -> GemmConfig:
+    """Make ``cfg`` valid for the scheme and within ``budget`` bytes of shared memory (the GPU's Target.tile_budget,
+    moeflow.targets; elem_bytes: an operand element's).
 
     fp8-block: BLOCK_K must divide 128 (one activation group per step). gate_up: BLOCK_N of 128
     or more quantizes the 1x128 groups in the epilogue (128, or 256 where n_size (I) allows);
@@ -64,11 +66,11 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     stages = max(cfg.num_stages, 1)
     b_tiles = 2 if fused_pair else 1
     smem = lambda: stages * (bm * bk + b_tiles * bk * bn) * elem_bytes
-    while stages > 1 and smem() > _SMEM_BUDGET:
+    while stages > 1 and smem() > budget:
         stages -= 1
     while b_tiles * bm * bn > 256 * 32 * max(cfg.num_warps, 1) and max(bm, bn) > 16:  # accumulators a thread
         bn, bm = (bn // 2, bm) if bn >= bm else (bn, bm // 2)
-    while smem() > _SMEM_BUDGET:  # one stage still too big (a hand-edited file): halve K, then N, then M
+    while smem() > budget:  # one stage still too big (a hand-edited file, a small GPU): halve K, then N, then M
         if bk > (128 if scheme == "fp8-block" else 32):
             bk //= 2
         elif bn > 64:
@@ -86,10 +88,10 @@ def fit(cfg: GemmConfig, *, fused_pair: bool, scheme: str, elem_bytes: int, n_si
     return replace(fitted, swap_ab=int(bool(cfg.swap_ab) and not fitted.scale_overlap and not fitted.warp_specialize))
 
 
-def fit_fused(cfg: FusedConfig, scheme: str) -> FusedConfig:
+def fit_fused(cfg: FusedConfig, scheme: str, budget: int = _SMEM_BUDGET) -> FusedConfig:
     """Make ``cfg`` valid for the scheme: tiles of 16 columns at least (the dots' N), BLOCK_K of 16 at least
     (fp8: 32); fp8-block: BLOCK_K 128 and BLOCK_N at most 128 (powers of two, so dividing 128); no more stages than
-    fit the shared-memory budget with 2-byte weights (fp8: 1), a gate_up item's two tiles or a down item's one (a
+    fit ``budget`` (Target.tile_budget) with 2-byte weights (fp8: 1), a gate_up item's two tiles or a down item's one (a
     tile over it at one stage, only in a hand-edited file, halves its BLOCK_K, then its BLOCK_N)."""
     bn1, bn2 = max(cfg.block_n1, 16), max(cfg.block_n2, 16)
     bk_min = 32 if scheme != "none" else 16
@@ -97,12 +99,12 @@ def fit_fused(cfg: FusedConfig, scheme: str) -> FusedConfig:
     if scheme == "fp8-block":
         bn1, bn2, bk1, bk2 = min(bn1, 128), min(bn2, 128), 128, 128
     elem = 1 if scheme != "none" else 2
-    while 2 * bn1 * bk1 * elem > _SMEM_BUDGET:  # a gate_up item's gate and up tiles (only a hand-edited file)
+    while 2 * bn1 * bk1 * elem > budget:  # a gate_up item's gate and up tiles (only a hand-edited file)
         bk1, bn1 = (bk1 // 2, bn1) if bk1 > bk_min else (bk1, bn1 // 2)
-    while bn2 * bk2 * elem > _SMEM_BUDGET:
+    while bn2 * bk2 * elem > budget:
         bk2, bn2 = (bk2 // 2, bn2) if bk2 > bk_min else (bk2, bn2 // 2)
     per_stage = max(2 * bn1 * bk1, bn2 * bk2) * elem
-    stages = max(1, min(cfg.num_stages, _SMEM_BUDGET // per_stage))
+    stages = max(1, min(cfg.num_stages, budget // per_stage))
     return replace(cfg, block_n1=bn1, block_k1=bk1, block_n2=bn2, block_k2=bk2, num_stages=stages,
                    split1=max(cfg.split1, 1), split2=max(cfg.split2, 1))
 
