@@ -102,3 +102,14 @@ def make_layer():
 def weights_for():
     """weights_for(cfg, dtype=float32) -> dict of fresh random HF-named weights for ``cfg``."""
     return random_state
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``targets`` (the compile matrix: minutes a GPU target) run only when the -m expression names
+    them (.ci/run's second step); the README's test command leaves them out."""
+    if "targets" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="the compile matrix: run with -m targets (.ci/run does)")
+    for item in items:
+        if "targets" in item.keywords:
+            item.add_marker(skip)
