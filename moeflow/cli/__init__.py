@@ -11,7 +11,7 @@ import sys
 from ..errors import MoeflowError
 
 # subcommand modules, in the order `moeflow --help` lists them
-COMMANDS = ("matrix", "check", "explain", "bench", "env", "generate", "tune")
+COMMANDS = ("matrix", "check", "selftest", "explain", "bench", "env", "generate", "tune")
 
 
 def build_parser() -> argparse.ArgumentParser:
