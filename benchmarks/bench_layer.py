@@ -75,11 +75,12 @@ class Case:
         self.cfg = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda", dispatcher="local",
                                  dispatch_payload=payload)
         c = self.cfg
-        self.scheme = create_scheme(scheme)
+        self.env = Environment.detect(torch.device("cuda"))  # MOEFLOW_KERNEL_ARCH: another architecture's plan
+        planned = make_plan(c, self.env)
+        self.scheme = create_scheme(scheme, weight_only=planned.weight_only)  # as the layer's (FP8 on sm_80: weights)
         self.shape = Shape(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, scheme)
         self.weights = random_weights(self.shape, "cuda", seed=1)
-        self.env = Environment.detect(torch.device("cuda"))
-        self.router = create_router(c, make_plan(c, self.env).router)  # the layer's router (planner)
+        self.router = create_router(c, planned.router)  # the layer's router (planner)
         self.bias = (torch.rand(c.num_experts, device="cuda") - 0.5) * 0.1 if c.use_correction_bias else None
         self.dispatcher = create_dispatcher("local", c, self.scheme)
         self._plans = {}  # runner name -> the Plan of (local, that runner)
@@ -194,7 +195,7 @@ def _precompile(cells, tokens, env) -> None:
         if check_runner("triton", cfg, env):
             continue
         shape = Shape(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, scheme)
-        runner = create_runner("triton", cfg, create_scheme(scheme))
+        runner = create_runner("triton", cfg, create_scheme(scheme, weight_only=make_plan(cfg, env).weight_only))
         w = expanded_weights(shape, "cuda")
         for t in tokens:
             b = random_batch(shape, 1, "cuda")

@@ -7,8 +7,14 @@
 # Steps, in this order, each started only while time is left (DEADLINE_S, default 540 s) and cut at its own limit:
 #   gpu_tests_triton, gpu_tests_layers, gpu_tests_gluon, gpu_tests_graphs   pytest -v -m gpu over tests/gpu, in groups
 #                                                                           (a fresh machine needs several calls)
+#   gpu_tests_portable     the portable and weight-only paths (other architectures' rules forced, MOEFLOW_KERNEL_ARCH,
+#                          as mma.sync: DISABLE_MMA_V3=1): test_gpu_portable.py, and test_gpu_triton.py as sm_80
+#   selftest               `moeflow selftest --json` on this GPU
 #   layer_bench_baseline   with BASELINE=<dir>: bench_layer.py with PYTHONPATH=<dir> (an older copy of the package)
 #   layer_bench            bench_layer.py: the 36 rows (3 presets x T = 1..16384 x {bf16, fp8-block}), triton runner
+#   portable_bench         the same rows with the portable kernels forced: bf16 as sm_80, fp8-block as sm_89
+#                          (MOEFLOW_KERNEL_ARCH, DISABLE_MMA_V3=1); weight_only_bench: fp8 weight-only (sm_80), T <= 16
+#   anchor_sglang          with .anchors/sglang (benchmarks/fetch_sglang_anchor.sh): SGLang's Triton GEMMs, same rows
 #   ep_tests, ep_bench, ep_layer   with 2+ GPUs: the expert-parallel GPU tests, bench_ep.py's transfers, its layer
 #   hf                     bench_hf.py: transformers' Qwen3-MoE with its own experts against moeflow's
 # Options (environment):
@@ -65,11 +71,18 @@ pytest_gpu=("${one_gpu[@]}" PYTHONPATH="$PWD" python -m pytest -v -m gpu)
 xdist() { python -c "import xdist" 2> /dev/null && echo "-n $1"; }
 # shellcheck disable=SC2046  # xdist's output is two words or none
 step gpu_tests_triton 450 "${pytest_gpu[@]}" $(xdist 3) tests/gpu/test_gpu_triton.py
+pytest_base=("${pytest_gpu[@]}")
 pytest_gpu+=($(xdist "${PYTEST_WORKERS:-12}"))
 step gpu_tests_layers 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_fused_layer.py tests/gpu/test_gpu_layer_graph.py \
     tests/gpu/test_gpu_runners.py tests/gpu/test_gpu_hf.py tests/gpu/test_gpu_cli.py tests/gpu/test_gpu_gate_up_wgmma.py
 step gpu_tests_gluon 420 "${pytest_gpu[@]}" tests/gpu/test_gpu_down_wgmma.py tests/gpu/test_gpu_warp_specialized.py
 step gpu_tests_graphs 240 "${pytest_gpu[@]}" tests/gpu/test_gpu_eager_graphs.py tests/gpu/test_gpu_compile.py
+portable=(env DISABLE_MMA_V3=1)
+step gpu_tests_portable 420 "${portable[@]}" "${pytest_gpu[@]}" tests/gpu/test_gpu_portable.py \
+    tests/gpu/test_gpu_weight_only_fp8.py
+step gpu_tests_triton_sm80 420 "${portable[@]}" MOEFLOW_KERNEL_ARCH=sm_80 "${pytest_base[@]}" $(xdist 3) \
+    tests/gpu/test_gpu_triton.py
+step selftest 120 "${one_gpu[@]}" PYTHONPATH="$PWD" python -m moeflow selftest --json "$R/selftest.json"
 
 # shellcheck disable=SC2086  # LAYER_ARGS is a list of arguments
 if [ -n "${BASELINE:-}" ]; then
@@ -81,6 +94,22 @@ fi
 step layer_bench 300 "${one_gpu[@]}" PYTHONPATH="$PWD" python benchmarks/bench_layer.py $LAYER_ARGS \
     --runners triton --deadline-s "$(left)" --out "$R/layer"
 grep -h -A3 "^targets, " "$R/layer_bench.log" 2> /dev/null | cut -c1-300 >> "$S"
+ROWS="--presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --tokens ${PORTABLE_TOKENS:-1,16,128,1024,4096,16384}"
+# shellcheck disable=SC2086
+step portable_bench 420 "${one_gpu[@]}" "${portable[@]}" MOEFLOW_KERNEL_ARCH=sm_80 PYTHONPATH="$PWD" \
+    python benchmarks/bench_layer.py $ROWS --schemes none --runners triton --deadline-s "$(left)" --out "$R/portable_bf16"
+# shellcheck disable=SC2086
+step portable_bench_fp8 420 "${one_gpu[@]}" "${portable[@]}" MOEFLOW_KERNEL_ARCH=sm_89 PYTHONPATH="$PWD" \
+    python benchmarks/bench_layer.py $ROWS --schemes fp8-block --runners triton --deadline-s "$(left)" \
+    --out "$R/portable_fp8"
+step weight_only_bench 240 "${one_gpu[@]}" "${portable[@]}" MOEFLOW_KERNEL_ARCH=sm_80 PYTHONPATH="$PWD" \
+    python benchmarks/bench_layer.py --presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --tokens 1,16 \
+    --schemes fp8-channel,fp8-block --runners triton --deadline-s "$(left)" --out "$R/weight_only"
+if [ -d .anchors/sglang ]; then
+    # shellcheck disable=SC2086
+    step anchor_sglang 300 "${one_gpu[@]}" PYTHONPATH="$PWD" python benchmarks/anchor_sglang.py $ROWS \
+        --schemes none,fp8-block --deadline-s "$(left)" --out "$R/anchor_sglang"
+fi
 if [ -f "$R/layer_baseline/bench.json" ] && [ -f "$R/layer/bench.json" ]; then
     PYTHONPATH="$PWD" python benchmarks/compare_runs.py "$R/layer_baseline/bench.json" "$R/layer/bench.json" \
         > "$R/compare_runs.txt" 2>&1
