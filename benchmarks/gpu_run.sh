@@ -127,6 +127,14 @@ if [ "$GPUS" -ge 2 ]; then
 fi
 step hf 240 "${one_gpu[@]}" PYTHONPATH="$PWD" python benchmarks/bench_hf.py --commit "$MOEFLOW_COMMIT" --out "$R/hf"
 
+if [ -f "$R/portable_bf16/bench.json" ] && [ -f "$R/layer/bench.json" ]; then
+    anchor=(); [ -f "$R/anchor_sglang/anchor.json" ] && anchor=(--anchor "$R/anchor_sglang/anchor.json")
+    wo=(); [ -f "$R/weight_only/bench.json" ] && wo=(--weight-only "$R/weight_only/bench.json")
+    pfiles=("$R/portable_bf16/bench.json"); [ -f "$R/portable_fp8/bench.json" ] && pfiles+=("$R/portable_fp8/bench.json")
+    PYTHONPATH="$PWD" python benchmarks/portable_report.py --hopper "$R/layer/bench.json" --portable "${pfiles[@]}" \
+        "${anchor[@]}" "${wo[@]}" > "$R/portable_report.txt" 2>&1
+    tail -n 3 "$R/portable_report.txt" | cut -c1-400 >> "$S"
+fi
 grep -hE "FAILED|Error" "$R"/*tests*.log 2> /dev/null | head -20 >> "$S"
 tar czf "$OUT/results.tgz" -C "$R" .
 # the loadable files of the cache (metadata, cubins, group files, launchers), only this call's if all would not fit

@@ -105,8 +105,9 @@ def weights_for():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``targets`` (the compile matrix: minutes a GPU target) run only when the -m expression names
-    them (.ci/run's second step); the README's test command leaves them out."""
+    """Tests marked ``targets`` (the compile tier: the compile matrix, minutes a GPU target, and the sm_90a / sm_80
+    compile checks) run only when the -m expression names them (.ci/run's second step); the README's test command
+    leaves them out."""
     if "targets" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="the compile matrix: run with -m targets (.ci/run does)")

@@ -1,5 +1,5 @@
 """The maintained benchmark scripts (benchmarks/: bench_layer.py, bench_ep.py, bench_hf.py, compare_runs.py,
-anchor_sglang.py and gpu_run.sh) run only on a GPU machine, so a renamed helper or a broken option would otherwise go unseen until then:
+anchor_sglang.py, portable_report.py and gpu_run.sh) run only on a GPU machine, so a renamed helper or a broken option would otherwise go unseen until then:
 every `from moeflow... import name` in them resolves, each Python script parses its options (--help), and
 gpu_run.sh parses, selects its steps by name and leaves its output as the GPU machine can return it."""
 import ast
@@ -20,7 +20,7 @@ GPU_RUN = ROOT / "benchmarks" / "gpu_run.sh"
 
 def test_only_the_maintained_scripts_are_left():
     assert [p.name for p in SCRIPTS] == ["anchor_sglang.py", "bench_ep.py", "bench_hf.py", "bench_layer.py",
-                                         "compare_runs.py"]
+                                         "compare_runs.py", "portable_report.py"]
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -38,6 +38,7 @@ def test_script_imports_resolve(path):
 @pytest.mark.parametrize("script,options", [
     ("bench_layer.py", ["--presets", "--schemes", "--runners", "--tokens", "--out", "--deadline-s"]),
     ("anchor_sglang.py", ["--presets", "--schemes", "--tokens", "--out", "--anchor-dir", "--deadline-s"]),
+    ("portable_report.py", ["--hopper", "--portable", "--weight-only", "--anchor"]),
     ("bench_ep.py", ["--tokens", "--skip", "--profile", "--small", "--out"]),
     ("bench_hf.py", ["--impls", "--prefill", "--decode", "--commit", "--small", "--out"]),
 ])

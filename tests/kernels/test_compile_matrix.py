@@ -1,7 +1,7 @@
 """The compile matrix (moeflow/tune/compile_matrix.py): for each GPU architecture moeflow's kernels are built for,
 every kernel and tile the planner can pick there, compiled for that target on this CPU, fits its shared memory and
-registers. Several minutes a target: marked ``targets`` (skipped unless the -m expression names it); .ci/run runs it
-as its own step: python -m pytest -q -m targets -n auto tests/kernels/test_compile_matrix.py
+registers. Several minutes a target: marked ``targets`` (skipped unless the -m expression names it); .ci/run runs the
+compile tier as its own step: python -m pytest -q -m targets -n auto
 """
 import json
 import os

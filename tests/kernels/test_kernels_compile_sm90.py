@@ -19,7 +19,7 @@ import sys
 import pytest
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
-              pytest.mark.slow]  # ptxas for sm_90a: minutes on a fresh Triton cache
+              pytest.mark.targets]  # ptxas for sm_90a, minutes on a fresh cache: the compile tier (.ci/run's 2nd step)
 
 
 def compile_without_interpreter(script: str, *args: str):

@@ -9,7 +9,7 @@ import pytest
 
 from test_kernels_compile_sm90 import compile_without_interpreter
 
-pytestmark = pytest.mark.slow  # a few dozen compilations through ptxas
+pytestmark = pytest.mark.targets  # a few dozen compilations through ptxas: the compile tier (.ci/run's 2nd step)
 
 COMPILE_SM80 = r'''
 import json, sys, torch

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+              pytest.mark.targets]  # the compile tier (.ci/run's 2nd step)
 
 COMPILE = r'''
 import json, torch
