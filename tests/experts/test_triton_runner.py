@@ -314,3 +314,29 @@ def test_plan_reads_rows_by_index_only_where_both_sides_declare_it():
     from moeflow.experts.base import ExpertWeights
     weights = ExpertWeights(torch.randn(4, 256, 128) / 12, torch.randn(4, 128, 128) / 12, None, None)
     assert torch.equal(run_in_layout(ref, batch, weights), ref.run(batch.gathered(), weights))
+
+
+@pytest.mark.filterwarnings("ignore:moeflow. no tuned")  # Ampere has no tuned tables: its default tiles are the point
+@pytest.mark.parametrize("layout", ["indexed", "masked"])
+@pytest.mark.parametrize("scheme,dtype", [("fp8-tensor", torch.float16), ("fp8-channel", torch.float32),
+                                          ("fp8-block", torch.float16), ("fp8-block", torch.float32)],
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_weight_only_layer_as_on_ampere(make_layer, monkeypatch, scheme, dtype, layout):
+    """An FP8 layer as an A100 runs it (MOEFLOW_KERNEL_ARCH=sm_80: Plan.weight_only, no TMA, the tiles Ampere's rules
+    and tile budget give): the weight-only scheme for the dispatcher, runner and oracle alike (activations never
+    quantized), dispatch -> triton -> combine against the float64 oracle."""
+    from moeflow.dispatch import create_dispatcher
+    from moeflow.quant import create_scheme
+    monkeypatch.setenv("MOEFLOW_KERNEL_ARCH", "sm_80")
+    layer = make_layer(**ALIGNED, quant=scheme, dtype=dtype, runner="reference")
+    wo = create_scheme(scheme, weight_only=True)
+    layer.scheme, layer.dispatcher = wo, create_dispatcher("local", layer.config, wo)
+    runner = TritonRunner(layer.config, wo)
+    kcfg = runner._fit(runner._entry_for(9, 4, 128, 128, torch.device("cpu")), 128, 128)  # Ampere's default tiles
+    x = torch.randn(9, 128).to(dtype)
+    ids, w = route(9, 4, 2, skew=1)
+    masked = layout == "masked"
+    out = layer_through_triton(layer, runner, x, ids, w, masked=masked, capacity=12 if masked else None,
+                               indexed=not masked, kcfg=kcfg)
+    ref = layer_oracle(layer, x, ids, w)
+    assert_close(out, ref, rel_tol(scheme, dtype) / 10, f"weight-only {scheme} {dtype} {layout}")
