@@ -189,10 +189,11 @@ _spec("MF204", UnsupportedError, "compute capability too low",
       "{kind} {name!r} needs compute capability >= {need} for quant={scheme!r}; this GPU has {have}; "
       "valid {kind}s here: {valid}",
       """
-What: the kernels need newer GPU hardware, whatever the scheme: moeflow's Triton runner is built on Hopper's
-instructions (wgmma, TMA), and torch._grouped_mm / torch._scaled_grouped_mm need compute capability 9.0.
-When: building the layer on an older GPU, or moving a built layer to one (moe.to(...)).
-Fix: use a runner listed as valid (the reference runner runs on any GPU), or a Hopper GPU.
+What: the kernels need newer GPU hardware: moeflow's Triton kernels need bf16 tensor cores (compute capability 8.0,
+Ampere; moeflow.targets), torch._grouped_mm / torch._scaled_grouped_mm need 9.0, and `moeflow tune`'s FP8 search
+times FP8 dots, which need 8.9 (on sm_80 / sm_86 FP8 layers run weight-only with the default tiles, untuned).
+When: building the layer on an older GPU, or moving a built layer to one (moe.to(...)); tuning an FP8 scheme there.
+Fix: use a runner listed as valid (the reference runner runs on any GPU), or a newer GPU.
 Example: MoE(..., runner="reference")
 """)
 _spec("MF205", UnsupportedError, "optional package missing",

@@ -88,6 +88,8 @@ class PeerBuffers:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
+            if torch.version.hip:  # its PTX clock does not compile for AMD GPUs: LLVM would end the process (MF211)
+                raise RuntimeError("the peer barrier is a Triton kernel built for NVIDIA GPUs only, not ROCm's")
             from ..kernels.rows.peer import barrier  # a Triton kernel: without triton, refused here (MF507)
 
             self._barrier_kernel = barrier

@@ -52,8 +52,9 @@ WS_BF16_DOWN = ([GemmConfig(128, 128, 64, 8, 4, s, warp_specialize=1) for s in (
                 + [GemmConfig(128, 256, 64, g, 4, 4, warp_specialize=1) for g in (8, 16)])
 
 
-def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmConfig]]:
-    """(gate_up candidates, down candidates) for T = tokens, fitted and deduplicated.
+def candidates(shape: Shape, tokens: int, budget: int | None = None) -> tuple[list[GemmConfig], list[GemmConfig]]:
+    """(gate_up candidates, down candidates) for T = tokens, fitted (to ``budget`` bytes of shared memory: the GPU's
+    Target.tile_budget, moeflow.targets; None: Hopper's) and deduplicated.
     Rows per expert m = T * top_k / E picks the family: weight streaming (m <= 16), middle, large tiles.
     Down candidates with programs_per_sm > 0 time the persistent down kernel; candidates of either
     GEMM with split_k > 1 (decode) the split K loop and its sum."""
@@ -118,7 +119,8 @@ def candidates(shape: Shape, tokens: int) -> tuple[list[GemmConfig], list[GemmCo
     def fitted(cfgs, pair, n):
         out = []
         for c in cfgs:
-            f = fit(c, fused_pair=pair, scheme=shape.scheme, elem_bytes=nbytes, n_size=n)
+            f = fit(c, fused_pair=pair, scheme=shape.scheme, elem_bytes=nbytes, n_size=n,
+                    **({} if budget is None else dict(budget=budget)))
             if f not in out:
                 out.append(f)
         return out
@@ -354,11 +356,18 @@ def tune(shape: Shape, token_counts: list[int], rep_ms: float = 15, log=print, o
     chosen gate_up and down against each one-launch tile set; the entry gets the fastest tile set only where it
     beat the separate launches (the two layer figures are measured there only)."""
     from ..kernels.rows.quant import down_input
+    from ..targets import kernel_target
     dev = torch.device("cuda")
+    target = kernel_target(dev)
+    if shape.scheme != "none" and not target.fp8_dots:  # the tuner times FP8 dots; weight-only FP8 is not searched yet
+        from ..errors import error
+        raise error("MF204", kind="tuner", name="moeflow tune", need="8.9", scheme=shape.scheme,
+                    have=f"{target.capability[0]}.{target.capability[1]} (weight-only FP8 runs the default tiles)",
+                    valid=["moeflow tune --quant none"])
     weights = random_weights(shape, dev)
     run_gu, run_dn = gemm_runners(shape, weights)
     check_gu, check_dn = gemm_checks(shape, weights)
-    plans = {t: candidates(shape, t) for t in token_counts}
+    plans = {t: candidates(shape, t, target.tile_budget) for t in token_counts}
     fused_plans = {t: fused_candidates(shape, t) if fused and fused_searched(shape, t, indexed_rows) else []
                    for t in token_counts}
     pairs = {p for gu, dn in plans.values() for p in covering_pairs(gu, dn)}
