@@ -101,6 +101,8 @@ def _cases(target):
                     kcfg = runner._fit(runner._entry_for(t, e, i, h, cpu), i, h)
                     # the masked layout (a MASKED constexpr: the same tiles) at one batch size a shape
                     for layout in (SORTED, MASKED) if t == TOKENS[1] else (SORTED,):
+                        if os.environ.get("MOEFLOW_COMPILE_MATRIX_VERBOSE"):
+                            print(f"case {preset} {scheme} {dtype} T={t} {layout}: {kcfg}", file=sys.stderr, flush=True)
                         batch = _batch(layout, e, h, k, dtype, sch)
                         runner.run_with(batch, weights, kcfg)
                     fused = runner._fused_tiles(t, runner._entry_for(t, e, i, h, cpu))

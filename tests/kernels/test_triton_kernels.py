@@ -1033,3 +1033,24 @@ def test_host_cdiv_and_next_pow2_agree_with_triton():
     assert next_pow2((1 << 40) + 1) == triton.next_power_of_2((1 << 40) + 1) == 1 << 41
     pairs = [(a, b) for a in range(0, 600) for b in (1, 2, 3, 7, 16, 64, 128, 255)]
     assert [cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]
+
+
+def test_tensor_amax_by_row_as_on_sm100(monkeypatch):
+    """fp8-tensor's gate_up amax, one atomic a row (what sm_100 compiles: targets.Target.tile_to_scalar), equals the
+    whole tile's one atomic, and the inter it comes with is the same."""
+    from moeflow.kernels.common import RowLayout
+    from moeflow.kernels.configs import GemmConfig
+    from moeflow.kernels.gemm.gate_up import gate_up
+    from moeflow.quant import create_scheme
+    sch = create_scheme("fp8-tensor")
+    x = torch.randn(40, 128, dtype=torch.float16)
+    xq, xs = sch.quantize_activation(x)
+    w13, s13 = sch.quantize_weight(torch.randn(2, 192, 128) * 0.1)
+    lay = RowLayout(False, torch.tensor([0, 17, 40]), 2, 0, 40)
+    cfg = GemmConfig(16, 32, 64)
+    outs = []
+    for arch in ("sm_90", "sm_100"):
+        monkeypatch.setenv("MOEFLOW_KERNEL_ARCH", arch)
+        outs.append(gate_up(xq, xs.expand(40, 1), w13, s13, lay, "fp8-tensor", "silu", torch.float16, cfg))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][1].item() == outs[0][0].float().abs().max().item()

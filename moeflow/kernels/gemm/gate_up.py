@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...quant import FP8_DTYPE
+from ...targets import kernel_target
 from ..common import (QUANT_CODES, RowLayout, acc_tile, block_rows, cdiv, fp8_scale, fp8e4m3_decode, gated_act,
                      interpreting, next_pow2, pdl, pdl_launch, pdl_start, pdl_wait, per_col, per_row, row_major,
                      rows_operand, scale_block, split_steps, tile_dot, tile_dot_acc, tile_ids, to_fp8, weight_operand)
@@ -35,6 +36,7 @@ def _gate_up_kernel(
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
         ROUND_IN_FP32: tl.constexpr, W_TMA: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False,
         SPLIT_K: tl.constexpr = 1, split_stride=0, X_TMA: tl.constexpr = False, SWAP: tl.constexpr = False,
+        AMAX_BY_ROW: tl.constexpr = False,
         W_FP8_BITS: tl.constexpr = False):
     """w: a TMA descriptor over the weight rows [E * 2I, H] (W_TMA; expert e's rows start at
     e * w_rows_per_expert) or a pointer to gate_up_proj [E, 2I, H] (strides stride_we, stride_wn).
@@ -184,6 +186,8 @@ def _gate_up_kernel(
             row_amax = tl.max(tl.where(ok, tl.abs(h.to(tl.float32)), 0.0), axis=1)
             if QUANT == 2:
                 tl.atomic_max(amax_ptr + rows, row_amax, mask=row_ok)
+            elif AMAX_BY_ROW:  # targets.Target.tile_to_scalar False (sm_100): one atomic a row, to the one address
+                tl.atomic_max(amax_ptr + rows * 0, row_amax, mask=row_ok)
             else:
                 tl.atomic_max(amax_ptr, tl.max(row_amax, axis=0))
 
@@ -306,7 +310,8 @@ def gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | 
         GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, DOT_IEEE=dtype == torch.float32 and aq == 0,
         PROMOTE=dtype == torch.float32 and aq in (1, 2), ROUND_IN_FP32=interpreting(), W_TMA=w_arg is not w13_in,
         INDEXED=source_rows is not None, SPLIT_K=split, split_stride=r * two_i if split > 1 else 0,
-        X_TMA=x_arg is not x, SWAP=bool(cfg.swap_ab), W_FP8_BITS=weight_only, num_warps=cfg.num_warps,
+        X_TMA=x_arg is not x, SWAP=bool(cfg.swap_ab), W_FP8_BITS=weight_only,
+        AMAX_BY_ROW=aq == 1 and not kernel_target(dev).tile_to_scalar, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl(dev, early_start=False))
     if split > 1:
         block_i = 128 if aq == 3 else min(1024, next_pow2(i))
