@@ -4,7 +4,7 @@
 active driver a stand-in for a GPU of that architecture and turns every launch into a compile (JITFunction.run with
 warmup): the real launchers then run on CPU tensors under MOEFLOW_KERNEL_ARCH, so each kernel is compiled with the
 constexprs and tiles the kernel choice gives there (model shapes x schemes x layouts x batch sizes), plus the routers,
-sorts, quantization and top-k sum. Each compiled kernel's shared memory must fit the target (Target.shared_bytes) and
+sorts, quantization, top-k sum and expert-parallel row kernels. Each compiled kernel's shared memory must fit the target (Target.shared_bytes) and
 its registers one SM's 64K (ptxas for that target); spills are reported. tests/kernels/test_compile_matrix.py runs it.
 """
 from __future__ import annotations
@@ -166,6 +166,31 @@ def _glue(target):
         sort_copies_by_expert(torch.zeros(600, 8, dtype=torch.int32), torch.ones(600, 8), 128, 4800, x=x,
                               scheme=scheme)
     moe_sum(torch.zeros(8, 256, dtype=torch.bfloat16), torch.arange(8).view(4, 2), 2)
+    _expert_parallel(target)
+
+
+def _expert_parallel(target):
+    """The expert-parallel dispatchers' row kernels (kernels/rows/ep_rows.py): ranking, packing (layer dtype, and an
+    FP8 payload where FP8 is), the blank tails of fixed blocks, the masked scatter."""
+    from ..dispatch._ep_rows import RowCodec
+    from ..kernels.rows import ep_rows
+    from ..quant import create_scheme
+    t, k, h, e, world = 6, 2, 256, 8, 2
+    ids = torch.zeros(t, k, dtype=torch.int32)
+    expert_rank = torch.arange(e, dtype=torch.int64) % world
+    expert_local = torch.arange(e, dtype=torch.int64) // world
+    for block in (0, 8):
+        ep_rows.rank_rows(ids, expert_rank, world, block)
+    payloads = (None, create_scheme("fp8-channel"), create_scheme("fp8-block")) if target.fp8_dots else (None,)
+    for payload in payloads:
+        codec = RowCodec(h, k, torch.bfloat16, payload)
+        buf = torch.zeros(world * 8, codec.row_bytes, dtype=torch.uint8)
+        x = torch.zeros(t, h, dtype=torch.bfloat16)
+        tokens, scale = codec.encode(x)
+        dest = torch.zeros(t, world, dtype=torch.int64)
+        ep_rows.pack_rows(codec.unpack(buf), tokens, scale, ids, torch.ones(t, k), dest, expert_rank, expert_local)
+        ep_rows.blank_rows(buf, torch.zeros(world, dtype=torch.int64), 8, codec.blank_row("cpu"))
+        ep_rows.masked_scatter(codec.unpack(buf), torch.zeros(world * 8 * k, dtype=torch.int64), e // world, 16)
 
 
 def run(arch: str) -> list[Compiled]:

@@ -25,7 +25,8 @@ def test_every_picked_kernel_compiles_and_fits(arch, tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())
     names = {r["kernel"] for r in rows}
-    assert {"_gate_up_kernel", "_down_kernel", "_route_kernel", "_moe_sum_kernel"} <= names, names
+    assert {"_gate_up_kernel", "_down_kernel", "_route_kernel", "_moe_sum_kernel", "_pack_rows_kernel",
+            "_scatter_rows_kernel", "_rank_rows_kernel", "_blank_rows_kernel"} <= names, names
     limit = next(t.shared_bytes for t in TARGETS if t.arch == arch)
     assert all(r["fits"] and r["shared_bytes"] <= limit for r in rows)
     assert len(rows) >= 20, len(rows)
