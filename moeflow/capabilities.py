@@ -13,7 +13,7 @@ from functools import lru_cache
 import torch
 
 from . import env as moeflow_env
-from .targets import BY_ARCH, TARGETS, nearest, target_of
+from .targets import BY_ARCH, TARGETS, rules_for
 
 ALL_FLOAT = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
@@ -220,9 +220,7 @@ def triton_glue(t: torch.Tensor, fp8: bool = False) -> bool:
         return False
     have = _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
     forced = moeflow_env.KERNEL_ARCH.get_choice()
-    target = BY_ARCH[forced] if forced else target_of(have)  # whose rules the kernels follow (targets.kernel_target)
-    if target is None and moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
-        target = nearest(have)
+    target = BY_ARCH[forced] if forced else rules_for(have)  # whose rules the kernels follow (targets.kernel_target)
     return target is not None and (target.fp8_dots or not fp8)
 
 

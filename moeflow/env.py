@@ -148,9 +148,10 @@ EAGER_BUCKETS = EnvVar(
     "count")
 ALLOW_UNVALIDATED_GPU = EnvVar(
     "MOEFLOW_ALLOW_UNVALIDATED_GPU", "0",
-    "Set 1 to let the planner build runners on GPUs newer than the compute capability they were validated on "
-    "(their declared max_cc: the Triton and grouped_mm runners, sm_90), and the Triton router and the dispatchers' "
-    "Triton kernels run on any GPU but sm_90. Untested there: MF210 otherwise, or their torch code.")
+    "Set 1 to let the planner build runners and routers on a GPU whose architecture their kernels are not built for "
+    "(their declared archs, moeflow.targets: the Triton backends sm_80 to sm_120, grouped_mm sm_90), and the "
+    "dispatchers' Triton kernels run there, following the nearest target's rules. Untested there: MF210 otherwise, "
+    "or their torch code.")
 KERNEL_ARCH = EnvVar(
     "MOEFLOW_KERNEL_ARCH", "",
     "Make the Triton runner's kernel choice follow another GPU architecture's rules (sm_80, sm_86, sm_89, sm_90, "

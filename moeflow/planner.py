@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from . import env as moeflow_env
 from .capabilities import Environment
-from .targets import arch_name, nearest, target_of
+from .targets import arch_name, nearest, rules_for, target_of
 from .config import MoEConfig
 from .dispatch import DISPATCHERS
 from .errors import MoeflowError, error
@@ -130,7 +130,8 @@ def check_runner(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
         arch = arch_name(have)
         built = [s for s in capable if s.archs is None or arch in s.archs]
         if not built and not moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
-            return error("MF210", kind="runner", name=name, archs=_archs(capable), have=arch,
+            return error("MF210", kind="runner", name=name, archs=_arch_list(a for s in capable for a in s.archs or ()),
+                         have=arch,
                          valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
         dtyped = built or capable
     row = dtyped[0]
@@ -153,8 +154,8 @@ def check_router(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
     if env.device_type == "cuda" and caps.archs is not None and not moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool():
         arch = arch_name(env.capability or (0, 0))
         if arch not in caps.archs:  # as a runner on a GPU its kernels are not built for (check_runner)
-            return error("MF210", kind="router", name=name, archs=", ".join(sorted(caps.archs, key=_arch_key)),
-                         have=arch, valid=_valid_names(ROUTERS, check_router, cfg, env, alternatives))
+            return error("MF210", kind="router", name=name, archs=_arch_list(caps.archs), have=arch,
+                         valid=_valid_names(ROUTERS, check_router, cfg, env, alternatives))
     e = cfg.num_experts
     if caps.max_experts is not None and e > caps.max_experts:
         return error("MF206", what=f"num_experts={e}", rule=f"at most {caps.max_experts}", kind="router", name=name,
@@ -179,13 +180,9 @@ def _valid_names(registry, check, cfg, env, wanted: bool) -> list[str]:
     return [n for n in registry.names() if check(n, cfg, env, alternatives=False) is None]
 
 
-def _archs(rows) -> str:
-    """The architectures Support rows are built for, in order: 'sm_80, sm_86, ...'."""
-    return ", ".join(sorted({a for s in rows for a in (s.archs or ())}, key=_arch_key))
-
-
-def _arch_key(arch: str) -> int:
-    return int(arch.removeprefix("sm_"))
+def _arch_list(archs) -> str:
+    """Architecture names (moeflow.targets), once each, oldest first: 'sm_80, sm_86, ...'."""
+    return ", ".join(sorted(set(archs), key=lambda arch: int(arch.removeprefix("sm_"))))
 
 
 def _passes(check, name: str, cfg: MoEConfig, env: Environment, **change) -> bool:
@@ -288,8 +285,7 @@ def _kernel_rules(env: Environment):
     GPUs: the torch code quantizes as the scheme says) or else."""
     if env.device_type != "cuda" or env.rocm:
         return None
-    have = env.capability or (0, 0)
-    return target_of(have) or (nearest(have) if moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool() else None)
+    return rules_for(env.capability or (0, 0))
 
 
 def _unvalidated(env: Environment, runner_caps, router_caps) -> str:

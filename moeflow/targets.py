@@ -73,9 +73,10 @@ def arch_name(capability: tuple[int, int]) -> str:
     return f"sm_{capability[0]}{capability[1]}"
 
 
-def compiled_archs() -> str:
-    """'sm_80, sm_86, ...': what the messages list."""
-    return ", ".join(t.arch for t in TARGETS)
+def rules_for(capability: tuple[int, int]) -> Target | None:
+    """The Target whose rules a GPU of ``capability`` follows: its own; for a GPU that is none, the nearest (nearest())
+    only with MOEFLOW_ALLOW_UNVALIDATED_GPU=1, else None (no moeflow kernel runs there)."""
+    return target_of(capability) or (nearest(capability) if moeflow_env.ALLOW_UNVALIDATED_GPU.get_bool() else None)
 
 
 def kernel_target(device) -> Target:

@@ -77,7 +77,7 @@ class TritonRunner(ExpertRunner):
             return empty_output(batch, h, config.dtype)
         src = batch.source_rows  # rows by index: quantize the S source rows once, gather in gate_up
         x = batch.hidden.reshape(-1 if src is not None else layout.rows, h)
-        weight_only = scheme.quantized and not scheme.activations_quantized  # FP8 weights, layer-dtype activations
+        weight_only = scheme.weight_only  # FP8 weights, layer-dtype activations
         if batch.hidden_scale is not None:
             xq, xs = self.input_activations(x, batch.hidden_scale.reshape(x.shape[0], -1))
         elif scheme.activations_quantized:
@@ -205,5 +205,5 @@ class TritonRunner(ExpertRunner):
         rows = tokens if masked else tokens * cfg.top_k
         c_gate_up, c_down = choice.describe(gate_up, down, scheme=self.scheme.name, dtype=cfg.dtype, hidden=h, inter=i,
                                             rows=rows, masked=masked, device=cfg.device,
-                                            weight_only=self.scheme.quantized and not self.scheme.activations_quantized)
+                                            weight_only=self.scheme.weight_only)
         return f"gate_up {choice.tile_text(gate_up, c_gate_up)}; down {choice.tile_text(down, c_down)}"

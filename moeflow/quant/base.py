@@ -64,6 +64,11 @@ class QuantScheme(ABC):
     activations_quantized: bool = True  # activations quantized before the GEMMs (False: "none", weight-only FP8)
     caps: ClassVar[SchemeCaps] = SchemeCaps()
 
+    @property
+    def weight_only(self) -> bool:
+        """FP8 weights with activations left in the layer dtype (weight_only.WeightOnly)."""
+        return self.quantized and not self.activations_quantized
+
     @abstractmethod
     def weight_scale_shape(self, e: int, n: int, k: int) -> tuple[int, ...]:
         """Shape of the scale of a weight [e, n, k]."""

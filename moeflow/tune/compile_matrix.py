@@ -75,7 +75,7 @@ def _stand_in_driver(sm: int):
 
 
 def _cases(target):
-    """Yield nothing; launch every GEMM configuration the kernel choice gives on ``target`` (compile-only)."""
+    """Launch (compile-only) every GEMM configuration the kernel choice gives on ``target``."""
     from ..config import MoEConfig
     from ..experts.triton import TritonRunner
     from ..experts.base import ExpertWeights
@@ -106,7 +106,7 @@ def _cases(target):
                         batch = _batch(layout, e, h, k, dtype, sch)
                         runner.run_with(batch, weights, kcfg)
                     fused = runner._fused_tiles(t, runner._entry_for(t, e, i, h, cpu))
-                    if fused is not None and sch.activations_quantized == (scheme != "none"):
+                    if fused is not None and not sch.weight_only:  # the plan runs no one-launch layer weight-only
                         _fused(runner, weights, h, e, k, dtype, fused)
 
 

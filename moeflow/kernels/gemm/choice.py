@@ -161,6 +161,20 @@ def _gluon_blocker(device: torch.device) -> str | None:
 _WEIGHT_ONLY = "weight-only FP8 (the Gluon kernels dot FP8 operands)"
 
 
+def _gluon_rule(device: torch.device, tiles: tuple[GemmConfig, ...], weight_only: bool) -> str | None:
+    """CallFacts.gluon: why no Gluon kernel runs here (weight-only FP8, or the device: _gluon_blocker, asked only
+    where one of ``tiles`` names a Gluon kernel), or None."""
+    if weight_only:
+        return _WEIGHT_ONLY
+    return _gluon_blocker(device) if any(c.scale_overlap or c.warp_specialize for c in tiles) else None
+
+
+def _down_float32(dtype: torch.dtype, scheme: str, weight_only: bool) -> bool:
+    """CallFacts.float32 of a down call: float32 operands dotted in IEEE float32 (float32 layers, but fp8-block's,
+    whose FP8 operands the persistent kernel may take; weight-only FP8's operands are float32 there too)."""
+    return dtype == torch.float32 and (scheme != "fp8-block" or weight_only)
+
+
 def choose_gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Tensor | None, layout: RowLayout,
                    scheme: str, cfg: GemmConfig, weight_only: bool = False) -> GemmChoice:
     """The kernel for gate_up(x [S or R, H], w13 [E, 2I, H], layout) with the fitted tile ``cfg``; weight_only
@@ -171,11 +185,8 @@ def choose_gate_up(x: Tensor, x_scale: Tensor | None, w13: Tensor, w13_scale: Te
             return gate_up_wgmma.cannot_run(x, x_scale, w13, w13_scale, cfg)
         return warp_specialized.cannot_run(x, x_scale, w13, scheme, cfg, gated=True, w_scale=w13_scale)
 
-    if weight_only:
-        gluon = _WEIGHT_ONLY
-    else:
-        gluon = _gluon_blocker(x.device) if cfg.scale_overlap or cfg.warp_specialize else None
-    facts = CallFacts(layout.rows, x.shape[1], scheme, layout.masked, False, gluon, blocker)
+    facts = CallFacts(layout.rows, x.shape[1], scheme, layout.masked, False, _gluon_rule(x.device, (cfg,), weight_only),
+                      blocker)
     return decide_gate_up(cfg, facts)
 
 
@@ -191,16 +202,12 @@ def choose_down(a: Tensor, a_scale: Tensor | None, w2: Tensor, w2_scale: Tensor 
             return down_wgmma.cannot_run(a, a_scale, w2, w2_scale, scheme, cfg)
         return warp_specialized.cannot_run(a, a_scale, w2, scheme, cfg, w_scale=w2_scale)
 
-    if weight_only:
-        gluon = _WEIGHT_ONLY
-    else:
-        gluon = _gluon_blocker(a.device) if cfg.scale_overlap or cfg.warp_specialize else None
     tma_a = tma_w = False
     if cfg.programs_per_sm:
         tma_a = r > 0 and i > 0 and tma_rows(a, a.stride(0))
         tma_w = expert_rows(w2) is not None and h > 0 and i > 0 and tma_rows(w2, w2.stride(1))
-    float32 = dtype == torch.float32 and (scheme != "fp8-block" or weight_only)  # weight-only: float32 operands
-    facts = CallFacts(r, i, scheme, layout.masked, float32, gluon, blocker, tma_a, tma_w)
+    facts = CallFacts(r, i, scheme, layout.masked, _down_float32(dtype, scheme, weight_only),
+                      _gluon_rule(a.device, (cfg,), weight_only), blocker, tma_a, tma_w)
     return decide_down(cfg, facts, h)
 
 
@@ -208,14 +215,11 @@ def describe(gate_up: GemmConfig, down: GemmConfig, *, scheme: str, dtype: torch
              rows: int, masked: bool, device: torch.device, weight_only: bool = False) -> tuple[GemmChoice, GemmChoice]:
     """The choices for a call whose operands are as the layer's own (contiguous weights and rows, TMA-addressable),
     without tensors: what `moeflow check` prints."""
-    gluon = _gluon_blocker(device) if gate_up.scale_overlap or gate_up.warp_specialize or down.scale_overlap \
-        or down.warp_specialize else None
-    if weight_only:
-        gluon = _WEIGHT_ONLY
+    gluon = _gluon_rule(device, (gate_up, down), weight_only)
     ok = lambda kernel: None  # noqa: E731 (operands as the layer's own: every Gluon kernel can read them)
     f_gate_up = CallFacts(rows, hidden, scheme, masked, False, gluon, ok)
-    f_down = CallFacts(rows, inter, scheme, masked, dtype == torch.float32 and scheme != "fp8-block", gluon, ok,
-                       rows > 0, True)
+    f_down = CallFacts(rows, inter, scheme, masked, _down_float32(dtype, scheme, weight_only), gluon, ok, rows > 0,
+                       True)
     return decide_gate_up(gate_up, f_gate_up), decide_down(down, f_down, hidden)
 
 
