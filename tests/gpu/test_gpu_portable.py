@@ -37,7 +37,8 @@ def test_portable_layer(make_layer, poison, monkeypatch, arch, scheme):
         x = torch.randn(t, SHAPE["hidden_size"], device="cuda", dtype=torch.bfloat16)
         ids, w = routing(t, SHAPE["num_experts"], SHAPE["top_k"], one)
         out = layer.forward_topk(x, ids, w)
-        assert_close(out, layer_oracle(layer, x, ids, w), rel_tol(scheme, torch.bfloat16), f"{arch} {scheme} T={t}")
+        want = layer_oracle(layer, x, ids, w, grouped=t > 256)  # the gathered oracle of T=2500 would take 18 GiB
+        assert_close(out, want, rel_tol(scheme, torch.bfloat16), f"{arch} {scheme} T={t}")
     empty = layer.forward_topk(x[:0], ids[:0], w[:0])
     assert empty.shape == (0, SHAPE["hidden_size"])
 

@@ -6,7 +6,9 @@ and CUDA-graph capture and replay of a decode call. Run: pytest -m gpu tests/gpu
 import pytest
 import torch
 
+from moeflow.errors import UnsupportedError
 from moeflow.experts.reference import ReferenceRunner
+from moeflow.targets import kernel_target
 from moeflow.tune.autotune import Shape, random_weights
 from moeflow.layouts import sorted_to_masked
 from moeflow.quant import payload_scheme
@@ -105,6 +107,8 @@ def test_hopper_defaults_on_untuned_shapes(make_layer, poison, shape, scheme, m)
         out = layer.forward_topk(x, ids, w)
     want = layer_oracle(layer, x, ids, w, grouped=True)
     assert_close(out, want, rel_tol(scheme, torch.bfloat16), f"{shape} {scheme} m={m}")
+    if kernel_target(torch.device("cuda")).arch != "sm_90":
+        return  # another target's rules forced (MOEFLOW_KERNEL_ARCH): its own defaults, not the Hopper ones below
     batch, _ = layer.dispatcher.dispatch(x, ids, w)
     used = layer.runner.kernel_config(batch, layer.expert_weights())
     nbytes = 1 if scheme != "none" else 2
@@ -536,11 +540,24 @@ def test_ep_sort_on_gpu(r, e_local):
         assert g.dtype == x.dtype and torch.equal(g, x), name
 
 
+def refused_without_fp8_dots(shape) -> bool:
+    """On a target without FP8 dots (sm_80 / sm_86 forced by MOEFLOW_KERNEL_ARCH) an FP8 search is refused with
+    MF204 (weight-only FP8 runs the default tiles): check that and say so (True)."""
+    from moeflow.tune.autotune import tune
+    if shape.scheme == "none" or kernel_target(torch.device("cuda")).fp8_dots:
+        return False
+    with pytest.raises(UnsupportedError, match="MF204"):
+        tune(shape, [1], rep_ms=2, log=lambda s: None)
+    return True
+
+
 def test_tune_small_shape_on_gpu():
     """`moeflow tune`'s search on a tiny shape: graph-timed candidates, a config per T that the
     runner then runs correctly, positive times; a sleep kernel of known length times as that length."""
     from moeflow.tune.autotune import graph_time_ms, tune
     shape = Shape(8, 256, 128, 2, "fp8-block")
+    if refused_without_fp8_dots(shape):
+        return
     table, measured = tune(shape, [1, 300], rep_ms=2, log=lambda s: None)
     assert set(table) == {1, 300} and all(v["gate_up"] > 0 and v["down"] > 0 for v in measured.values())
     assert all(c.fused is None for c in table.values())  # rows in order (expert parallelism): never searched
@@ -558,6 +575,8 @@ def test_tune_searches_one_launch_tiles_on_gpu(scheme):
     from moeflow.tune.autotune import tune
     from moeflow.tune.fused import FUSED_TUNE_MAX_TOKENS
     shape = Shape(16, 256, 128, 4, scheme)
+    if refused_without_fp8_dots(shape):
+        return
     big = FUSED_TUNE_MAX_TOKENS * 2
     table, measured = tune(shape, [1, big], rep_ms=2, log=lambda s: None, indexed_rows=True)
     m = measured["1"]
