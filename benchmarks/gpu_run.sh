@@ -14,7 +14,8 @@
 #   layer_bench            bench_layer.py: the 36 rows (3 presets x T = 1..16384 x {bf16, fp8-block}), triton runner
 #   portable_bench         the same rows with the portable kernels forced: bf16 as sm_80, fp8-block as sm_89
 #                          (MOEFLOW_KERNEL_ARCH, DISABLE_MMA_V3=1); weight_only_bench: fp8 weight-only (sm_80), T <= 16
-#   anchor_sglang          with .anchors/sglang (benchmarks/fetch_sglang_anchor.sh): SGLang's Triton GEMMs, same rows
+#   anchor_sglang          with .anchors/sglang (benchmarks/fetch_sglang_anchor.sh): SGLang's Triton GEMMs, same rows,
+#                          under DISABLE_MMA_V3=1 as portable_bench
 #   ep_tests, ep_bench, ep_layer   with 2+ GPUs: the expert-parallel GPU tests, bench_ep.py's transfers, its layer
 #   hf                     bench_hf.py: transformers' Qwen3-MoE with its own experts against moeflow's
 # Options (environment):
@@ -107,7 +108,8 @@ step weight_only_bench 240 "${one_gpu[@]}" "${portable[@]}" MOEFLOW_KERNEL_ARCH=
     --schemes fp8-channel,fp8-block --runners triton --deadline-s "$(left)" --out "$R/weight_only"
 if [ -d .anchors/sglang ]; then
     # shellcheck disable=SC2086
-    step anchor_sglang 300 "${one_gpu[@]}" PYTHONPATH="$PWD" python benchmarks/anchor_sglang.py $ROWS \
+    # as the portable kernels run (mma.sync: DISABLE_MMA_V3=1), so the two compare kernel for kernel
+    step anchor_sglang 300 "${one_gpu[@]}" "${portable[@]}" PYTHONPATH="$PWD" python benchmarks/anchor_sglang.py $ROWS \
         --schemes none,fp8-block --deadline-s "$(left)" --out "$R/anchor_sglang"
 fi
 if [ -f "$R/layer_baseline/bench.json" ] && [ -f "$R/layer/bench.json" ]; then
