@@ -130,7 +130,7 @@ def gpus_table() -> str:
         kernels = "Hopper kernels (TMA, wgmma, warp-specialized)" if t.gluon else \
             "portable kernels" + (" + TMA" if t.tma else "")
         fp8 = "FP8 tensor cores" if t.fp8_dots else "weight-only (dequantized in the GEMMs)"
-        grade = "validated (GPU suite, `moeflow selftest`)" if t.validated else "compiled (CI), not run"
+        grade = "validated (GPU suite, `moeflow selftest`)" if t.validated else "compiled (CI); its rules run on an H100"
         lines.append(f"| {t.family} | {t.arch} | {t.gpus} | {kernels} | {fp8} | {t.shared_bytes // 1024} KB "
                      f"({t.tile_budget // 1024} KB) | {grade} |")
     return "\n".join(lines)
