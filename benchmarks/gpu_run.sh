@@ -77,7 +77,8 @@ pytest_gpu+=($(xdist "${PYTEST_WORKERS:-12}"))
 step gpu_tests_layers 300 "${pytest_gpu[@]}" tests/gpu/test_gpu_fused_layer.py tests/gpu/test_gpu_layer_graph.py \
     tests/gpu/test_gpu_runners.py tests/gpu/test_gpu_hf.py tests/gpu/test_gpu_cli.py tests/gpu/test_gpu_gate_up_wgmma.py
 step gpu_tests_gluon 420 "${pytest_gpu[@]}" tests/gpu/test_gpu_down_wgmma.py tests/gpu/test_gpu_warp_specialized.py
-step gpu_tests_graphs 240 "${pytest_gpu[@]}" tests/gpu/test_gpu_eager_graphs.py tests/gpu/test_gpu_compile.py
+step gpu_tests_graphs 240 "${pytest_gpu[@]}" tests/gpu/test_gpu_eager_graphs.py tests/gpu/test_gpu_compile.py \
+    tests/gpu/test_gpu_eplb.py
 portable=(env DISABLE_MMA_V3=1)
 step gpu_tests_portable 420 "${portable[@]}" "${pytest_gpu[@]}" tests/gpu/test_gpu_portable.py \
     tests/gpu/test_gpu_weight_only_fp8.py

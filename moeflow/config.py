@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from .balance.placement import Placement
 from .errors import error
 from .registry import device_types
 
@@ -39,12 +40,15 @@ def parse_dtype(value) -> torch.dtype:
     return DTYPES[name]
 
 
-SWITCHES = ("renormalize", "use_correction_bias", "shared_expert_gate")
+SWITCHES = ("renormalize", "use_correction_bias", "shared_expert_gate", "record_expert_load")
 
 
-def _placement(value, num_experts) -> tuple[int, ...]:
+def _placement(value, num_experts) -> tuple[int, ...] | Placement:
     """An expert -> rank placement as a tuple of num_experts non-negative ints (which ranks exist is the
-    dispatcher's check: dispatch/_ep_base.expert_placement); else MF504."""
+    dispatcher's check: dispatch/_ep_base.expert_placement); else MF504. A Placement (replicas) is kept as it is
+    (MoEConfig._check_slots)."""
+    if isinstance(value, Placement):
+        return value
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise error("MF504", why=f"is {value!r}: it must be a sequence of ranks, one per expert")
     ranks = []
@@ -98,7 +102,7 @@ def parse_device(value) -> torch.device:
 
 # the integer fields (numpy integers are read as Python ints)
 INT_FIELDS = ("num_experts", "hidden_size", "intermediate_size", "top_k", "max_tokens_per_rank", "num_expert_groups",
-              "topk_groups", "num_shared_experts", "shared_intermediate_size")
+              "topk_groups", "num_shared_experts", "shared_intermediate_size", "num_redundant_experts")
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,12 @@ class MoEConfig:
     dispatcher: str = "auto"
     dtype: torch.dtype = torch.bfloat16
     device: torch.device = field(default_factory=torch.get_default_device)  # omitted: torch's, as nn.Linear's
-    placement: tuple[int, ...] | None = None  # expert e lives on rank placement[e]; None = contiguous blocks
+    placement: tuple[int, ...] | Placement | None = None  # expert e on rank placement[e]; None = contiguous blocks
+    # expert-parallel load balancing (moeflow.balance, docs/load-balancing.md): physical expert slots beyond the
+    # E logical experts, holding replicas (placement: a Placement of E + num_redundant_experts slots, or None);
+    # and the per-expert token counter of layer.expert_load()
+    num_redundant_experts: int = 0
+    record_expert_load: bool = False
     max_tokens_per_rank: int = 256  # tokens per rank of fixed-size dispatch buffers (lowlatency, alltoall-fixed)
     dispatch_payload: str = "auto"  # expert parallelism: how tokens travel (PAYLOADS)
 
@@ -163,7 +172,7 @@ class MoEConfig:
         if self.top_k > self.num_experts:
             raise error("MF101", field="top_k", value=self.top_k,
                         why=f"cannot select more experts than num_experts={self.num_experts}")
-        for name in ("num_shared_experts", "shared_intermediate_size"):
+        for name in ("num_shared_experts", "shared_intermediate_size", "num_redundant_experts"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise error("MF101", field=name, value=v, why="must be a non-negative integer")
@@ -177,12 +186,24 @@ class MoEConfig:
             if getattr(self, name) not in valid:
                 raise error("MF102", field=name, value=getattr(self, name), valid=list(valid))
         self._check_groups()
+        self._check_slots()
         f = self.routed_scaling_factor
         if not isinstance(f, float) or not math.isfinite(f) or f <= 0:
             raise error("MF105", field="routed_scaling_factor", value=f, why="must be a finite number > 0")
         if self.use_correction_bias and self.scoring != "sigmoid":
             raise error("MF105", field="use_correction_bias", value=True,
                         why="the correction bias is defined for sigmoid scoring (DeepSeek-V3)")
+
+    def _check_slots(self):
+        """A Placement must fit E + num_redundant_experts slots (its ranks: the dispatcher's check); an expert -> rank
+        list has no room for replicas (MF510)."""
+        slots = self.num_experts + self.num_redundant_experts
+        if isinstance(self.placement, Placement):
+            self.placement.check(self.num_experts, slots)
+        elif self.placement is not None and self.num_redundant_experts:
+            raise error("MF510", why=f"is an expert -> rank list, with no room for num_redundant_experts="
+                                     f"{self.num_redundant_experts} replicas: pass a moeflow.balance.Placement of "
+                                     f"{slots} slots, or placement=None")
 
     def _check_groups(self):
         g, tg, e = self.num_expert_groups, self.topk_groups, self.num_experts

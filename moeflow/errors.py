@@ -525,6 +525,53 @@ Fix: finish each batch (combine_wait) before the next dispatch_start, or overlap
 (the same fixed blocks through NCCL, buffers per call) or alltoall.
 Example: MoE(..., dispatcher="alltoall-fixed", max_tokens_per_rank=4096)
 """)
+# ---------------------------------------------------------------- MF510+: load balancing (moeflow.balance)
+_spec("MF510", ConfigError, "invalid placement with replicas",
+      "placement {why}",
+      """
+What: a moeflow.balance.Placement names, for each physical expert slot of the layer (num_experts +
+num_redundant_experts of them), the logical expert the slot holds a replica of and the rank holding it. It must
+have exactly that many slots, name experts in [0, num_experts) with every expert holding at least one slot, and
+name only ranks of the layer's group, every rank holding at least one slot. layer.rebalance also keeps each rank's
+slot count (weights and tables are rewritten in place). An expert -> rank list (placement=[...]) has one slot per
+expert: with num_redundant_experts > 0 the placement must be a Placement.
+When: building the configuration (slots, experts) or the layer (ranks), or layer.rebalance(placement).
+Fix: make placements with moeflow.balance.plan_placement (from layer.expert_load) or Placement.contiguous, for the
+layer's group size, with num_redundant_experts = placement slots - num_experts.
+Example: layer.rebalance(plan_placement(layer.expert_load(all_ranks=True), world, layer.config.num_redundant_experts))
+""")
+_spec("MF511", DistributedError, "ranks disagree on the rebalance",
+      "rank {rank} and rank {other} were given different placements to rebalance: {why}",
+      """
+What: layer.rebalance(placement) is collective: every rank of the layer's group calls it with the same placement,
+since the expert weights move between ranks by it. The ranks compare their placements first, and every rank
+raises this error, so none is left waiting and no weight has moved.
+When: layer.rebalance, typically where each rank planned from its own load counts.
+Fix: plan from counts every rank shares: layer.expert_load(all_ranks=True) all-reduces them over the group and
+plan_placement is deterministic, so every rank computes the same placement (or plan on one rank and broadcast it).
+Example: load = layer.expert_load(reset=True, all_ranks=True); layer.rebalance(plan_placement(load, world, r))
+""")
+_spec("MF512", ConfigError, "expert load not recorded",
+      "layer.expert_load(): this layer does not count its expert load: {why}",
+      """
+What: the load counter (token copies per logical expert, accumulated on the device in every forward) exists only
+where the layer was built to record it; it costs one small scatter-add a forward.
+When: layer.expert_load() on a layer built with record_expert_load=False (the default).
+Fix: build the layer with record_expert_load=True (every rank of an expert-parallel group alike).
+Example: MoE(..., num_redundant_experts=16, record_expert_load=True)
+""")
+_spec("MF513", ConfigError, "placement cannot be planned",
+      "plan_placement: {why}",
+      """
+What: moeflow.balance.plan_placement(load, num_ranks, num_redundant, group_size=, ranks_per_node=) gives every rank
+the same number of slots, (num_experts + num_redundant) / num_ranks, and with groups keeps each group of
+group_size consecutive experts on one node of ranks_per_node ranks, the same number of groups per node. The
+arguments do not allow that, or load is not a one dimensional tensor of finite non-negative counts.
+When: plan_placement(...).
+Fix: pick num_redundant so that num_experts + num_redundant is a multiple of num_ranks; group_size must divide
+num_experts and the groups must split evenly over the nodes (or leave both group arguments out).
+Example: plan_placement(load, num_ranks=8, num_redundant=32, group_size=32, ranks_per_node=8)
+""")
 
 # ---------------------------------------------------------------- MF603+: kernel configs / tuning
 _spec("MF603", ToolError, "invalid kernel config file",

@@ -22,6 +22,9 @@ from torch import Tensor, nn
 
 from . import env as moeflow_env
 from . import ops
+from .balance import rebalance as balancing
+from .balance.placement import Placement
+from .balance.slots import ExpertSlots
 from .capabilities import Environment
 from .config import MoEConfig
 from .dispatch import create_dispatcher
@@ -232,6 +235,7 @@ class MoE(nn.Module):
                 w = torch.empty(shape, dtype=cfg.dtype, device=cfg.device)
                 return w.uniform_(-1, 1).mul_(1 / math.sqrt(fan_in))
             self._store_expert_weight(name, draw)
+        balancing.share_replicas(self)  # a replica holds its expert's weights, not a draw of its own
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
         if self.shared_experts is not None:
@@ -257,6 +261,34 @@ class MoE(nn.Module):
 
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.gate_up_proj, self.down_proj, self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
+
+    # ---------------------------------------------------------------- load balancing (docs/load-balancing.md)
+    @property
+    def placement(self) -> Placement:
+        """The layer's physical expert slots now: slot -> (logical expert, rank), replicas included."""
+        return self.expert_slots.placement
+
+    def expert_load(self, reset: bool = False, all_ranks: bool = False) -> Tensor:
+        """[E] int64 on the layer's device: token copies routed to each logical expert since the last reset (the
+        window), counted on the device in the forward (record_expert_load=True, else MF512). reset: zero the counter
+        after reading it. all_ranks: summed over the expert-parallel group (collective: every rank calls it)."""
+        return balancing.expert_load(self, reset, all_ranks)
+
+    def rebalance(self, placement: Placement) -> None:
+        """Move the experts to ``placement`` (moeflow.balance.plan_placement makes one) without rebuilding the layer:
+        collective over the layer's group, every rank with the same placement (MF511), each keeping its slot count
+        (MF510); weights move by torch.distributed and every table is rewritten in place."""
+        balancing.rebalance(self, placement)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """state_dict: one row per logical expert this rank holds (ascending; all E in one process), the replicas
+        left out; without replicas the parameters as they are."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        rows = balancing.logical_rows(self.local_experts)
+        for name in balancing.EXPERT_TENSORS if rows is not None else ():
+            if prefix + name in destination:
+                t = getattr(self, name)
+                destination[prefix + name] = t.detach()[rows]
 
     # ---------------------------------------------------------------- forward
     def forward(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:
@@ -349,6 +381,7 @@ class MoE(nn.Module):
 
     def _run(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, valid: Tensor | None = None) -> Tensor:
         """The layer after routing. valid: a bucketed call's token count, the rows past it padding (routed_experts)."""
+        topk_ids = self.expert_slots(topk_ids, valid)  # counted; logical experts -> physical slots (moeflow.balance)
         out, shared = routed_experts(self.plan, self.dispatcher, self.runner, hidden, topk_ids, topk_weights,
                                      self.expert_weights(), lambda: self._shared(hidden), valid)
         if shared is not None:
@@ -424,6 +457,7 @@ def _built(config: MoEConfig, process_group) -> dict:
     return dict(config=config, environment=environment, plan=plan, scheme=scheme,
                 router=create_router(config, plan.router), dispatcher=dispatcher,
                 runner=create_runner(plan.runner, config, scheme), local_experts=dispatcher.local_experts,
+                expert_slots=ExpertSlots.of(config, dispatcher),  # replicas and the load counter (moeflow.balance)
                 _graphs=GraphCache(plan.graph_safe))  # eager calls of small batches replayed (moeflow.graphs)
 
 

@@ -162,24 +162,28 @@ def _expect_shape(name: str, t: Tensor, shape: tuple) -> None:
 def load_expert_weight(layer, name: str, w: Tensor, scale: Tensor | None) -> None:
     """Store one expert weight of ``name`` (gate_up_proj [E or E_local, 2I, H], down_proj [E or E_local, H, I]) and
     its optional ``scale`` (``name``_scale_inv) in ``layer``, converted to the layer's scheme; MF402 / MF404 where
-    that cannot be done. The tensor may hold all E experts (this rank keeps its own) or exactly this rank's
-    E_local. High-precision weights are quantized by the layer's scheme. FP8 weights are kept as they are when
-    their scale has the layer scheme's shape (an fp8-block checkpoint into an fp8-block layer loads without
-    dequantizing); a scale of another scheme's shape is dequantized and requantized by the layer's scheme."""
+    that cannot be done. The tensor may hold all E experts (this rank keeps its own) or exactly the logical experts
+    this rank holds, ascending (its E_local; with redundant experts each replica is filled from its expert's row, as
+    ``state_dict`` writes them: moeflow.balance). High-precision weights are quantized by the layer's scheme. FP8
+    weights are kept as they are when their scale has the layer scheme's shape (an fp8-block checkpoint into an
+    fp8-block layer loads without dequantizing); a scale of another scheme's shape is dequantized and requantized by
+    the layer's scheme."""
     cfg = layer.config
     n, k = expert_matrix(cfg, name)
     e_all, local = cfg.num_experts, layer.local_experts
-    if w.dim() != 3 or tuple(w.shape[1:]) != (n, k) or w.shape[0] not in (e_all, len(local)):
-        raise error("MF402", name=name, shape=tuple(w.shape), expected=f"[{e_all} (or local {len(local)}), {n}, {k}]")
-    pick = w.shape[0] == e_all and len(local) != e_all
-    index = torch.tensor(local, device=w.device)
-    source_of = local if pick else range(w.shape[0])  # local expert j is w[source_of[j]]: no [E_local, N, K] copy
+    held = sorted(set(local))  # the logical experts here, ascending (replicas: a local slot each, one row of ``w``)
+    if w.dim() != 3 or tuple(w.shape[1:]) != (n, k) or w.shape[0] not in (e_all, len(held)):
+        raise error("MF402", name=name, shape=tuple(w.shape), expected=f"[{e_all} (or local {len(held)}), {n}, {k}]")
+    row = {x: x for x in held} if w.shape[0] == e_all else {x: i for i, x in enumerate(held)}
+    source_of = [row[x] for x in local]  # local slot j is w[source_of[j]]: no [E_local, N, K] copy
+    pick = source_of != list(range(w.shape[0]))
+    index = torch.tensor(source_of, device=w.device)
     if w.dtype == FP8_DTYPE:
         if scale is None:
             raise error("MF404", name=name, why=f"float8_e4m3fn weights need {name}_scale_inv beside them")
         if not scale.dtype.is_floating_point:
             raise error("MF404", name=name + "_scale_inv", why=f"scales must be floating, got {scale.dtype}")
-        if pick and scale.dim() and scale.shape[0] == e_all:
+        if pick and scale.dim() and scale.shape[0] == w.shape[0]:
             scale = scale.index_select(0, index.to(scale.device))
         wshape = (len(source_of), n, k)  # the local experts'
         source, scale = _scheme_of_scale(layer.scheme, scale, wshape)

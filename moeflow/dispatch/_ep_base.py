@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..balance.placement import Placement
 from ..config import PAYLOADS, MoEConfig
 from ..distributed import check_agreement, comm_device, resolve_group
 from ..errors import MoeflowError, error
@@ -48,6 +49,22 @@ def expert_placement(config: MoEConfig, world: int) -> tuple[int, ...]:
     return p
 
 
+def slot_placement(config: MoEConfig, world: int) -> Placement:
+    """The layer's physical expert slots over ``world`` ranks: config.placement when it is a Placement (its ranks
+    checked here: MF510); else, without redundant experts, expert e in slot e on rank expert_placement(...)[e]
+    (MF504); else Placement.contiguous (slot s holds expert s mod E, contiguous blocks of slots)."""
+    e, slots = config.num_experts, config.num_experts + config.num_redundant_experts
+    if isinstance(config.placement, Placement):
+        return config.placement.check(e, slots, world)
+    if not config.num_redundant_experts:
+        return Placement.of_ranks(expert_placement(config, world))
+    if slots < world:
+        raise error("MF504", why=f"cannot give each of {world} ranks an expert slot: num_experts + "
+                                f"num_redundant_experts = {slots}; build this layer on a process group of at most "
+                                f"{slots} ranks, or add redundant experts")
+    return Placement.contiguous(e, slots, world)
+
+
 class ExpertParallelDispatcher(Dispatcher):
     """Base of "allgather", "alltoall", "lowlatency".
 
@@ -68,8 +85,9 @@ class ExpertParallelDispatcher(Dispatcher):
     stream, so work queued between start and wait runs concurrently with them; on CPU (gloo) they run
     in gloo's threads. Pending objects and handles are opaque: pass them back unchanged, once.
 
-    expert_rank: [E] int64, rank owning each expert. expert_local: [E] int64, its local id there.
-    _copy_table: [E + 1] int64, entry e + 1 = local id of expert e here, or E_local (entry 0: id -1).
+    The "experts" it routes are the layer's physical slots (``slots``, P = E without redundant experts: slot e is
+    expert e): expert_rank: [P] int64, rank owning each slot. expert_local: [P] int64, its local id there.
+    _copy_table: [P + 1] int64, entry s + 1 = local id of slot s here, or E_local (entry 0: id -1).
     """
 
     def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None, payload: str | None = None,
@@ -85,16 +103,9 @@ class ExpertParallelDispatcher(Dispatcher):
         self.device = comm_device(config.device)
         self.payload = payload
         check_agreement(self._description(), group, self.device)
-        self.placement = expert_placement(config, self.world)
-        self._local = [e for e, r in enumerate(self.placement) if r == self.rank]
-        local_id = [0] * config.num_experts
-        for r in range(self.world):
-            for i, e in enumerate(e for e, owner in enumerate(self.placement) if owner == r):
-                local_id[e] = i
-        self.expert_rank = torch.tensor(self.placement, dtype=torch.int64, device=self.device)
-        self.expert_local = torch.tensor(local_id, dtype=torch.int64, device=self.device)
-        mine = [local_id[e] if r == self.rank else len(self._local) for e, r in enumerate(self.placement)]
-        self._copy_table = torch.tensor([len(self._local)] + mine, dtype=torch.int64, device=self.device)
+        self.slots = slot_placement(config, self.world)
+        self.expert_rank, self.expert_local, self._copy_table = (
+            torch.tensor(t, dtype=torch.int64, device=self.device) for t in self._tables(self.slots))
         per_row = row_local(payload_scheme(scheme))
         if payload == "fp8" and not per_row:
             raise error("MF506", scheme=scheme.name, why="its activation scale spans the whole batch",
@@ -103,9 +114,28 @@ class ExpertParallelDispatcher(Dispatcher):
         self.codec = RowCodec(config.hidden_size, config.top_k, config.dtype,
                               payload_scheme(scheme) if compress else None)
 
+    def _tables(self, slots: Placement) -> tuple[list[int], list[int], list[int]]:
+        """Set placement (slot -> rank) and _local (this rank's slots) for ``slots``; -> the values of expert_rank,
+        expert_local and _copy_table."""
+        self.placement = slots.ranks
+        self._local = slots.local_slots(self.rank)
+        local_id = [0] * slots.num_slots
+        for r in range(self.world):
+            for i, s in enumerate(slots.local_slots(r)):
+                local_id[s] = i
+        mine = [local_id[s] if r == self.rank else len(self._local) for s, r in enumerate(self.placement)]
+        return list(self.placement), local_id, [len(self._local)] + mine
+
+    def set_slots(self, slots: Placement) -> None:
+        """Route to ``slots`` from the next dispatch on (MoE.rebalance: this rank keeps its slot count, so the tables
+        keep their shapes and are rewritten in place, and a captured graph reads the new ones)."""
+        self.slots = slots
+        for dst, values in zip((self.expert_rank, self.expert_local, self._copy_table), self._tables(slots)):
+            dst.copy_(torch.tensor(values, dtype=torch.int64))
+
     @property
     def local_experts(self) -> list[int]:
-        return list(self._local)
+        return [self.slots.experts[s] for s in self._local]
 
     def local_copies(self, gids: Tensor) -> Tensor:
         """gids [R, K] global expert ids (-1 padding) -> [R * K] int64: the local expert of each
@@ -126,8 +156,9 @@ class ExpertParallelDispatcher(Dispatcher):
         """What ranks must agree on: the configuration, the planned backends, the group size, the payload."""
         fields = self.config.to_dict()
         try:  # the placement each rank resolves: None and the same contiguous blocks written out agree
-            fields["placement"] = list(expert_placement(self.config, dist.get_world_size(self.process_group)))
-        except MoeflowError:  # an invalid one (MF504, raised after the ranks agree) is compared as given
+            slots = slot_placement(self.config, dist.get_world_size(self.process_group))
+            fields["placement"] = list(slots.ranks) if slots.identity else slots.to_dict()
+        except MoeflowError:  # an invalid one (MF504, MF510: raised after the ranks agree) is compared as given
             pass
         p = self.planned  # the layer's plan; a dispatcher built outside a layer has none to compare
         if p is not None:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from ..balance.placement import Placement
 from ..capabilities import DispatcherCaps
 from ..config import MoEConfig
 from ..layouts import ExpertBatch
@@ -35,6 +36,8 @@ class Dispatcher(ABC):
     # set by create_dispatcher from the plan: hand sorted rows by index (ExpertBatch.source_rows)
     # because the runner reads them in place; only dispatchers whose caps say indexed_rows honour it
     indexed_rows: bool = False
+    # the layer's physical expert slots (moeflow.balance.Placement): the "experts" the dispatcher routes to
+    slots: Placement | None = None
 
     def __init__(self, config: MoEConfig, scheme: QuantScheme, process_group=None, planned=None):
         """planned: the layer's Plan (planner.Plan) when a layer builds the dispatcher, else None."""
@@ -45,8 +48,20 @@ class Dispatcher(ABC):
 
     @property
     def local_experts(self) -> list[int]:
-        """Global ids of the experts this rank computes, in local order (local id = position)."""
-        return list(range(self.config.num_experts))
+        """Global ids of the experts this rank computes, in local order (local id = position): with redundant
+        experts, the logical expert of each local slot (a replicated one may appear twice)."""
+        if self.slots is None:
+            return list(range(self.config.num_experts))
+        return self.slots.local_experts(0)
+
+    @property
+    def num_slots(self) -> int:
+        """P: the layer's physical expert slots, E + num_redundant_experts (the ids topk_ids hold here)."""
+        return self.config.num_experts + self.config.num_redundant_experts
+
+    def set_slots(self, slots: Placement) -> None:
+        """Route to ``slots`` from the next call on (MoE.rebalance; this rank's slot count unchanged)."""
+        self.slots = slots
 
     @abstractmethod
     def dispatch(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> tuple[ExpertBatch, Any]:

@@ -15,6 +15,7 @@ from torch import Tensor
 from ..capabilities import DispatcherCaps
 from ..errors import error
 from ..layouts import SORTED, ExpertBatch
+from ._ep_base import slot_placement
 from .base import Dispatcher
 from .expert_sort import SORT_QUANTIZES, sort_and_quantize, sort_by_expert, sort_dropping
 from .gather_sum import gather_sum
@@ -39,9 +40,10 @@ class LocalDispatcher(Dispatcher):
 
     def __init__(self, config, scheme, process_group=None, planned=None):
         super().__init__(config, scheme, process_group, planned)
-        if config.placement is not None and any(config.placement):  # one process: rank 0 holds every expert
+        if isinstance(config.placement, tuple) and any(config.placement):  # one process: rank 0 holds every expert
             raise error("MF504", why=f"names rank {max(config.placement)}, but this layer runs in one process (world "
                                      "size 1: torch.distributed is not initialized, or its group has one rank)")
+        self.slots = slot_placement(config, 1)  # with redundant experts the batches are by slot (MoE maps the ids)
         self._bounds: dict = {}
         # CUDA batches the Triton sorts take: their first launch also quantizes the tokens (fp8-tensor:
         # small batches only, expert_sort.sort_and_quantize), the bits the runner would compute one launch
@@ -68,10 +70,10 @@ class LocalDispatcher(Dispatcher):
             return self._dispatch_dropping(hidden, topk_ids, topk_weights)
         if self._quantize_in_sort:
             offsets, counts, row_of_copy, source, sorted_w, hq, hs = sort_and_quantize(
-                topk_ids, topk_weights, self.config.num_experts, hidden, self.scheme.name, self._expert_bounds(topk_ids))
+                topk_ids, topk_weights, self.num_slots, hidden, self.scheme.name, self._expert_bounds(topk_ids))
         else:
             offsets, counts, row_of_copy, source, sorted_w = sort_by_expert(
-                topk_ids, topk_weights, self.config.num_experts, self._expert_bounds(topk_ids))
+                topk_ids, topk_weights, self.num_slots, self._expert_bounds(topk_ids))
             hq = hs = None
         return self._batch(hidden, hq, hs, source, sorted_w, counts, offsets, row_of_copy), LocalHandle(row_of_copy)
 
@@ -79,7 +81,7 @@ class LocalDispatcher(Dispatcher):
         """dispatch() where ids may hold -1 (dropping): a padded batch, rows given by index where the plan says so,
         with copy_pos as its copy_rows (-1 for a dropped copy: the runner's row scatter skips it)."""
         offsets, counts, copy_pos, source, sorted_w, hq, hs = sort_dropping(
-            topk_ids, topk_weights, self.config.num_experts, hidden if self._quantize_in_sort else None,
+            topk_ids, topk_weights, self.num_slots, hidden if self._quantize_in_sort else None,
             self.scheme.name, self.valid)
         return self._batch(hidden, hq, hs, source, sorted_w, counts, offsets, copy_pos), LocalHandle(copy_pos)
 
@@ -96,15 +98,15 @@ class LocalDispatcher(Dispatcher):
                            copy_rows=row_of_copy if indexed else None, padded=self.drops)
 
     def _expert_bounds(self, like: Tensor) -> Tensor:
-        """[E + 1] = 0..E in ``like``'s dtype and device, made once per (device, dtype) (int32 on the layer's CUDA
-        device when the dispatcher is built)."""
+        """[P + 1] = 0..P (P slots: E without redundant experts) in ``like``'s dtype and device, made once per
+        (device, dtype) (int32 on the layer's CUDA device when the dispatcher is built)."""
         device = like.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         key = (device, like.dtype)
         bounds = self._bounds.get(key)
         if bounds is None:
-            bounds = self._bounds[key] = torch.arange(self.config.num_experts + 1, dtype=like.dtype, device=device)
+            bounds = self._bounds[key] = torch.arange(self.num_slots + 1, dtype=like.dtype, device=device)
         return bounds
 
     def combine(self, expert_out: Tensor, handle: LocalHandle) -> Tensor:

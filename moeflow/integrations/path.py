@@ -36,6 +36,10 @@ class ExpertsPath:
     eager small-batch calls (moeflow.graphs), keyed by the weights they read."""
 
     def __init__(self, config: MoEConfig):
+        if config.num_redundant_experts:  # the caller's weights hold one matrix per logical expert
+            raise error("MF510", why=f"has replicas (num_redundant_experts={config.num_redundant_experts}), which an "
+                                     "ExpertsPath cannot hold: it runs on the caller's weights, one per logical "
+                                     "expert; use moeflow.MoE for redundant experts")
         self.config = config
         self.plan = make_plan(config, Environment.detect(config.device))
         self.scheme = create_scheme(self.plan.scheme)

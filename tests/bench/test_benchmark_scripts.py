@@ -1,7 +1,8 @@
 """The maintained benchmark scripts (benchmarks/: bench_layer.py, bench_ep.py, bench_hf.py, compare_runs.py,
 anchor_sglang.py, portable_report.py and gpu_run.sh) run only on a GPU machine, so a renamed helper or a broken option would otherwise go unseen until then:
 every `from moeflow... import name` in them resolves, each Python script parses its options (--help), and
-gpu_run.sh parses, selects its steps by name and leaves its output as the GPU machine can return it."""
+gpu_run.sh parses, selects its steps by name and leaves its output as the GPU machine can return it. eplb_sim.py (a CPU
+simulation) is held to the same checks."""
 import ast
 import importlib
 import importlib.util
@@ -20,7 +21,7 @@ GPU_RUN = ROOT / "benchmarks" / "gpu_run.sh"
 
 def test_only_the_maintained_scripts_are_left():
     assert [p.name for p in SCRIPTS] == ["anchor_sglang.py", "bench_ep.py", "bench_hf.py", "bench_layer.py",
-                                         "compare_runs.py", "portable_report.py"]
+                                         "compare_runs.py", "eplb_sim.py", "portable_report.py"]
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -41,6 +42,7 @@ def test_script_imports_resolve(path):
     ("portable_report.py", ["--hopper", "--portable", "--weight-only", "--anchor"]),
     ("bench_ep.py", ["--tokens", "--skip", "--profile", "--small", "--out"]),
     ("bench_hf.py", ["--impls", "--prefill", "--decode", "--commit", "--small", "--out"]),
+    ("eplb_sim.py", ["--tokens", "--seed", "--out"]),
 ])
 @pytest.mark.slow
 def test_script_parses_its_options(script, options):

@@ -14,7 +14,9 @@ overwrote, a forward that raised partway, a layer built under inference_mode, it
 MF503 (low-latency capacity overflow: the other ranks finish correctly, the group stays usable), a call refused on one
 rank (MF305, MF301: it takes part with no tokens, the other ranks finish correctly), MF508 (copying or pickling a
 layer with a process group)
-and MF502 (a rank that never builds the layer); a layer compiled by torch.compile (one op, the eager bits).
+and MF502 (a rank that never builds the layer); a layer compiled by torch.compile (one op, the eager bits); redundant
+experts on every dispatcher, the load counter summed over the group, a rebalance to a planned placement (weights vs
+the checkpoint, outputs vs the one-process layer), the state_dict round trip, MF510 and MF511 (ep_balance_checks.py).
 The suite is killed after 150 s, so it cannot hang CI.
 """
 import json

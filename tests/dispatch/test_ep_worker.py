@@ -30,6 +30,7 @@ from moeflow.planner import cell_status  # noqa: E402
 from moeflow.capabilities import Environment  # noqa: E402
 from moeflow.dispatch._ep_base import expert_placement  # noqa: E402
 from oracle import rel_err  # noqa: E402
+from ep_balance_checks import balance_checks  # noqa: E402
 from tolerances import rel_tol  # noqa: E402
 
 DISPATCHERS = ("allgather", "alltoall", "alltoall-fixed", "alltoall-p2p", "lowlatency")
@@ -210,6 +211,7 @@ def suite(world):
         "MF506", lambda: MoE(**BASE, quant="fp8-tensor", runner="reference").dispatcher.with_payload("fp8"))))
     checks.append(("fp8-payload-config-fp8-tensor-MF506", lambda c: c.expect(
         "MF506", lambda: MoE(**BASE, quant="fp8-tensor", runner="reference", dispatch_payload="fp8"))))
+    checks += balance_checks(world)  # redundant experts, load counts, rebalance (ep_balance_checks.py)
     return checks
 
 
