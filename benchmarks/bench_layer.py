@@ -70,10 +70,10 @@ def ceilings() -> dict:
 class Case:
     """One (preset, scheme): random weights shared by every runner, router and local dispatcher."""
 
-    def __init__(self, preset: str, scheme: str, payload: str = "auto"):
+    def __init__(self, preset: str, scheme: str, payload: str = "auto", batch_invariant: bool = False):
         self.preset = preset
         self.cfg = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda", dispatcher="local",
-                                 dispatch_payload=payload)
+                                 dispatch_payload=payload, batch_invariant=batch_invariant)
         c = self.cfg
         self.env = Environment.detect(torch.device("cuda"))  # MOEFLOW_KERNEL_ARCH: another architecture's plan
         planned = make_plan(c, self.env)
@@ -140,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1,16,128,1024,4096,16384")
     p.add_argument("--out", default=".")
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no new case after this many seconds")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="MoEConfig.batch_invariant: one tile set for every T, no split K, no one-launch layer")
     p.add_argument("--dispatch-payload", default="auto",
                    help='MoEConfig.dispatch_payload; "dtype": the local sort does not quantize the tokens')
     args = p.parse_args(argv)
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     print("ceilings:", {k: f"{v:.3g}" for k, v in ceil.items()}, file=sys.stderr)
     env = Environment.detect(torch.device("cuda"))
     cells = [(pr, s) for pr in args.presets.split(",") for s in args.schemes.split(",")]
-    _precompile(cells, tokens, env)
+    _precompile(cells, tokens, env, args.batch_invariant)
     print(f"precompiled in {time.time() - start:.0f}s", file=sys.stderr)
     rows, fh = [], open(out / "bench.csv", "w", newline="")
     writer = csv.DictWriter(fh, FIELDS)
@@ -159,11 +161,13 @@ def main(argv=None) -> int:
     for preset, scheme in cells:
         if time.time() - start > args.deadline_s:
             break
-        case = Case(preset, scheme, args.dispatch_payload)
+        case = Case(preset, scheme, args.dispatch_payload, args.batch_invariant)
         names = args.runners.split(",")
         for t in tokens:
             ins = case.inputs(t)
-            ref_out = case.layer(create_runner("reference", case.cfg, case.scheme), *ins[0])
+            # (the default reference: its batch-invariant form sums products one by one, far too slow at these sizes)
+            ref_out = case.layer(create_runner("reference", case.cfg.replace(batch_invariant=False), case.scheme),
+                                 *ins[0])
             for name in names:
                 err = check_runner(name, case.cfg.replace(runner=name), env)
                 row = dict(preset=preset, scheme=scheme, runner=name, T=t)
@@ -180,6 +184,7 @@ def main(argv=None) -> int:
                for name in dict.fromkeys(r["runner"] for r in measured)
                for key, label in (("layer_graph_us", "do_bench"), ("layer_clean_us", "clean flush"))}
     (out / "bench.json").write_text(json.dumps(dict(ceilings=ceil, device=torch.cuda.get_device_name(),
+                                                    batch_invariant=args.batch_invariant,
                                                     torch=torch.__version__, rows=rows, targets=summary), indent=1))
     _plot(rows, out / "bench.png")
     print("\n".join(_fmt(r) for r in measured if r["runner"] == "triton"))
@@ -187,11 +192,12 @@ def main(argv=None) -> int:
     return 0
 
 
-def _precompile(cells, tokens, env) -> None:
+def _precompile(cells, tokens, env, batch_invariant: bool = False) -> None:
     """Compile every triton config the runs below will use, in parallel processes."""
     jobs = []
     for preset, scheme in cells:
-        cfg = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="triton")
+        cfg = preset_config(preset, quant=scheme, dtype=torch.bfloat16, device="cuda", runner="triton",
+                            batch_invariant=batch_invariant)
         if check_runner("triton", cfg, env):
             continue
         shape = Shape(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, scheme)

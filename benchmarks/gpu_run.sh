@@ -9,9 +9,11 @@
 #                                                                           (a fresh machine needs several calls)
 #   gpu_tests_portable     the portable and weight-only paths (other architectures' rules forced, MOEFLOW_KERNEL_ARCH,
 #                          as mma.sync: DISABLE_MMA_V3=1): test_gpu_portable.py, and test_gpu_triton.py as sm_80
+#   gpu_tests_invariant    tests/gpu/test_gpu_batch_invariant.py (MoEConfig.batch_invariant: bitwise rows at every T)
 #   selftest               `moeflow selftest --json` on this GPU
 #   layer_bench_baseline   with BASELINE=<dir>: bench_layer.py with PYTHONPATH=<dir> (an older copy of the package)
 #   layer_bench            bench_layer.py: the 36 rows (3 presets x T = 1..16384 x {bf16, fp8-block}), triton runner
+#   invariant_bench        the same rows with --batch-invariant; the summary compares the two (compare_runs.py)
 #   portable_bench         the same rows with the portable kernels forced: bf16 as sm_80, fp8-block as sm_89
 #                          (MOEFLOW_KERNEL_ARCH, DISABLE_MMA_V3=1); weight_only_bench: fp8 weight-only (sm_80), T <= 16
 #   anchor_sglang          with .anchors/sglang (benchmarks/fetch_sglang_anchor.sh): SGLang's Triton GEMMs, same rows,
@@ -84,6 +86,7 @@ step gpu_tests_portable 420 "${portable[@]}" "${pytest_gpu[@]}" tests/gpu/test_g
     tests/gpu/test_gpu_weight_only_fp8.py
 step gpu_tests_triton_sm80 420 "${portable[@]}" MOEFLOW_KERNEL_ARCH=sm_80 "${pytest_base[@]}" $(xdist 3) \
     tests/gpu/test_gpu_triton.py
+step gpu_tests_invariant 240 "${pytest_gpu[@]}" tests/gpu/test_gpu_batch_invariant.py
 step selftest 120 "${one_gpu[@]}" PYTHONPATH="$PWD" python -m moeflow selftest --json "$R/selftest.json"
 
 # shellcheck disable=SC2086  # LAYER_ARGS is a list of arguments
@@ -96,6 +99,14 @@ fi
 step layer_bench 300 "${one_gpu[@]}" PYTHONPATH="$PWD" python benchmarks/bench_layer.py $LAYER_ARGS \
     --runners triton --deadline-s "$(left)" --out "$R/layer"
 grep -h -A3 "^targets, " "$R/layer_bench.log" 2> /dev/null | cut -c1-300 >> "$S"
+# shellcheck disable=SC2086
+step invariant_bench 300 "${one_gpu[@]}" PYTHONPATH="$PWD" python benchmarks/bench_layer.py $LAYER_ARGS \
+    --runners triton --batch-invariant --deadline-s "$(left)" --out "$R/layer_invariant"
+if [ -f "$R/layer/bench.json" ] && [ -f "$R/layer_invariant/bench.json" ]; then
+    PYTHONPATH="$PWD" python benchmarks/compare_runs.py "$R/layer/bench.json" "$R/layer_invariant/bench.json" \
+        > "$R/compare_invariant.txt" 2>&1
+    grep -E "^new over old" "$R/compare_invariant.txt" | sed 's/^new over old/batch-invariant over default/' >> "$S"
+fi
 ROWS="--presets qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --tokens ${PORTABLE_TOKENS:-1,16,128,1024,4096,16384}"
 # shellcheck disable=SC2086
 step portable_bench 420 "${one_gpu[@]}" "${portable[@]}" MOEFLOW_KERNEL_ARCH=sm_80 PYTHONPATH="$PWD" \

@@ -78,6 +78,9 @@ class RunnerCaps:
     graph_safe: bool = False
     # measured rules by which "auto" prefers another valid runner (Slower): data, checked by the planner
     slower: tuple[Slower, ...] = ()
+    # with MoEConfig.batch_invariant it computes each row from that row alone, in an order fixed for every batch size
+    # (one tile and kernel for all T, no split K, no atomics in sums): docs/batch-invariance.md
+    batch_invariant: bool = False
 
     @property
     def devices(self) -> frozenset[str]:
@@ -104,6 +107,8 @@ class DispatcherCaps:
     # valid[0] on are padding (moeflow.graph_buckets' bucketed calls): its batches are then padded
     # (ExpertBatch.padded), and such a copy adds zero
     drops_copies: bool = False
+    # a token's copies are combined in a fixed order whatever the batch (no atomics in the sums): MoEConfig.batch_invariant
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,9 @@ class RouterCaps:
     # the GPU architectures its kernels are built for (moeflow.targets names; None: any); on others only with
     # MOEFLOW_ALLOW_UNVALIDATED_GPU=1 (MF210), as a runner's Support rows' archs
     archs: frozenset[str] | None = None
+    # with MoEConfig.batch_invariant it routes each token from its own logits alone, ties broken by expert index, with
+    # one launch shape for every batch size
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def parse_dtype(value) -> torch.dtype:
     return DTYPES[name]
 
 
-SWITCHES = ("renormalize", "use_correction_bias", "shared_expert_gate", "record_expert_load")
+SWITCHES = ("renormalize", "use_correction_bias", "shared_expert_gate", "batch_invariant", "record_expert_load")
 
 
 def _placement(value, num_experts) -> tuple[int, ...] | Placement:
@@ -146,6 +146,9 @@ class MoEConfig:
     record_expert_load: bool = False
     max_tokens_per_rank: int = 256  # tokens per rank of fixed-size dispatch buffers (lowlatency, alltoall-fixed)
     dispatch_payload: str = "auto"  # expert parallelism: how tokens travel (PAYLOADS)
+    # a token's output the same bits whatever batch it came in (alone, among 4,096, at any position), call after call:
+    # the planner keeps only backends that declare it and they compute each token in a fixed order (docs/batch-invariance.md)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         set_ = object.__setattr__

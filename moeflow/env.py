@@ -159,12 +159,17 @@ KERNEL_ARCH = EnvVar(
     "kernels), its shared-memory budget and its default tiles. On an H100 / H200, sm_80 runs the portable kernels "
     "and weight-only FP8 (with Triton's DISABLE_MMA_V3=1, as mma.sync: the Ampere instruction). Tests, benchmarks.",
     "choice", ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"))  # moeflow.targets' (tests/test_env.py checks)
+BATCH_INVARIANT = EnvVar(
+    "MOEFLOW_BATCH_INVARIANT", "0",
+    "transformers integration: plan the layers it builds batch-invariant (MoEConfig.batch_invariant: a token's output "
+    "the same bits whatever batch it came in; docs/batch-invariance.md), for experts_implementation=\"moeflow\" and "
+    "block replacement alike; replace_moe_blocks(batch_invariant=...) overrides it.")
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch: run Triton kernels in its CPU interpreter (tests only; slow; no bf16).")
 
 ALL = (VALIDATE_INPUTS, ALLOW_UNVALIDATED_GPU, KERNEL_CONFIG_DIR, DIST_TIMEOUT_S, LOCAL_RANK, TRITON_TMA,
-       TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES, EAGER_GRAPHS, EAGER_BUCKETS, KERNEL_ARCH,
+       TRITON_PDL, TRITON_FUSED, TRITON_PAIR_TILES, EAGER_GRAPHS, EAGER_BUCKETS, KERNEL_ARCH, BATCH_INVARIANT,
        TRITON_INTERPRET)
 # the switches a layer's forward path reads on every call: a graph captured under one setting replays that setting's
 # launches, so moeflow.graphs keys its graphs by their values

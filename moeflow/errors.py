@@ -281,6 +281,23 @@ Fix: use runner="reference" (slow, exact) on AMD GPUs, or an NVIDIA GPU for the 
 Example: MoE(..., runner="reference", device="cuda")   # a ROCm device is "cuda" to torch
 """)
 
+_spec("MF212", UnsupportedError, "cannot be batch-invariant",
+      "{kind} {name!r} cannot compute batch-invariantly ({why}); valid {kind}s here: {valid}",
+      """
+What: with MoEConfig(batch_invariant=True) a token's output must be the same bits whatever batch it came in, and at
+any position in it. Every stage must then compute a token from that token alone, in an order fixed for all batch
+sizes. A quantization scheme whose activation scale spans the batch cannot (fp8-tensor: one scale for the whole batch,
+so a token's FP8 values depend on the other tokens); a backend that does not declare it cannot either (grouped_mm:
+torch's grouped GEMM picks its kernel by the batch shape; allgather: its reduce-scatter sums in an order the
+collective picks); nor can redundant experts across ranks (a copy's replica, and with it the order in which the
+ranks' partial sums add up, follows the token's position in the batch).
+When: building the layer with batch_invariant=True and such a scheme or backend named; "auto" skips such backends.
+Fix: use a scheme that quantizes each token on its own (fp8-channel or fp8-block for FP8 checkpoints, or "none"), or
+a backend the message lists as valid, or num_redundant_experts=0 (a rebalance without replicas keeps it); or drop
+batch_invariant.
+Example: MoE(..., quant="fp8-block", batch_invariant=True)
+""")
+
 # ---------------------------------------------------------------- MF3xx: forward inputs
 _spec("MF301", InputError, "input has the wrong shape",
       "{name} has shape {shape}; expected {expected}",

@@ -33,6 +33,8 @@ from .errors import MoeflowError, error
 from .experts import ExpertWeights, create_runner, gated_activation
 from .graph_buckets import Bucketed
 from .graphs import GraphCache
+from .invariant import fixed_apply, fixed_gated_activation
+from .invariant_linear import invariant_linear
 from .layouts import run_in_layout
 from .planner import plan as make_plan, warn_unvalidated
 from .quant import create_scheme
@@ -392,8 +394,12 @@ class MoE(nn.Module):
         """Shared experts on every token: [T, H] float32, or None without shared experts."""
         if self.shared_experts is None:
             return None
-        shared = self.shared_experts(hidden, self.config.activation)
+        cfg = self.config
+        shared = self.shared_experts(hidden, cfg.activation, cfg.batch_invariant)
         if self.shared_expert_gate is not None:
+            if cfg.batch_invariant:  # a fixed-tile product and one code path for the sigmoid (moeflow.invariant)
+                logit = invariant_linear(hidden, self.shared_expert_gate.weight).to(cfg.dtype).float()
+                return shared * fixed_apply(torch.sigmoid, logit)
             shared = shared * torch.sigmoid(self.shared_expert_gate(hidden).float())
         return shared
 
@@ -439,8 +445,14 @@ class _SharedMLP(nn.Module):
         for lin in (self.gate_proj, self.up_proj, self.down_proj):
             lin.reset_parameters()
 
-    def forward(self, x: Tensor, activation: str) -> Tensor:
-        """x [T, H] -> [T, H] float32 (the intermediate rounded to the layer dtype, as routed experts)."""
+    def forward(self, x: Tensor, activation: str, invariant: bool = False) -> Tensor:
+        """x [T, H] -> [T, H] float32 (the intermediate rounded to the layer dtype, as routed experts). invariant
+        (MoEConfig.batch_invariant): the three products in one fixed tile for every T and the activation on one code
+        path (moeflow.invariant), the same roundings."""
+        if invariant:
+            mm = invariant_linear
+            h = torch.cat([mm(x, self.gate_proj.weight), mm(x, self.up_proj.weight)], dim=-1).to(x.dtype)
+            return mm(fixed_gated_activation(h, activation).to(x.dtype), self.down_proj.weight)
         h = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
         return F.linear(gated_activation(h, activation).to(x.dtype), self.down_proj.weight).float()
 

@@ -53,6 +53,9 @@ class Plan:
     # why this GPU is not validated, where the chosen backends' kernels are compiled for it but were never run on one
     # (moeflow.targets' grade "compiled"; `moeflow selftest` checks it); "" on a validated GPU, a CPU or torch code
     unvalidated: str = ""
+    # MoEConfig.batch_invariant: every stage computes a token from that token alone, in an order fixed for all batch
+    # sizes (the backends' caps.batch_invariant); the one-launch layer is off (its tiles are chosen by T)
+    batch_invariant: bool = False
 
     @property
     def converted(self) -> bool:
@@ -81,10 +84,23 @@ def check_scheme(cfg: MoEConfig, env: Environment, alternatives: bool = True) ->
         if value % rule.multiple:
             return error("MF206", what=f"{rule.field}={value}", rule=f"a multiple of {rule.multiple}",
                          kind="quant scheme", name=cfg.quant, valid=_valid_schemes(cfg, env) if alternatives else [])
+    if cfg.batch_invariant and not _weight_only(cfg, env) and not row_local(create_scheme(cfg.quant)):
+        valid = [n for n in SCHEMES.names() if row_local(create_scheme(n))] if alternatives else []
+        return error("MF212", kind="quant scheme", name=cfg.quant, valid=valid,
+                     why="its activation scale spans the batch, so a token's FP8 values depend on the other tokens")
     if env.world_size > 1 and cfg.dispatch_payload == "fp8" and not row_local(payload_scheme(create_scheme(cfg.quant))):
         return error("MF506", scheme=cfg.quant, why="its activation scale spans the whole batch",
                      valid=["auto", "dtype"])
     return None
+
+
+def _invariance_error(kind: str, name: str, caps, registry, check, cfg: MoEConfig, env: Environment,
+                     alternatives: bool) -> MoeflowError | None:
+    """MF212 where the layer is to be batch-invariant and backend ``name`` does not declare it (caps.batch_invariant)."""
+    if not cfg.batch_invariant or caps.batch_invariant:
+        return None
+    return error("MF212", kind=kind, name=name, why="it does not declare a fixed per-token order for every batch size",
+                 valid=_valid_names(registry, check, cfg, env, alternatives))
 
 
 def check_dispatcher(name: str, cfg: MoEConfig, env: Environment, alternatives: bool = True) -> MoeflowError | None:
@@ -99,7 +115,8 @@ def check_dispatcher(name: str, cfg: MoEConfig, env: Environment, alternatives: 
     if not caps.distributed and env.world_size > 1:
         return error("MF208", name=name, why=f"serves one process, but the group has {env.world_size} ranks",
                      valid=_valid_names(DISPATCHERS, check_dispatcher, cfg, env, alternatives))
-    return _package_error("dispatcher", name, caps.requires, env)
+    return (_invariance_error("dispatcher", name, caps, DISPATCHERS, check_dispatcher, cfg, env, alternatives)
+            or _package_error("dispatcher", name, caps.requires, env))
 
 
 def check_runner(name: str, cfg: MoEConfig, env: Environment, alternatives: bool = True) -> MoeflowError | None:
@@ -142,7 +159,8 @@ def check_runner(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
         if value % row.align:
             return error("MF206", what=f"{fld}={value}", rule=f"a multiple of {row.align}", kind="runner", name=name,
                          valid=_valid_names(RUNNERS, check_runner, cfg, env, alternatives))
-    return _package_error("runner", name, caps.requires, env)
+    return (_invariance_error("runner", name, caps, RUNNERS, check_runner, cfg, env, alternatives)
+            or _package_error("runner", name, caps.requires, env))
 
 
 def check_router(name: str, cfg: MoEConfig, env: Environment, alternatives: bool = True) -> MoeflowError | None:
@@ -165,7 +183,8 @@ def check_router(name: str, cfg: MoEConfig, env: Environment, alternatives: bool
     if caps.grouped_pow2 and cfg.grouped and e & (e - 1):
         return error("MF206", what=f"num_experts={e} with grouped selection", rule="a power of two",
                      kind="router", name=name, valid=_valid_names(ROUTERS, check_router, cfg, env, alternatives))
-    return _package_error("router", name, caps.requires, env)
+    return (_invariance_error("router", name, caps, ROUTERS, check_router, cfg, env, alternatives)
+            or _package_error("router", name, caps.requires, env))
 
 
 def _package_error(kind: str, name: str, packages, env: Environment) -> MoeflowError | None:
@@ -242,6 +261,10 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
     err = check_scheme(cfg, env)
     if err:
         raise err
+    if cfg.batch_invariant and cfg.num_redundant_experts and env.world_size > 1:  # balance/slots.py's replica rule
+        raise error("MF212", kind="placement", name=f"num_redundant_experts={cfg.num_redundant_experts}",
+                    why="a copy's replica follows its token's position in the batch, and so does the order in which "
+                        "the ranks' partial sums add up", valid=["num_redundant_experts=0"])
     dispatcher, why_d = _choose("dispatcher", DISPATCHERS, check_dispatcher, cfg.dispatcher, cfg, env)
     runner, why_r = _choose("runner", RUNNERS, check_runner, cfg.runner, cfg, env)
     router, why_t = _choose("router", ROUTERS, check_router, "auto", cfg, env)
@@ -256,16 +279,21 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
     if indexed:
         reasons += ("rows by index: the runner reads each token's row in place (no permuted copy of hidden)",)
     target = _kernel_rules(env)
-    weight_only = target is not None and not target.fp8_dots and SCHEMES.get(cfg.quant).quantized
+    weight_only = _weight_only(cfg, env)
     if weight_only:
         reasons += (f"weight-only FP8: {target.arch} has no FP8 tensor cores, so the {cfg.quant} weights are read as "
                     f"stored and dequantized inside the GEMMs, the activations stay {str(cfg.dtype)[6:]}",)
     # (the one-launch layer dots FP8 activations: none under weight-only FP8; nor for float32 FP8 layers, where its FP8
     # dots measured 2e-4 to 4e-3 from its float32 reference on an H100 against 2e-7 for the separate launches, above
     # the float32 FP8 tolerance: `moeflow selftest` found it)
+    # (nor under batch invariance: the one launch runs for small batches only, in its own order)
     fused = (DISPATCHERS.get(dispatcher).caps.fusable and cfg.quant in RUNNERS.get(runner).caps.fused_layer
-             and not weight_only
+             and not weight_only and not cfg.batch_invariant
              and not (cfg.dtype == torch.float32 and SCHEMES.get(cfg.quant).quantized))
+    if cfg.batch_invariant:
+        reasons += (f"batch-invariant: router {router!r}, dispatcher {dispatcher!r} and runner {runner!r} compute each "
+                    "token from that token alone, in one order for every batch size (one tile and kernel for all T, "
+                    "no split K, no atomics in sums)",)
     if fused:
         reasons += (f"small batches: dispatch, experts and combine in one {runner!r} launch where its tuned "
                     f"configs say so (dispatcher {dispatcher!r} only sorts and sums)",)
@@ -281,7 +309,13 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
     if unvalidated:
         reasons += (unvalidated,)
     return Plan(cfg.quant, runner, dispatcher, layout, runner_layout, env.describe(), reasons, indexed, router,
-                fused, graph_safe, bucketed, weight_only, unvalidated)
+                fused, graph_safe, bucketed, weight_only, unvalidated, cfg.batch_invariant)
+
+
+def _weight_only(cfg: MoEConfig, env: Environment) -> bool:
+    """Plan.weight_only: an FP8 scheme on a GPU whose kernel rules have no FP8 dots (moeflow.targets)."""
+    target = _kernel_rules(env)
+    return target is not None and not target.fp8_dots and SCHEMES.get(cfg.quant).quantized
 
 
 def _kernel_rules(env: Environment):

@@ -59,7 +59,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
     name = "alltoall"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=30,
                           note="counts exchange + one all_to_all_single per direction; FP8 payload optional",
-                          indexed_rows=True)
+                          indexed_rows=True,
+                          batch_invariant=True)
 
     def dispatch_start(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> _Pending:
         t, w, dev = topk_ids.shape[0], self.world, hidden.device

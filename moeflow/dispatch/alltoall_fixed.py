@@ -66,7 +66,8 @@ class AllToAllFixedDispatcher(AllToAllDispatcher):
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=5,
                           note="alltoall in fixed blocks of max_tokens_per_rank rows: no host sync, CUDA-graph "
                                "capturable; moves W x max_tokens_per_rank rows per rank",
-                          indexed_rows=True)
+                          indexed_rows=True,
+                          batch_invariant=True)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

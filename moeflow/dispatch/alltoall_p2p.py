@@ -60,7 +60,8 @@ class PeerAllToAllDispatcher(AllToAllFixedDispatcher):
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=4,
                           note="alltoall-fixed's blocks stored straight into the peers' memory (one node; CUDA: "
                                "symmetric memory, no NCCL call, CUDA-graph capturable; CPU: shared files, gloo barrier)",
-                          indexed_rows=True)
+                          indexed_rows=True,
+                          batch_invariant=True)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

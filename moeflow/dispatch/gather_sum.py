@@ -22,8 +22,17 @@ def gather_sum(src: Tensor, index: Tensor) -> Tensor:
         else:
             return moe_sum(src, index.reshape(-1).contiguous(), index.shape[1])
     r, j = index.shape
-    if src.shape[0] == 0:
+    if src.shape[0] == 0 or j == 0:
         return src.new_zeros(r, src.shape[1])
     picked = src.index_select(0, index.clamp(min=0).reshape(-1)).view(r, j, src.shape[1])
     picked = torch.where((index >= 0)[..., None], picked, torch.zeros((), dtype=src.dtype, device=src.device))
-    return picked.sum(dim=1, dtype=torch.float32).to(src.dtype)
+    return ordered_sum(picked.unbind(1)).to(src.dtype)
+
+
+def ordered_sum(rows) -> Tensor:
+    """rows[0] + rows[1] + ... in float32, in that order, elementwise (a torch reduction may split the summed dimension
+    over threads when the output is small, so its order would follow the batch's size) -> float32."""
+    acc = None
+    for r in rows:
+        acc = r.float() if acc is None else acc + r.float()
+    return acc

@@ -34,7 +34,8 @@ class LocalDispatcher(Dispatcher):
     name = "local"
     caps = DispatcherCaps(layout=SORTED, devices=frozenset({"cpu", "cuda"}), distributed=False, priority=10,
                           note="single process: sort copies by expert", indexed_rows=True, fusable=True,
-                          graph_safe=True, drops_copies=True)
+                          graph_safe=True, drops_copies=True,
+                          batch_invariant=True)
     drops = False  # dropping(): ids may hold -1
     valid: Tensor | None = None  # dropping(valid): [1] int64, the rows from valid[0] on are padding
 

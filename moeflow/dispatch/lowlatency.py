@@ -21,7 +21,7 @@ from ..errors import error
 from ..layouts import MASKED
 from ._ep_base import ExpertParallelDispatcher
 from ._ep_rows import masked_batch
-from .gather_sum import gather_sum
+from .gather_sum import gather_sum, ordered_sum
 
 
 @dataclass
@@ -58,7 +58,8 @@ class LowLatencyDispatcher(ExpertParallelDispatcher):
 
     name = "lowlatency"
     caps = DispatcherCaps(layout=MASKED, devices=frozenset({"cpu", "cuda"}), distributed=True, priority=10,
-                          note="fixed buffers (max_tokens_per_rank), masked layout, no host sync, CUDA-graph capturable")
+                          note="fixed buffers (max_tokens_per_rank), masked layout, no host sync, CUDA-graph capturable",
+                          batch_invariant=True)
 
     @property
     def tokens_per_rank(self) -> int:
@@ -100,7 +101,7 @@ class LowLatencyDispatcher(ExpertParallelDispatcher):
         wait(pending.work, "lowlatency combine", self.process_group, pending.buf.device)
         h = pending.handle
         parts = pending.buf.view(self.world, self.tokens_per_rank, -1)[:, :h.num_tokens]
-        out = parts.sum(dim=0, dtype=torch.float32).to(self.config.dtype)
+        out = ordered_sum(parts.unbind(0)).to(self.config.dtype)  # rank order, whatever the batch
         if h.overflow:
             raise error("MF503", count=h.overflow, rank=self.rank, capacity=self.tokens_per_rank, name=self.name)
         return out

@@ -10,7 +10,9 @@ float32 result of the down GEMM before the final cast.
 """
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -39,16 +41,19 @@ class ExpertWeights:
     w2_scale: Tensor | None = None
 
 
+def activation(kind: str) -> Callable[[Tensor], Tensor]:
+    """The gate's activation function of ``kind`` ("silu", "gelu", "gelu_tanh"), elementwise."""
+    if kind == "silu":
+        return F.silu
+    if kind == "gelu":
+        return F.gelu
+    return functools.partial(F.gelu, approximate="tanh")  # "gelu_tanh"; config validation admits only these three
+
+
 def gated_activation(h: Tensor, kind: str) -> Tensor:
     """h: [M, 2I] (gate columns first) -> act(gate) * up, [M, I] float32."""
     gate, up = h.float().chunk(2, dim=-1)
-    if kind == "silu":
-        act = F.silu(gate)
-    elif kind == "gelu":
-        act = F.gelu(gate)
-    else:  # "gelu_tanh"; config validation admits only these three
-        act = F.gelu(gate, approximate="tanh")
-    return act.mul_(up)  # act is the activation's own new tensor: one [M, I] float32 fewer at the peak
+    return activation(kind)(gate).mul_(up)  # the activation's own new tensor: one [M, I] float32 fewer at the peak
 
 
 class ExpertRunner(ABC):

@@ -11,6 +11,7 @@ from torch import Tensor
 from ..capabilities import Support, RunnerCaps
 from ..layouts import MASKED, SORTED, ExpertBatch
 from ..quant import SCHEMES
+from ..invariant import fixed_gated_activation, fixed_matmul
 from .base import ExpertRunner, ExpertWeights, empty_output, gated_activation
 
 _ALL = frozenset(SCHEMES.names())
@@ -23,6 +24,7 @@ class ReferenceRunner(ExpertRunner):
         support=(Support("cpu", _ALL), Support("cuda", _ALL)),
         priority=0,
         note="float32 torch loop over experts; the oracle, slow",
+        batch_invariant=True,  # with MoEConfig.batch_invariant its products are summed in a fixed order (invariant.py)
     )
 
     def run(self, batch: ExpertBatch, weights: ExpertWeights) -> Tensor:
@@ -40,16 +42,25 @@ class ReferenceRunner(ExpertRunner):
         x = scheme.dequantize_activation(xq, xs)  # [N_valid, H] float32
         inter = torch.empty(x.shape[0], cfg.intermediate_size, dtype=torch.float32, device=x.device)
         spans = _spans(rows)
+        # batch-invariant: each row's dot products in a fixed order and the activation on one code path (a BLAS and
+        # torch's SIMD loops pick their paths by the batch's size), slower
+        matmul = fixed_matmul if cfg.batch_invariant else _matmul
+        act = fixed_gated_activation if cfg.batch_invariant else gated_activation
         for e, lo, hi in spans:
             w13 = scheme.dequantize_expert(weights.w13, weights.w13_scale, e)
-            inter[lo:hi] = gated_activation(x[lo:hi] @ w13.T, cfg.activation)
+            inter[lo:hi] = act(matmul(x[lo:hi], w13), cfg.activation)
         a = scheme.fake_quantize_activation(inter.to(cfg.dtype))  # rounded to dtype, then quantized
         route_w = batch.weights.reshape(-1)[index].float()
         for e, lo, hi in spans:
             w2 = scheme.dequantize_expert(weights.w2, weights.w2_scale, e)
-            y = (a[lo:hi] @ w2.T) * route_w[lo:hi, None]
+            y = matmul(a[lo:hi], w2) * route_w[lo:hi, None]
             flat_out[index[lo:hi]] = y.to(cfg.dtype)
         return out
+
+
+def _matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] (float32 operands: float32)."""
+    return x @ w.T
 
 
 def _valid_rows(batch: ExpertBatch) -> list[tuple[int, Tensor]]:

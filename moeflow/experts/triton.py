@@ -24,6 +24,9 @@ _FP8 = frozenset({"fp8-tensor", "fp8-channel", "fp8-block"})
 # gemm/fused_layer.FUSED_SCHEMES, named here without importing triton (tests/kernels/test_fused_layer.py checks it)
 _FUSED = frozenset({"none", "fp8-channel", "fp8-block"})
 FUSED_MAX_TOKENS = 64  # the one-launch layer's largest batch (it sizes the layer's counters)
+# MoEConfig.batch_invariant: every batch runs the tuned (or default) entry of this many tokens, without split K and
+# Gluon kernels (invariant_tiles): one tile and one kernel for every T
+INVARIANT_TOKENS = 1024
 
 
 class TritonRunner(ExpertRunner):
@@ -43,6 +46,7 @@ class TritonRunner(ExpertRunner):
         indexed_rows=True,  # gate_up loads each sorted row from its token's row (ExpertBatch.source_rows)
         fused_layer=_FUSED,
         graph_safe=True,  # no host synchronization, no data-dependent shape (tests/gpu/test_gpu_triton.py captures it)
+        batch_invariant=True,  # one entry's tiles for every T, no split K, no Gluon kernel (kernel_config)
     )
 
     def __init__(self, config, scheme):
@@ -104,9 +108,12 @@ class TritonRunner(ExpertRunner):
         cfg = self.config
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
         tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.num_rows // cfg.top_k, 1)
+        if cfg.batch_invariant:
+            tokens = INVARIANT_TOKENS
         key = (batch.layout, tokens, e, moeflow_env.KERNEL_ARCH.get())
         if key not in self._fitted:
-            self._fitted[key] = self._fit(self._entry_for(tokens, e, i, h, batch.hidden.device), i, h)
+            fitted = self._fit(self._entry_for(tokens, e, i, h, batch.hidden.device), i, h)
+            self._fitted[key] = invariant_tiles(fitted) if cfg.batch_invariant else fitted
         return self._fitted[key]
 
     def _fit(self, entry, i: int, h: int):
@@ -196,14 +203,24 @@ class TritonRunner(ExpertRunner):
         from ..kernels.gemm import choice
         cfg = self.config
         i, h = cfg.intermediate_size, cfg.hidden_size
-        entry = self._entry_for(tokens, local_experts, i, h, cfg.device)
+        entry = self._entry_for(INVARIANT_TOKENS if cfg.batch_invariant else tokens, local_experts, i, h, cfg.device)
         f = self._fused_tiles(tokens, entry) if fused else None
         if f is not None:
             return f"one launch (fused layer) {f.block_n1}/{f.block_n2}-wide tiles, split {f.split1}/{f.split2}"
         fitted = self._fit(entry, i, h)
+        fitted = invariant_tiles(fitted) if cfg.batch_invariant else fitted
         gate_up, down = fitted.gate_up, fitted.down
         rows = tokens if masked else tokens * cfg.top_k
         c_gate_up, c_down = choice.describe(gate_up, down, scheme=self.scheme.name, dtype=cfg.dtype, hidden=h, inter=i,
                                             rows=rows, masked=masked, device=cfg.device,
                                             weight_only=self.scheme.weight_only)
         return f"gate_up {choice.tile_text(gate_up, c_gate_up)}; down {choice.tile_text(down, c_down)}"
+
+
+def invariant_tiles(cfg):
+    """A fitted MoEKernelConfig made batch-invariant: no split K (a row's K sum in one program, not partials summed in
+    T-dependent groups) and no Gluon kernel (their use depends on the call's operands); the tiles themselves stay, one
+    set for every T (kernel_config)."""
+    from dataclasses import replace
+    plain = dict(split_k=1, scale_overlap=0, warp_specialize=0)
+    return replace(cfg, gate_up=replace(cfg.gate_up, **plain), down=replace(cfg.down, **plain), fused=None)

@@ -17,10 +17,14 @@ class TritonTopK(Router):
     name = "triton"
     caps = RouterCaps(devices=frozenset({"cuda"}), requires=("triton",), priority=10, max_experts=1024,
                       grouped_pow2=True, note="one launch per call; experts held in registers (E <= 1024)",
-                      graph_safe=True, archs=TRITON_ARCHS)
+                      graph_safe=True, archs=TRITON_ARCHS,
+                      # batch-invariant: the per-row kernel at every T (its launch shape depends on E alone; the
+                      # streaming kernel of large batches reduces a row in another order)
+                      batch_invariant=True)
 
     def __call__(self, router_logits: Tensor, correction_bias: Tensor | None):
         from ..kernels.routing.route import route
         cfg = self.config
         return route(router_logits, correction_bias, cfg.top_k, cfg.scoring, cfg.renormalize,
-                     cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor)
+                     cfg.num_expert_groups, cfg.topk_groups, cfg.routed_scaling_factor,
+                     lanes=0 if cfg.batch_invariant else None)

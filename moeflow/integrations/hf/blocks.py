@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ... import env as moeflow_env
 from ...capabilities import Environment
 from ...config import DTYPES, MoEConfig, parse_dtype
 from ...errors import error
 from ...experts import ExpertWeights
+from ...invariant_linear import invariant_linear
 from ...layer import MoE, adopting
 from ...planner import plan as make_plan
 from ...weights import expected_names
@@ -98,6 +100,10 @@ class MoeflowBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         if self.gate._forward_hooks or self.gate._forward_pre_hooks:  # observed: run the router module itself
             logits = self.gate(x)[0]  # [T, E]
+        elif self.moe.config.batch_invariant:  # one fixed tile for every T (F.linear's kernel follows T)
+            w = self.gate.weight
+            logits = invariant_linear(x.float(), w.float()) if self.router_fp32 else \
+                invariant_linear(x, w.to(x.dtype)).to(x.dtype)
         elif self.router_fp32:
             logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
         else:
@@ -209,8 +215,12 @@ def _adopt(moe: MoE, state: dict[str, Tensor]) -> None:
 
 
 def _plan_block(block: nn.Module, quant: str | None, runner: str, dtype: torch.dtype | None,
-                path: str, experts: dict[str, Tensor] | None = None) -> tuple[MoEConfig, dict[str, Tensor], Family]:
-    """-> (the layer configuration, its tensors, the family); refusals raise here (MF702/MF704/MF1xx/MF2xx)."""
+                path: str, experts: dict[str, Tensor] | None = None,
+                batch_invariant: bool | None = None) -> tuple[MoEConfig, dict[str, Tensor], Family]:
+    """-> (the layer configuration, its tensors, the family); refusals raise here (MF702/MF704/MF1xx/MF2xx).
+    batch_invariant: MoEConfig's; None reads MOEFLOW_BATCH_INVARIANT."""
+    if batch_invariant is None:
+        batch_invariant = moeflow_env.BATCH_INVARIANT.get_bool()
     cls = type(block).__name__
     family = FAMILIES.get(cls)
     if family is None:
@@ -221,19 +231,21 @@ def _plan_block(block: nn.Module, quant: str | None, runner: str, dtype: torch.d
     if layer_dtype not in DTYPES.values():
         layer_dtype = torch.bfloat16
     cfg = MoEConfig(**fields, quant=quant or ("fp8-block" if fp8 else "none"), runner=runner, dtype=layer_dtype,
-                    device=state["gate_up_proj"].device)
+                    device=state["gate_up_proj"].device, batch_invariant=batch_invariant)
     make_plan(cfg, Environment.detect(cfg.device))
     return cfg, state, family
 
 
 def build_block(block: nn.Module, quant: str | None = None, runner: str = "auto", dtype: torch.dtype | None = None,
-                path: str = "", experts: dict[str, Tensor] | None = None) -> MoeflowBlock:
+                path: str = "", experts: dict[str, Tensor] | None = None,
+                batch_invariant: bool | None = None) -> MoeflowBlock:
     """One sparse MoE block -> MoeflowBlock. quant: None keeps the experts' format ("none", or
     "fp8-block" for FP8 experts); dtype: activation dtype for FP8 experts (default bfloat16);
-    experts: routed-expert tensors to use instead of the block's (see _state)."""
+    experts: routed-expert tensors to use instead of the block's (see _state); batch_invariant: MoEConfig's (the
+    router's logits then in a fixed tile too), None reads MOEFLOW_BATCH_INVARIANT."""
     if dtype is not None:  # MF104, as replace_moe_blocks
         dtype = parse_dtype(dtype)
-    cfg, state, family = _plan_block(block, quant, runner, dtype, path, experts)
+    cfg, state, family = _plan_block(block, quant, runner, dtype, path, experts, batch_invariant)
     # skip the random init when the block's tensors cover every weight the layer needs; then the layer takes those
     # already in its layout as its parameters at construction (adopting: no second allocation of the experts)
     init = not set(expected_names(cfg)) <= set(state)
@@ -245,7 +257,8 @@ def build_block(block: nn.Module, quant: str | None = None, runner: str = "auto"
 
 
 def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str = "auto", dtype: torch.dtype | None = None,
-                       skip_unknown: bool = False, progress=None, experts: dict[str, dict] | None = None) -> list[str]:
+                       skip_unknown: bool = False, progress=None, experts: dict[str, dict] | None = None,
+                       batch_invariant: bool | None = None) -> list[str]:
     """Replace every sparse MoE block of ``model`` in place; -> the replaced module paths.
 
     The MoeflowBlock's router weight is the block's own Parameter, not a copy. Expert weights already in the
@@ -260,7 +273,11 @@ def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str =
     progress: optional callable(done, total, path). experts: {block path: routed-expert tensors}
     overriding the blocks' own (fp8.py); where it also has ``plan(path)`` (fp8._BlockExperts), the planning
     pass takes that: tensors of the same shapes and dtypes whose values are never read.
+    batch_invariant: plan every layer with MoEConfig.batch_invariant (a token's output the same bits whatever batch it
+    came in; the router's logits too); None reads MOEFLOW_BATCH_INVARIANT.
     """
+    if batch_invariant is None:
+        batch_invariant = moeflow_env.BATCH_INVARIANT.get_bool()
     if dtype is not None:  # an explicit activation dtype must be a layer dtype (MF104), not silently bfloat16
         dtype = parse_dtype(dtype)
     experts = experts or {}
@@ -276,10 +293,11 @@ def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str =
     names = [name for name, _ in blocks]
     planned = getattr(experts, "plan", experts.get)  # fp8._BlockExperts: shapes and dtypes only, nothing read
     for name, m in blocks:
-        _plan_block(m, quant, runner, dtype, name, planned(name))
+        _plan_block(m, quant, runner, dtype, name, planned(name), batch_invariant)
     del blocks, m  # each block is looked up when it is replaced and then dropped, so its tensors can be freed
     for done, name in enumerate(names, 1):  # (quantizing bf16 experts: one block's old and new ones at a time)
-        model.set_submodule(name, build_block(model.get_submodule(name), quant, runner, dtype, name, experts.get(name)))
+        model.set_submodule(name, build_block(model.get_submodule(name), quant, runner, dtype, name, experts.get(name),
+                                              batch_invariant))
         if progress:
             progress(done, len(names), name)
     return names

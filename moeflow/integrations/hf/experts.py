@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ... import env as moeflow_env
 from ... import ops
 from ...config import MoEConfig
 from ...errors import error
@@ -76,15 +77,19 @@ def _tensors(module: nn.Module) -> str:
     return ", ".join(f"{name} {list(t.shape)}" for name, t in own) or "none"
 
 
-def experts_config(module: nn.Module, dtype: torch.dtype, top_k: int, runner: str = "auto") -> MoEConfig:
-    """The moeflow layer configuration an experts module computes with activations of ``dtype``."""
+def experts_config(module: nn.Module, dtype: torch.dtype, top_k: int, runner: str = "auto",
+                   batch_invariant: bool | None = None) -> MoEConfig:
+    """The moeflow layer configuration an experts module computes with activations of ``dtype``; batch_invariant
+    (MoEConfig's): None reads MOEFLOW_BATCH_INVARIANT."""
+    if batch_invariant is None:
+        batch_invariant = moeflow_env.BATCH_INVARIANT.get_bool()
     _check_features(module)
     cls = type(module).__name__
     w13, w2 = _local(module.gate_up_proj), _local(module.down_proj)
     transposed = bool(getattr(module, "is_transposed", False))
     e, h, i = w13.shape[0], (w13.shape[1] if transposed else w13.shape[2]), (w2.shape[1] if transposed else w2.shape[2])
     fields = dict(num_experts=e, hidden_size=h, intermediate_size=i, top_k=min(top_k, e), runner=runner,
-                  activation=activation_of(module.act_fn, cls), device=w13.device)
+                  activation=activation_of(module.act_fn, cls), device=w13.device, batch_invariant=batch_invariant)
     if w13.dtype == torch.float8_e4m3fn:
         _check_fp8(module, cls, transposed)
         return MoEConfig(**fields, quant="fp8-block", dtype=dtype)
@@ -123,9 +128,10 @@ def experts_path(module: nn.Module, dtype: torch.dtype, top_k: int) -> ExpertsPa
     if not cache:  # first bound: MF704 for what moeflow cannot run, before its tensors are read
         _check_features(module)
     w13 = _local(module.gate_up_proj)
-    key = (dtype, w13.device, w13.dtype, top_k)
+    invariant = moeflow_env.BATCH_INVARIANT.get_bool()
+    key = (dtype, w13.device, w13.dtype, top_k, invariant)
     if key not in cache:
-        cache[key] = ExpertsPath(experts_config(module, dtype, top_k))
+        cache[key] = ExpertsPath(experts_config(module, dtype, top_k, batch_invariant=invariant))
     if not ops.registered(module, experts_forward_eager):  # torch.compile's op runs it (moeflow.ops)
         # the expert-parallel sentinels are dropped after a host sync: not capturable
         safe = cache[key].plan.graph_safe and not getattr(module, "_is_expert_parallel", False)
