@@ -292,8 +292,7 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
              and not (cfg.dtype == torch.float32 and SCHEMES.get(cfg.quant).quantized))
     if cfg.batch_invariant:
         reasons += (f"batch-invariant: router {router!r}, dispatcher {dispatcher!r} and runner {runner!r} compute each "
-                    "token from that token alone, in one order for every batch size (one tile and kernel for all T, "
-                    "no split K, no atomics in sums)",)
+                    "token from that token alone, in one order for every batch size (docs/batch-invariance.md)",)
     if fused:
         reasons += (f"small batches: dispatch, experts and combine in one {runner!r} launch where its tuned "
                     f"configs say so (dispatcher {dispatcher!r} only sorts and sums)",)

@@ -25,6 +25,8 @@ def add_layer_args(p: argparse.ArgumentParser, default_preset: str = "small", ru
     g.add_argument("--dispatcher", default="auto")
     g.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     g.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="MoEConfig.batch_invariant: a token's output the same bits whatever batch it came in")
 
 
 def int_at_least(low: int):
@@ -95,7 +97,8 @@ def config_from_args(args, **overrides) -> MoEConfig:
     sizes = {k: v for k, v in (("num_experts", args.experts), ("hidden_size", args.hidden),
                                ("intermediate_size", args.inter), ("top_k", args.topk)) if v is not None}
     fields = dict(quant=args.quant, runner=vars(args).get("runner", "auto"), dispatcher=args.dispatcher,
-                  dtype=args.dtype, device=args.device or default_device())
+                  dtype=args.dtype, device=args.device or default_device(),
+                  batch_invariant=vars(args).get("batch_invariant", False))
     fields.update(sizes)
     fields.update(overrides)
     return preset_config(args.preset, **fields)

@@ -47,6 +47,10 @@ def test_check_prints_plan_or_code(capsys):
     assert "MF202" in capsys.readouterr().err
     assert main(["check", "--preset", "nope"]) == 2
     assert "MF601" in capsys.readouterr().err
+    assert main(["check", "--device", "cpu", "--batch-invariant"]) == 0
+    assert "batch-invariant: router 'torch'" in capsys.readouterr().out
+    assert main(["check", "--device", "cpu", "--batch-invariant", "--quant", "fp8-tensor"]) == 2
+    assert "MF212" in capsys.readouterr().err
 
 
 def test_matrix_hypothetical_gpu(capsys):
