@@ -104,13 +104,21 @@ def weights_for():
     return random_state
 
 
+# markers whose tests run only when the -m expression names them -> the reason shown for the skip otherwise
+OPT_IN = {"targets": "the compile matrix: run with -m targets (.ci/run does)",
+          "families": "every MoE family of transformers: run with -m families"}
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``targets`` (the compile tier: the compile matrix, minutes a GPU target, and the sm_90a / sm_80
-    compile checks) run only when the -m expression names them (.ci/run's second step); the README's test command
-    leaves them out."""
-    if "targets" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="the compile matrix: run with -m targets (.ci/run does)")
-    for item in items:
-        if "targets" in item.keywords:
-            item.add_marker(skip)
+    compile checks) or ``families`` (every MoE family of the installed transformers through moeflow, about a minute)
+    run only when the -m expression names their marker (.ci/run's second step names targets); the README's test
+    command leaves them out."""
+    markexpr = config.getoption("markexpr") or ""
+    for marker, reason in OPT_IN.items():
+        if marker in markexpr:
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -9,6 +9,7 @@ views, never copied. Anything moeflow cannot compute exactly is refused with MF7
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import env as moeflow_env
@@ -24,12 +25,15 @@ _ACTIVATIONS = {  # class name of transformers' act_fn -> moeflow activation
     "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
     "FastGELUActivation": "gelu_tanh",
 }
+_FUNCTIONS = {F.silu: "silu", F.gelu: "gelu"}  # act_fn given as a torch function
 _FP8_GATE_OPTIONS = ("swiglu_alpha", "swiglu_limit", "limit", "gate_softcap")  # FP8Experts' gate variants
 
 
 def activation_of(act_fn, owner: str) -> str:
     """transformers activation module -> "silu" | "gelu" | "gelu_tanh", else MF704."""
     name = type(act_fn).__name__
+    if act_fn in _FUNCTIONS:  # a torch function itself (LFM2-MoE: act_fn = F.silu), not a module
+        return _FUNCTIONS[act_fn]
     if isinstance(act_fn, nn.GELU):
         return "gelu" if act_fn.approximate == "none" else "gelu_tanh"
     if name not in _ACTIVATIONS:
