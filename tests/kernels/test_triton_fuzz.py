@@ -100,6 +100,8 @@ def test_one_launch_layer_on_random_shapes(seed):
                           rng.choice([16, 32, 64, 128]), num_stages=rng.choice([1, 2]), split1=rng.choice([1, 2, 3]),
                           split2=rng.choice([1, 2, 3]))
         t = rng.choice([1, 2, 5, 16, 33])
+        if scheme == "fp8-block":  # its 128-wide shapes with 16-wide tiles run ~1 min a draw in the interpreter at T=16
+            t = min(t, 5)
         if scheme != "none" and t * h < FEW_ELEMENTS:
             t = -(-FEW_ELEMENTS // h)  # enough output elements for the scheme's own tolerance (check_fused holds it)
         check_fused(scheme, dtype, t, e, h, i, k, cfg, one_expert=0 if rng.random() < 0.3 else None,

@@ -524,7 +524,7 @@ def test_gate_up_split_k(scheme, dtype, h, tma, split, monkeypatch):
     split with no step (3 splits of 4 steps: 2, 2, 0)."""
     monkeypatch.setenv("MOEFLOW_TRITON_TMA", "1" if tma else "0")
     sch = create_scheme(scheme)
-    e, i = 4, 160 if scheme != "fp8-block" else 256
+    e, i = 4, 96 if scheme != "fp8-block" else 128  # 6 or 8 column tiles: the interpreter's time is per program
     q13, s13 = sch.quantize_weight((torch.randn(e, 2 * i, h) / h ** 0.5).to(dtype))
     bk = 128 if scheme != "none" else 64
     for layout, src in ((sorted_layout([3, 0, 18, 1]), None), (sorted_layout([3, 0, 18, 1]), torch.randint(0, 7, (22,))),
