@@ -68,16 +68,23 @@ def assert_close(out, ref, tol, what=""):
 
 
 # ---------------------------------------------------------------- routing, Hugging Face style
-def replayed(fn):
-    """fn()'s output (a tensor) from a CUDA graph: a warm-up call outside the capture, the capture, then the
-    captured output poisoned with NaN and the graph replayed (every element must be rewritten)."""
+def captured(fn):
+    """fn (zero arguments, returning a tensor) captured as a CUDA graph after a warm-up call outside the capture
+    (moeflow.graphs.capture_graph) -> (the graph, its output tensor, which each replay rewrites)."""
     from moeflow.graphs import capture_graph
     outs = []
     graph = capture_graph(lambda: outs.append(fn()))
-    outs[-1].fill_(float("nan"))
+    return graph, outs[-1]
+
+
+def replayed(fn):
+    """fn()'s output (a tensor) from a CUDA graph: a warm-up call outside the capture, the capture, then the
+    captured output poisoned with NaN and the graph replayed (every element must be rewritten)."""
+    graph, out = captured(fn)
+    out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    return outs[-1]
+    return out
 
 
 def hf_route(logits, top_k, scoring="softmax", renormalize=True, groups=1, topk_groups=1, bias=None, scale=1.0):

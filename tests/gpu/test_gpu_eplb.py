@@ -14,7 +14,7 @@ import torch
 from moeflow import MoE, MoEConfig
 from moeflow.balance import Placement, count_copies, plan_placement, to_slots
 from moeflow.balance.slots import ExpertSlots
-from oracle import rel_err
+from oracle import captured, rel_err
 from tolerances import rel_tol
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -77,15 +77,8 @@ def test_mapping_and_counter_captured():
     """to_slots and count_copies in one CUDA graph: replays on fresh ids match the references, the counter adds up."""
     ids = routing(64)
     table = ExpertSlots(PLACEMENT, 6, "cuda", rank=1, record=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        table(ids)
-    torch.cuda.current_stream().wait_stream(side)
-    table.load.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = table(ids)
+    graph, out = captured(lambda: table(ids))
+    table.load.zero_()  # the warm-up call counted; the capture ran nothing
     total = torch.zeros(6, dtype=torch.int64)
     for _ in range(3):
         ids.copy_(routing(64))
@@ -109,14 +102,7 @@ def test_layer_with_replicas_captured_and_rebalanced(make_layer, scheme, t):
     layer.load_state_dict(plain.state_dict())
     x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(t, 16, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile) outside the capture
-        layer(x, logits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(x, logits)
+    graph, out = captured(lambda: layer(x, logits))  # a warm-up (compile) call, then the capture
     tol = rel_tol(scheme, torch.bfloat16)
     before = layer.placement
     for step in range(4):

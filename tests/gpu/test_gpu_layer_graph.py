@@ -6,7 +6,7 @@ Run: pytest -m gpu tests/gpu
 import pytest
 import torch
 
-from oracle import assert_close, layer_oracle, replayed, route_for
+from oracle import assert_close, captured, layer_oracle, replayed, route_for
 from tolerances import rel_tol
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -20,14 +20,7 @@ def test_whole_layer_graph_replay(make_layer, scheme, t):
                        shared_intermediate_size=128)
     x = torch.randn(t, 256, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(t, 16, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile) outside the capture
-        layer(x, logits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(x, logits)
+    graph, out = captured(lambda: layer(x, logits))  # a warm-up (compile) call, then the capture
     for _ in range(3):  # fresh inputs into the captured buffers
         x.copy_(torch.randn_like(x))
         logits.copy_(torch.randn_like(logits))
@@ -64,14 +57,7 @@ def test_pdl_chain_matches_plain_launches(make_layer, scheme, t, monkeypatch):
     want = chain(x)
     monkeypatch.setenv("MOEFLOW_TRITON_PDL", "1")
     assert torch.equal(chain(x), want), "eager with PDL differs from plain launches"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(x)
+    graph, out = captured(lambda: chain(x))
     for _ in range(5):
         out.fill_(float("nan"))
         graph.replay()
