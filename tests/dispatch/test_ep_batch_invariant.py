@@ -7,12 +7,13 @@ allgather is refused (MF212: its reduce-scatter sums in an order the collective 
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import gloo_group
 
 WORLD = 2
 DISPATCHERS = ("alltoall", "alltoall-fixed", "alltoall-p2p", "lowlatency")
@@ -21,24 +22,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ep_batch_invariant")]  
 
 
 def test_ep_rows_do_not_depend_on_the_batch(tmp_path):
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1",
-           "MOEFLOW_DIST_TIMEOUT_S": "60"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(tmp_path / "rendezvous"),
-                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(WORLD)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=DEADLINE_S)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            logs.append("killed after the deadline")
-    for r in range(WORLD):
-        path = tmp_path / f"rank{r}.json"
-        got = json.loads(path.read_text()) if path.exists() else {}
+    for r, got in enumerate(gloo_group.run_group(__file__, [], WORLD, str(tmp_path), DEADLINE_S)):
         for name in (*DISPATCHERS, "allgather-refused"):
-            assert got.get(name) == "ok", f"rank {r} {name}: {got.get(name)}\n{logs[r][-3000:]}"
+            assert got.get(name) == "ok", f"rank {r} {name}: {got.get(name)}\n{got['_log']}"
 
 
 def check(dispatcher: str, rank: int) -> None:

@@ -19,13 +19,11 @@ experts on every dispatcher, the load counter summed over the group, a rebalance
 the checkpoint, outputs vs the one-process layer), the state_dict round trip, MF510 and MF511 (ep_balance_checks.py).
 The suite is killed after 150 s, so it cannot hang CI.
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+import gloo_group
 from test_ep_worker import LAST, suite
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,26 +34,7 @@ _runs: dict[int, dict] = {}
 
 def run_group(world: int, tmp_dir: str) -> list[dict]:
     """Spawn ``world`` workers in one gloo group; -> each rank's {check: result}."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "OMP_NUM_THREADS": "1", "MOEFLOW_DIST_TIMEOUT_S": "60"}
-    init = os.path.join(tmp_dir, "rendezvous")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "test_ep_worker.py"), f"w{world}", str(r),
-                               str(world), init, tmp_dir], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=DEADLINE_S)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            logs.append("killed after the deadline")
-    results = []
-    for r in range(world):
-        path = os.path.join(tmp_dir, f"rank{r}.json")
-        results.append(json.load(open(path)) if os.path.exists(path) else {})
-        results[-1]["_log"] = logs[r][-3000:] if r < len(logs) else ""
-    return results
+    return gloo_group.run_group(os.path.join(HERE, "test_ep_worker.py"), [f"w{world}"], world, tmp_dir, DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
