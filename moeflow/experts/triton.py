@@ -108,27 +108,26 @@ class TritonRunner(ExpertRunner):
         cfg = self.config
         e, i, h = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
         tokens = batch.hidden.shape[1] if batch.layout == MASKED else max(batch.num_rows // cfg.top_k, 1)
-        if cfg.batch_invariant:
-            tokens = INVARIANT_TOKENS
         key = (batch.layout, tokens, e, moeflow_env.KERNEL_ARCH.get())
         if key not in self._fitted:
-            fitted = self._fit(self._entry_for(tokens, e, i, h, batch.hidden.device), i, h)
-            self._fitted[key] = invariant_tiles(fitted) if cfg.batch_invariant else fitted
+            self._fitted[key] = self._fit(self._entry_for(tokens, e, i, h, batch.hidden.device), i, h)
         return self._fitted[key]
 
     def _fit(self, entry, i: int, h: int):
         """A tuned (or default) entry's two GEMM tiles made valid for this scheme and dtype (tiles.fit) ->
-        MoEKernelConfig without its fused tiles; i, h: the intermediate and hidden sizes."""
+        MoEKernelConfig without its fused tiles; i, h: the intermediate and hidden sizes. Batch-invariant layers:
+        without split K and Gluon kernels too (invariant_tiles)."""
         from ..kernels import configs as kc
         from ..kernels.gemm import tiles
         # operand bytes in shared memory: FP8 dots 1; the layer dtype's otherwise (weight-only FP8: its activations)
         nbytes = 1 if self.scheme.activations_quantized else self.config.dtype.itemsize
         budget = kernel_target(self.config.device).tile_budget
-        return kc.MoEKernelConfig(
+        fitted = kc.MoEKernelConfig(
             tiles.fit(entry.gate_up, fused_pair=True, scheme=self.scheme.name, elem_bytes=nbytes, n_size=i,
                       budget=budget),
             tiles.fit(entry.down, fused_pair=False, scheme=self.scheme.name, elem_bytes=nbytes, n_size=h,
                       budget=budget))
+        return invariant_tiles(fitted) if self.config.batch_invariant else fitted
 
     def _fused_tiles(self, tokens: int, entry):
         """The entry's one-launch tiles for ``tokens`` (fitted), or None: no fused entry, an empty batch, more than
@@ -183,7 +182,10 @@ class TritonRunner(ExpertRunner):
         return self._entry_for(tokens, e, i, h, device)
 
     def _entry_for(self, tokens: int, e: int, i: int, h: int, device: torch.device):
-        """_entry for E experts of intermediate size i and hidden size h (no weights needed: `moeflow check`)."""
+        """_entry for E experts of intermediate size i and hidden size h (no weights needed: `moeflow check`); a
+        batch-invariant layer's is the entry of INVARIANT_TOKENS whatever ``tokens``."""
+        if self.config.batch_invariant:
+            tokens = INVARIANT_TOKENS
         from ..kernels import configs as kc
         from ..kernels.gemm import tiles
         target = kernel_target(device)
@@ -203,12 +205,11 @@ class TritonRunner(ExpertRunner):
         from ..kernels.gemm import choice
         cfg = self.config
         i, h = cfg.intermediate_size, cfg.hidden_size
-        entry = self._entry_for(INVARIANT_TOKENS if cfg.batch_invariant else tokens, local_experts, i, h, cfg.device)
+        entry = self._entry_for(tokens, local_experts, i, h, cfg.device)
         f = self._fused_tiles(tokens, entry) if fused else None
         if f is not None:
             return f"one launch (fused layer) {f.block_n1}/{f.block_n2}-wide tiles, split {f.split1}/{f.split2}"
         fitted = self._fit(entry, i, h)
-        fitted = invariant_tiles(fitted) if cfg.batch_invariant else fitted
         gate_up, down = fitted.gate_up, fitted.down
         rows = tokens if masked else tokens * cfg.top_k
         c_gate_up, c_down = choice.describe(gate_up, down, scheme=self.scheme.name, dtype=cfg.dtype, hidden=h, inter=i,
