@@ -283,9 +283,9 @@ def plan(cfg: MoEConfig, env: Environment) -> Plan:
     if weight_only:
         reasons += (f"weight-only FP8: {target.arch} has no FP8 tensor cores, so the {cfg.quant} weights are read as "
                     f"stored and dequantized inside the GEMMs, the activations stay {str(cfg.dtype)[6:]}",)
-    # (the one-launch layer dots FP8 activations: none under weight-only FP8; nor for float32 FP8 layers, where its FP8
-    # dots measured 2e-4 to 4e-3 from its float32 reference on an H100 against 2e-7 for the separate launches, above
-    # the float32 FP8 tolerance: `moeflow selftest` found it)
+    # (the one-launch layer dots FP8 activations: none under weight-only FP8; nor for float32 FP8 layers, as its FP8
+    # dots on Hopper land 2e-4 to 4e-3 from its float32 reference, the separate launches 2e-7: above the float32 FP8
+    # tolerance)
     # (nor under batch invariance: the one launch runs for small batches only, in its own order)
     fused = (DISPATCHERS.get(dispatcher).caps.fusable and cfg.quant in RUNNERS.get(runner).caps.fused_layer
              and not weight_only and not cfg.batch_invariant
