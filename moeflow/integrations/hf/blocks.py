@@ -276,8 +276,6 @@ def replace_moe_blocks(model: nn.Module, quant: str | None = None, runner: str =
     batch_invariant: plan every layer with MoEConfig.batch_invariant (a token's output the same bits whatever batch it
     came in; the router's logits too); None reads MOEFLOW_BATCH_INVARIANT.
     """
-    if batch_invariant is None:
-        batch_invariant = moeflow_env.BATCH_INVARIANT.get_bool()
     if dtype is not None:  # an explicit activation dtype must be a layer dtype (MF104), not silently bfloat16
         dtype = parse_dtype(dtype)
     experts = experts or {}
